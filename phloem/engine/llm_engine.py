@@ -1,0 +1,260 @@
+"""The step loop: schedule -> execute -> update, plus tokenization, text and outputs.
+
+The engine owns the scheduler (pure Python), the executor (tensors) and, per request, the
+detokenizer that applies stop strings. A prompt with n > 1 becomes n sequences; children 1..n-1
+start from the prompt blocks of child 0 (`Request.fork_of`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from phloem.config import EngineConfig, SchedulerConfig
+from phloem.core.kv_manager import KVManager
+from phloem.core.request import Request, RequestStatus
+from phloem.core.scheduler import Scheduler, SchedulerOutput
+from phloem.engine.detokenizer import IncrementalDetokenizer
+from phloem.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from phloem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one sequence: its text and log-probs."""
+
+    request: Request
+    index: int
+    prompt_id: str
+    detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class _Prompt:
+    """One user request (a prompt and its n sequences)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    metrics: RequestMetrics
+    finished: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def to_output(self) -> RequestOutput:
+        outputs = []
+        for seq in self.sequences:
+            request = seq.request
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.text,
+                    token_ids=list(request.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=sum(s.request.num_cached_tokens for s in self.sequences),
+            metrics=self.metrics,
+            extra=self.extra,
+        )
+
+
+class LLMEngine:
+    """Generates text for requests added with `add_request`, one `step()` at a time.
+
+    Args:
+        config: the engine config; validated here.
+    Raises:
+        ValueError: on an invalid config, an unknown architecture or an unloadable model.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from phloem.engine.executor import UniProcExecutor
+        from phloem.models.loader import load_hf_config, load_tokenizer, resolve_model
+        from phloem.worker.worker import Worker
+
+        config.validate()
+        source = resolve_model(config.model.model)
+        self.hf_config = load_hf_config(source)
+        self.tokenizer = load_tokenizer(source)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.model.max_model_len or model_len, model_len)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+        )
+        self.scheduler_config.validate()
+        worker = Worker(
+            config.model, config.cache, source, self.hf_config, config.seed, self.eos_token_id
+        )
+        self.executor = UniProcExecutor(worker)
+        self.kv_manager = KVManager(self.executor.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self.config = config
+        self._prompts: dict[str, _Prompt] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self._ids = itertools.count()
+        self.num_computed_prompt_tokens = 0
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue one prompt; returns its request id.
+
+        Raises:
+            ValueError: if the prompt is empty, holds ids outside the vocabulary, or does not
+                leave room for one generated token within `max_model_len`.
+        """
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._prompts:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        entry = _Prompt(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
+        leader = None
+        for index in range(sampling_params.n):
+            params = sampling_params
+            if sampling_params.n > 1 and sampling_params.seed is not None:
+                params = sampling_params.clone(seed=sampling_params.seed + index)
+            seq_id = request_id if sampling_params.n == 1 else f"{request_id}#{index}"
+            request = Request(
+                seq_id,
+                entry.prompt_token_ids,
+                params,
+                eos_token_id=self.eos_token_id,
+                arrival_time=now,
+                fork_of=leader,
+            )
+            leader = leader or request
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop
+            )
+            seq = _Sequence(
+                request, index, request_id, detok, logprobs=[] if params.logprobs else None
+            )
+            entry.sequences.append(seq)
+        self._prompts[request_id] = entry
+        for seq in entry.sequences:
+            self.scheduler.add_request(seq.request)
+            self._sequences[seq.request.request_id] = seq
+        return request_id
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError naming the limit when a prompt cannot run."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
+            )
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Stop these prompts now and free their KV blocks."""
+        for request_id in request_ids:
+            entry = self._prompts.pop(request_id, None)
+            if entry is None:
+                continue
+            ids = [s.request.request_id for s in entry.sequences]
+            self.scheduler.abort_requests(ids)
+            for seq_id in ids:
+                self._sequences.pop(seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every prompt that got new tokens."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids
+        )
+        return self._process_outputs(scheduler_output, updated, runner_output)
+
+    def _process_outputs(
+        self, sched: SchedulerOutput, updated, runner_output
+    ) -> list[RequestOutput]:
+        now = time.monotonic()
+        self._count_prompt_tokens(sched)
+        touched: dict[str, _Prompt] = {}
+        for request in updated:
+            seq = self._sequences[request.request_id]
+            entry = self._prompts[seq.prompt_id]
+            token_id = request.output_token_ids[-1]
+            self._record_logprobs(seq, runner_output, token_id)
+            stop = seq.detokenizer.add_token(token_id)
+            if stop is None and request.is_finished:
+                stop = seq.detokenizer.flush()
+            if stop is not None:
+                self.scheduler.finish_request(
+                    request.request_id, RequestStatus.FINISHED_STOPPED, stop
+                )
+            metrics = entry.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            touched[entry.request_id] = entry
+        outputs = []
+        for entry in touched.values():
+            if all(s.request.is_finished for s in entry.sequences):
+                entry.finished = True
+                entry.metrics.finished_time = now
+                del self._prompts[entry.request_id]
+                for seq in entry.sequences:
+                    self._sequences.pop(seq.request.request_id, None)
+            outputs.append(entry.to_output())
+        return outputs
+
+    def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for s in sched.scheduled:
+            request = s.request
+            end = min(s.num_computed_tokens + s.num_tokens, request.num_prompt_tokens)
+            self.num_computed_prompt_tokens += max(0, end - s.num_computed_tokens)
+            seq = self._sequences.get(request.request_id)
+            entry = self._prompts.get(seq.prompt_id) if seq is not None else None
+            if entry is not None and entry.metrics.first_scheduled_time is None:
+                entry.metrics.first_scheduled_time = now
+
+    @staticmethod
+    def _record_logprobs(seq: _Sequence, runner_output, token_id: int) -> None:
+        request_id = seq.request.request_id
+        logprob = runner_output.logprobs.get(request_id)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            top = runner_output.top_logprobs.get(request_id) or {token_id: logprob}
+            seq.logprobs.append(top)

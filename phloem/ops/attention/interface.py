@@ -1,0 +1,94 @@
+"""The attention-backend interface: what one model step hands to every attention kernel.
+
+KV cache layout (one tensor per layer, FlashInfer's "NHD" paged layout):
+    kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+A token's *slot* is `block_id * block_size + offset_in_block`.
+
+The tokens of one step are packed: the step holds B sequences, sequence b contributes the query
+tokens `query_start_loc[b] : query_start_loc[b+1]`, which are its *last* q_len_b tokens, so
+
+    |------------- seq_lens[b] (KV length after this step) -------------|
+    |-- already in the KV cache --|--- q_len_b tokens computed now ---|
+
+and query token i of sequence b sits at position seq_lens[b] - q_len_b + i (causal: it attends to
+KV positions 0 .. that position). Prefill chunks (q_len > 1) and decode tokens (q_len = 1) mix
+freely in one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs; T = tokens in the step, B = sequences in the step.
+
+    Attributes:
+        slot_mapping: int64 [T]; KV slot each new token's K/V is written to (-1 = skip, padding).
+        query_start_loc: int32 [B + 1]; cumulative query lengths (CSR offsets into the T tokens).
+        seq_lens: int32 [B]; KV length of each sequence including this step's tokens [tokens].
+        block_tables: int32 [B, max_blocks_per_seq]; block ids of each sequence, 0-padded.
+        block_size: tokens per KV block.
+        max_query_len: max q_len over the B sequences [tokens].
+        max_seq_len: max seq_lens [tokens].
+        query_start_loc_cpu / seq_lens_cpu: the same offsets as Python lists, for host-side loops.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """A paged attention kernel. Implementations: `reference.ReferenceAttention` (plain torch, the
+    CPU path and the oracle); fast GPU backends are created lazily by `get_attention_backend`."""
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's paged KV.
+
+        Args:
+            query: [T, num_heads, head_dim], model dtype.
+            kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; this step's K/V are
+                already written (see `phloem.ops.kv_store.write_kv`).
+            meta: the step's metadata.
+            scale: softmax scale (usually head_dim ** -0.5).
+        Returns:
+            [T, num_heads, head_dim], same dtype as `query`. num_heads must be a multiple of
+            num_kv_heads (GQA: query head h reads KV head h // (num_heads // num_kv_heads)).
+        """
+        ...
+
+
+def get_attention_backend(name: str = "reference") -> AttentionBackend:
+    """Create an attention backend by name; fast backends import their library here, lazily.
+
+    Raises:
+        ValueError: for an unknown backend name.
+    """
+    if name == "reference":
+        from phloem.ops.attention.reference import ReferenceAttention
+
+        return ReferenceAttention()
+    raise ValueError(f"unknown attention backend {name!r}; supported: ['reference']")
