@@ -88,6 +88,12 @@ class Scheduler:
             )
         if request.num_prompt_tokens == 0:
             raise ValueError("prompt must contain at least one token")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if request.num_prompt_tokens >= capacity:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the whole KV cache holds "
+                f"{capacity} tokens"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

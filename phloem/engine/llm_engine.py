@@ -7,6 +7,7 @@ start from the prompt blocks of child 0 (`Request.fork_of`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -106,6 +107,18 @@ class LLMEngine:
             config.model, config.cache, source, self.hf_config, config.seed, self.eos_token_id
         )
         self.executor = UniProcExecutor(worker)
+        capacity = self.executor.num_blocks * config.cache.block_size
+        if self.max_model_len > capacity:
+            if config.model.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} tokens does not fit the KV cache "
+                    f"({capacity} tokens); lower max_model_len or give the cache more memory"
+                )
+            logger.warning("max_model_len lowered to the KV cache capacity: %d tokens", capacity)
+            self.max_model_len = capacity
+            self.scheduler_config = dataclasses.replace(
+                self.scheduler_config, max_model_len=capacity
+            )
         self.kv_manager = KVManager(self.executor.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.config = config

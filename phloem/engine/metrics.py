@@ -1,0 +1,77 @@
+"""Job-level metrics: TTFT, TPOT, throughput and token counts of a finished batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from phloem.outputs import RequestOutput
+
+
+def percentiles(values: Sequence[float], qs=(50, 90, 99)) -> dict[str, float | None]:
+    """Linear-interpolated percentiles {"p50": ..., ...}; None for an empty list."""
+    if not values:
+        return {f"p{q}": None for q in qs}
+    ordered = sorted(values)
+    result = {}
+    for q in qs:
+        pos = (len(ordered) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        result[f"p{q}"] = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return result
+
+
+def summarize(
+    outputs: Sequence[RequestOutput],
+    wall_s: float,
+    num_failed_requests: int = 0,
+    num_computed_prompt_tokens: int | None = None,
+) -> dict:
+    """The job summary (keys are the `--summary-json` schema).
+
+    Args:
+        outputs: finished requests. wall_s: job wall time [s].
+        num_computed_prompt_tokens: prompt tokens the model actually ran (recomputation after
+            preemption included; shared prefixes excluded); defaults to the logical count.
+    """
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    ttfts = [o.metrics.ttft for o in outputs if o.metrics and o.metrics.ttft is not None]
+    tpots = [t for o in outputs if (t := o.tpot) is not None]
+    wall = max(wall_s, 1e-9)
+    return {
+        "num_requests": len(outputs) + num_failed_requests,
+        "num_failed_requests": num_failed_requests,
+        "num_prompt_tokens": num_prompt,
+        "num_computed_prompt_tokens": (
+            num_prompt if num_computed_prompt_tokens is None else num_computed_prompt_tokens
+        ),
+        "num_output_tokens": num_output,
+        "wall_s": wall_s,
+        "requests_per_s": len(outputs) / wall,
+        "output_tokens_per_s": num_output / wall,
+        "total_tokens_per_s": (num_prompt + num_output) / wall,
+        "ttft_s": percentiles(ttfts),
+        "tpot_s": percentiles(tpots),
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """A human-readable block of the summary for the console."""
+
+    def ms(p: dict) -> str:
+        return " / ".join("-" if v is None else f"{v * 1000:.1f}" for v in p.values())
+
+    lines = [
+        f"requests:              {summary['num_requests']} ({summary['num_failed_requests']} failed)",
+        f"prompt tokens:         {summary['num_prompt_tokens']} "
+        f"(computed {summary['num_computed_prompt_tokens']})",
+        f"output tokens:         {summary['num_output_tokens']}",
+        f"wall time:             {summary['wall_s']:.2f} s",
+        f"throughput:            {summary['requests_per_s']:.2f} req/s, "
+        f"{summary['output_tokens_per_s']:.1f} output tok/s, "
+        f"{summary['total_tokens_per_s']:.1f} total tok/s",
+        f"TTFT p50/p90/p99 (ms): {ms(summary['ttft_s'])}",
+        f"TPOT p50/p90/p99 (ms): {ms(summary['tpot_s'])}",
+    ]
+    return "\n".join(lines)

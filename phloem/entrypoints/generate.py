@@ -1,0 +1,117 @@
+"""`phloem generate`: the offline batch job, JSONL in, JSONL out (one line per input line).
+
+Every line is validated on its own: a bad line yields `{"id", "error"}` and the rest of the job
+runs. Good lines are handed to `LLM` as one batch, so the engine sees the whole job at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from phloem.sampling_params import SamplingParams
+
+_LINE_KEYS = {"id", "prompt", "messages"}
+
+
+@dataclass
+class ParsedLine:
+    """One input line: its id and either a prepared prompt or an error."""
+
+    id: str
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling_params: SamplingParams | None = None
+    error: str | None = None
+
+
+def parse_line(llm, raw: str, line_number: int, defaults: dict[str, Any]) -> ParsedLine:
+    """Parse and validate one JSONL line (never raises: errors land in `ParsedLine.error`).
+
+    Accepted: {"id"?: str, "prompt": str} or {"id"?: str, "messages": [...]}, plus any
+    SamplingParams field (max_tokens, temperature, ...) overriding the job's defaults.
+    """
+    line_id = str(line_number)
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ParsedLine(
+            line_id, error=f"line {line_number}: invalid JSON: {e.msg} (column {e.colno})"
+        )
+    if not isinstance(record, dict):
+        return ParsedLine(line_id, error=f"line {line_number}: expected a JSON object")
+    if "id" in record:
+        if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
+            return ParsedLine(line_id, error="field 'id' must be a string")
+        line_id = str(record["id"])
+    try:
+        has_prompt, has_messages = "prompt" in record, "messages" in record
+        if has_prompt == has_messages:
+            raise ValueError("each line needs exactly one of the fields 'prompt' or 'messages'")
+        if has_prompt:
+            if not isinstance(record["prompt"], str) or not record["prompt"]:
+                raise ValueError("field 'prompt' must be a non-empty string")
+            text, ids = record["prompt"], llm.get_tokenizer().encode(record["prompt"])
+        else:
+            text, ids = llm.encode_chat(record["messages"])
+        overrides = {k: v for k, v in record.items() if k not in _LINE_KEYS}
+        params = SamplingParams.from_dict({**defaults, **overrides})
+        llm.llm_engine.validate_prompt(ids)
+    except ValueError as e:
+        return ParsedLine(line_id, error=str(e))
+    except Exception as e:  # a tokenizer or template failure is this line's problem only
+        return ParsedLine(line_id, error=f"{type(e).__name__}: {e}")
+    return ParsedLine(line_id, text, ids, params)
+
+
+def output_record(parsed: ParsedLine, output) -> dict[str, Any]:
+    """The output line of a finished request (a list under "outputs" when n > 1)."""
+    completions = [
+        {
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "num_output_tokens": len(c.token_ids),
+        }
+        for c in output.outputs
+    ]
+    record: dict[str, Any] = {"id": parsed.id}
+    if len(completions) == 1:
+        record.update(completions[0])
+    else:
+        record["outputs"] = completions
+    record["num_prompt_tokens"] = len(output.prompt_token_ids)
+    return record
+
+
+def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any], use_tqdm=True):
+    """Run the job; returns the summary dict (see `phloem.engine.metrics.summarize`)."""
+    from phloem.engine.metrics import summarize
+
+    start = time.monotonic()
+    with open(input_path, encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    parsed = [parse_line(llm, raw, i + 1, defaults) for i, raw in enumerate(lines)]
+    good = [p for p in parsed if p.error is None]
+    engine = llm.llm_engine
+    computed_before = engine.num_computed_prompt_tokens
+    request_ids = [
+        engine.add_request(p.prompt_token_ids, p.sampling_params, prompt=p.prompt_text)
+        for p in good
+    ]
+    outputs = llm.run_engine(request_ids, use_tqdm=use_tqdm)
+    by_line = dict(zip(map(id, good), outputs))
+    with open(output_path, "w", encoding="utf-8") as f:
+        for p in parsed:
+            if p.error is not None:
+                record = {"id": p.id, "error": p.error}
+            else:
+                record = output_record(p, by_line[id(p)])
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return summarize(
+        outputs,
+        time.monotonic() - start,
+        num_failed_requests=len(parsed) - len(good),
+        num_computed_prompt_tokens=engine.num_computed_prompt_tokens - computed_before,
+    )
