@@ -1,0 +1,20 @@
+"""Test-wide settings: no network, no spinning OpenMP threads, shared tiny-model fixtures."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer_dir(tmp_path_factory):
+    """The embedded model's tokenizer saved as plain HF tokenizer files (for tiny test models)."""
+    from phloem.models.loader import load_tokenizer, resolve_model
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return path
