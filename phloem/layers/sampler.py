@@ -1,0 +1,332 @@
+"""Turn one step's logits into next tokens (vLLM v1 semantics, batched, device-agnostic).
+
+Owns the per-step sampling pipeline, applied to a private copy of the `[B, V]` logits:
+
+    banned ids -> repetition penalty -> frequency / presence penalties
+      -> temperature == 0: argmax                      (greedy rows: no randomness consumed)
+      -> else: / temperature -> min_p -> top_k -> top_p -> exponential-race draw
+
+This is the order of vLLM v1's `Sampler` (min_p is its default argmax-invariant logits processor,
+applied after temperature and before `apply_top_k_top_p`, which does top-k then top-p). min_p is
+therefore measured on the full tempered distribution, and top_p on the distribution left after
+min_p and top_k, renormalized.
+
+Returned log-probs are vLLM's default `raw_logprobs`: `log_softmax` of the caller's logits, before
+banning, penalties, temperature and truncation.
+
+Determinism: a row with its own `torch.Generator` draws exactly one `exponential_` vector of
+length V per step from it, so its tokens do not depend on batch size, position or neighbours.
+Rows without one share a single batched draw from the sampler's generator. Greedy rows draw
+nothing. Truncation uses value thresholds (ties at a boundary are all kept), so no result
+depends on the order an unstable sort leaves equal values in.
+
+Assumes at least one token of every row survives banning (the engine bans only EOS and stop ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from phloem.sampling_params import SamplingParams
+
+# vLLM's _SAMPLING_EPS: temperatures below it are greedy. Dividing by a smaller positive
+# temperature would only overflow float32 on the way to the same argmax.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits matrix: one sequence to sample a token for.
+
+    Fields:
+        params: the request's sampling parameters.
+        prompt_token_ids: the prompt (repetition penalty looks at prompt and output).
+        output_token_ids: tokens generated so far (all three penalties look at these).
+        generator: the request's seeded generator, on the logits' device; None means the
+            sampler's own generator (shared by all such rows in one batched draw).
+        banned_token_ids: ids set to -inf before anything else (the engine passes EOS and
+            stop_token_ids while fewer than min_tokens tokens exist). Ids >= V are ignored.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    banned_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """What one step produced, one entry per row, in row order.
+
+    Fields:
+        token_ids: [B] sampled token ids.
+        logprobs: [B] log-prob of the sampled token under log_softmax(input logits).
+        top_logprobs: [B] for rows with params.logprobs = k: {token_id: raw log-prob} for the k
+            most likely tokens plus the sampled one (k or k + 1 entries); None for other rows.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def apply_banned(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set `logits[i, t] = -inf` for every t in banned_token_ids[i] with 0 <= t < V.
+
+    logits: [B, V] float, modified in place and returned. One host-to-device index copy.
+    """
+    vocab_size = logits.shape[1]
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    for i, banned in enumerate(banned_token_ids):
+        for t in banned:
+            if 0 <= t < vocab_size:
+                row_idx.append(i)
+                col_idx.append(t)
+    if row_idx:
+        idx = torch.tensor([row_idx, col_idx], dtype=torch.long, device=logits.device)
+        logits[idx[0], idx[1]] = float("-inf")
+    return logits
+
+
+def token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """Per-row occurrence counts: [B, V] float32, counts[i, t] = token_ids[i].count(t).
+
+    Rows are padded to the longest with the id V, scattered into a [B, V + 1] buffer whose last
+    column is dropped (vLLM's padded bincount). Ids outside [0, V) are ignored.
+    """
+    num_rows = len(token_ids)
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    padded = [
+        [t if 0 <= t < vocab_size else vocab_size for t in ids]
+        + [vocab_size] * (max_len - len(ids))
+        for ids in token_ids
+    ]
+    index = torch.tensor(padded, dtype=torch.long, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties; returns a new [B, V] float32 tensor.
+
+    logits: [B, V] float32 (not modified). Penalty tensors: [B] float32 on logits' device.
+    For each row i and token t, with c = count of t in output_token_ids[i]:
+      repetition (CTRL, Keskar et al. 2019, sec. 4.1, as in HF/vLLM): if t occurs in the prompt
+        or the output, logit > 0 -> logit / r, else logit * r;
+      frequency and presence (OpenAI API): logit -= f * c + p * [c > 0]  (output only).
+    """
+    vocab_size = logits.shape[1]
+    out_counts = token_counts(output_token_ids, vocab_size, logits.device)
+    seen = token_counts(prompt_token_ids, vocab_size, logits.device) > 0
+    seen |= out_counts > 0
+    rep = repetition_penalties[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency_penalties[:, None] * out_counts
+    return logits - presence_penalties[:, None] * (out_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop (set -inf) tokens whose probability is below min_p x the top probability.
+
+    Min-p sampling (Nguyen et al. 2024, "Turning Up the Heat"). logits: [B, V] float (tempered),
+    not modified; min_p: [B] float in [0, 1], 0 disables. Evaluated in logit space:
+    p_t / p_max < m  <=>  logit_t - logit_max < log(m), which needs no softmax.
+    """
+    log_min_p = torch.log(min_p)[:, None]  # log(0) = -inf keeps everything
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p (nucleus) truncation with one descending sort; returns a new tensor.
+
+    Top-k: Fan et al. 2018; top-p: Holtzman et al. 2020, sec. 3.1 ("The Curious Case of Neural
+    Text Degeneration"). logits: [B, V] float, not modified; top_k: [B] int64 in [1, V] (pass V
+    to disable); top_p: [B] float in (0, 1] (1 disables).
+    Top-p keeps the smallest prefix of the sorted, top-k-renormalized distribution whose mass is
+    >= top_p, i.e. the tokens whose mass strictly before them is < top_p (so the top token always
+    stays). In sorted order:
+
+        |-- kept: position < k and mass_before < p --|-- dropped --|
+                                        threshold ^ = last kept value
+
+    Every token with logit >= threshold is kept, so ties at the boundary all stay (vLLM's top-k
+    does the same).
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    position = torch.arange(vocab_size, device=logits.device)
+    in_top_k = position[None, :] < top_k[:, None]
+    probs = sorted_logits.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    num_keep = keep.sum(dim=-1).clamp_min(1)  # keep is a prefix: both conditions are monotone
+    threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+class Sampler:
+    """Samples one token per row of a logits matrix; see the module docstring for the order.
+
+    Holds one generator (seeded with `seed`, on `device`) for rows that bring none. Stateless
+    otherwise; the caller's logits are never modified.
+    """
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits: [B, V] float (float32 expected), B == len(rows); not modified.
+        Advances each random row's generator (or the sampler's) by one draw; greedy rows advance
+        nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
+            )
+        raw = logits.float()
+        x = raw.clone()
+        apply_banned(x, [r.banned_token_ids for r in rows])
+        x = self._penalize(x, rows)
+
+        device = x.device
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_TEMPERATURE]
+        random = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_TEMPERATURE]
+        if not random:
+            tokens = x.argmax(dim=-1)
+        elif not greedy:
+            tokens = self._sample(x, rows)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+            g_idx = torch.tensor(greedy, dtype=torch.long, device=device)
+            r_idx = torch.tensor(random, dtype=torch.long, device=device)
+            tokens[g_idx] = x[g_idx].argmax(dim=-1)
+            tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random])
+        return self._gather_output(raw, tokens, rows)
+
+    def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Apply penalties to the rows that have any (others are untouched); returns x."""
+        idx = [
+            i
+            for i, r in enumerate(rows)
+            if r.params.repetition_penalty != 1.0
+            or r.params.frequency_penalty != 0.0
+            or r.params.presence_penalty != 0.0
+        ]
+        if not idx:
+            return x
+        sub = [rows[i] for i in idx]
+
+        def column(name: str) -> torch.Tensor:
+            values = [float(getattr(r.params, name)) for r in sub]
+            return torch.tensor(values, dtype=torch.float32, device=x.device)
+
+        idx_t = torch.tensor(idx, dtype=torch.long, device=x.device)
+        x[idx_t] = apply_penalties(
+            x[idx_t],
+            [r.prompt_token_ids for r in sub],
+            [r.output_token_ids for r in sub],
+            column("repetition_penalty"),
+            column("frequency_penalty"),
+            column("presence_penalty"),
+        )
+        return x
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, min_p, top-k/top-p, then draw. x: [R, V] float32; returns [R] int64."""
+        num_rows, vocab_size = x.shape
+        device = x.device
+        params = [r.params for r in rows]
+        temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+        x = x / temperature[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device)
+            x = apply_min_p(x, min_p)
+        trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+        if trunc:
+            top_k = [params[i].top_k for i in trunc]
+            k = [t if 0 < t < vocab_size else vocab_size for t in top_k]
+            k_t = torch.tensor(k, dtype=torch.long, device=device)
+            p_t = torch.tensor([params[i].top_p for i in trunc], dtype=x.dtype, device=device)
+            if len(trunc) == num_rows:
+                x = apply_top_k_top_p(x, k_t, p_t)
+            else:
+                t_idx = torch.tensor(trunc, dtype=torch.long, device=device)
+                x[t_idx] = apply_top_k_top_p(x[t_idx], k_t, p_t)
+        probs = x.softmax(dim=-1)
+        return probs.div_(self._exponentials(rows, vocab_size, device)).argmax(dim=-1)
+
+    def _exponentials(
+        self, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """[R, V] i.i.d. Exp(1) noise. argmax(probs / q) is a draw from probs (the exponential
+        race, equivalent to the Gumbel-max trick: -log q is Gumbel).
+
+        A row with a generator gets exactly one length-V draw from it; the others share one
+        [n, V] draw from the sampler's generator. Clamped away from 0 so 0 / 0 never appears.
+        """
+        q = torch.empty(len(rows), vocab_size, device=device)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise = torch.empty(len(shared), vocab_size, device=device)
+            noise.exponential_(generator=self.generator)
+            if len(shared) == len(rows):
+                q = noise
+            else:
+                q[torch.tensor(shared, dtype=torch.long, device=device)] = noise
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                q[i] = torch.empty(vocab_size, device=device).exponential_(generator=r.generator)
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+    @staticmethod
+    def _gather_output(
+        raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+    ) -> SamplerOutput:
+        """Raw log-probs of the sampled and top-k tokens; the single device-to-host copy."""
+        lse = torch.logsumexp(raw, dim=-1)
+        sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+        max_k = max((r.params.logprobs or 0 for r in rows), default=0)
+        max_k = min(max_k, raw.shape[1])
+        token_list = tokens.tolist()
+        lp_list = sampled_lp.tolist()
+        top_vals: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if max_k > 0:
+            values, indices = raw.topk(max_k, dim=-1)
+            top_vals = (values - lse[:, None]).tolist()
+            top_ids = indices.tolist()
+        top_logprobs: list[dict[int, float] | None] = []
+        for i, r in enumerate(rows):
+            k = r.params.logprobs
+            if k is None:
+                top_logprobs.append(None)
+                continue
+            entry = dict(zip(top_ids[i][:k], top_vals[i][:k]))
+            entry.setdefault(token_list[i], lp_list[i])
+            top_logprobs.append(entry)
+        return SamplerOutput(token_ids=token_list, logprobs=lp_list, top_logprobs=top_logprobs)
