@@ -1,9 +1,9 @@
-"""The `phloem` command: `phloem generate` (offline JSONL batch job)."""
+"""The `phloem` command. Each subcommand lives in its own module with a `register(subparsers)`
+function; `SUBCOMMANDS` lists those modules. Shared engine and sampling flags live here."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -79,39 +79,18 @@ def build_llm(args: argparse.Namespace):
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from phloem.engine.metrics import format_summary
-    from phloem.entrypoints.generate import run_generate
-    from phloem.sampling_params import SamplingParams
-
-    defaults = sampling_defaults(args)
-    try:
-        SamplingParams.from_dict(defaults)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    llm = build_llm(args)
-    summary = run_generate(llm, args.input, args.output, defaults, use_tqdm=not args.no_progress)
-    print(format_summary(summary), file=sys.stderr)
-    if args.summary_json:
-        with open(args.summary_json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-    return 0
+SUBCOMMANDS = [
+    "phloem.entrypoints.generate",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="phloem", description="phloem LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="run an offline JSONL batch job")
-    gen.add_argument(
-        "--input", "-i", required=True, help="JSONL: {id?, prompt | messages, sampling fields?}"
-    )
-    gen.add_argument("--output", "-o", required=True, help="JSONL, one line per input line")
-    gen.add_argument("--summary-json", default=None, help="write the job summary here")
-    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_engine_args(gen)
-    add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -6,7 +6,9 @@ runs. Good lines are handed to `LLM` as one batch, so the engine sees the whole 
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -115,3 +117,36 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
         num_failed_requests=len(parsed) - len(good),
         num_computed_prompt_tokens=engine.num_computed_prompt_tokens - computed_before,
     )
+
+
+def register(subparsers) -> None:
+    """Add `phloem generate` to the CLI."""
+    from phloem.entrypoints.cli import add_engine_args, add_sampling_args
+
+    gen = subparsers.add_parser("generate", help="run an offline JSONL batch job")
+    gen.add_argument("--input", "-i", required=True, help="JSONL: {id?, prompt | messages, ...}")
+    gen.add_argument("--output", "-o", required=True, help="JSONL, one line per input line")
+    gen.add_argument("--summary-json", default=None, help="write the job summary here")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from phloem.engine.metrics import format_summary
+    from phloem.entrypoints.cli import build_llm, sampling_defaults
+
+    defaults = sampling_defaults(args)
+    try:
+        SamplingParams.from_dict(defaults)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = build_llm(args)
+    summary = run_generate(llm, args.input, args.output, defaults, use_tqdm=not args.no_progress)
+    print(format_summary(summary), file=sys.stderr)
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+    return 0
