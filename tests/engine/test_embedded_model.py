@@ -1,0 +1,117 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF): phloem greedy == transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phloem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why do cats purr?"},
+    ],
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_batched_tokens=64)  # small budget: chunked prefill mixed with decode
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+
+    from phloem.models.loader import resolve_model
+
+    source = resolve_model(None)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+    ).eval()
+
+
+def test_greedy_matches_transformers_on_gguf(llm, hf_model):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = llm.chat(PROMPTS, params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for conversation, output in zip(PROMPTS, outputs):
+        _, prompt_ids = llm.encode_chat(conversation)
+        assert output.prompt_token_ids == prompt_ids
+        with torch.no_grad():
+            ref = hf_model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )[0, len(prompt_ids) :].tolist()
+        got = output.outputs[0].token_ids
+        assert got == ref, (tokenizer.decode(got), tokenizer.decode(ref))
+        assert output.outputs[0].text.strip(), "empty text"
+
+
+def test_chat_template_not_double_bos(llm):
+    text, ids = llm.encode_chat(PROMPTS[0])
+    tokenizer = llm.get_tokenizer()
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids[1] != ids[0]
+
+
+def test_stop_strings_and_n(llm):
+    prompt = "List the numbers from one to ten, separated by commas: one, two,"
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    text = base.outputs[0].text
+    assert "five" in text
+    stopped = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=20, stop=["five"]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "five"
+    assert "five" not in stopped.text and text.startswith(stopped.text)
+
+    many = llm.generate(
+        prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False
+    )[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2]
+    again = llm.generate(
+        prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False
+    )[0]
+    assert [o.token_ids for o in many.outputs] == [o.token_ids for o in again.outputs]
+    assert many.num_cached_tokens > 0, "children should share the prompt's full blocks"
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=123, max_tokens=12)
+    alone = llm.generate("Tell me a fact about owls.", params, use_tqdm=False)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=12)
+    batch = llm.generate(
+        ["Hello there.", "Tell me a fact about owls.", "Count to five."],
+        [others, params, others],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_max_tokens_min_tokens_and_logprobs(llm):
+    out = llm.generate(
+        "Say hi.",
+        SamplingParams(temperature=0, max_tokens=5, min_tokens=5, logprobs=2),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert len(out.logprobs) == 5
+    for token, top in zip(out.token_ids, out.logprobs):
+        assert token in top and len(top) in (2, 3)
+    assert out.cumulative_logprob == pytest.approx(sum(t[tok] for tok, t in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob < 0
+
+
+def test_prompt_too_long_raises(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * (llm.llm_engine.max_model_len + 1)}, use_tqdm=False)
