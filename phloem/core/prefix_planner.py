@@ -40,9 +40,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_TOKEN_TYPECODE = "I"  # fixed-width encoding of one token id (4 bytes on every platform we run)
+_TOKEN_TYPECODE = "I"  # fixed-width token encoding: C unsigned int, 4 bytes on our platforms
 _TOKEN_BYTES = array(_TOKEN_TYPECODE).itemsize
-_MAX_TOKEN_ID = 2 ** (8 * _TOKEN_BYTES) - 1
 
 
 @dataclass(frozen=True)
@@ -169,24 +168,7 @@ def plan_prefix_groups(
     tree = _PrefixTree.build(prompt_token_ids, lengths)
     heads, head_of_request = tree.enlarge_first_level(block_size)
 
-    members: dict[int, list[int]] = {}
-    for i, head in enumerate(head_of_request):
-        members.setdefault(head, []).append(i)
-    groups: list[tuple[float, int, PrefixGroup]] = []
-    for head, reqs in members.items():
-        prefix_len = 0 if head == 0 else heads[head]
-        if prefix_len > 0 and len(reqs) >= 2:
-            # Defensive: the cap below is what enlargement already guarantees.
-            prefix_len = min(
-                prefix_len, (min(lengths[i] for i in reqs) - 1) // block_size * block_size
-            )
-        if prefix_len > 0 and len(reqs) >= 2:
-            groups.append(_ranked_group(prefix_len, reqs, lengths, max_tokens))
-        else:
-            groups.extend(_ranked_group(0, [i], lengths, max_tokens) for i in reqs)
-    groups.sort(key=lambda g: (g[0], g[1]))
-
-    ordered = [g for _, _, g in groups]
+    ordered = _ranked_groups(heads, head_of_request, lengths, max_tokens, block_size)
     order: list[int] = []
     request_group = [0] * n
     physical = 0
@@ -204,6 +186,30 @@ def plan_prefix_groups(
         num_logical_prompt_tokens=sum(lengths),
         num_physical_prompt_tokens=physical,
     )
+
+
+def _ranked_groups(
+    heads: dict[int, int],
+    head_of_request: list[int],
+    lengths: list[int],
+    max_tokens: Sequence[int],
+    block_size: int,
+) -> list[PrefixGroup]:
+    """Turn each head's requests into a group (or plain requests) and sort them (§4.3)."""
+    members: dict[int, list[int]] = {}
+    for i, head in enumerate(head_of_request):
+        members.setdefault(head, []).append(i)
+    ranked: list[tuple[float, int, PrefixGroup]] = []
+    for head, reqs in members.items():
+        # heads[] already keeps one own token per member; the min() restates that promise.
+        min_len = min(lengths[i] for i in reqs)
+        prefix_len = min(heads[head], (min_len - 1) // block_size * block_size)
+        if prefix_len > 0 and len(reqs) >= 2:
+            ranked.append(_ranked_group(prefix_len, reqs, lengths, max_tokens))
+        else:
+            ranked.extend(_ranked_group(0, [i], lengths, max_tokens) for i in reqs)
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    return [group for _, _, group in ranked]
 
 
 def _ranked_group(

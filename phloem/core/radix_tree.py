@@ -268,6 +268,7 @@ class RadixCache:
             drops the tree's reference to each.
 
         Mutates: removes/trims unlocked nodes; never touches locked ones or access times.
+        Cost: O(nodes) to collect the leaves plus O(log nodes) per leaf freed.
         """
         evicted: list[int] = []
         if num_blocks <= 0:
