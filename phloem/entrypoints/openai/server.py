@@ -1,0 +1,745 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, health, metrics, tokenize.
+
+    POST /v1/completions, /v1/chat/completions   (SSE when "stream": true; `data: [DONE]` ends it)
+    GET  /v1/models, /health, /metrics, /version
+    POST /tokenize, /detokenize
+
+Every client mistake is a 4xx in OpenAI's error shape (`protocol.APIError`); a 5xx means the
+server failed (non-finite logits: 500 for that request only; a dead engine loop: 503, and
+`/health` turns 503). A request is aborted as soon as its client disconnects, streaming or not,
+so its KV blocks return to the pool and, if it was still waiting, it never runs.
+
+Bodies are read and parsed here (not by FastAPI) so that malformed JSON, wrong types and
+unknown fields all get the same bounded 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from phloem.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from phloem.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
+from phloem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+FAULT_PREFIX = "phloem-fault:"  # test-only: `user` = "phloem-fault:nan" | "phloem-fault:die"
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    tokenizer: Any  # the front's own copy: the engine thread decodes with the original
+    metrics: Any = None
+    api_key: str | None = None
+    version: str = "0"
+    created: int = 0
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+async def read_json(request: Request, model_cls):
+    """Read the body (bounded), parse JSON, validate strictly. Raises APIError(400/413/415)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
+    if content_type not in ("application/json", "", "text/plain") and not content_type.endswith(
+        "+json"
+    ):
+        raise APIError(415, f"Content-Type must be application/json, got {content_type!r}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise APIError(
+            400, f"We could not parse the JSON body of your request: {e.msg} "
+            f"(line {e.lineno}, column {e.colno})"
+        ) from None
+    except (UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise APIError(
+            400, f"We could not parse the JSON body of your request: {type(e).__name__}"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(
+            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+def check_context(state: ServerState, num_prompt: int, max_tokens: int | None, param: str) -> int:
+    """The max_tokens to use; a 400 when prompt + max_tokens exceeds the context."""
+    limit = state.engine.max_model_len
+    if num_prompt >= limit or (max_tokens is not None and num_prompt + max_tokens > limit):
+        requested = num_prompt + (max_tokens or 0)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{requested} tokens ({num_prompt} in the {param}, {max_tokens or 0} in the "
+            "completion). Please reduce the length of the "
+            f"{param} or completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return max_tokens if max_tokens is not None else limit - num_prompt
+
+
+def validate_ids(state: ServerState, ids: list[int], param: str) -> None:
+    try:
+        state.engine.engine.validate_prompt(ids)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
+def fault_of(state: ServerState, user: str | None) -> str | None:
+    if state.engine.fault_injection and user and user.startswith(FAULT_PREFIX):
+        return user[len(FAULT_PREFIX) :]
+    return None
+
+
+def engine_error(error: BaseException) -> APIError:
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error), code="engine_dead")
+    if isinstance(error, RequestFailedError):
+        return APIError(500, str(error), code="request_failed")
+    if isinstance(error, ValueError):
+        return APIError(400, str(error), param="prompt")
+    return APIError(500, f"internal error: {type(error).__name__}")
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client has gone (the body must already be read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def safe_logprob(value: float | None) -> float:
+    if value is None or value != value or value < _MIN_LOGPROB:
+        return _MIN_LOGPROB
+    return float(value)
+
+
+class _Choice:
+    """Streaming state of one choice: what text and tokens have been sent.
+
+    Text ending in a possible stop-string prefix is held back (`holdback` chars): the engine cuts
+    the text when the stop string completes, and what was sent cannot be taken back.
+    """
+
+    def __init__(self, holdback: int) -> None:
+        self.holdback = holdback
+        self.num_chars = 0
+        self.num_tokens = 0
+        self.finished = False
+
+    def delta(self, completion, finished: bool) -> tuple[str, int, int]:
+        text = completion.text
+        end = len(text) if finished else max(self.num_chars, len(text) - self.holdback)
+        delta = text[self.num_chars : end]
+        start_tokens = self.num_tokens
+        self.num_chars = end
+        self.num_tokens = len(completion.token_ids)
+        return delta, start_tokens, self.num_tokens
+
+
+def _holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop or []), default=1) - 1  # type: ignore[union-attr]
+
+
+# -- the endpoints' core --------------------------------------------------------------------------
+
+
+@dataclass
+class _Prepared:
+    request_ids: list[str]
+    prompts: list[tuple[str | None, list[int]]]
+    params: list[SamplingParams]
+    top_k: int | None  # logprobs to show per token (None: no logprobs)
+
+
+async def _merged(engine: AsyncLLMEngine, prep: _Prepared, fault: str | None, arrival: float):
+    """Yield (prompt index, RequestOutput) from all prompts of one API request as they come."""
+    gens = [
+        engine.generate(ids, params, rid, text, arrival, fault)
+        for rid, (text, ids), params in zip(prep.request_ids, prep.prompts, prep.params)
+    ]
+    if len(gens) == 1:
+        async for output in gens[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen) -> None:
+        try:
+            async for output in gen:
+                await queue.put((index, output, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, e))
+        finally:
+            await queue.put((index, None, StopAsyncIteration()))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output, error = await queue.get()
+            if isinstance(error, StopAsyncIteration):
+                remaining -= 1
+            elif error is not None:
+                raise error
+            else:
+                yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _logprobs_completion(tokenizer, completion, start: int, end: int, top_k: int, offset: int):
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for i in range(start, min(end, len(completion.logprobs or []))):
+        token_id = completion.token_ids[i]
+        entry = completion.logprobs[i] or {}
+        piece = tokenizer.decode([token_id])
+        tokens.append(piece)
+        token_logprobs.append(safe_logprob(entry.get(token_id)))
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
+        top.append({tokenizer.decode([t]): safe_logprob(lp) for t, lp in best} if top_k else None)
+        text_offset.append(offset)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": text_offset,
+    }
+
+
+def _logprobs_chat(tokenizer, completion, start: int, end: int, top_k: int):
+    content = []
+    for i in range(start, min(end, len(completion.logprobs or []))):
+        token_id = completion.token_ids[i]
+        entry = completion.logprobs[i] or {}
+        piece = tokenizer.decode([token_id])
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
+        content.append(
+            {
+                "token": piece,
+                "logprob": safe_logprob(entry.get(token_id)),
+                "bytes": list(piece.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": (p := tokenizer.decode([t])),
+                        "logprob": safe_logprob(lp),
+                        "bytes": list(p.encode("utf-8")),
+                    }
+                    for t, lp in best
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _usage(outputs: list) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _collect(state: ServerState, prep: _Prepared, fault: str | None, arrival: float):
+    finals: list = [None] * len(prep.request_ids)
+    async for index, output in _merged(state.engine, prep, fault, arrival):
+        finals[index] = output
+    return finals
+
+
+async def _run_or_disconnect(request: Request, coro):
+    """Await `coro`; if the client disconnects first, cancel it (aborting its requests)."""
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator[str], ids):
+    """SSE response whose request ids are aborted if the client goes away."""
+
+    async def body():
+        watch = asyncio.ensure_future(wait_disconnect(request))
+        watch.add_done_callback(
+            lambda t: [state.engine.abort(r) for r in ids] if not t.cancelled() else None
+        )
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            watch.cancel()
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+# -- completions ----------------------------------------------------------------------------------
+
+
+def _prepare_completion(state: ServerState, req: CompletionRequest) -> _Prepared:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        raw: list = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    elif isinstance(prompt[0], int):
+        raw = [prompt]
+    else:
+        raw = list(prompt)
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            ids = state.tokenizer.encode(item)
+            prompts.append((item, ids))
+        else:
+            prompts.append((None, list(item)))
+    base = f"cmpl-{uuid.uuid4().hex}"
+    params = []
+    for _, ids in prompts:
+        validate_ids(state, ids, "prompt")
+        max_tokens = check_context(state, len(ids), req.max_tokens, "prompt")
+        params.append(req.sampling_params(max_tokens))
+    ids_list = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+    return _Prepared(ids_list, prompts, params, req.logprobs)
+
+
+async def create_completion(state: ServerState, request: Request):
+    req = await read_json(request, CompletionRequest)
+    check_model(state, req.model)
+    prep = _prepare_completion(state, req)
+    arrival = time.monotonic()
+    fault = fault_of(state, req.user)
+    created = int(time.time())
+    response_id = prep.request_ids[0].rsplit("-", 1)[0] if len(prep.request_ids) > 1 else prep.request_ids[0]
+    n = req.n
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunks = _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage)
+        return _stream_response(state, request, chunks, prep.request_ids)
+    try:
+        finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
+    except (EngineDeadError, RequestFailedError, ValueError) as e:
+        raise engine_error(e) from None
+    if finals is None:
+        return Response(status_code=499)
+    choices = []
+    for index, output in enumerate(finals):
+        for c in output.outputs:
+            choice = {
+                "index": index * n + c.index,
+                "text": c.text,
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if prep.top_k is not None:
+                choice["logprobs"] = _logprobs_completion(
+                    state.tokenizer, c, 0, len(c.token_ids), prep.top_k, 0
+                )
+            choices.append(choice)
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": _usage(finals),
+            "system_fingerprint": None,
+        }
+    )
+
+
+async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage):
+    holdback = [_holdback(p) for p in prep.params]
+    choices: dict[tuple[int, int], _Choice] = {}
+    finals: list = [None] * len(prep.request_ids)
+
+    def chunk(choice_list, usage=None):
+        data = {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choice_list,
+        }
+        if include_usage:
+            data["usage"] = usage
+        return sse(data)
+
+    try:
+        async for index, output in _merged(state.engine, prep, fault, arrival):
+            finals[index] = output
+            for c in output.outputs:
+                st = choices.setdefault((index, c.index), _Choice(holdback[index]))
+                if st.finished:
+                    continue
+                done = c.finish_reason is not None or output.finished
+                delta, t0, t1 = st.delta(c, done)
+                if not delta and not done:
+                    continue
+                st.finished = done
+                item = {
+                    "index": index * n + c.index,
+                    "text": delta,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason if done else None,
+                    "stop_reason": c.stop_reason if done else None,
+                }
+                if prep.top_k is not None:
+                    item["logprobs"] = _logprobs_completion(
+                        state.tokenizer, c, t0, t1, prep.top_k, st.num_chars - len(delta)
+                    )
+                yield chunk([item])
+        if include_usage:
+            yield chunk([], _usage(finals))
+    except asyncio.CancelledError:
+        raise
+    except (EngineDeadError, RequestFailedError, ValueError) as e:
+        yield sse(engine_error(e).body())
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+        logger.exception("stream failed")
+        yield sse(APIError(500, f"internal error: {type(e).__name__}").body())
+    yield sse("[DONE]")
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+
+def render_chat(state: ServerState, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    tokenizer = state.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template", param="messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(state: ServerState, request: Request):
+    req = await read_json(request, ChatCompletionRequest)
+    check_model(state, req.model)
+    text, ids = render_chat(state, req.messages, req.add_generation_prompt)
+    validate_ids(state, ids, "messages")
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    try:
+        max_tokens = check_context(state, len(ids), req.requested_max_tokens(), "messages")
+    except APIError as e:
+        if req.requested_max_tokens() is not None and len(ids) < state.engine.max_model_len:
+            e.param = param
+        raise
+    params = req.sampling_params(max_tokens)
+    top_k = (req.top_logprobs or 0) if req.logprobs else None
+    prep = _Prepared([f"chatcmpl-{uuid.uuid4().hex}"], [(text, ids)], [params], top_k)
+    arrival = time.monotonic()
+    fault = fault_of(state, req.user)
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunks = _chat_chunks(state, prep, fault, arrival, created, include_usage)
+        return _stream_response(state, request, chunks, prep.request_ids)
+    try:
+        finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
+    except (EngineDeadError, RequestFailedError, ValueError) as e:
+        raise engine_error(e) from None
+    if finals is None:
+        return Response(status_code=499)
+    output = finals[0]
+    choices = []
+    for c in output.outputs:
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": (
+                    _logprobs_chat(state.tokenizer, c, 0, len(c.token_ids), top_k)
+                    if top_k is not None
+                    else None
+                ),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return JSONResponse(
+        {
+            "id": prep.request_ids[0],
+            "object": "chat.completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": _usage(finals),
+            "system_fingerprint": None,
+        }
+    )
+
+
+async def _chat_chunks(state, prep, fault, arrival, created, include_usage):
+    request_id = prep.request_ids[0]
+    n = prep.params[0].n
+    holdback = _holdback(prep.params[0])
+    choices: dict[int, _Choice] = {}
+    final = None
+
+    def chunk(choice_list, usage=None):
+        data = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "choices": choice_list,
+        }
+        if include_usage:
+            data["usage"] = usage
+        return sse(data)
+
+    try:
+        for i in range(n):
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        async for _, output in _merged(state.engine, prep, fault, arrival):
+            final = output
+            for c in output.outputs:
+                st = choices.setdefault(c.index, _Choice(holdback))
+                if st.finished:
+                    continue
+                done = c.finish_reason is not None or output.finished
+                delta, t0, t1 = st.delta(c, done)
+                if not delta and not done:
+                    continue
+                st.finished = done
+                item = {
+                    "index": c.index,
+                    "delta": {"content": delta} if delta else {},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason if done else None,
+                }
+                if done:
+                    item["stop_reason"] = c.stop_reason
+                if prep.top_k is not None:
+                    item["logprobs"] = _logprobs_chat(state.tokenizer, c, t0, t1, prep.top_k)
+                yield chunk([item])
+        if include_usage:
+            yield chunk([], _usage([final]))
+    except asyncio.CancelledError:
+        raise
+    except (EngineDeadError, RequestFailedError, ValueError) as e:
+        yield sse(engine_error(e).body())
+    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+        logger.exception("stream failed")
+        yield sse(APIError(500, f"internal error: {type(e).__name__}").body())
+    yield sse("[DONE]")
+
+
+# -- the app --------------------------------------------------------------------------------------
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (no body buffering, disconnects pass through): `Authorization:
+    Bearer KEY` on /v1/*, /tokenize and /detokenize; constant-time comparison."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path = scope.get("path", "")
+            if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
+                given = dict(scope.get("headers") or []).get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    error = APIError(
+                        401,
+                        "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
+                        code="invalid_api_key",
+                    )
+                    await error_response(error)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a (not yet started) AsyncLLMEngine; the engine starts with the app."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state.engine.start()
+        yield
+        state.engine.shutdown(timeout=5.0)
+
+    app = FastAPI(title="phloem", version=state.version, lifespan=lifespan, openapi_url=None)
+    app.state.phloem = state
+    state.created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(state, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "phloem",
+            "root": state.model_name,
+            "parent": None,
+            "max_model_len": state.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(state, model_id)
+        return (await models())["data"][0]
+
+    @app.get("/health")
+    async def health():
+        if state.engine.is_dead:
+            return error_response(APIError(503, "the engine loop has died", code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        from phloem.metrics_prometheus import CONTENT_TYPE
+
+        if state.metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        return {"version": state.version}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await read_json(request, TokenizeRequest)
+        check_model(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "pass exactly one of 'prompt' or 'messages'", param="prompt")
+        if req.prompt is not None:
+            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            _, ids = render_chat(state, req.messages, req.add_generation_prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await read_json(request, DetokenizeRequest)
+        check_model(state, req.model)
+        vocab = len(state.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                param="tokens",
+            )
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    if state.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
+    return app
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return model

@@ -1,0 +1,112 @@
+"""`phloem serve`: the OpenAI-compatible server (FastAPI + uvicorn) over one engine.
+
+The process exits 0 on a normal shutdown (SIGINT/SIGTERM) and 1 when the engine loop died:
+`/health` answers 503 and in-flight requests get their errors during a short grace period
+(`--dead-engine-grace-s`), then uvicorn shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    """Add `phloem serve` to the CLI."""
+    from phloem.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* endpoints"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: --model)"
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def build_state(args: argparse.Namespace, on_death=None):
+    """Load the engine and wrap it for serving; returns the server state."""
+    import phloem
+    from phloem.engine.async_engine import AsyncLLMEngine
+    from phloem.entrypoints.cli import build_llm
+    from phloem.entrypoints.openai.server import ServerState, default_model_name
+    from phloem.metrics_prometheus import EngineMetrics
+
+    llm = build_llm(args)
+    engine = llm.llm_engine
+    name = args.served_model_name or default_model_name(args.model)
+    metrics = EngineMetrics(name)
+    async_engine = AsyncLLMEngine(
+        engine, metrics=metrics, fault_injection=args.enable_fault_injection, on_death=on_death
+    )
+    return ServerState(
+        engine=async_engine,
+        model_name=name,
+        tokenizer=copy.deepcopy(engine.tokenizer),
+        metrics=metrics,
+        api_key=args.api_key,
+        version=phloem.__version__,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from phloem.entrypoints.openai.server import build_app
+
+    holder: dict = {}
+
+    def on_death(error: BaseException) -> None:
+        holder["dead"] = error
+        server = holder.get("server")
+        if server is not None:
+            logger.error(
+                "engine loop died (%s); shutting down in %.1f s", error, args.dead_engine_grace_s
+            )
+            asyncio.get_running_loop().call_later(
+                args.dead_engine_grace_s, setattr, server, "should_exit", True
+            )
+
+    state = build_state(args, on_death)
+    app = build_app(state)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+        backlog=4096,
+    )
+    server = uvicorn.Server(config)
+    holder["server"] = server
+    print(
+        f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
+        f"(max_model_len {state.engine.max_model_len})",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run()
+    if "dead" in holder:
+        print(f"error: the engine loop died: {holder['dead']}", file=sys.stderr)
+        return 1
+    if not server.started:
+        return 1
+    return 0

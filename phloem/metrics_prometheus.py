@@ -1,0 +1,121 @@
+"""Prometheus metrics of a serving engine (vLLM's metric set, `phloem:` prefix).
+
+One `EngineMetrics` per server, on its own `CollectorRegistry` (so tests can run several servers
+in one process). The engine thread updates it through the `on_*` / `set_gauges` hooks of
+`phloem.engine.async_engine`; prometheus-client objects are thread-safe.
+
+    gauges:     phloem:num_requests_running, phloem:num_requests_waiting,
+                phloem:kv_cache_usage_perc (0..1), phloem:num_kv_blocks_free
+    counters:   phloem:prompt_tokens_total, phloem:generation_tokens_total,
+                phloem:prefix_cache_queries_total, phloem:prefix_cache_hits_total [tokens],
+                phloem:request_success_total{finished_reason}, phloem:request_failed_total,
+                phloem:request_aborted_total{phase="waiting"|"running"}
+    histograms: phloem:time_to_first_token_seconds, phloem:time_per_output_token_seconds,
+                phloem:e2e_request_latency_seconds
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EngineMetrics:
+    """The server's metrics. `model_name` labels every series (as vLLM's `model_name`)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("phloem:num_requests_running", "Requests running this step.")
+        self.num_waiting = gauge("phloem:num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = gauge("phloem:kv_cache_usage_perc", "KV blocks in use (1 = all).")
+        self.kv_free = gauge("phloem:num_kv_blocks_free", "Free KV blocks [blocks].")
+        self.prompt_tokens = counter("phloem:prompt_tokens", "Prompt tokens of started requests.")
+        self.generation_tokens = counter("phloem:generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter(
+            "phloem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "phloem:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self._success = Counter(
+            "phloem:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self._model_name = model_name
+        self.failed = counter("phloem:request_failed", "Requests failed inside the engine.")
+        self._aborted = Counter(
+            "phloem:request_aborted",
+            "Requests aborted (client gone) by phase.",
+            ["model_name", "phase"],
+            registry=r,
+        )
+        self.ttft = histogram(
+            "phloem:time_to_first_token_seconds", "Time to first token [s].", _TTFT_BUCKETS
+        )
+        self.tpot = histogram(
+            "phloem:time_per_output_token_seconds", "Time per output token [s].", _TPOT_BUCKETS
+        )
+        self.e2e = histogram(
+            "phloem:e2e_request_latency_seconds", "End-to-end request latency [s].", _E2E_BUCKETS
+        )
+
+    # -- hooks called from the engine thread -----------------------------------------------------
+
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        pass  # prompt tokens are counted at the first output (the prefill has run)
+
+    def on_request_aborted(self, running: bool) -> None:
+        self._aborted.labels(self._model_name, "running" if running else "waiting").inc()
+
+    def on_request_failed(self) -> None:
+        self.failed.inc()
+
+    def on_output(self, output, num_tokens_before: int, num_tokens_now: int) -> None:
+        """Count the output's new tokens; observe TTFT at its first token, E2E/TPOT at the end."""
+        if num_tokens_now > num_tokens_before:
+            self.generation_tokens.inc(num_tokens_now - num_tokens_before)
+        m = output.metrics
+        if num_tokens_before == 0 and num_tokens_now > 0:
+            num_prompt = len(output.prompt_token_ids)
+            self.prompt_tokens.inc(num_prompt)
+            self.prefix_queries.inc(num_prompt)
+            self.prefix_hits.inc(min(output.num_cached_tokens, num_prompt))
+            if m is not None and m.ttft is not None:
+                self.ttft.observe(max(m.ttft, 0.0))
+        if output.finished:
+            for c in output.outputs:
+                self._success.labels(self._model_name, c.finish_reason or "unknown").inc()
+            if m is not None and m.finished_time is not None:
+                self.e2e.observe(max(m.finished_time - m.arrival_time, 0.0))
+            tpot = output.tpot
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def set_gauges(self, num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int):
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_free.set(num_free_blocks)
+        self.kv_usage.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of all series."""
+        return generate_latest(self.registry)
