@@ -26,6 +26,9 @@ class ModelConfig:
         max_model_len: context length [tokens]; None takes the model's own.
         load_format: "auto" (weights from the checkpoint) or "dummy" (random weights).
         device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
+        enforce_eager: never capture CUDA graphs (decode steps run eagerly).
+        attention_backend: "auto" (FlashInfer on CUDA when installed, else the plain-torch
+            reference), "reference" or "flashinfer".
     """
 
     model: str | None = None
@@ -33,6 +36,8 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"
     device: str = "auto"
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -44,6 +49,11 @@ class ModelConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ("auto", "reference", "flashinfer"):
+            raise ValueError(
+                "attention_backend must be 'auto', 'reference' or 'flashinfer', "
+                f"got {self.attention_backend!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -56,12 +66,16 @@ class CacheConfig:
             None sizes the pool from `kv_cache_memory_bytes` or `gpu_memory_utilization`.
         kv_cache_memory_bytes: bytes for the KV pool [bytes]; None uses the default sizing.
         gpu_memory_utilization: fraction of device memory phloem may use (GPU only), in (0, 1].
+        enable_prefix_caching: keep finished requests' KV in a radix cache for later requests
+            and plan shared prefixes over each offline batch (BatchLLM); off computes every
+            prompt in full (n > 1 siblings still share their prompt's blocks).
     """
 
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         _positive("block_size", self.block_size)
@@ -83,12 +97,16 @@ class SchedulerConfig:
         max_model_len: context length [tokens] (copied from the resolved model config).
         enable_chunked_prefill: split prompts longer than the remaining budget into chunks; when
             off, a prompt is admitted only if all of it fits in one step's budget.
+        memory_centric_admission: admit a request only when the KV blocks it needs to finish
+            (prompt + max_tokens, net of shared blocks) fit beside the running requests' needs
+            (BatchLLM §4.3); off admits whenever the next chunk fits (vLLM's policy).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    memory_centric_admission: bool = True
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -1,15 +1,25 @@
-"""Per-request block tables over the shared block pool.
+"""Per-request block tables over the shared block pool, plus the two ways blocks are reused.
 
 The KV manager owns the mapping request -> block ids (its block table). It allocates blocks for
-the tokens a step schedules, lets a request start from blocks another request already computed
-(shared by reference count, never copied), and frees a request's references when it finishes,
-is aborted or is preempted.
+the tokens a step schedules, lets a request start from blocks already computed (shared by
+reference count, never copied), and drops a request's references when it finishes, is aborted
+or is preempted. Reuse comes from:
+
+- shared prefixes (`SharedPrefix`: BatchLLM groups and n > 1 siblings), whose blocks the group
+  holds for exactly as long as it has unfinished members;
+- the online radix prefix cache (`RadixCache`, SGLang RadixAttention), which keeps finished
+  requests' full blocks and hands them to later requests by longest-prefix match, evicting
+  least-recently-used unlocked leaves only when the pool runs dry.
+
+Holders of a block reference: each block table that lists it, a `SharedPrefix` that holds it,
+and the radix cache. A block is free exactly when none of these holds it.
 """
 
 from __future__ import annotations
 
 from phloem.core.block_allocator import BlockAllocator
-from phloem.core.request import Request
+from phloem.core.radix_tree import RadixCache, RadixNode
+from phloem.core.request import Request, SharedPrefix
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,12 +32,18 @@ class KVManager:
     Args:
         num_blocks: size of the pool [blocks].
         block_size: tokens per block.
+        enable_prefix_cache: keep finished requests' blocks in a radix cache for reuse.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = False) -> None:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = RadixCache(block_size) if enable_prefix_cache else None
         self._block_tables: dict[str, list[int]] = {}
+        self._locked_nodes: dict[str, RadixNode] = {}
+        self._held_prefixes: dict[int, SharedPrefix] = {}
+        self.num_prefix_cache_queries = 0  # prompt tokens looked up in the radix cache
+        self.num_prefix_cache_hits = 0  # prompt tokens found there
 
     @property
     def num_free_blocks(self) -> int:
@@ -36,6 +52,12 @@ class KVManager:
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """Free blocks plus those only the radix cache holds (evictable on demand)."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return self.allocator.num_free_blocks + evictable
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (its list, not a copy: do not mutate)."""
@@ -49,10 +71,18 @@ class KVManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`.
 
-        Mutates the request's block table (appends fresh blocks). Returns False, changing
-        nothing, when the pool has too few free blocks.
+        Evicts radix-cache blocks if the free list is short. Mutates the request's block table
+        (appends fresh blocks). Returns False, allocating nothing, when even eviction cannot
+        free enough blocks.
         """
         needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed > self.num_reclaimable_blocks:
+            return False
+        # Evicted blocks may still be in use elsewhere (a group or another request holds
+        # them), so evict until enough are really free or nothing evictable is left.
+        cache = self.prefix_cache
+        while needed > self.allocator.num_free_blocks and cache and cache.num_evictable_blocks:
+            self.allocator.decref(cache.evict(needed - self.allocator.num_free_blocks))
         if needed > self.allocator.num_free_blocks:
             return False
         if needed:
@@ -60,35 +90,93 @@ class KVManager:
             table.extend(self.allocator.allocate(needed))
         return True
 
-    def share_blocks(self, request: Request, block_ids: list[int]) -> None:
-        """Start `request`'s (empty) block table with `block_ids`, adding a reference to each.
+    # -- reuse ------------------------------------------------------------------------------
 
-        The caller sets `request.num_computed_tokens` to the tokens those blocks hold.
+    def attach_blocks(self, request: Request, block_ids: list[int], num_tokens: int) -> None:
+        """Start `request`'s (empty) block table with `block_ids` holding its first `num_tokens`
+        tokens: adds a reference to each and sets `num_computed_tokens` and `num_cached_tokens`.
+
         Raises ValueError if the request already holds blocks.
         """
         if self._block_tables.get(request.request_id):
             raise ValueError(f"request {request.request_id} already holds blocks")
         self.allocator.incref(block_ids)
         self._block_tables[request.request_id] = list(block_ids)
+        request.num_computed_tokens = num_tokens
+        request.num_cached_tokens = num_tokens
 
-    def free(self, request: Request) -> None:
-        """Drop the request's references to all its blocks (blocks shared with others survive)."""
+    def match_prefix_cache(self, request: Request) -> None:
+        """Start a fresh request from its longest cached prefix (at least one prompt token is
+        left to compute, for logits). Locks the matched path until the request is freed."""
+        if self.prefix_cache is None or self._block_tables.get(request.request_id):
+            return
+        self.num_prefix_cache_queries += request.num_prompt_tokens
+        match = self.prefix_cache.match_prefix(request.prompt_token_ids[:-1])
+        if match.num_tokens == 0:
+            return
+        self.prefix_cache.lock(match.last_node)
+        self._locked_nodes[request.request_id] = match.last_node
+        self.attach_blocks(request, match.block_ids, match.num_tokens)
+        self.num_prefix_cache_hits += match.num_tokens
+
+    def hold_shared_prefix(self, group: SharedPrefix, leader: Request) -> None:
+        """Give `group` its own reference to the prefix blocks the leader just computed."""
+        num_blocks = group.prefix_len // self.block_size
+        group.block_ids = list(self.block_ids(leader.request_id)[:num_blocks])
+        self.allocator.incref(group.block_ids)
+        self._held_prefixes[id(group)] = group
+
+    def release_shared_prefix(self, group: SharedPrefix) -> None:
+        """Drop the group's reference to its prefix blocks (no-op if it holds none)."""
+        if group.block_ids is not None:
+            self.allocator.decref(group.block_ids)
+            group.block_ids = None
+            self._held_prefixes.pop(id(group), None)
+
+    def held_shared_prefixes(self) -> list[SharedPrefix]:
+        return list(self._held_prefixes.values())
+
+    # -- freeing ----------------------------------------------------------------------------
+
+    def free(self, request: Request, cache: bool = False) -> None:
+        """Drop the request's references to all its blocks (blocks shared with others survive).
+
+        With `cache` and a radix cache, the request's full computed blocks are first offered to
+        the cache, which keeps one reference to those it did not have yet.
+        """
         table = self._block_tables.pop(request.request_id, None)
+        node = self._locked_nodes.pop(request.request_id, None)
+        if table and cache and self.prefix_cache is not None:
+            num_full = min(request.num_computed_tokens // self.block_size, len(table))
+            if num_full:
+                tokens = request.token_ids(0, num_full * self.block_size)
+                duplicates = set(self.prefix_cache.insert(tokens, table[:num_full]))
+                # the cache took over one reference to each new block: keep that one
+                table = [b for i, b in enumerate(table) if i >= num_full or b in duplicates]
+        if node is not None:
+            self.prefix_cache.unlock(node)  # type: ignore[union-attr]
         if table:
             self.allocator.decref(reversed(table))
 
     def check_integrity(self, live_requests: list[Request] | None = None) -> None:
-        """Assert: ref count of every block == number of block tables holding it (+ `extra`
-        holders are not modelled here), and every table covers its request's computed tokens."""
+        """Assert: every block's ref count == the number of its holders (block tables, held
+        shared prefixes, the radix cache), and every table covers its computed tokens."""
         self.allocator.check_integrity()
         holders = [0] * self.allocator.num_blocks
         for table in self._block_tables.values():
             for block_id in table:
                 holders[block_id] += 1
+        for group in self._held_prefixes.values():
+            for block_id in group.block_ids or ():
+                holders[block_id] += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+            for block_id in self.prefix_cache._cached_block_ids:
+                holders[block_id] += 1
         for block_id, count in enumerate(holders):
             assert self.allocator.ref_count(block_id) == count, (
                 f"block {block_id}: ref count {self.allocator.ref_count(block_id)} "
-                f"but held by {count} block tables"
+                f"but {count} holders"
             )
         for request in live_requests or []:
             table = self._block_tables.get(request.request_id, [])

@@ -45,6 +45,29 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class SharedPrefix:
+    """A prefix whose KV is computed once and shared by its members (BatchLLM §4.2 groups, and
+    the n > 1 sequences of one prompt).
+
+    The first member to run (`leader`) computes the prefix as part of its own prompt; when its
+    KV is complete, the group takes one reference to its blocks (`block_ids`) and every other
+    member starts from them. The group's reference lives exactly as long as the group: it is
+    dropped when the last member finishes (BatchLLM's group lifetime, no LRU guesswork).
+
+    Attributes:
+        prefix_len: shared tokens, a multiple of the block size [tokens].
+        num_unfinished: members not yet finished.
+        block_ids: the prefix's blocks once computed and held by the group, else None.
+        leader: the member computing the prefix right now, if any.
+    """
+
+    prefix_len: int
+    num_unfinished: int
+    block_ids: list[int] | None = None
+    leader: Request | None = None
+
+
+@dataclass(eq=False)
 class Request:
     """One sequence to generate (a prompt with n > 1 becomes n Requests).
 
@@ -54,8 +77,7 @@ class Request:
         sampling_params: how to sample; `max_tokens` None means up to the context length.
         eos_token_id: the model's end-of-sequence token (None: no EOS rule).
         arrival_time: seconds (time.monotonic) when the request was added.
-        fork_of: for child i > 0 of an n > 1 prompt, the child that prefills the prompt; this
-            request starts from that request's full prompt blocks instead of recomputing them.
+        shared_prefix: the group whose prefix KV this request starts from, if any.
         output_token_ids: generated tokens so far.
         num_computed_tokens: tokens whose KV is in the cache [tokens].
         num_cached_tokens: prompt tokens taken from shared blocks instead of computed [tokens].
@@ -68,7 +90,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
-    fork_of: Request | None = None
+    shared_prefix: SharedPrefix | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

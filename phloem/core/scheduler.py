@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from phloem.config import SchedulerConfig
-from phloem.core.kv_manager import KVManager
+from phloem.core.kv_manager import KVManager, cdiv
 from phloem.core.request import Request, RequestStatus
 from phloem.core.stop_checker import check_stop
 
@@ -136,6 +136,8 @@ class Scheduler:
 
         if not output.preempted_request_ids:
             budget = self._admit_waiting(output, budget)
+            if not output.scheduled and self.waiting and self._release_idle_prefixes():
+                budget = self._admit_waiting(output, budget)
         return output
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -148,21 +150,33 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in queue order while the budget, the sequence limit and KV
+        memory allow. With memory-centric admission, a request is admitted only if the blocks
+        it will need to finish (prompt + max_tokens, net of shared prefix blocks) fit beside
+        what the running requests still need (BatchLLM §4.3)."""
         skipped: list[Request] = []
+        reserved = self._reserved_blocks() if self.config.memory_centric_admission else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            if not self._ready_to_fork(request):
-                skipped.append(request)
+            if not self._attach_prefix(request):
+                skipped.append(request)  # its shared prefix is being computed: wait for it
                 continue
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
+                self._detach(request)
                 self.waiting.appendleft(request)
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new):
-                self._unfork(request)
+            need = self._blocks_to_finish(request) if self.config.memory_centric_admission else 0
+            fits = not self.running or need + reserved <= self.kv.num_reclaimable_blocks
+            if not fits or not self.kv.allocate_slots(request, num_new):
+                self._detach(request)
                 self.waiting.appendleft(request)
                 break
+            if self.config.memory_centric_admission:
+                reserved += self._blocks_to_finish(request)
+            if request.shared_prefix is not None and request.shared_prefix.block_ids is None:
+                request.shared_prefix.leader = request
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(output, request, num_new)
@@ -170,31 +184,57 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _ready_to_fork(self, request: Request) -> bool:
-        """For an n > 1 child: wait until the source request has computed the prompt's full
-        blocks, then share them. A source that finished first is simply not used."""
-        source = request.fork_of
-        if source is None or request.num_computed_tokens > 0:
+    def _blocks_to_finish(self, request: Request) -> int:
+        """Blocks the request still needs to reach its end (prompt + max_tokens) [blocks]."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:  # no declared budget: plan for the prompt and one block
+            end = request.num_tokens + self.kv.block_size
+        else:
+            end = request.num_prompt_tokens + max_tokens
+        end = min(end, self.config.max_model_len)
+        return max(0, cdiv(end, self.kv.block_size) - len(self.kv.block_ids(request.request_id)))
+
+    def _reserved_blocks(self) -> int:
+        return sum(self._blocks_to_finish(r) for r in self.running)
+
+    def _attach_prefix(self, request: Request) -> bool:
+        """Start a fresh request from reusable KV: its group's held prefix, else the radix
+        cache. Returns False when the group's prefix is being computed by a running leader (the
+        request waits for it rather than computing it again)."""
+        if request.num_computed_tokens > 0:
             return True
-        if source.is_finished:
-            request.fork_of = None
-            return True
-        num_shared = (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
-        if source.status is not RequestStatus.RUNNING or source.num_computed_tokens < num_shared:
-            return False
-        if num_shared:
-            num_blocks = num_shared // self.kv.block_size
-            self.kv.share_blocks(request, self.kv.block_ids(source.request_id)[:num_blocks])
-            request.num_computed_tokens = num_shared
-            request.num_cached_tokens = num_shared
+        group = request.shared_prefix
+        if group is not None:
+            if group.block_ids is not None:
+                self.kv.attach_blocks(request, group.block_ids, group.prefix_len)
+                return True
+            leader = group.leader
+            if (
+                leader is not None
+                and leader is not request
+                and leader.status is RequestStatus.RUNNING
+            ):
+                return False
+        self.kv.match_prefix_cache(request)
         return True
 
-    def _unfork(self, request: Request) -> None:
-        """Undo `_ready_to_fork` for a child that could not be admitted this step."""
-        if request.num_cached_tokens and request.status is RequestStatus.WAITING:
+    def _detach(self, request: Request) -> None:
+        """Undo `_attach_prefix` for a request that could not be admitted this step."""
+        if request.status is not RequestStatus.RUNNING:
             self.kv.free(request)
             request.num_computed_tokens = 0
             request.num_cached_tokens = 0
+
+    def _release_idle_prefixes(self) -> bool:
+        """When nothing can run, drop held prefixes of groups with no running member (they are
+        recomputed later) so the head of the queue can be admitted. Returns True if any."""
+        busy = {id(r.shared_prefix) for r in self.running if r.shared_prefix is not None}
+        released = False
+        for group in self.kv.held_shared_prefixes():
+            if id(group) not in busy:
+                self.kv.release_shared_prefix(group)
+                released = True
+        return released
 
     def _add(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         output.scheduled.append(
@@ -208,7 +248,10 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        group = request.shared_prefix
+        if group is not None and group.leader is request:
+            group.leader = None
+        self.kv.free(request, cache=True)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
@@ -232,6 +275,14 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += scheduled.num_tokens
+            group = request.shared_prefix
+            if (
+                group is not None
+                and group.leader is request
+                and request.num_computed_tokens >= group.prefix_len
+            ):
+                self.kv.hold_shared_prefix(group, request)
+                group.leader = None
             if not scheduled.sample:
                 continue
             request.append_output_token(sampled_token_ids[request.request_id])
@@ -254,7 +305,14 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        self.kv.free(request, cache=True)
+        group = request.shared_prefix
+        if group is not None:
+            group.num_unfinished -= 1
+            if group.leader is request:
+                group.leader = None
+            if group.num_unfinished == 0:
+                self.kv.release_shared_prefix(group)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 

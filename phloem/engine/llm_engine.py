@@ -2,7 +2,8 @@
 
 The engine owns the scheduler (pure Python), the executor (tensors) and, per request, the
 detokenizer that applies stop strings. A prompt with n > 1 becomes n sequences; children 1..n-1
-start from the prompt blocks of child 0 (`Request.fork_of`).
+share the prompt's full blocks (a `SharedPrefix`), and so do the members of a prefix group that
+the offline planner found (`add_request(..., shared_prefix=...)`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 from phloem.config import EngineConfig, SchedulerConfig
 from phloem.core.kv_manager import KVManager
-from phloem.core.request import Request, RequestStatus
+from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
 from phloem.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -119,7 +120,11 @@ class LLMEngine:
             self.scheduler_config = dataclasses.replace(
                 self.scheduler_config, max_model_len=capacity
             )
-        self.kv_manager = KVManager(self.executor.num_blocks, config.cache.block_size)
+        self.kv_manager = KVManager(
+            self.executor.num_blocks,
+            config.cache.block_size,
+            enable_prefix_cache=config.cache.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.config = config
         self._prompts: dict[str, _Prompt] = {}
@@ -136,8 +141,14 @@ class LLMEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> str:
         """Queue one prompt; returns its request id.
+
+        `shared_prefix` makes the request a member of a planned prefix group (its first
+        `prefix_len` tokens are computed once for the whole group); the caller sets the group's
+        `num_unfinished` to its member count. With n > 1 the n sequences share their prompt's
+        full blocks instead (the group is ignored).
 
         Raises:
             ValueError: if the prompt is empty, holds ids outside the vocabulary, or does not
@@ -149,8 +160,14 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         now = arrival_time if arrival_time is not None else time.monotonic()
         entry = _Prompt(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
-        leader = None
-        for index in range(sampling_params.n):
+        n = sampling_params.n
+        block_size = self.kv_manager.block_size
+        sibling_prefix = (len(prompt_token_ids) - 1) // block_size * block_size
+        if n > 1 and sibling_prefix > 0:
+            shared_prefix = SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
+        elif n > 1:
+            shared_prefix = None
+        for index in range(n):
             params = sampling_params
             if sampling_params.n > 1 and sampling_params.seed is not None:
                 params = sampling_params.clone(seed=sampling_params.seed + index)
@@ -161,9 +178,8 @@ class LLMEngine:
                 params,
                 eos_token_id=self.eos_token_id,
                 arrival_time=now,
-                fork_of=leader,
+                shared_prefix=shared_prefix,
             )
-            leader = leader or request
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop
             )

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from phloem.config import SchedulerConfig
 from phloem.core.block_allocator import BlockAllocator, NoFreeBlocksError
 from phloem.core.kv_manager import KVManager
-from phloem.core.request import Request, RequestStatus
+from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler
 from phloem.sampling_params import SamplingParams
 
@@ -24,14 +24,24 @@ def fake_next_token(request: Request) -> int:
     return (sum(tokens) * 31 + len(tokens)) % VOCAB
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_len=512, chunked=True):
+def make_scheduler(
+    num_blocks=64,
+    block_size=4,
+    budget=32,
+    max_seqs=8,
+    max_len=512,
+    chunked=True,
+    memory_centric=True,
+    prefix_cache=False,
+):
     config = SchedulerConfig(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_len,
         enable_chunked_prefill=chunked,
+        memory_centric_admission=memory_centric,
     )
-    return Scheduler(config, KVManager(num_blocks, block_size))
+    return Scheduler(config, KVManager(num_blocks, block_size, enable_prefix_cache=prefix_cache))
 
 
 def run_to_completion(scheduler: Scheduler, max_steps=10_000, on_step=None):
@@ -120,7 +130,7 @@ def test_chunked_prefill_off_admits_whole_prompts_only():
 def test_preemption_recomputes_and_keeps_outputs():
     requests = [req(f"r{i}", 5 + 3 * i, max_tokens=12, seed_token=i) for i in range(6)]
     expected = reference_outputs(requests)
-    s = make_scheduler(num_blocks=12, block_size=4, budget=16, max_seqs=6)
+    s = make_scheduler(num_blocks=12, block_size=4, budget=16, max_seqs=6, memory_centric=False)
     for r in requests:
         s.add_request(r)
     preemptions = []
@@ -128,6 +138,18 @@ def test_preemption_recomputes_and_keeps_outputs():
     assert preemptions, "the tiny pool should have forced a preemption"
     assert {r.request_id: r.output_token_ids for r in requests} == expected
     assert sum(r.num_preemptions for r in requests) == len(preemptions)
+
+
+def test_memory_centric_admission_avoids_preemption():
+    requests = [req(f"r{i}", 5 + 3 * i, max_tokens=12, seed_token=i) for i in range(6)]
+    expected = reference_outputs(requests)
+    s = make_scheduler(num_blocks=12, block_size=4, budget=16, max_seqs=6, memory_centric=True)
+    for r in requests:
+        s.add_request(r)
+    preemptions = []
+    run_to_completion(s, on_step=lambda sch, out: preemptions.extend(out.preempted_request_ids))
+    assert preemptions == []
+    assert {r.request_id: r.output_token_ids for r in requests} == expected
 
 
 def test_abort_frees_blocks():
@@ -150,8 +172,9 @@ def test_fork_shares_full_prompt_blocks():
     s = make_scheduler(num_blocks=32, block_size=4, budget=64)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompt = list(range(10))
-    leader = Request("p#0", prompt, params)
-    child = Request("p#1", prompt, params, fork_of=leader)
+    group = SharedPrefix(prefix_len=8, num_unfinished=2)
+    leader = Request("p#0", prompt, params, shared_prefix=group)
+    child = Request("p#1", prompt, params, shared_prefix=group)
     s.add_request(leader)
     s.add_request(child)
     out = s.schedule()
@@ -160,7 +183,8 @@ def test_fork_shares_full_prompt_blocks():
     out = s.schedule()
     # the child shares blocks 0,1 (8 tokens) and computes the last 2 prompt tokens itself
     assert s.kv.block_ids("p#1")[:2] == s.kv.block_ids("p#0")[:2]
-    assert s.kv.allocator.ref_count(s.kv.block_ids("p#0")[0]) == 2
+    # holders of a prefix block: the leader's table, the group, the child's table
+    assert s.kv.allocator.ref_count(s.kv.block_ids("p#0")[0]) == 3
     assert child.num_cached_tokens == 8
     assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("p#0", 1), ("p#1", 2)]
     s.check_integrity()

@@ -1,0 +1,175 @@
+"""Prefix sharing in the scheduler: planned groups computed exactly once, group lifetime under
+scarce KV, and the online radix cache (fake model, exact token counts)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phloem.core.prefix_planner import plan_prefix_groups
+from phloem.core.request import Request, SharedPrefix
+from phloem.sampling_params import SamplingParams
+from tests.core.test_scheduler import fake_next_token, make_scheduler, reference_outputs
+
+
+def grouped_workload(num_groups, degree, prefix_len, suffix_len, max_tokens, seed=0):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_groups):
+        prefix = [rng.randrange(1, 1000) for _ in range(prefix_len)]
+        for _ in range(degree):
+            prompts.append(prefix + [rng.randrange(1, 1000) for _ in range(suffix_len)])
+    order = list(range(len(prompts)))
+    rng.shuffle(order)  # the planner must find the groups in a shuffled batch
+    return [prompts[i] for i in order], [max_tokens] * len(prompts)
+
+
+def planned_requests(prompts, max_tokens, block_size):
+    """What `LLM.generate` does: plan, one SharedPrefix per shared group, queue in plan order."""
+    plan = plan_prefix_groups(prompts, max_tokens, block_size)
+    requests = []
+    for group in plan.groups:
+        shared = None
+        if group.is_shared:
+            shared = SharedPrefix(group.prefix_len, num_unfinished=len(group.request_indices))
+        for i in group.request_indices:
+            params = SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True)
+            requests.append(Request(f"r{i}", list(prompts[i]), params, shared_prefix=shared))
+    return plan, requests
+
+
+def run(scheduler, requests, check=None):
+    """Run to completion; returns the prompt tokens the 'model' was asked to compute."""
+    for r in requests:
+        scheduler.add_request(r)
+    computed_prompt_tokens = 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        assert out.scheduled or out.preempted_request_ids, "no progress"
+        for s in out.scheduled:
+            end = min(s.num_computed_tokens + s.num_tokens, s.request.num_prompt_tokens)
+            computed_prompt_tokens += max(0, end - s.num_computed_tokens)
+        sampled = {
+            s.request.request_id: fake_next_token(s.request) for s in out.scheduled if s.sample
+        }
+        scheduler.update_from_output(out, sampled)
+        scheduler.check_integrity()
+        if check:
+            check(scheduler, requests)
+    assert scheduler.kv.num_free_blocks + _cached(scheduler) == scheduler.kv.num_blocks
+    return computed_prompt_tokens
+
+
+def _cached(scheduler):
+    cache = scheduler.kv.prefix_cache
+    return cache.num_cached_blocks if cache is not None else 0
+
+
+def test_each_prefix_computed_exactly_once():
+    prompts, max_tokens = grouped_workload(
+        num_groups=5, degree=6, prefix_len=37, suffix_len=9, max_tokens=3
+    )
+    plan, requests = planned_requests(prompts, max_tokens, block_size=4)
+    assert len(plan.shared_groups) == 5
+    expected = reference_outputs(requests)
+    s = make_scheduler(num_blocks=400, block_size=4, budget=64, max_seqs=16)
+    computed = run(s, requests)
+    assert computed == plan.num_physical_prompt_tokens
+    assert computed == 5 * 36 + 30 * (37 - 36 + 9)  # prefix rounded down to 9 blocks
+    assert {r.request_id: r.output_token_ids for r in requests} == expected
+    assert sum(r.num_cached_tokens for r in requests) == 5 * 5 * 36
+
+
+def test_group_members_wait_for_the_leader():
+    prompts, max_tokens = grouped_workload(
+        num_groups=1, degree=4, prefix_len=20, suffix_len=3, max_tokens=2
+    )
+    _, requests = planned_requests(prompts, max_tokens, block_size=4)
+    s = make_scheduler(num_blocks=100, block_size=4, budget=8, max_seqs=8)
+    for r in requests:
+        s.add_request(r)
+    out = s.schedule()
+    assert [x.request for x in out.scheduled] == [requests[0]]  # only the leader: 8-token chunk
+
+
+def test_prefix_freed_when_last_member_finishes():
+    prompts, max_tokens = grouped_workload(
+        num_groups=1, degree=3, prefix_len=16, suffix_len=2, max_tokens=2
+    )
+    _, requests = planned_requests(prompts, max_tokens, block_size=4)
+    group = requests[0].shared_prefix
+    seen_held = []
+
+    def check(scheduler, reqs):
+        if group.block_ids is not None:
+            seen_held.append(list(group.block_ids))
+            assert any(not r.is_finished for r in reqs)
+            for b in group.block_ids:
+                assert scheduler.kv.allocator.ref_count(b) >= 1
+
+    s = make_scheduler(num_blocks=100, block_size=4, budget=64, max_seqs=8)
+    run(s, requests, check)
+    assert seen_held and group.block_ids is None and group.num_unfinished == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_groups=st.integers(1, 4),
+    degree=st.integers(1, 5),
+    prefix_len=st.integers(1, 24),
+    num_blocks=st.integers(20, 48),
+    budget=st.integers(4, 32),
+    memory_centric=st.booleans(),
+    prefix_cache=st.booleans(),
+)
+def test_group_lifetime_under_scarce_kv(
+    seed, num_groups, degree, prefix_len, num_blocks, budget, memory_centric, prefix_cache
+):
+    rng = random.Random(seed)
+    prompts, max_tokens = grouped_workload(
+        num_groups, degree, prefix_len, rng.randint(1, 5), rng.randint(1, 6), seed
+    )
+    # as the engine guarantees (max_model_len <= KV capacity), every request fits the pool alone
+    max_tokens = [min(m, num_blocks * 2 - len(p)) for p, m in zip(prompts, max_tokens)]
+    _, requests = planned_requests(prompts, max_tokens, block_size=2)
+    expected = reference_outputs(requests)
+    s = make_scheduler(
+        num_blocks=num_blocks, block_size=2, budget=budget, max_seqs=rng.randint(1, 8),
+        memory_centric=memory_centric, prefix_cache=prefix_cache, max_len=num_blocks * 2,
+    )  # fmt: skip
+
+    def check(scheduler, reqs):
+        free = set(scheduler.kv.allocator._free)
+        for r in reqs:
+            group = r.shared_prefix
+            if group is not None and group.block_ids is not None:
+                assert group.num_unfinished > 0
+                assert not free & set(group.block_ids), "a held prefix block was freed"
+
+    run(s, requests, check)
+    assert {r.request_id: r.output_token_ids for r in requests} == expected
+    for r in requests:
+        if r.shared_prefix is not None:
+            assert r.shared_prefix.block_ids is None and r.shared_prefix.num_unfinished == 0
+
+
+def test_radix_cache_reuses_across_requests_and_evicts_lru():
+    s = make_scheduler(num_blocks=16, block_size=4, budget=64, prefix_cache=True)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    system = list(range(100, 120))  # 20 tokens = 5 blocks
+    first = Request("a", system + [1, 2], params)
+    run(s, [first])
+    assert first.num_cached_tokens == 0
+    second = Request("b", system + [3, 4, 5], params)
+    computed = run(s, [second])
+    assert second.num_cached_tokens == 20 and computed == 3
+    assert s.kv.num_prefix_cache_hits == 20
+    # a request that needs the whole pool evicts the cached blocks instead of failing
+    big = Request(
+        "c", list(range(500, 555)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
+    run(s, [big])
+    assert big.output_token_ids == reference_outputs([big])["c"]
