@@ -5,21 +5,48 @@ in one process). The engine thread updates it through the `on_*` / `set_gauges` 
 `phloem.engine.async_engine`; prometheus-client objects are thread-safe.
 
     gauges:     phloem:num_requests_running, phloem:num_requests_waiting,
-                phloem:kv_cache_usage_perc (0..1), phloem:num_kv_blocks_free
+                phloem:kv_cache_usage_perc (0..1; blocks only the prefix cache holds count as
+                free, as in vLLM), phloem:num_kv_blocks_free
     counters:   phloem:prompt_tokens_total, phloem:generation_tokens_total,
                 phloem:prefix_cache_queries_total, phloem:prefix_cache_hits_total [tokens],
                 phloem:request_success_total{finished_reason}, phloem:request_failed_total,
-                phloem:request_aborted_total{phase="waiting"|"running"}
+                phloem:request_aborted_total{phase="waiting"|"running"},
+                phloem:num_preemptions_total
     histograms: phloem:time_to_first_token_seconds, phloem:time_per_output_token_seconds,
                 phloem:e2e_request_latency_seconds
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+disable_created_metrics()  # no `*_created` series (vLLM's exposition has none either)
+
+_TTFT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -61,6 +88,11 @@ class EngineMetrics:
             registry=r,
         )
         self._model_name = model_name
+        self.preemptions = counter(
+            "phloem:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later)."
+        )
+        self._totals: dict[str, int] = {}
+        self._engine_counts_prefix = False
         self.failed = counter("phloem:request_failed", "Requests failed inside the engine.")
         self._aborted = Counter(
             "phloem:request_aborted",
@@ -97,8 +129,9 @@ class EngineMetrics:
         if num_tokens_before == 0 and num_tokens_now > 0:
             num_prompt = len(output.prompt_token_ids)
             self.prompt_tokens.inc(num_prompt)
-            self.prefix_queries.inc(num_prompt)
-            self.prefix_hits.inc(min(output.num_cached_tokens, num_prompt))
+            if not self._engine_counts_prefix:
+                self.prefix_queries.inc(num_prompt)
+                self.prefix_hits.inc(min(output.num_cached_tokens, num_prompt))
             if m is not None and m.ttft is not None:
                 self.ttft.observe(max(m.ttft, 0.0))
         if output.finished:
@@ -115,6 +148,26 @@ class EngineMetrics:
         self.num_waiting.set(num_waiting)
         self.kv_free.set(num_free_blocks)
         self.kv_usage.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)
+
+    def set_totals(
+        self,
+        num_preemptions: int,
+        prefix_cache_queries: int | None = None,
+        prefix_cache_hits: int | None = None,
+    ) -> None:
+        """Advance counters that the engine keeps as running totals (by their increase)."""
+        pairs = [("preemptions", num_preemptions, self.preemptions)]
+        if prefix_cache_queries is not None and prefix_cache_hits is not None:
+            self._engine_counts_prefix = True
+            pairs += [
+                ("prefix_queries", prefix_cache_queries, self.prefix_queries),
+                ("prefix_hits", prefix_cache_hits, self.prefix_hits),
+            ]
+        for key, total, counter in pairs:
+            increase = total - self._totals.get(key, 0)
+            if increase > 0:
+                counter.inc(increase)
+                self._totals[key] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition of all series."""

@@ -74,6 +74,7 @@ class _GuardedExecutor:
         self.faults = faults  # seq/prompt id -> fault name (engine thread only)
         self.scheduled_ids: set[str] = set()  # sequences that have been scheduled at least once
         self.failed: set[str] = set()
+        self.num_preemptions = 0
         self._rows: list[str] = []
         runner = getattr(getattr(inner, "worker", None), "model_runner", None)
         sampler = getattr(runner, "sampler", None)
@@ -90,6 +91,7 @@ class _GuardedExecutor:
 
     def execute_model(self, sched):
         self._rows = []
+        self.num_preemptions += len(sched.preempted_request_ids)
         for s in sched.scheduled:
             seq_id = s.request.request_id
             self.scheduled_ids.add(seq_id)
@@ -156,6 +158,7 @@ class AsyncLLMEngine:
         self._num_output_tokens: dict[str, int] = {}
         self.num_aborted_waiting = 0
         self.num_aborted_running = 0
+        self._update_gauges()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -223,7 +226,9 @@ class AsyncLLMEngine:
         stream = _Stream(request_id)
         self._streams[request_id] = stream
         now = arrival_time if arrival_time is not None else time.monotonic()
-        self._submit(("add", request_id, list(prompt_token_ids), sampling_params, prompt, now, fault))
+        self._submit(
+            ("add", request_id, list(prompt_token_ids), sampling_params, prompt, now, fault)
+        )
         try:
             while True:
                 await stream.event.wait()
@@ -393,12 +398,17 @@ class AsyncLLMEngine:
     def _update_gauges(self) -> None:
         if self.metrics is None:
             return
-        engine = self.engine
+        kv = self.engine.kv_manager
         self.metrics.set_gauges(
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            num_free_blocks=engine.kv_manager.num_free_blocks,
-            num_blocks=engine.kv_manager.num_blocks,
+            num_running=self.engine.scheduler.num_running,
+            num_waiting=self.engine.scheduler.num_waiting,
+            num_free_blocks=_num_reclaimable_blocks(kv),
+            num_blocks=kv.num_blocks,
+        )
+        self.metrics.set_totals(
+            num_preemptions=self._executor.num_preemptions,
+            prefix_cache_queries=getattr(kv, "num_prefix_cache_queries", None),
+            prefix_cache_hits=getattr(kv, "num_prefix_cache_hits", None),
         )
 
     # -- introspection (thread-safe snapshots) ---------------------------------------------------
@@ -409,9 +419,15 @@ class AsyncLLMEngine:
         return {
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
-            "num_free_blocks": engine.kv_manager.num_free_blocks,
+            "num_free_blocks": _num_reclaimable_blocks(engine.kv_manager),
             "num_blocks": engine.kv_manager.num_blocks,
+            "num_preemptions": self._executor.num_preemptions,
             "num_aborted_waiting": self.num_aborted_waiting,
             "num_aborted_running": self.num_aborted_running,
             "num_streams": len(self._streams),
         }
+
+
+def _num_reclaimable_blocks(kv) -> int:
+    """Free blocks, counting those only the prefix cache holds (evictable on demand) as free."""
+    return getattr(kv, "num_reclaimable_blocks", kv.num_free_blocks)

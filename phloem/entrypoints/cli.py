@@ -81,6 +81,7 @@ def build_llm(args: argparse.Namespace):
 
 SUBCOMMANDS = [
     "phloem.entrypoints.generate",
+    "phloem.entrypoints.serve",
 ]
 
 

@@ -59,6 +59,24 @@ class ServerState:
     version: str = "0"
     created: int = 0
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        self.engine.engine.validate_prompt(prompt_token_ids)
+
+
+@dataclass
+class Frontend:
+    """What request preparation needs (a ServerState, or run-batch's own): the tokenizer, the
+    context length, the engine's prompt check and the served name."""
+
+    tokenizer: Any
+    max_model_len: int
+    validate_prompt: Any
+    model_name: str
+
 
 # -- helpers --------------------------------------------------------------------------------------
 
@@ -68,15 +86,13 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 async def read_json(request: Request, model_cls):
-    """Read the body (bounded), parse JSON, validate strictly. Raises APIError(400/413/415)."""
+    """Read the body (bounded), parse JSON, validate strictly. Raises APIError(400/413).
+
+    The Content-Type is not checked (curl -d sends a form type): the body must be JSON.
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
-    if content_type not in ("application/json", "", "text/plain") and not content_type.endswith(
-        "+json"
-    ):
-        raise APIError(415, f"Content-Type must be application/json, got {content_type!r}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -88,8 +104,9 @@ async def read_json(request: Request, model_cls):
         data = json.loads(body)
     except json.JSONDecodeError as e:
         raise APIError(
-            400, f"We could not parse the JSON body of your request: {e.msg} "
-            f"(line {e.lineno}, column {e.colno})"
+            400,
+            f"We could not parse the JSON body of your request: {e.msg} "
+            f"(line {e.lineno}, column {e.colno})",
         ) from None
     except (UnicodeDecodeError, RecursionError, ValueError) as e:
         raise APIError(
@@ -103,16 +120,16 @@ async def read_json(request: Request, model_cls):
         raise validation_error(e) from None
 
 
-def check_model(state: ServerState, model: str | None) -> None:
+def check_model(state, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise APIError(
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
         )
 
 
-def check_context(state: ServerState, num_prompt: int, max_tokens: int | None, param: str) -> int:
+def check_context(front, num_prompt: int, max_tokens: int | None, param: str) -> int:
     """The max_tokens to use; a 400 when prompt + max_tokens exceeds the context."""
-    limit = state.engine.max_model_len
+    limit = front.max_model_len
     if num_prompt >= limit or (max_tokens is not None and num_prompt + max_tokens > limit):
         requested = num_prompt + (max_tokens or 0)
         raise APIError(
@@ -127,9 +144,9 @@ def check_context(state: ServerState, num_prompt: int, max_tokens: int | None, p
     return max_tokens if max_tokens is not None else limit - num_prompt
 
 
-def validate_ids(state: ServerState, ids: list[int], param: str) -> None:
+def validate_ids(front, ids: list[int], param: str) -> None:
     try:
-        state.engine.engine.validate_prompt(ids)
+        front.validate_prompt(ids)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from None
 
@@ -293,7 +310,11 @@ def _logprobs_chat(tokenizer, completion, start: int, end: int, top_k: int):
 def _usage(outputs: list) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
     completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 async def _collect(state: ServerState, prep: _Prepared, fault: str | None, arrival: float):
@@ -346,7 +367,8 @@ def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator
 # -- completions ----------------------------------------------------------------------------------
 
 
-def _prepare_completion(state: ServerState, req: CompletionRequest) -> _Prepared:
+def prepare_completion(state, req: CompletionRequest) -> _Prepared:
+    """Tokenize and validate a completion request (400s naming the field)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         raw: list = [prompt]
@@ -366,8 +388,8 @@ def _prepare_completion(state: ServerState, req: CompletionRequest) -> _Prepared
     base = f"cmpl-{uuid.uuid4().hex}"
     params = []
     for _, ids in prompts:
-        validate_ids(state, ids, "prompt")
         max_tokens = check_context(state, len(ids), req.max_tokens, "prompt")
+        validate_ids(state, ids, "prompt")
         params.append(req.sampling_params(max_tokens))
     ids_list = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
     return _Prepared(ids_list, prompts, params, req.logprobs)
@@ -376,15 +398,19 @@ def _prepare_completion(state: ServerState, req: CompletionRequest) -> _Prepared
 async def create_completion(state: ServerState, request: Request):
     req = await read_json(request, CompletionRequest)
     check_model(state, req.model)
-    prep = _prepare_completion(state, req)
+    prep = prepare_completion(state, req)
     arrival = time.monotonic()
     fault = fault_of(state, req.user)
     created = int(time.time())
-    response_id = prep.request_ids[0].rsplit("-", 1)[0] if len(prep.request_ids) > 1 else prep.request_ids[0]
+    response_id = (
+        prep.request_ids[0].rsplit("-", 1)[0] if len(prep.request_ids) > 1 else prep.request_ids[0]
+    )
     n = req.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage)
+        chunks = _completion_chunks(
+            state, prep, fault, arrival, response_id, created, n, include_usage
+        )
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
         finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
@@ -392,6 +418,12 @@ async def create_completion(state: ServerState, request: Request):
         raise engine_error(e) from None
     if finals is None:
         return Response(status_code=499)
+    return JSONResponse(completion_response(state, prep, finals, response_id, created))
+
+
+def completion_response(front, prep: _Prepared, finals: list, response_id: str, created: int):
+    """The /v1/completions body of finished outputs (one per prompt)."""
+    n = prep.params[0].n
     choices = []
     for index, output in enumerate(finals):
         for c in output.outputs:
@@ -404,20 +436,18 @@ async def create_completion(state: ServerState, request: Request):
             }
             if prep.top_k is not None:
                 choice["logprobs"] = _logprobs_completion(
-                    state.tokenizer, c, 0, len(c.token_ids), prep.top_k, 0
+                    front.tokenizer, c, 0, len(c.token_ids), prep.top_k, 0
                 )
             choices.append(choice)
-    return JSONResponse(
-        {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-            "usage": _usage(finals),
-            "system_fingerprint": None,
-        }
-    )
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": front.model_name,
+        "choices": choices,
+        "usage": _usage(finals),
+        "system_fingerprint": None,
+    }
 
 
 async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage):
@@ -476,7 +506,23 @@ async def _completion_chunks(state, prep, fault, arrival, response_id, created, 
 # -- chat -----------------------------------------------------------------------------------------
 
 
-def render_chat(state: ServerState, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+def prepare_chat(front, req: ChatCompletionRequest) -> _Prepared:
+    """Render, tokenize and validate a chat request (400s naming the field)."""
+    text, ids = render_chat(front, req.messages, req.add_generation_prompt)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    try:
+        max_tokens = check_context(front, len(ids), req.requested_max_tokens(), "messages")
+    except APIError as e:
+        if req.requested_max_tokens() is not None and len(ids) < front.max_model_len:
+            e.param = param
+        raise
+    validate_ids(front, ids, "messages")
+    params = req.sampling_params(max_tokens)
+    top_k = (req.top_logprobs or 0) if req.logprobs else None
+    return _Prepared([f"chatcmpl-{uuid.uuid4().hex}"], [(text, ids)], [params], top_k)
+
+
+def render_chat(state, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template", param="messages")
@@ -486,25 +532,16 @@ def render_chat(state: ServerState, messages, add_generation_prompt: bool = True
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-        raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+        raise APIError(
+            400, f"the chat template failed on these messages: {e}", param="messages"
+        ) from None
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 async def create_chat_completion(state: ServerState, request: Request):
     req = await read_json(request, ChatCompletionRequest)
     check_model(state, req.model)
-    text, ids = render_chat(state, req.messages, req.add_generation_prompt)
-    validate_ids(state, ids, "messages")
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    try:
-        max_tokens = check_context(state, len(ids), req.requested_max_tokens(), "messages")
-    except APIError as e:
-        if req.requested_max_tokens() is not None and len(ids) < state.engine.max_model_len:
-            e.param = param
-        raise
-    params = req.sampling_params(max_tokens)
-    top_k = (req.top_logprobs or 0) if req.logprobs else None
-    prep = _Prepared([f"chatcmpl-{uuid.uuid4().hex}"], [(text, ids)], [params], top_k)
+    prep = prepare_chat(state, req)
     arrival = time.monotonic()
     fault = fault_of(state, req.user)
     created = int(time.time())
@@ -518,33 +555,35 @@ async def create_chat_completion(state: ServerState, request: Request):
         raise engine_error(e) from None
     if finals is None:
         return Response(status_code=499)
+    return JSONResponse(chat_response(state, prep, finals, created))
+
+
+def chat_response(front, prep: _Prepared, finals: list, created: int):
+    """The /v1/chat/completions body of a finished output."""
     output = finals[0]
     choices = []
     for c in output.outputs:
+        logprobs = None
+        if prep.top_k is not None:
+            logprobs = _logprobs_chat(front.tokenizer, c, 0, len(c.token_ids), prep.top_k)
         choices.append(
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": (
-                    _logprobs_chat(state.tokenizer, c, 0, len(c.token_ids), top_k)
-                    if top_k is not None
-                    else None
-                ),
+                "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
         )
-    return JSONResponse(
-        {
-            "id": prep.request_ids[0],
-            "object": "chat.completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-            "usage": _usage(finals),
-            "system_fingerprint": None,
-        }
-    )
+    return {
+        "id": prep.request_ids[0],
+        "object": "chat.completion",
+        "created": created,
+        "model": front.model_name,
+        "choices": choices,
+        "usage": _usage(finals),
+        "system_fingerprint": None,
+    }
 
 
 async def _chat_chunks(state, prep, fault, arrival, created, include_usage):
@@ -729,7 +768,8 @@ def build_app(state: ServerState) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(
-                400, f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                400,
+                f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                 param="tokens",
             )
         return {"prompt": state.tokenizer.decode(req.tokens)}
