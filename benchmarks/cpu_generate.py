@@ -48,7 +48,7 @@ def run_transformers(prompts, output_len: int) -> tuple[float, list]:
 
     source = resolve_model(None)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32
     ).eval()
     pad = 2
     width = max(map(len, prompts))

@@ -73,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self.num_preemptions = 0  # since start, all requests
 
     # -- queue management -------------------------------------------------------------------
 
@@ -256,6 +257,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- after the model ran ----------------------------------------------------------------

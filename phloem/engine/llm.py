@@ -13,6 +13,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
+from phloem.core.request import SharedPrefix
 from phloem.engine.llm_engine import LLMEngine
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
@@ -38,6 +40,14 @@ class LLM:
         seed: seed for requests without their own.
         load_format: "auto" or "dummy" (random weights, for benchmarks).
         device: "auto", "cpu" or "cuda".
+        enforce_eager: no CUDA graphs for decode steps.
+        attention_backend: "auto", "reference" or "flashinfer".
+        enable_prefix_caching: plan shared prefixes over each `generate` batch (BatchLLM) and
+            keep finished requests' KV in a radix cache for later requests; False computes
+            every prompt in full (for comparison).
+        memory_centric_admission: admit requests by the KV blocks they need to finish
+            (prompt + max_tokens); False admits whenever the next chunk fits (vLLM-style) and
+            relies on preemption.
     Raises:
         ValueError: naming the argument, for invalid values.
     """
@@ -58,19 +68,30 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
         device: str = "auto",
+        enforce_eager: bool = False,
+        attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
+        memory_centric_admission: bool = True,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
         config = EngineConfig(
-            model=ModelConfig(model, dtype, max_model_len, load_format, device),
+            model=ModelConfig(
+                model, dtype, max_model_len, load_format, device, enforce_eager, attention_backend
+            ),
             cache=CacheConfig(
-                block_size, num_gpu_blocks, kv_cache_memory_bytes, gpu_memory_utilization
+                block_size,
+                num_gpu_blocks,
+                kv_cache_memory_bytes,
+                gpu_memory_utilization,
+                enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max(max_num_batched_tokens, 1),
                 enable_chunked_prefill=enable_chunked_prefill,
+                memory_centric_admission=memory_centric_admission,
             ),
             seed=seed,
         )
@@ -182,11 +203,51 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(encoded)} prompts"
                 )
-        request_ids = [
-            self.llm_engine.add_request(ids, params, prompt=text)
-            for (text, ids), params in zip(encoded, params_list)
-        ]
+        request_ids = self.add_requests(encoded, params_list)
         return self.run_engine(request_ids, use_tqdm)
+
+    def plan(
+        self,
+        prompt_token_ids: Sequence[list[int]],
+        sampling_params: Sequence[SamplingParams],
+    ) -> PrefixPlan:
+        """The global prefix plan for a batch (BatchLLM §4): groups of requests sharing a prefix
+        computed once, and the schedule order (decode-heavy first). Runs no model."""
+        max_tokens = [
+            p.max_tokens if p.max_tokens is not None else self.llm_engine.max_model_len - len(ids)
+            for ids, p in zip(prompt_token_ids, sampling_params)
+        ]
+        return plan_prefix_groups(
+            prompt_token_ids, max_tokens, self.llm_engine.kv_manager.block_size
+        )
+
+    def add_requests(
+        self,
+        encoded: Sequence[tuple[str | None, list[int]]],
+        sampling_params: Sequence[SamplingParams],
+    ) -> list[str]:
+        """Queue a whole batch, planned globally for prefix sharing when it is enabled: each
+        shared group's prefix is computed once and the queue follows the plan's order.
+        Returns the request ids in input order. Sets `last_plan` (None when not planned)."""
+        engine = self.llm_engine
+        self.last_plan = None
+        order = range(len(encoded))
+        groups: dict[int, SharedPrefix] = {}
+        if engine.config.cache.enable_prefix_caching and len(encoded) > 1:
+            plan = self.plan([ids for _, ids in encoded], sampling_params)
+            self.last_plan = plan
+            order = plan.order
+            for group in plan.shared_groups:
+                shared = SharedPrefix(group.prefix_len, num_unfinished=len(group.request_indices))
+                for i in group.request_indices:
+                    groups[i] = shared
+        request_ids: list[str] = [""] * len(encoded)
+        for i in order:
+            text, ids = encoded[i]
+            request_ids[i] = engine.add_request(
+                ids, sampling_params[i], prompt=text, shared_prefix=groups.get(i)
+            )
+        return request_ids
 
     def run_engine(self, request_ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
         """Step until the given requests finish; returns their outputs in the given order."""

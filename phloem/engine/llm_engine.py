@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from phloem.config import EngineConfig, SchedulerConfig
+from phloem.config import EngineConfig
 from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler, SchedulerOutput
@@ -97,11 +97,8 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.model.max_model_len or model_len, model_len)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+        self.scheduler_config = dataclasses.replace(
+            config.scheduler, max_model_len=self.max_model_len
         )
         self.scheduler_config.validate()
         worker = Worker(
@@ -163,10 +160,12 @@ class LLMEngine:
         n = sampling_params.n
         block_size = self.kv_manager.block_size
         sibling_prefix = (len(prompt_token_ids) - 1) // block_size * block_size
-        if n > 1 and sibling_prefix > 0:
-            shared_prefix = SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
-        elif n > 1:
+        if n > 1:
+            if shared_prefix is not None:  # the planned group loses this member
+                shared_prefix.num_unfinished -= 1
             shared_prefix = None
+            if sibling_prefix > 0:
+                shared_prefix = SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
         for index in range(n):
             params = sampling_params
             if sampling_params.n > 1 and sampling_params.seed is not None:

@@ -33,7 +33,7 @@ def hf_model():
 
     source = resolve_model(None)
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32
     ).eval()
 
 
@@ -75,12 +75,13 @@ def test_stop_strings_and_n(llm):
     assert stopped.finish_reason == "stop" and stopped.stop_reason == "five"
     assert "five" not in stopped.text and text.startswith(stopped.text)
 
+    long_prompt = "Here is a short story about a lighthouse keeper and a storm. " * 4
     many = llm.generate(
-        prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False
+        long_prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False
     )[0]
     assert [o.index for o in many.outputs] == [0, 1, 2]
     again = llm.generate(
-        prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False
+        long_prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False
     )[0]
     assert [o.token_ids for o in many.outputs] == [o.token_ids for o in again.outputs]
     assert many.num_cached_tokens > 0, "children should share the prompt's full blocks"
@@ -108,7 +109,9 @@ def test_max_tokens_min_tokens_and_logprobs(llm):
     assert len(out.logprobs) == 5
     for token, top in zip(out.token_ids, out.logprobs):
         assert token in top and len(top) in (2, 3)
-    assert out.cumulative_logprob == pytest.approx(sum(t[tok] for tok, t in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(t[tok] for tok, t in zip(out.token_ids, out.logprobs))
+    )
     assert out.cumulative_logprob < 0
 
 

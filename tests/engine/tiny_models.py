@@ -43,7 +43,9 @@ def write_tiny_model(arch: str, path, tokenizer_dir, seed: int = 0):
     torch.manual_seed(seed)
     config = tiny_config(arch)
     config.architectures = [
-        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+            arch
+        ]
     ]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # larger weights than the default init: sharper, tie-free logits
