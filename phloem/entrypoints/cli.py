@@ -27,6 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "reference", "flashinfer"]
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -76,12 +80,15 @@ def build_llm(args: argparse.Namespace):
         enable_chunked_prefill=not args.no_chunked_prefill,
         load_format=args.load_format,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )
 
 
 SUBCOMMANDS = [
     "phloem.entrypoints.generate",
     "phloem.entrypoints.serve",
+    "phloem.entrypoints.bench",
 ]
 
 

@@ -1,5 +1,10 @@
 """One worker: a device, the model's weights on it, a KV pool sized for it, and a model runner.
 
+Memory sizing on CUDA (vLLM's method): load the weights, run one dummy step as large as the
+scheduler allows and record its activation peak, then give the KV pool
+`total * gpu_memory_utilization - in use - peak`. CUDA graphs are captured after that, from the
+headroom the profiled peak left.
+
 Tensor-parallel ranks will each run one of these; today there is one rank.
 """
 
@@ -9,7 +14,7 @@ import logging
 
 import torch
 
-from phloem.config import CacheConfig, ModelConfig
+from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
 from phloem.ops.attention.interface import get_attention_backend
 from phloem.worker.model_runner import ModelRunner
 
@@ -17,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+# Step limits assumed when the engine passes no scheduler config (the LLM API's defaults).
+PROFILE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 8192}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,12 +49,14 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 
 class Worker:
-    """Loads the model and builds its runner.
+    """Loads the model, sizes the KV pool, builds its runner and (on CUDA) captures decode graphs.
 
     Args:
         model_config, cache_config: this worker's parts of the engine config.
         source, hf_config: the resolved checkpoint and its transformers config.
         seed: the sampler's seed; eos_token_id: banned below `min_tokens`.
+        scheduler_config: the step limits (largest step for memory profiling, largest decode
+            batch for CUDA graphs); None assumes `PROFILE_DEFAULTS`.
     """
 
     def __init__(
@@ -58,6 +67,7 @@ class Worker:
         hf_config,
         seed: int = 0,
         eos_token_id: int | None = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
         from phloem.models.loader import load_model
 
@@ -67,25 +77,85 @@ class Worker:
         self.model = load_model(
             source, hf_config, self.dtype, self.device, load_format=model_config.load_format
         )
-        self.num_blocks = self._num_kv_blocks(cache_config)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens)",
-            self.num_blocks,
-            cache_config.block_size,
-            self.num_blocks * cache_config.block_size,
+        sched = scheduler_config or SchedulerConfig(**PROFILE_DEFAULTS)
+        block_size = cache_config.block_size
+        backend = get_attention_backend(
+            model_config.attention_backend,
+            num_heads=_num_heads(self.model),
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_num_blocks_per_seq=-(-max(sched.max_model_len, _max_positions(hf_config)) // block_size),
         )
+        logger.info("attention backend: %s", backend.name)
+        profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         self.model_runner = ModelRunner(
             self.model,
-            num_blocks=self.num_blocks,
-            block_size=cache_config.block_size,
+            num_blocks=-(-profile_tokens // block_size),
+            block_size=block_size,
             kv_dtype=self.dtype,
             device=self.device,
-            backend=get_attention_backend("reference"),
+            backend=backend,
             seed=seed,
             eos_token_id=eos_token_id,
         )
+        activation_peak = 0
+        if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:
+            activation_peak = self._profile_activations(profile_tokens, sched.max_num_seqs)
+        self.num_blocks = self._num_kv_blocks(cache_config, activation_peak)
+        self.model_runner.allocate_kv_cache(self.num_blocks)
+        tokens = self.num_blocks * block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency %.1f "
+            "requests of %d tokens",
+            self.num_blocks,
+            block_size,
+            tokens,
+            self.num_blocks * kv_bytes_per_block(self.model, block_size, self.dtype) / 2**30,
+            tokens / sched.max_model_len,
+            sched.max_model_len,
+        )
+        self.cuda_graphs = False
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            self.cuda_graphs = self._capture(sched.max_num_seqs)
 
-    def _num_kv_blocks(self, cache: CacheConfig) -> int:
+    def _profile_activations(self, num_tokens: int, num_seqs: int) -> int:
+        """Peak bytes allocated above the weights by the largest step (CUDA)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.model_runner.profile_run(num_tokens, num_seqs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.model_runner.kv_caches = []
+        torch.cuda.empty_cache()
+        logger.info(
+            "memory profile: %d-token step peaks at %.2f GiB of activations; weights %.2f GiB",
+            num_tokens,
+            peak / 2**30,
+            before / 2**30,
+        )
+        return peak
+
+    def _capture(self, max_num_seqs: int) -> bool:
+        if not hasattr(self.model_runner.backend, "begin_step"):
+            logger.warning(
+                "CUDA graphs off: backend %r does not plan steps", self.model_runner.backend.name
+            )
+            return False
+        try:
+            self.model_runner.capture_cuda_graphs(max_num_seqs)
+        except Exception:  # an eager engine is slower, not wrong
+            logger.exception("CUDA graph capture failed; running eagerly")
+            self.model_runner.graph_runner = None
+            return False
+        return True
+
+    def _num_kv_blocks(self, cache: CacheConfig, activation_peak: int = 0) -> int:
+        """KV blocks per layer: the explicit count, the byte budget, or on CUDA
+        total * gpu_memory_utilization - (memory in use now + the profiled activation peak)."""
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
@@ -94,13 +164,25 @@ class Worker:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used
+            budget = int(total * cache.gpu_memory_utilization) - used - activation_peak
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // per_block
+        num_blocks = budget // per_block - 1  # one scratch block for CUDA-graph padding
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds no block of {per_block} bytes; "
                 "raise kv_cache_memory_bytes or gpu_memory_utilization"
             )
         return num_blocks
+
+
+def _max_positions(hf_config) -> int:
+    return int(getattr(hf_config, "max_position_embeddings", None) or 0)
+
+
+def _num_heads(model) -> int:
+    """Query heads per layer of this rank (from the first attention layer)."""
+    for module in model.modules():
+        if hasattr(module, "num_heads") and hasattr(module, "num_kv_heads"):
+            return module.num_heads
+    raise ValueError("model has no attention layer with num_heads")

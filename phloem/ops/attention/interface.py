@@ -17,10 +17,13 @@ freely in one step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,9 @@ class AttentionMetadata:
         max_query_len: max q_len over the B sequences [tokens].
         max_seq_len: max seq_lens [tokens].
         query_start_loc_cpu / seq_lens_cpu: the same offsets as Python lists, for host-side loops.
+        block_tables_cpu: the block ids of each sequence as Python lists (unpadded, at least
+            ceil(seq_lens[b] / block_size) ids each), for backends that plan on the host
+            (FlashInfer); None when the builder of the metadata did not provide them.
     """
 
     slot_mapping: torch.Tensor
@@ -47,6 +53,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    block_tables_cpu: list[list[int]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -55,7 +62,14 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """A paged attention kernel. Implementations: `reference.ReferenceAttention` (plain torch, the
-    CPU path and the oracle); fast GPU backends are created lazily by `get_attention_backend`."""
+    CPU path and the oracle); fast GPU backends are created lazily by `get_attention_backend`.
+
+    A backend may also define `begin_step(meta, cuda_graph=False)`: the model runner calls it once
+    per step, before the forward pass (and before replaying a captured CUDA graph), so the backend
+    can plan the step on the host once instead of once per layer (FlashInfer's `plan()`).
+    With `cuda_graph=True` the plan must write into buffers of fixed address that a graph captured
+    for `meta.num_seqs` sequences reads.
+    """
 
     name: str
 
@@ -81,14 +95,41 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str = "reference") -> AttentionBackend:
+BACKENDS = ("auto", "reference", "flashinfer")
+
+
+def get_attention_backend(name: str = "reference", **geometry) -> AttentionBackend:
     """Create an attention backend by name; fast backends import their library here, lazily.
 
+    Args:
+        name: "reference" (plain torch; the CPU path), "flashinfer" (paged FlashInfer kernels,
+            CUDA only) or "auto": FlashInfer on a CUDA device when it imports, else reference.
+        geometry: what a planning backend needs up front, ignored by the reference:
+            num_heads, num_kv_heads, head_dim, scale, dtype (of q and the KV cache), device,
+            max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers).
     Raises:
         ValueError: for an unknown backend name.
+        ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.
     """
-    if name == "reference":
-        from phloem.ops.attention.reference import ReferenceAttention
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
+    device = geometry.get("device")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if name == "auto":
+        name = "reference"
+        if on_cuda:
+            try:
+                import flashinfer  # noqa: F401
 
-        return ReferenceAttention()
-    raise ValueError(f"unknown attention backend {name!r}; supported: ['reference']")
+                name = "flashinfer"
+            except ImportError as e:  # the reference runs anywhere, slowly
+                logger.warning("FlashInfer unavailable (%s); using the reference attention", e)
+    if name == "flashinfer":
+        if not on_cuda:
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(**geometry)
+    from phloem.ops.attention.reference import ReferenceAttention
+
+    return ReferenceAttention()

@@ -1,0 +1,348 @@
+"""`phloem bench throughput`: run a named synthetic workload, measure the device's ceilings in the
+same run, and report throughput, latency percentiles, the roofline ratio and, with `--compare`,
+a peer's throughput on the identical workload and weights.
+
+    phloem bench throughput --model llama-3.1-8b --workload decode-heavy --num-requests 200 \
+        --json benchmarks/results/decode-heavy.json --compare transformers
+
+`--model` takes a shipped config name (random weights, `load_format="dummy"`; see
+`phloem.model_configs`) or a checkpoint directory. The roofline is shared/docs/ROOFLINE.md's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from phloem.entrypoints.cli import add_engine_args, build_llm
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (throughput against the roofline)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("throughput", help="throughput of a synthetic workload, with its roofline")
+    add_engine_args(p)
+    g = p.add_argument_group("workload")
+    from phloem.bench.workloads import WORKLOADS
+
+    g.add_argument("--workload", default="decode-heavy", choices=list(WORKLOADS))
+    g.add_argument("--num-requests", type=int, default=None, help="scale a workload down")
+    g.add_argument("--num-groups", type=int, default=None, help="prefix groups (batchllm, ...)")
+    g.add_argument("--degree", type=int, default=None, help="requests per prefix group")
+    g.add_argument("--input-len", type=int, default=None)
+    g.add_argument("--output-len", type=int, default=None)
+    g.add_argument("--prefix-len", type=int, default=None)
+    g.add_argument("--suffix-len", type=int, default=None)
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, help="write the result object to this path")
+    o.add_argument("--plot", default=None, help="draw throughput vs the roofline (PNG)")
+    o.add_argument("--compare", default=None, choices=["transformers"], help="in-run peer")
+    o.add_argument("--profile", default=None, help="torch.profiler top kernels -> this file")
+    o.add_argument("--profile-steps", type=int, default=12)
+    p.set_defaults(func=run_throughput)
+
+
+def _percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    xs = sorted(values)
+
+    def q(f: float) -> float:
+        return xs[min(len(xs) - 1, int(f * len(xs)))]
+
+    return {"mean": statistics.fmean(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, bool]:
+    """(checkpoint dir, is_shipped_config) for --model, applying --num-layers."""
+    from phloem.model_configs import materialize, model_config_dir
+
+    overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    if args.model is not None and model_config_dir(args.model) is not None:
+        return str(materialize(args.model, tmp, **overrides)), True
+    if overrides:
+        raise ValueError("--num-layers needs a shipped config name as --model")
+    return args.model, False
+
+
+def _generate(llm, workload) -> tuple[float, list]:
+    from phloem import SamplingParams
+
+    def params(o: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    _sync()
+    start = time.perf_counter()
+    if workload.sequential:
+        outputs = []
+        for prompt, o in zip(prompts, workload.output_lens):
+            outputs += llm.generate([prompt], params(o), use_tqdm=False)
+    else:
+        sampling = [params(o) for o in workload.output_lens]
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    _sync()
+    return time.perf_counter() - start, outputs
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine_info(llm) -> dict:
+    worker = llm.llm_engine.executor.worker
+    sched = llm.llm_engine.scheduler_config
+    return {
+        "device_type": worker.device.type,
+        "dtype": str(worker.dtype).replace("torch.", ""),
+        "attention_backend": worker.model_runner.backend.name,
+        "cuda_graphs": bool(getattr(worker, "cuda_graphs", False)),
+        "num_kv_blocks": worker.num_blocks,
+        "block_size": llm.llm_engine.config.cache.block_size,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_model_len": sched.max_model_len,
+    }
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    import phloem
+
+    out = {
+        "phloem": getattr(phloem, "__version__", "?"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import flashinfer
+
+        out["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def _profile(llm, workload, steps: int, path: str) -> list[dict]:
+    """Profile `steps` engine steps of a fresh copy of the workload's first requests; writes the
+    kernel table to `path` and returns the top kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from phloem import SamplingParams
+
+    engine = llm.llm_engine
+    n = min(workload.num_requests, engine.scheduler_config.max_num_seqs)
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+        for p, o in zip(workload.prompts[:n], workload.output_lens[:n])
+    ]
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort_request(ids)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    Path(path).write_text(table)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    return [
+        {
+            "name": e.key[:120],
+            "device_time_ms": e.device_time_total / 1e3,
+            "self_share": e.self_device_time_total / total,
+            "calls": e.count,
+        }
+        for e in events[:12]
+    ]
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    """The `bench throughput` subcommand; prints a summary and writes --json / --plot."""
+    import torch
+
+    from phloem.bench.roofline import ModelShape, measure_ceilings, workload_roofline
+    from phloem.bench.workloads import make_workload
+    from phloem.models.loader import load_hf_config, resolve_model
+
+    tmp = tempfile.mkdtemp(prefix="phloem-bench-")
+    model_dir, shipped = _model_dir(args, tmp)
+    if shipped:
+        args.load_format = "dummy"
+    hf_config = load_hf_config(resolve_model(model_dir))
+    workload = make_workload(
+        args.workload,
+        hf_config.vocab_size,
+        seed=args.workload_seed,
+        num_requests=args.num_requests,
+        num_groups=args.num_groups,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        degree=args.degree,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+    )
+    on_cuda = torch.cuda.is_available() and args.device != "cpu"
+    ceilings = measure_ceilings() if on_cuda else None
+    model_arg, args.model = args.model, model_dir
+    llm = build_llm(args)
+    llm.generate(  # warm-up: first-use compilation and allocator growth stay out of the timing
+        [{"prompt_token_ids": p[:64]} for p in workload.prompts[:2]],
+        __import__("phloem").SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
+    elapsed, outputs = _generate(llm, workload)
+    num_in = workload.num_input_tokens
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result: dict = {
+        "device": torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu",
+        "model": model_arg,
+        "architecture": hf_config.architectures[0],
+        "num_layers": hf_config.num_hidden_layers,
+        "workload": workload.name,
+        "shape": workload.shape,
+        "num_requests": workload.num_requests,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "elapsed_s": elapsed,
+        "requests_per_s": workload.num_requests / elapsed,
+        "input_tokens_per_s": num_in / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "ttft_s": _percentiles([o.metrics.ttft for o in outputs if o.metrics and o.metrics.ttft]),
+        "tpot_s": _percentiles([o.tpot for o in outputs if o.tpot is not None]),
+        "prefix_tokens_reused": sum(o.num_cached_tokens for o in outputs) / max(num_in, 1),
+        "engine": _engine_info(llm),
+        "versions": _versions(),
+        "command": "phloem " + " ".join(sys.argv[1:]),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    if ceilings is not None:
+        roof = workload_roofline(
+            ModelShape.from_hf(hf_config),
+            workload,
+            ceilings["flops_per_s"],
+            ceilings["bytes_per_s"],
+        )
+        result["ceilings"] = ceilings
+        result["roofline"] = roof.to_dict()
+        result["bound_total_tokens_per_s"] = (num_in + num_out) / roof.bound_time_s
+        result["roofline_ratio"] = roof.bound_time_s / elapsed
+    if args.profile and on_cuda:
+        result["top_kernels"] = _profile(llm, workload, args.profile_steps, args.profile)
+    if args.compare == "transformers":
+        result["peer"] = _run_peer(llm, hf_config, workload, result)
+    _report(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        _plot(result, args.plot)
+    return 0
+
+
+def _run_peer(llm, hf_config, workload, result: dict) -> dict:
+    """transformers' continuous batching on phloem's weights; phloem's engine is freed first."""
+    import torch
+
+    from phloem.bench.peers import build_hf_model, hf_state_dict, run_transformers_generate_batch
+
+    worker = llm.llm_engine.executor.worker
+    device, dtype = worker.device, worker.dtype
+    state = hf_state_dict(worker.model, "cpu")
+    del worker
+    llm.llm_engine = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        model = build_hf_model(hf_config, state, dtype, device)
+        del state
+        peer = run_transformers_generate_batch(model, workload)
+    except Exception as e:  # the peer is context, not the measurement: record why it failed
+        return {"name": "transformers", "error": f"{type(e).__name__}: {e}"}
+    peer["ratio"] = result["total_tokens_per_s"] / peer["total_tokens_per_s"]
+    return peer
+
+
+def _report(r: dict) -> None:
+    lines = [
+        f"device {r['device']}  model {r['model']} ({r['num_layers']} layers)  "
+        f"workload {r['workload']} {r['shape']}",
+        f"  {r['num_requests']} requests in {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
+        f"input {r['input_tokens_per_s']:.0f} tok/s, output {r['output_tokens_per_s']:.0f} tok/s, "
+        f"total {r['total_tokens_per_s']:.0f} tok/s",
+    ]
+    for key in ("ttft_s", "tpot_s"):
+        if r.get(key):
+            p = r[key]
+            lines.append(
+                f"  {key[:-2].upper()} ms: p50 {p['p50'] * 1e3:.1f}  p90 {p['p90'] * 1e3:.1f}  "
+                f"p99 {p['p99'] * 1e3:.1f}"
+            )
+    lines.append(f"  prefix tokens reused: {r['prefix_tokens_reused']:.1%}")
+    if "roofline" in r:
+        c, roof = r["ceilings"], r["roofline"]
+        lines.append(
+            f"  ceilings: {c['flops_per_s'] / 1e12:.0f} TFLOP/s, {c['bytes_per_s'] / 1e12:.2f} TB/s; "
+            f"bound {roof['bound_time_s']:.2f} s ({roof['limiter']}) = "
+            f"{r['bound_total_tokens_per_s']:.0f} total tok/s; roofline ratio {r['roofline_ratio']:.3f}"
+        )
+    peer = r.get("peer")
+    if peer:
+        if "error" in peer:
+            lines.append(f"  peer {peer['name']}: failed: {peer['error']}")
+        else:
+            lines.append(
+                f"  peer {peer['name']}: {peer['total_tokens_per_s']:.0f} total tok/s; "
+                f"phloem / peer = {peer['ratio']:.2f}x"
+            )
+    print("\n".join(lines))
+
+
+def _plot(r: dict, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["phloem"]
+    values = [r["total_tokens_per_s"]]
+    if r.get("peer") and "total_tokens_per_s" in r["peer"]:
+        names.append(r["peer"]["name"])
+        values.append(r["peer"]["total_tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(names, values, color="tab:green")
+    if "bound_total_tokens_per_s" in r:
+        ax.axhline(r["bound_total_tokens_per_s"], color="tab:red", ls="--", label="roofline bound")
+        ax.legend()
+    ax.set_ylabel("total tokens/s")
+    ax.set_title(f"{r['workload']} on {r['device']}")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,179 @@
+"""Paged attention on the GPU through FlashInfer (arXiv 2501.01005), imported lazily.
+
+One kernel family serves every step: FlashInfer's batch prefill over a paged KV cache (the "fa2"
+backend), which handles whole prompts, chunked appends (q_len < kv_len) and decode tokens
+(q_len = 1, GQA groups packed into tensor-core tiles) mixed in one launch. Using one compiled
+module for all of them keeps the JIT build to one module per head dim.
+
+Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
+split-KV decisions); every layer's `forward` then only launches the kernel. A decode step captured
+in a CUDA graph uses a wrapper of its own per batch size, planned into fixed buffers
+(`cuda_graph=True`), so the replayed kernel reads the new step's page table.
+
+KV layout: FlashInfer's "NHD" paged layout is phloem's (`[num_blocks, 2, block_size, H_kv, D]`),
+so the cache is passed as is. For sequence b the page table is its first ceil(L_b / block_size)
+block ids and the last page holds L_b - (n_pages - 1) * block_size tokens:
+
+    |-- page 0 --|-- page 1 --| ... |-- last page (last_page_len tokens) --|
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from phloem.ops.attention.interface import AttentionMetadata
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+def paged_kv_layout(
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table of a step, on the host.
+
+    Returns:
+        (kv_indptr int32 [B + 1], kv_indices int32 [kv_indptr[-1]], last_page_len int32 [B]).
+    Raises:
+        ValueError: if the metadata lacks `block_tables_cpu` or a table is too short.
+    """
+    bs = meta.block_size
+    tables = meta.block_tables_cpu
+    if tables is None:
+        tables = meta.block_tables.tolist()  # one device sync; builders should pass host tables
+    num_pages = [(n + bs - 1) // bs for n in meta.seq_lens_cpu]
+    for b, (table, n) in enumerate(zip(tables, num_pages)):
+        if len(table) < n:
+            raise ValueError(f"sequence {b}: block table has {len(table)} blocks, needs {n}")
+    indices = list(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, num_pages)))
+    indptr = [0, *itertools.accumulate(num_pages)]
+    last = [n - (p - 1) * bs for n, p in zip(meta.seq_lens_cpu, num_pages)]
+    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return as_int32(indptr), as_int32(indices), as_int32(last)
+
+
+class FlashInferAttention:
+    """The FlashInfer attention backend (CUDA only; see the module docstring).
+
+    Args:
+        num_heads, num_kv_heads, head_dim: this rank's attention geometry.
+        dtype: dtype of queries, outputs and the KV cache (bf16 or fp16).
+        device: the CUDA device.
+        scale: softmax scale (default head_dim ** -0.5); every layer must use the same.
+        max_num_blocks_per_seq: longest block table a sequence can have; sizes the page-index
+            buffer of each CUDA-graph wrapper.
+    """
+
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        scale: float | None = None,
+        max_num_blocks_per_seq: int = 8192,
+    ) -> None:
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.max_num_blocks_per_seq = max_num_blocks_per_seq
+        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._eager = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2"
+        )
+        self._graph_wrappers: dict[int, object] = {}
+        self._active = None
+        self._num_query_tokens = 0
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def _graph_wrapper(self, batch_size: int):
+        """The fixed-buffer wrapper for graphs of `batch_size` decode sequences (made once)."""
+        wrapper = self._graph_wrappers.get(batch_size)
+        if wrapper is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.arange(batch_size + 1, **i32),
+                paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
+                paged_kv_indices_buf=torch.zeros(batch_size * self.max_num_blocks_per_seq, **i32),
+                paged_kv_last_page_len_buf=torch.zeros(batch_size, **i32),
+                backend="fa2",
+            )
+            self._graph_wrappers[batch_size] = wrapper
+        return wrapper
+
+    def begin_step(self, meta: AttentionMetadata, cuda_graph: bool = False) -> None:
+        """Plan the step (host work, one small host-to-device copy). Call once per step, before
+        the forward pass or the graph replay; mutates the wrapper the step's layers will use.
+
+        With `cuda_graph`, every sequence must have q_len 1 (a decode step, padded to the graph's
+        batch size by whole dummy sequences).
+        """
+        qo_indptr = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
+        kv_indptr, kv_indices, last_page_len = paged_kv_layout(meta)
+        if cuda_graph:
+            if meta.max_query_len != 1:
+                raise ValueError("CUDA-graph steps must be decode-only (q_len 1)")
+            wrapper = self._graph_wrapper(meta.num_seqs)
+        else:
+            wrapper = self._eager
+        wrapper.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            meta.block_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        self._active = wrapper
+        self._num_query_tokens = meta.query_start_loc_cpu[-1]
+
+    # -- the kernel ------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal paged attention (the contract of `AttentionBackend.forward`).
+
+        Plans lazily if `begin_step` was not called for this step (tests, other callers); query
+        tokens past `query_start_loc[-1]` (padding) get zeros.
+        """
+        if abs(scale - self.scale) > 1e-6 * self.scale:
+            raise ValueError(f"scale {scale} differs from the planned softmax scale {self.scale}")
+        if self._active is None:
+            self.begin_step(meta)
+        num_tokens = self._num_query_tokens
+        if num_tokens == query.shape[0]:
+            return self._active.run(query, kv_cache)
+        out = torch.zeros_like(query)
+        out[:num_tokens] = self._active.run(query[:num_tokens], kv_cache)
+        return out
+
+    def end_step(self) -> None:
+        """Forget the step's plan (the next forward without `begin_step` plans again)."""
+        self._active = None

@@ -1,0 +1,202 @@
+"""CUDA graphs for decode steps: one captured forward pass per batch-size bucket (vLLM, SGLang).
+
+A decode step of B sequences (every q_len = 1) runs the graph of the smallest bucket >= B. The
+step's tokens are copied into static input buffers and padded with dummy sequences up to the
+bucket:
+
+    rows |-- B real decode tokens --|-- bucket - B dummies --|
+    dummy: token 0 at position 0, one KV token in the scratch block (never a real request's)
+
+The attention backend plans the padded step into the fixed buffers of that bucket's wrapper
+(`begin_step(meta, cuda_graph=True)`) before the replay, so only integers change between replays.
+The graph covers the model's forward pass (hidden states out); logits and sampling run eagerly on
+the B real rows.
+
+Invariants: graphs are captured after the KV cache is allocated and never re-captured, so the
+cache tensors, the weights and the static buffers keep their addresses; every capture shares one
+memory pool (largest bucket first, so the smaller ones reuse its blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from phloem.forward_context import ForwardContext, forward_context
+from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The captured buckets: 1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (which is
+    included, so every decode batch the scheduler can form has a bucket)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def write_kv_no_sync(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`phloem.ops.kv_store.write_kv` for slot mappings without -1 entries, with no host sync
+    (a sync cannot be captured). Padding rows of a graph step write into the scratch block."""
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    k_rows = torch.div(slot_mapping, block_size, rounding_mode="floor") * (2 * block_size)
+    k_rows += slot_mapping % block_size
+    flat = kv_cache.view(num_blocks * 2 * block_size, num_kv_heads, head_dim)
+    flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
+    flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+
+
+@contextlib.contextmanager
+def _capturable_kv_writes() -> Iterator[None]:
+    """While capturing, route the attention layer's KV write through `write_kv_no_sync`.
+
+    `write_kv` filters -1 slots with a host sync, which stream capture forbids. Graph steps never
+    carry -1 slots (dummies write to the scratch block), and a replay runs no Python, so swapping
+    the function only during capture is enough.
+    TODO: drop once the attention layer asks the backend (or a sync-free kv_store) for the write.
+    """
+    import phloem.layers.attention as attention_layer
+
+    original = attention_layer.write_kv
+    attention_layer.write_kv = write_kv_no_sync
+    try:
+        yield
+    finally:
+        attention_layer.write_kv = original
+
+
+class CUDAGraphRunner:
+    """Captures and replays decode steps (see the module docstring).
+
+    Args:
+        model: the phloem model (forward(input_ids, positions) -> hidden).
+        kv_caches: the per-layer caches the graphs will read and write (fixed addresses).
+        backend: an attention backend with `begin_step(meta, cuda_graph=True)`.
+        block_size: tokens per block; scratch_block: a block id no request ever owns.
+        max_num_seqs: the largest decode batch; device: the CUDA device.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        block_size: int,
+        scratch_block: int,
+        max_num_seqs: int,
+        device: torch.device,
+    ) -> None:
+        if not hasattr(backend, "begin_step"):
+            raise ValueError(f"attention backend {backend.name!r} cannot plan CUDA-graph steps")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.max_batch_size = self.batch_sizes[-1]
+        # rows: input ids, positions, slots (int64 [3, max_batch])
+        self._static_inputs = torch.zeros(3, self.max_batch_size, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured batch size >= num_seqs, or None when there is none."""
+        for size in self.batch_sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def _metadata(
+        self, batch: int, seq_lens: list[int], block_tables: list[list[int]]
+    ) -> AttentionMetadata:
+        """Decode metadata of a step padded to `batch` rows (device fields view static buffers)."""
+        num_pad = batch - len(seq_lens)
+        seq_lens = seq_lens + [1] * num_pad
+        block_tables = block_tables + [[self.scratch_block]] * num_pad
+        slots = self._static_inputs[2, :batch]
+        return AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=slots,  # unused by a planning backend; kept off the host path
+            seq_lens=slots,
+            block_tables=slots,
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=list(range(batch + 1)),
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=block_tables,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first. Mutates the scratch block of the KV caches."""
+        start = time.perf_counter()
+        self._static_inputs.zero_()
+        self._static_inputs[2].fill_(self.scratch_slot)
+        for batch in reversed(self.batch_sizes):
+            meta = self._metadata(batch, [], [])
+            ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
+            ctx = ForwardContext(meta, self.kv_caches, self.backend)
+            self.backend.begin_step(meta, cuda_graph=True)
+            with forward_context(ctx), _capturable_kv_writes():
+                self.model(ids, positions)  # warm-up: lazy inits, allocator, cuBLAS handles
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = self.model(ids, positions)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[batch] = graph
+            self._outputs[batch] = out
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
+            len(self._graphs),
+            self.batch_sizes[0],
+            self.max_batch_size,
+            time.perf_counter() - start,
+        )
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
+        """Replay the graph of the step's bucket; returns hidden [B, hidden_size] of the B real
+        rows (a view of the graph's output: valid until the next replay).
+
+        Raises:
+            ValueError: if no bucket holds B sequences.
+        """
+        num_seqs = len(input_ids)
+        batch = self.bucket(num_seqs)
+        if batch is None or batch not in self._graphs:
+            raise ValueError(f"no CUDA graph for a decode batch of {num_seqs}")
+        num_pad = batch - num_seqs
+        host = torch.tensor(
+            [
+                input_ids + [0] * num_pad,
+                positions + [0] * num_pad,
+                slots + [self.scratch_slot] * num_pad,
+            ],
+            dtype=torch.int64,
+        )
+        self._static_inputs[:, :batch].copy_(host, non_blocking=True)
+        self.backend.begin_step(self._metadata(batch, seq_lens, block_tables), cuda_graph=True)
+        self._graphs[batch].replay()
+        return self._outputs[batch][:num_seqs]
