@@ -256,7 +256,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start = time.monotonic()
-        num_in = num_out = 0
+        num_in = num_out = num_reused = 0
         try:
             while pending and engine.has_unfinished_requests():
                 for output in engine.step():
@@ -265,10 +265,12 @@ class LLM:
                         results[output.request_id] = output
                         num_in += len(output.prompt_token_ids)
                         num_out += sum(len(o.token_ids) for o in output.outputs)
+                        num_reused += output.num_cached_tokens
                         elapsed = max(time.monotonic() - start, 1e-9)
                         bar.set_postfix_str(
                             f"input: {num_in / elapsed:.1f} toks/s, "
-                            f"output: {num_out / elapsed:.1f} toks/s",
+                            f"output: {num_out / elapsed:.1f} toks/s, "
+                            f"prefix reuse: {num_reused / max(num_in, 1):.0%}",
                             refresh=False,
                         )
                         bar.update(1)

@@ -26,6 +26,7 @@ def summarize(
     wall_s: float,
     num_failed_requests: int = 0,
     num_computed_prompt_tokens: int | None = None,
+    planned_reuse_ratio: float = 0.0,
 ) -> dict:
     """The job summary (keys are the `--summary-json` schema).
 
@@ -33,9 +34,13 @@ def summarize(
         outputs: finished requests. wall_s: job wall time [s].
         num_computed_prompt_tokens: prompt tokens the model actually ran (recomputation after
             preemption included; shared prefixes excluded); defaults to the logical count.
+        planned_reuse_ratio: the prefix planner's predicted (logical - physical) / logical.
+    Reused prompt tokens are those taken from shared KV blocks instead of computed (a group's
+    prefix, n > 1 siblings' prompt, radix-cache hits); reuse_ratio = reused / logical.
     """
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_reused = sum(o.num_cached_tokens for o in outputs)
     ttfts = [o.metrics.ttft for o in outputs if o.metrics and o.metrics.ttft is not None]
     tpots = [t for o in outputs if (t := o.tpot) is not None]
     wall = max(wall_s, 1e-9)
@@ -46,6 +51,9 @@ def summarize(
         "num_computed_prompt_tokens": (
             num_prompt if num_computed_prompt_tokens is None else num_computed_prompt_tokens
         ),
+        "num_reused_prompt_tokens": num_reused,
+        "reuse_ratio": num_reused / num_prompt if num_prompt else 0.0,
+        "planned_reuse_ratio": planned_reuse_ratio,
         "num_output_tokens": num_output,
         "wall_s": wall_s,
         "requests_per_s": len(outputs) / wall,
@@ -66,6 +74,8 @@ def format_summary(summary: dict) -> str:
         f"requests:              {summary['num_requests']} ({summary['num_failed_requests']} failed)",
         f"prompt tokens:         {summary['num_prompt_tokens']} "
         f"(computed {summary['num_computed_prompt_tokens']})",
+        f"prefix reuse:          {summary['num_reused_prompt_tokens']} prompt tokens reused, "
+        f"ratio {summary['reuse_ratio']:.1%} (planned {summary['planned_reuse_ratio']:.1%})",
         f"output tokens:         {summary['num_output_tokens']}",
         f"wall time:             {summary['wall_s']:.2f} s",
         f"throughput:            {summary['requests_per_s']:.2f} req/s, "

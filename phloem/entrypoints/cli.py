@@ -29,6 +29,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument(
+        "--no-prefix-sharing",
+        action="store_true",
+        help="turn off the global prefix planner and the radix prefix cache (for comparison)",
+    )
+    g.add_argument(
+        "--no-memory-centric-admission",
+        action="store_true",
+        help="admit requests whenever their next chunk fits, relying on preemption",
+    )
+    g.add_argument(
         "--attention-backend", default="auto", choices=["auto", "reference", "flashinfer"]
     )
 
@@ -78,6 +88,8 @@ def build_llm(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks=args.num_gpu_blocks,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_sharing,
+        memory_centric_admission=not args.no_memory_centric_admission,
         load_format=args.load_format,
         seed=args.seed,
         enforce_eager=args.enforce_eager,

@@ -98,10 +98,9 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
     good = [p for p in parsed if p.error is None]
     engine = llm.llm_engine
     computed_before = engine.num_computed_prompt_tokens
-    request_ids = [
-        engine.add_request(p.prompt_token_ids, p.sampling_params, prompt=p.prompt_text)
-        for p in good
-    ]
+    request_ids = llm.add_requests(
+        [(p.prompt_text, p.prompt_token_ids) for p in good], [p.sampling_params for p in good]
+    )
     outputs = llm.run_engine(request_ids, use_tqdm=use_tqdm)
     by_line = dict(zip(map(id, good), outputs))
     with open(output_path, "w", encoding="utf-8") as f:
@@ -111,12 +110,27 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
             else:
                 record = output_record(p, by_line[id(p)])
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    plan = llm.last_plan
     return summarize(
         outputs,
         time.monotonic() - start,
         num_failed_requests=len(parsed) - len(good),
         num_computed_prompt_tokens=engine.num_computed_prompt_tokens - computed_before,
+        planned_reuse_ratio=plan.planned_reuse_ratio if plan is not None else 0.0,
     )
+
+
+def run_plan_only(llm, input_path: str, defaults: dict[str, Any]) -> str:
+    """The global prefix plan of a job, as text, without running the model."""
+    with open(input_path, encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    parsed = [parse_line(llm, raw, i + 1, defaults) for i, raw in enumerate(lines)]
+    good = [p for p in parsed if p.error is None]
+    plan = llm.plan([p.prompt_token_ids for p in good], [p.sampling_params for p in good])
+    failed = (
+        f"\n  {len(parsed) - len(good)} lines failed validation" if len(good) < len(parsed) else ""
+    )
+    return plan.describe() + failed
 
 
 def register(subparsers) -> None:
@@ -128,6 +142,11 @@ def register(subparsers) -> None:
     gen.add_argument("--output", "-o", required=True, help="JSONL, one line per input line")
     gen.add_argument("--summary-json", default=None, help="write the job summary here")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the global prefix-sharing plan and exit without running the model",
+    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -144,6 +163,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     llm = build_llm(args)
+    if args.plan_only:
+        print(run_plan_only(llm, args.input, defaults))
+        return 0
     summary = run_generate(llm, args.input, args.output, defaults, use_tqdm=not args.no_progress)
     print(format_summary(summary), file=sys.stderr)
     if args.summary_json:
