@@ -33,6 +33,13 @@ def register(subparsers) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    p.add_argument(
+        "--memory-centric-admission",
+        action="store_true",
+        help="admit a request only when the KV blocks for its whole max_tokens are free "
+        "(the offline default); off by default when serving: requests are admitted as blocks "
+        "allow and preempted (recomputed) when they run out, as in vLLM",
+    )
     p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(p)
@@ -49,6 +56,7 @@ def build_state(args: argparse.Namespace, on_death=None):
 
     llm = build_llm(args)
     engine = llm.llm_engine
+    set_admission(engine, args.memory_centric_admission)
     name = args.served_model_name or default_model_name(args.model)
     metrics = EngineMetrics(name)
     async_engine = AsyncLLMEngine(
@@ -62,6 +70,18 @@ def build_state(args: argparse.Namespace, on_death=None):
         api_key=args.api_key,
         version=phloem.__version__,
     )
+
+
+def set_admission(engine, memory_centric: bool) -> None:
+    """Online requests often leave max_tokens at the whole context; reserving it up front would
+    cap concurrency at a handful of requests, so serving admits by the blocks needed now."""
+    import dataclasses
+
+    config = engine.scheduler.config
+    if getattr(config, "memory_centric_admission", memory_centric) != memory_centric:
+        engine.scheduler.config = dataclasses.replace(
+            config, memory_centric_admission=memory_centric
+        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

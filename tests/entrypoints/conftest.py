@@ -28,7 +28,7 @@ def main_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
     server = ServerProcess(
-        ["--max-model-len", "512", "--max-num-seqs", "2", "--num-gpu-blocks", "16"],
+        ["--max-model-len", "256", "--max-num-seqs", "2", "--num-gpu-blocks", "16"],
         tmp_path_factory.mktemp("small") / "server.log",
     )
     try:
