@@ -118,3 +118,19 @@ def test_max_tokens_min_tokens_and_logprobs(llm):
 def test_prompt_too_long_raises(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * (llm.llm_engine.max_model_len + 1)}, use_tqdm=False)
+
+
+def test_prefix_sharing_on_off_identical(llm):
+    system = {
+        "role": "system",
+        "content": "You are a museum guide. Answer visitors' questions about the paintings in "
+        "the east wing in one or two sentences, politely, and mention the room number.",
+    }
+    questions = ["Where is the Monet?", "Is photography allowed?", "Who painted the sunflowers?"]
+    chats = [[system, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    shared = llm.chat(chats, params, use_tqdm=False)
+    assert llm.last_plan is not None and llm.last_plan.shared_groups
+    assert all(o.num_cached_tokens > 0 for o in shared[1:]) or shared[0].num_cached_tokens > 0
+    plain = LLM(enable_prefix_caching=False).chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in plain]

@@ -15,7 +15,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
 
 def test_generate_cli_with_bad_lines(tmp_path):
-    lines = EXAMPLES.read_text().splitlines()
+    lines = [
+        json.dumps({**json.loads(line), "max_tokens": 8})
+        for line in EXAMPLES.read_text().splitlines()
+    ]
     bad = [
         "{not json",
         json.dumps({"id": "no-prompt", "max_tokens": 4}),
@@ -56,3 +59,22 @@ def test_generate_cli_with_bad_lines(tmp_path):
         assert s[key] > 0
     assert set(s["ttft_s"]) == {"p50", "p90", "p99"} and s["ttft_s"]["p50"] > 0
     assert "TTFT" in result.stderr
+    # the three library lines share a long system prompt: the planner groups them
+    assert (
+        s["num_reused_prompt_tokens"] > 0
+        and 0 < s["reuse_ratio"] <= s["planned_reuse_ratio"] + 1e-9
+    )
+    assert s["num_computed_prompt_tokens"] == s["num_prompt_tokens"] - s["num_reused_prompt_tokens"]
+
+
+def test_generate_plan_only(tmp_path):
+    out = tmp_path / "never.jsonl"
+    cmd = [
+        sys.executable, "-m", "phloem.entrypoints.cli", "generate",
+        "--input", str(EXAMPLES), "--output", str(out), "--plan-only",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "prefix plan: 12 requests" in result.stdout
+    assert "group 0: prefix" in result.stdout
+    assert not out.exists()
