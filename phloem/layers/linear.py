@@ -32,6 +32,19 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
         )
 
 
+def _shard(
+    loaded: torch.Tensor, dim: int, rank: int, size: int, total: int, what: str
+) -> torch.Tensor:
+    """Rank `rank`'s slice [rank*size, (rank+1)*size) of `loaded` along `dim`, after checking
+    that the checkpoint tensor has the full (unsharded) extent `total` there."""
+    if loaded.dim() <= dim or loaded.shape[dim] != total:
+        raise ValueError(
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {total} "
+            f"along dim {dim}"
+        )
+    return loaded.narrow(dim, rank * size, size)
+
+
 def default_weight_loader(
     param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
 ) -> None:
@@ -107,9 +120,9 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
-        size = param.shape[0]
-        loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
-        _check_shape(param, loaded_weight, type(self).__name__)
+        size, what = param.shape[0], type(self).__name__
+        loaded_weight = _shard(loaded_weight, 0, self.tp_rank, size, size * self.tp_size, what)
+        _check_shape(param, loaded_weight, what)
         param.data.copy_(loaded_weight)
 
 
@@ -136,8 +149,8 @@ class RowParallelLinear(LinearBase):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
         if param.dim() == 2:
-            size = param.shape[1]
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * size, size)
+            size, what = param.shape[1], type(self).__name__
+            loaded_weight = _shard(loaded_weight, 1, self.tp_rank, size, size * self.tp_size, what)
         _check_shape(param, loaded_weight, type(self).__name__)
         param.data.copy_(loaded_weight)
 
@@ -170,9 +183,11 @@ class MergedColumnLinear(ColumnParallelLinear):
             )
         sizes = [s // self.tp_size for s in self.output_sizes]
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        loaded_weight = loaded_weight.narrow(0, self.tp_rank * size, size)
+        what = f"MergedColumnLinear part {shard_id}"
+        total = self.output_sizes[shard_id]
+        loaded_weight = _shard(loaded_weight, 0, self.tp_rank, size, total, what)
         target = param.data.narrow(0, offset, size)
-        _check_shape(target, loaded_weight, f"MergedColumnLinear part {shard_id}")
+        _check_shape(target, loaded_weight, what)
         target.copy_(loaded_weight)
 
 
@@ -210,18 +225,20 @@ class QKVLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
     ) -> None:
+        kv_rank = self.tp_rank // self.kv_replicas
+        kv_total = self.kv_size * self.tp_size // self.kv_replicas
         if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
+            offset, size, rank, total = 0, self.q_size, self.tp_rank, self.q_size * self.tp_size
         elif shard_id == "k":
-            offset, size, rank = self.q_size, self.kv_size, self.tp_rank // self.kv_replicas
+            offset, size, rank, total = self.q_size, self.kv_size, kv_rank, kv_total
         elif shard_id == "v":
-            offset = self.q_size + self.kv_size
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+            offset, size, rank, total = self.q_size + self.kv_size, self.kv_size, kv_rank, kv_total
         else:
             raise ValueError(f"QKVLinear shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        loaded_weight = loaded_weight.narrow(0, rank * size, size)
+        what = f"QKVLinear shard {shard_id!r}"
+        loaded_weight = _shard(loaded_weight, 0, rank, size, total, what)
         target = param.data.narrow(0, offset, size)
-        _check_shape(target, loaded_weight, f"QKVLinear shard {shard_id!r}")
+        _check_shape(target, loaded_weight, what)
         target.copy_(loaded_weight)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

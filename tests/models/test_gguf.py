@@ -1,6 +1,6 @@
 """GGUF loading: dequantization fast paths, the q/k un-permutation, tiny written GGUF files
-(llama with permuted q/k and Q8_0/Q4_1/Q4_0/F16 tensors; qwen2 with biases), and the embedded
-SmolLM2 model against transformers' own GGUF loader."""
+(llama with permuted q/k and Q8_0/Q4_1/Q4_0/F16 tensors; qwen2 with biases; qwen3 with q/k
+norms), and the embedded SmolLM2 model against transformers' own GGUF loader."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -123,6 +125,7 @@ def write_tiny_gguf(hf: torch.nn.Module, arch: str, path: str) -> None:
         ("llama", transformers.LlamaConfig(tie_word_embeddings=False)),
         ("llama", transformers.LlamaConfig(tie_word_embeddings=True, attention_bias=True)),
         ("qwen2", transformers.Qwen2Config(tie_word_embeddings=False)),
+        ("qwen3", transformers.Qwen3Config(tie_word_embeddings=True)),
     ],
 )
 @torch.no_grad()

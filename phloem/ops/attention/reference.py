@@ -47,6 +47,33 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
             raise ValueError(f"sequence {b}: q_len {qsl[b + 1] - qsl[b]} > seq_len {seq_len}")
 
 
+def _gather_kv(
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of B sequences as [B, max_len, H_kv, D] in `dtype`, gathered row by row.
+
+    Args:
+        tables: int64 [B, max_blocks] block tables; lens: int64 [B] KV lengths (>= 1).
+    Positions at or past a sequence's length read its position len - 1 (always written, so
+    finite, unlike unwritten slots that may hold NaN); callers mask them out of the softmax.
+    """
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    pos = torch.arange(max_len, device=kv_cache.device)
+    clamped = torch.minimum(pos[None, :], lens[:, None] - 1)  # [B, L]
+    block_ids = torch.gather(tables, 1, clamped // block_size)
+    # Row of K in the flat [num_blocks * 2 * block_size, H_kv * D] view; V is block_size further.
+    k_rows = (block_ids * (2 * block_size) + clamped % block_size).flatten()
+    flat = kv_cache.reshape(num_blocks * 2 * block_size, num_kv_heads * head_dim)
+    shape = (tables.shape[0], max_len, num_kv_heads, head_dim)
+    k = flat.index_select(0, k_rows).view(shape).to(dtype)
+    v = flat.index_select(0, k_rows + block_size).view(shape).to(dtype)
+    return k, v
+
+
 class ReferenceAttention:
     """Paged causal attention in plain torch (GQA, chunked prefill and decode mixed in one step).
 
@@ -96,33 +123,26 @@ class ReferenceAttention:
         seqs: list[int],
         out: torch.Tensor,
     ) -> None:
-        """All q_len == 1 sequences at once: gather [B, max_len] KV padded, mask the tail."""
+        """All q_len == 1 sequences at once: one padded gather, masked past each length."""
         num_heads, head_dim = query.shape[1:]
-        block_size, num_kv_heads = kv_cache.shape[2:4]
+        num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         cdt = _compute_dtype(query.dtype)
         device = query.device
-        lens = [meta.seq_lens_cpu[b] for b in seqs]
-        max_len = max(lens)
-        num_blocks = -(-max_len // block_size)
+        lens = torch.tensor([meta.seq_lens_cpu[b] for b in seqs], device=device)
+        max_len = max(meta.seq_lens_cpu[b] for b in seqs)
         rows = torch.tensor(seqs, device=meta.block_tables.device)
-        block_ids = meta.block_tables[rows, :num_blocks].to(device=device, dtype=torch.int64)
-        kv = kv_cache[block_ids]  # [B, nb, 2, bs, H_kv, D]
-        kv = kv.transpose(1, 2).reshape(
-            len(seqs), 2, num_blocks * block_size, num_kv_heads, head_dim
-        )
-        k = kv[:, 0, :max_len].to(cdt).permute(0, 2, 3, 1)  # [B, H_kv, D, L]
-        v = kv[:, 1, :max_len].to(cdt).transpose(1, 2)  # [B, H_kv, L, D]
+        tables = meta.block_tables[rows].to(device=device, dtype=torch.int64)  # [B, max_blocks]
+        k, v = _gather_kv(kv_cache, tables, lens, max_len, cdt)  # [B, L, H_kv, D]
         tokens = torch.tensor([meta.query_start_loc_cpu[b] for b in seqs], device=device)
         q = query[tokens].to(cdt).view(len(seqs), num_kv_heads, group, head_dim) * scale
-        scores = torch.matmul(q, k)  # [B, H_kv, G, L]
-        lens_t = torch.tensor(lens, device=device)
-        pad = torch.arange(max_len, device=device)[None, :] >= lens_t[:, None]  # [B, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        # Unwritten slots may hold anything (NaN from torch.empty): 0 * NaN would leak through.
-        v = v.masked_fill(pad[:, None, :, None], 0.0)
-        o = torch.matmul(probs, v)  # [B, H_kv, G, D]
+        pad = torch.arange(max_len, device=device)[None, None, :] >= lens[:, None, None]  # [B,1,L]
+        o = torch.empty(len(seqs), num_kv_heads, group, head_dim, dtype=cdt, device=device)
+        # One bmm pair per KV head on strided views: cheaper than copying K/V to head-major.
+        for h in range(num_kv_heads):
+            scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))  # [B, G, L]
+            scores.masked_fill_(pad, float("-inf"))
+            o[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])  # [B, G, D]
         out[tokens] = o.reshape(len(seqs), num_heads, head_dim).to(out.dtype)
 
     @staticmethod
@@ -136,25 +156,25 @@ class ReferenceAttention:
     ) -> None:
         """One q_len > 1 sequence through SDPA; GQA folds the group into the query length."""
         num_heads, head_dim = query.shape[1:]
-        block_size, num_kv_heads = kv_cache.shape[2:4]
+        num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         cdt = _compute_dtype(query.dtype)
         device = query.device
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         q_len, seq_len = end - start, meta.seq_lens_cpu[b]
-        num_blocks = -(-seq_len // block_size)
-        block_ids = meta.block_tables[b, :num_blocks].to(device=device, dtype=torch.int64)
-        kv = kv_cache[block_ids].transpose(0, 1)  # [2, nb, bs, H_kv, D]
-        kv = kv.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)[:, :seq_len]
-        k = kv[0].to(cdt).transpose(0, 1)  # [H_kv, L, D]
-        v = kv[1].to(cdt).transpose(0, 1)
+        table = meta.block_tables[b : b + 1].to(device=device, dtype=torch.int64)
+        lens = torch.tensor([seq_len], device=device)
+        k, v = _gather_kv(kv_cache, table, lens, seq_len, cdt)  # [1, L, H_kv, D]
+        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [H_kv, L, D]
         # [q_len, H_kv * G, D] -> [H_kv, G * q_len, D]: row g * q_len + i is query i of head (h, g).
         q = query[start:end].to(cdt).view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
-        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        # 4-D inputs: on CPU, SDPA takes its flash kernel for 4-D (3x faster than the 3-D math path).
+        mask = mask.repeat(group, 1)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+        o = o[0].view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
 
 
