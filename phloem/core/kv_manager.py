@@ -41,6 +41,7 @@ class KVManager:
         self.prefix_cache = RadixCache(block_size) if enable_prefix_cache else None
         self._block_tables: dict[str, list[int]] = {}
         self._locked_nodes: dict[str, RadixNode] = {}
+        self._num_cached_prompt_blocks: dict[str, int] = {}
         self._held_prefixes: dict[int, SharedPrefix] = {}
         self.num_prefix_cache_queries = 0  # prompt tokens looked up in the radix cache
         self.num_prefix_cache_hits = 0  # prompt tokens found there
@@ -119,6 +120,30 @@ class KVManager:
         self.attach_blocks(request, match.block_ids, match.num_tokens)
         self.num_prefix_cache_hits += match.num_tokens
 
+    def cache_prompt_blocks(self, request: Request) -> None:
+        """Offer the request's newly completed full prompt blocks to the radix cache while it
+        still runs, so requests admitted later reuse them at once (not only after it finishes).
+        The cache takes its own reference to blocks it did not have; the request's matched path
+        lock moves to the new deepest node. No-op without a radix cache."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        if num_full <= self._num_cached_prompt_blocks.get(request.request_id, 0):
+            return
+        tokens = request.prompt_token_ids[: num_full * self.block_size]
+        blocks = self.block_ids(request.request_id)[:num_full]
+        self.allocator.incref(blocks)
+        duplicates = set(cache.insert(tokens, blocks))
+        self.allocator.decref([b for b in blocks if b in duplicates])
+        node = cache.match_prefix(tokens).last_node
+        cache.lock(node)
+        old = self._locked_nodes.get(request.request_id)
+        if old is not None:
+            cache.unlock(old)
+        self._locked_nodes[request.request_id] = node
+        self._num_cached_prompt_blocks[request.request_id] = num_full
+
     def hold_shared_prefix(self, group: SharedPrefix, leader: Request) -> None:
         """Give `group` its own reference to the prefix blocks the leader just computed."""
         num_blocks = group.prefix_len // self.block_size
@@ -146,6 +171,7 @@ class KVManager:
         """
         table = self._block_tables.pop(request.request_id, None)
         node = self._locked_nodes.pop(request.request_id, None)
+        self._num_cached_prompt_blocks.pop(request.request_id, None)
         if table and cache and self.prefix_cache is not None:
             num_full = min(request.num_computed_tokens // self.block_size, len(table))
             if num_full:

@@ -285,6 +285,8 @@ class Scheduler:
             ):
                 self.kv.hold_shared_prefix(group, request)
                 group.leader = None
+            if scheduled.num_computed_tokens < request.num_prompt_tokens:
+                self.kv.cache_prompt_blocks(request)
             if not scheduled.sample:
                 continue
             request.append_output_token(sampled_token_ids[request.request_id])

@@ -173,3 +173,22 @@ def test_radix_cache_reuses_across_requests_and_evicts_lru():
     )
     run(s, [big])
     assert big.output_token_ids == reference_outputs([big])["c"]
+
+
+def test_radix_cache_shares_blocks_of_running_requests():
+    s = make_scheduler(num_blocks=64, block_size=4, budget=12, prefix_cache=True)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    system = list(range(200, 224))  # 6 blocks
+    a = Request("a", system + [1], params)
+    s.add_request(a)
+    for _ in range(3):  # a's prompt is computed in chunks of 12, then it decodes
+        out = s.schedule()
+        s.update_from_output(out, {x.request.request_id: 5 for x in out.scheduled if x.sample})
+        s.check_integrity()
+    assert not a.is_finished and a.num_computed_tokens == 25
+    b = Request("b", system + [2, 3], params)
+    s.add_request(b)
+    out = s.schedule()
+    assert b.num_cached_tokens == 24 and [x.num_tokens for x in out.scheduled] == [1, 2]
+    assert s.kv.block_ids("b")[:6] == s.kv.block_ids("a")[:6]
+    s.check_integrity()
