@@ -100,6 +100,7 @@ def build_llm(args: argparse.Namespace):
 SUBCOMMANDS = [
     "phloem.entrypoints.generate",
     "phloem.entrypoints.serve",
+    "phloem.entrypoints.run_batch",
     "phloem.entrypoints.bench",
 ]
 

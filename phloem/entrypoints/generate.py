@@ -2,12 +2,22 @@
 
 Every line is validated on its own: a bad line yields `{"id", "error"}` and the rest of the job
 runs. Good lines are handed to `LLM` as one batch, so the engine sees the whole job at once.
+
+Crash-safe and resumable: each finished line is appended and flushed to `<output>.partial`
+(`phloem.entrypoints.resumable.ResultLog`) as it finishes; the ordered output file is written
+from those records at the end (atomically) and the partial file removed. Rerunning the same
+command after a crash (even `kill -9` mid-write) drops a torn last record, skips the lines
+already done and runs the rest. The partial file starts with a fingerprint of the input lines
+and sampling defaults; a partial file of another job is discarded.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -16,6 +26,7 @@ from typing import Any
 from phloem.sampling_params import SamplingParams
 
 _LINE_KEYS = {"id", "prompt", "messages"}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +101,7 @@ def output_record(parsed: ParsedLine, output) -> dict[str, Any]:
 def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any], use_tqdm=True):
     """Run the job; returns the summary dict (see `phloem.engine.metrics.summarize`)."""
     from phloem.engine.metrics import summarize
+    from phloem.entrypoints.resumable import iter_finished, write_atomically
 
     start = time.monotonic()
     with open(input_path, encoding="utf-8") as f:
@@ -98,18 +110,33 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
     good = [p for p in parsed if p.error is None]
     engine = llm.llm_engine
     computed_before = engine.num_computed_prompt_tokens
+    log, done = _open_partial(output_path + ".partial", lines, parsed, defaults)
+    todo = [i for i, p in enumerate(parsed) if p.error is None and i not in done]
+    if len(done) > 1:
+        logger.info("resuming: %d lines already done, %d to run", len(done) - 1, len(todo))
     request_ids = llm.add_requests(
-        [(p.prompt_text, p.prompt_token_ids) for p in good], [p.sampling_params for p in good]
+        [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo],
+        [parsed[i].sampling_params for i in todo],
     )
-    outputs = llm.run_engine(request_ids, use_tqdm=use_tqdm)
-    by_line = dict(zip(map(id, good), outputs))
-    with open(output_path, "w", encoding="utf-8") as f:
-        for p in parsed:
-            if p.error is not None:
-                record = {"id": p.id, "error": p.error}
-            else:
-                record = output_record(p, by_line[id(p)])
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    line_of = dict(zip(request_ids, todo))
+    outputs = []
+    try:
+        for output in iter_finished(llm, request_ids, use_tqdm=use_tqdm):
+            i = line_of[output.request_id]
+            done[i] = {"line": i, "record": output_record(parsed[i], output)}
+            log.append(done[i])
+            outputs.append(output)
+    finally:
+        log.close()
+    write_atomically(
+        output_path,
+        [
+            json.dumps({"id": p.id, "error": p.error} if p.error else done[i]["record"],
+                       ensure_ascii=False)
+            for i, p in enumerate(parsed)
+        ],
+    )  # fmt: skip
+    os.remove(log.path)
     plan = llm.last_plan
     return summarize(
         outputs,
@@ -118,6 +145,41 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
         num_computed_prompt_tokens=engine.num_computed_prompt_tokens - computed_before,
         planned_reuse_ratio=plan.planned_reuse_ratio if plan is not None else 0.0,
     )
+
+
+def _open_partial(path: str, lines: list[str], parsed: list[ParsedLine], defaults: dict):
+    """The job's partial-results log and its finished records {line index: record} plus the
+    header under the key "header". Discards a partial file of a different job."""
+    from phloem.entrypoints.resumable import ResultLog
+
+    digest = hashlib.sha256(json.dumps([lines, defaults], sort_keys=True).encode()).hexdigest()
+    header = {"phloem_generate_partial": 1, "fingerprint": digest}
+
+    def key_of(record: dict):
+        if record == header:
+            return "header"
+        i, inner = record.get("line"), record.get("record")
+        if isinstance(i, int) and 0 <= i < len(parsed) and isinstance(inner, dict):
+            if parsed[i].error is None and inner.get("id") == parsed[i].id:
+                return i
+        return None
+
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            first = f.readline()
+        try:
+            same_job = json.loads(first) == header
+        except ValueError:
+            same_job = False
+        if not same_job:
+            logger.warning("%s belongs to another job (or is torn at its start): discarded", path)
+            os.remove(path)
+    log = ResultLog(path, key_of)
+    done = log.load()
+    if "header" not in done:
+        log.append(header)
+        done["header"] = header
+    return log, done
 
 
 def run_plan_only(llm, input_path: str, defaults: dict[str, Any]) -> str:

@@ -1,0 +1,145 @@
+"""Crash-safe, resumable job output: an append-only JSONL log of finished records.
+
+Used by `phloem run-batch` (the log is the output file) and `phloem generate` (the log is
+`<output>.partial`; the ordered output is written from it at the end).
+
+Crash model: the process may die at any byte (kill -9, OOM). Each record is one line, written
+with a single `write` and flushed right away, so a dead process leaves every finished record on
+disk but the last line possibly torn (no newline, cut JSON, cut UTF-8). `ResultLog.load()`
+keeps the complete, valid, first-seen record of each key and drops everything else (a torn
+tail, garbage, duplicates, records of other jobs), rewriting the file atomically if it dropped
+anything, so appending can resume at a line boundary.
+
+    |-- valid record \\n --|-- valid record \\n --|-- torn tail (dropped) --|
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ResultLog:
+    """Append-only JSONL records keyed by `key_of(record)` (None: not this job's record).
+
+    Args:
+        path: the log file; created on the first append.
+        key_of: a record's key; records with a None key or a key seen before are dropped.
+        fsync_interval_s: fsync at most this often while appending (process death needs only the
+            flush; fsync guards against losing the machine).
+    """
+
+    def __init__(
+        self, path: str, key_of: Callable[[dict], Hashable | None], fsync_interval_s: float = 1.0
+    ) -> None:
+        self.path = path
+        self.key_of = key_of
+        self.fsync_interval_s = fsync_interval_s
+        self._file = None
+        self._last_sync = 0.0
+
+    def load(self) -> dict[Hashable, dict]:
+        """Read the finished records (key -> record). Mutates the file only to drop bad lines."""
+        if not os.path.exists(self.path):
+            return {}
+        with open(self.path, "rb") as f:
+            data = f.read()
+        *lines, tail = data.split(b"\n")
+        dropped = len(tail) > 0
+        records: dict[Hashable, dict] = {}
+        kept: list[bytes] = []
+        for raw in lines:
+            try:
+                record = json.loads(raw)
+                key = self.key_of(record) if isinstance(record, dict) else None
+            except (ValueError, UnicodeDecodeError, TypeError):
+                key = None
+            if key is None or key in records:
+                dropped = True
+                continue
+            records[key] = record
+            kept.append(raw)
+        if dropped:
+            logger.warning(
+                "%s: kept %d finished records, dropped %d torn, invalid or duplicate lines",
+                self.path,
+                len(kept),
+                len(lines) + (1 if tail else 0) - len(kept),
+            )
+            self._rewrite(kept)
+        return records
+
+    def _rewrite(self, lines: list[bytes]) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one record as one line and flush it (the line is complete once this returns)."""
+        if self._file is None:
+            self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self._file.flush()
+        now = time.monotonic()
+        if now - self._last_sync >= self.fsync_interval_s:
+            os.fsync(self._file.fileno())
+            self._last_sync = now
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+def write_atomically(path: str, lines: list[str]) -> None:
+    """Write `lines` (each without its newline) to `path` via a temporary file and a rename."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def iter_finished(llm, request_ids: list[str], use_tqdm: bool = True) -> Iterator:
+    """Step the engine and yield each of `request_ids`' RequestOutput as soon as it finishes
+    (like `LLM.run_engine`, but streaming, so the caller can persist results one by one)."""
+    from tqdm.auto import tqdm
+
+    engine = llm.llm_engine
+    pending = set(request_ids)
+    bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+    start = time.monotonic()
+    num_in = num_out = num_reused = 0
+    try:
+        while pending and engine.has_unfinished_requests():
+            for output in engine.step():
+                if not output.finished or output.request_id not in pending:
+                    continue
+                pending.discard(output.request_id)
+                num_in += len(output.prompt_token_ids)
+                num_out += sum(len(c.token_ids) for c in output.outputs)
+                num_reused += output.num_cached_tokens
+                elapsed = max(time.monotonic() - start, 1e-9)
+                bar.set_postfix_str(
+                    f"input: {num_in / elapsed:.1f} toks/s, "
+                    f"output: {num_out / elapsed:.1f} toks/s, "
+                    f"prefix reuse: {num_reused / max(num_in, 1):.0%}",
+                    refresh=False,
+                )
+                bar.update(1)
+                yield output
+    finally:
+        bar.close()

@@ -1,0 +1,248 @@
+"""`phloem run-batch`: OpenAI Batch API files, planned globally, crash-safe and resumable.
+
+Input, one JSON object per line (OpenAI's batch input format):
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+`url` is /v1/completions or /v1/chat/completions; `body` is that endpoint's request, validated
+exactly as the server validates it (`body.model` is not checked: a batch runs one model).
+
+Output, one line per input line (OpenAI's batch output format, in completion order):
+
+    {"id": "batch_req_<line>", "custom_id": "r1",
+     "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
+
+A bad line gets `status_code` 400 and an OpenAI error body; the job goes on. All good lines go to
+the engine at once (`LLM.add_requests`, planned for prefix sharing). Results are appended and
+flushed as they finish; rerunning the same command after a crash (even `kill -9` mid-write)
+drops a torn last line, skips the lines already answered and runs the rest, so every input line
+ends with exactly one output line. `id` carries the input line number, which is how a rerun
+knows what is done (together with `custom_id`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+logger = logging.getLogger(__name__)
+
+URLS = ("/v1/completions", "/v1/chat/completions")
+_LINE_KEYS = {"custom_id", "method", "url", "body"}
+
+
+@dataclass
+class BatchLine:
+    """One input line: its number, custom_id, and either a prepared request or an error."""
+
+    line_number: int
+    custom_id: str | None
+    url: str | None = None
+    prep: Any = None  # server._Prepared
+    error: Any = None  # protocol.APIError
+    outputs: dict[int, Any] = field(default_factory=dict)  # prompt index -> RequestOutput
+
+
+def record_id(line_number: int) -> str:
+    return f"batch_req_{line_number}"
+
+
+def parse_batch_line(front, raw: str, line_number: int, first_line: dict[str, int]) -> BatchLine:
+    """Validate one line (never raises: errors land in `BatchLine.error` as a 400).
+
+    `first_line` maps each custom_id to the first input line holding it; later lines with the
+    same custom_id fail as duplicates (decided over the whole file, so resuming agrees).
+    """
+    from phloem.entrypoints.openai.protocol import (
+        APIError,
+        ChatCompletionRequest,
+        CompletionRequest,
+        validation_error,
+    )
+    from phloem.entrypoints.openai.server import prepare_chat, prepare_completion
+
+    line = BatchLine(line_number, None)
+    try:
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"line {line_number}: invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"line {line_number}: expected a JSON object")
+        custom_id = data.get("custom_id")
+        if isinstance(custom_id, str) and custom_id:
+            line.custom_id = custom_id
+        else:
+            raise APIError(400, "custom_id must be a non-empty string", param="custom_id")
+        if first_line.get(custom_id, line_number) != line_number:
+            raise APIError(
+                400,
+                f"duplicate custom_id {custom_id!r} (first on line {first_line[custom_id]})",
+                param="custom_id",
+            )
+        unknown = sorted(set(data) - _LINE_KEYS)
+        if unknown:
+            raise APIError(400, f"Unrecognized batch line field: {unknown[0]}", param=unknown[0])
+        if data.get("method", "POST") != "POST":
+            raise APIError(400, "method must be POST", param="method")
+        url = data.get("url")
+        if url not in URLS:
+            raise APIError(400, f"url must be one of {', '.join(URLS)}, got {url!r}", param="url")
+        line.url = url
+        body = data.get("body")
+        if not isinstance(body, dict):
+            raise APIError(400, "body must be a JSON object", param="body")
+        model_cls = CompletionRequest if url == URLS[0] else ChatCompletionRequest
+        try:
+            request = model_cls.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if request.stream:
+            raise APIError(400, "stream is not supported in batch jobs", param="stream")
+        if url == URLS[0]:
+            line.prep = prepare_completion(front, request)
+        else:
+            line.prep = prepare_chat(front, request)
+    except APIError as e:
+        line.error = e
+    except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this line's only
+        line.error = APIError(400, f"{type(e).__name__}: {e}")
+    return line
+
+
+def error_record(line: BatchLine) -> dict[str, Any]:
+    return {
+        "id": record_id(line.line_number),
+        "custom_id": line.custom_id,
+        "response": {"status_code": line.error.status_code, "request_id": None,
+                     "body": line.error.body()},
+        "error": None,
+    }  # fmt: skip
+
+
+def success_record(front, line: BatchLine, created: int) -> dict[str, Any]:
+    from phloem.entrypoints.openai.server import chat_response, completion_response
+
+    finals = [line.outputs[i] for i in range(len(line.prep.prompts))]
+    request_id = line.prep.request_ids[0]
+    if line.url == URLS[0]:
+        response_id = request_id.rsplit("-", 1)[0] if len(finals) > 1 else request_id
+        body = completion_response(front, line.prep, finals, response_id, created)
+    else:
+        body = chat_response(front, line.prep, finals, created)
+    return {
+        "id": record_id(line.line_number),
+        "custom_id": line.custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def read_lines(input_path: str) -> list[tuple[int, str]]:
+    """(line number, text) of the non-blank input lines."""
+    with open(input_path, encoding="utf-8", errors="replace") as f:
+        return [(i + 1, raw) for i, raw in enumerate(f.read().splitlines()) if raw.strip()]
+
+
+def _custom_id_of(raw: str) -> str | None:
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    value = data.get("custom_id") if isinstance(data, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm: bool = True):
+    """Run (or resume) the job; returns counts {"num_lines", "num_resumed", "num_failed", ...}."""
+    from phloem.entrypoints.openai.server import Frontend
+    from phloem.entrypoints.resumable import ResultLog, iter_finished
+
+    engine = llm.llm_engine
+    front = Frontend(llm.get_tokenizer(), engine.max_model_len, engine.validate_prompt, model_name)
+    lines = read_lines(input_path)
+    expected = {record_id(n): _custom_id_of(raw) for n, raw in lines}
+
+    def key_of(record: dict):
+        rid = record.get("id")
+        if rid in expected and record.get("custom_id") == expected[rid] and "response" in record:
+            return rid
+        return None
+
+    log = ResultLog(output_path, key_of)
+    done = log.load()
+    start = time.monotonic()
+    first_line: dict[str, int] = {}
+    for n, _ in lines:
+        custom_id = expected[record_id(n)]
+        if custom_id is not None:
+            first_line.setdefault(custom_id, n)
+    todo = [
+        parse_batch_line(front, raw, n, first_line) for n, raw in lines if record_id(n) not in done
+    ]
+    failed = [b for b in todo if b.error is not None]
+    good = [b for b in todo if b.error is None]
+    created = int(time.time())
+    try:
+        for b in failed:
+            log.append(error_record(b))
+        encoded, params, owners = [], [], []
+        for b in good:
+            for i, (text, ids) in enumerate(b.prep.prompts):
+                encoded.append((text, ids))
+                params.append(b.prep.params[i])
+                owners.append((b, i))
+        request_ids = llm.add_requests(encoded, params)
+        owner_of = dict(zip(request_ids, owners))
+        for output in iter_finished(llm, request_ids, use_tqdm):
+            b, i = owner_of[output.request_id]
+            b.outputs[i] = output
+            if len(b.outputs) == len(b.prep.prompts):
+                log.append(success_record(front, b, created))
+    finally:
+        log.close()
+    return {
+        "num_lines": len(lines),
+        "num_resumed": len(done),
+        "num_failed": len(failed),
+        "num_completed": len(good),
+        "wall_s": time.monotonic() - start,
+    }
+
+
+def register(subparsers) -> None:
+    """Add `phloem run-batch` to the CLI."""
+    from phloem.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "run-batch", help="run an OpenAI Batch API JSONL file (crash-safe, resumable)"
+    )
+    p.add_argument("--input", "-i", required=True, help="OpenAI batch input JSONL")
+    p.add_argument("--output", "-o", required=True, help="OpenAI batch output JSONL (appended)")
+    p.add_argument("--served-model-name", default=None, help="model name in response bodies")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_run_batch)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from phloem.entrypoints.cli import build_llm
+    from phloem.entrypoints.openai.server import default_model_name
+
+    llm = build_llm(args)
+    name = args.served_model_name or default_model_name(args.model)
+    counts = run_batch(llm, args.input, args.output, name, use_tqdm=not args.no_progress)
+    print(
+        f"run-batch: {counts['num_lines']} requests: {counts['num_resumed']} already done, "
+        f"{counts['num_completed']} completed, {counts['num_failed']} failed "
+        f"({counts['wall_s']:.1f} s) -> {args.output}",
+        file=sys.stderr,
+    )
+    return 0
