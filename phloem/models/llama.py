@@ -69,6 +69,14 @@ def reject_sliding_window(hf_config: Any) -> None:
         )
 
 
+def build_rotary(hf_config: Any) -> RotaryEmbedding:
+    """The model's RoPE module (from `rope_parameters`, honouring `partial_rotary_factor`)."""
+    head_dim = head_dim_of(hf_config)
+    rope = rope_parameters_from_hf(hf_config)
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    return RotaryEmbedding(head_dim, rotary_dim, hf_config.max_position_embeddings, rope)
+
+
 class LlamaAttention(nn.Module):
     """qkv_proj -> (optional per-head q/k RMSNorm) -> RoPE -> paged attention -> o_proj."""
 
@@ -77,6 +85,7 @@ class LlamaAttention(nn.Module):
         hf_config: Any,
         layer_idx: int,
         dtype: torch.dtype,
+        rotary_emb: RotaryEmbedding,
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool = False,
@@ -88,11 +97,7 @@ class LlamaAttention(nn.Module):
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         self.qkv_proj = QKVLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, o_bias, dtype)
-        rope = rope_parameters_from_hf(hf_config)
-        rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, rotary_dim, hf_config.max_position_embeddings, rope
-        )
+        self.rotary_emb = rotary_emb  # shared by all layers (one cos/sin table per model)
         if qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype)
             self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype)
@@ -170,8 +175,9 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, **attn_kwargs: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        rotary_emb = build_rotary(hf_config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, dtype, **attn_kwargs)
+            LlamaDecoderLayer(hf_config, i, dtype, rotary_emb=rotary_emb, **attn_kwargs)
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
