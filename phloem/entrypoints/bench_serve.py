@@ -1,0 +1,336 @@
+"""`phloem bench serve`: latency and throughput of a running OpenAI-compatible server.
+
+Sends `--num-prompts` streaming requests to `--base-url`, all at once (`--request-rate inf`) or
+as a Poisson process of the given rate, optionally capped at `--max-concurrency` in flight, and
+reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99), request and token
+throughput, in vLLM's `benchmark_serving` printout; `--json` writes the result object and
+`--plot` draws the latency distributions (PNG, needs matplotlib).
+
+Workloads: `--dataset FILE` (JSONL lines with "prompt" or "messages", optionally "max_tokens",
+the `phloem generate` input format), or random token prompts of `--input-len` tokens with an
+optional shared `--prefix-len` prefix and `--output-len` tokens each (EOS ignored).
+
+    phloem bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestResult:
+    """One request's timings [s] and token counts."""
+
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def register_serve_bench(bench_subparsers) -> None:
+    """Add `serve` under `phloem bench` (call from bench.py's register with its subparsers)."""
+    p = bench_subparsers.add_parser("serve", help="latency/throughput of a running server")
+    add_serve_bench_args(p)
+    p.set_defaults(func=run_serve_bench)
+
+
+def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])  # fmt: skip
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset", default=None, help="JSONL of {prompt | messages, max_tokens?}")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--input-len", type=int, default=128, help="random prompts: tokens each")
+    p.add_argument("--prefix-len", type=int, default=0, help="random prompts: shared prefix")
+    p.add_argument("--output-len", type=int, default=64, help="tokens to generate per request")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s of a Poisson process; inf sends all at once")  # fmt: skip
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request [s]")
+    p.add_argument("--json", default=None, help="write the result object to this path")
+    p.add_argument("--plot", default=None, help="draw the latency distributions (PNG)")
+
+
+# -- the workload ----------------------------------------------------------------------------------
+
+
+def _load_dataset(path: str, num: int, output_len: int) -> list[dict]:
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            item = {k: record[k] for k in ("prompt", "messages") if k in record}
+            if not item:
+                raise ValueError(f"{path}: each line needs 'prompt' or 'messages'")
+            item["max_tokens"] = record.get("max_tokens", output_len)
+            items.append(item)
+    if not items:
+        raise ValueError(f"{path} holds no requests")
+    return [items[i % len(items)] for i in range(num)]
+
+
+async def _random_workload(client, args) -> list[dict]:
+    """Random-token prompts (text from the server's /detokenize, so chat can use them too)."""
+    rng = random.Random(args.seed)
+    low, high = 1000, 20000  # ordinary tokens of typical vocabularies; no special tokens
+    prefix = [rng.randrange(low, high) for _ in range(args.prefix_len)]
+    items = []
+    for _ in range(args.num_prompts):
+        ids = prefix + [rng.randrange(low, high) for _ in range(args.input_len - args.prefix_len)]
+        if args.endpoint == "/v1/completions":
+            items.append({"prompt": ids, "max_tokens": args.output_len})
+            continue
+        r = await client.post("/detokenize", json={"tokens": ids})
+        r.raise_for_status()
+        text = r.json()["prompt"]
+        items.append({"messages": [{"role": "user", "content": text}],
+                      "max_tokens": args.output_len})  # fmt: skip
+    return items
+
+
+# -- one request ------------------------------------------------------------------------------------
+
+
+async def _send(client, endpoint: str, body: dict, timeout: float) -> RequestResult:
+    start = time.perf_counter()
+    last = None
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", endpoint, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                result.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    result.ok = result.error is None
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    continue
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if last is None:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
+        result.error = f"{type(e).__name__}: {e}"
+        result.ok = False
+    result.e2e = time.perf_counter() - start
+    return result
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+async def _run(args) -> tuple[list[RequestResult], float, str]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                                 timeout=args.timeout) as client:  # fmt: skip
+        model = args.model
+        if model is None:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        if args.dataset:
+            items = _load_dataset(args.dataset, args.num_prompts, args.output_len)
+        else:
+            items = await _random_workload(client, args)
+        rng = random.Random(args.seed + 1)
+        semaphore = asyncio.Semaphore(args.max_concurrency or len(items))
+        ignore_eos = args.dataset is None
+
+        async def one(item: dict) -> RequestResult:
+            body = {**item, "model": model, "stream": True, "temperature": args.temperature,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            if ignore_eos:
+                body["ignore_eos"] = True
+            async with semaphore:
+                return await _send(client, args.endpoint, body, args.timeout)
+
+        tasks = []
+        start = time.perf_counter()
+        for item in items:
+            tasks.append(asyncio.create_task(one(item)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start, model
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    """mean, median, p90, p99 in milliseconds (None when empty)."""
+    if not values:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        pos = (len(ordered) - 1) * p
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)) * 1000
+
+    return {"mean": sum(ordered) / len(ordered) * 1000, "median": q(0.5), "p90": q(0.9),
+            "p99": q(0.99)}  # fmt: skip
+
+
+def summarize_serve(results: list[RequestResult], duration: float, args, model: str) -> dict:
+    ok = [r for r in results if r.ok]
+    num_in = sum(r.prompt_tokens for r in ok)
+    num_out = sum(r.output_tokens for r in ok)
+    return {
+        "model": model,
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:10],
+        "duration_s": duration,
+        "total_input_tokens": num_in,
+        "total_output_tokens": num_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": num_out / duration,
+        "total_token_throughput": (num_in + num_out) / duration,
+        "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": _stats([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": _stats([x for r in ok for x in r.itl]),
+        "e2el_ms": _stats([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+def format_serve_result(s: dict) -> str:
+    def ms(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        f"{'Successful requests:':<40}{s['completed']:<10}",
+        f"{'Failed requests:':<40}{s['failed']:<10}",
+        f"{'Request rate configured (RPS):':<40}{s['request_rate']:<10}",
+        f"{'Maximum request concurrency:':<40}{s['max_concurrency'] or '-'}",
+        f"{'Benchmark duration (s):':<40}{s['duration_s']:<10.2f}",
+        f"{'Total input tokens:':<40}{s['total_input_tokens']:<10}",
+        f"{'Total generated tokens:':<40}{s['total_output_tokens']:<10}",
+        f"{'Request throughput (req/s):':<40}{s['request_throughput']:<10.2f}",
+        f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:<10.2f}",
+        f"{'Total Token throughput (tok/s):':<40}{s['total_token_throughput']:<10.2f}",
+    ]
+    sections = [
+        ("ttft_ms", "Time to First Token", "TTFT"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+        ("itl_ms", "Inter-token Latency", "ITL"),
+        ("e2el_ms", "End-to-end Latency", "E2EL"),
+    ]
+    for key, title, short in sections:
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"),
+                            ("p99", "P99")):  # fmt: skip
+            lines.append(f"{f'{label} {short} (ms):':<40}{ms(s[key][stat]):<10}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _plot(results: list[RequestResult], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        return
+    ok = [r for r in results if r.ok]
+    series = [
+        ("TTFT (ms)", [r.ttft * 1000 for r in ok if r.ttft is not None]),
+        ("TPOT (ms)", [t * 1000 for r in ok if (t := r.tpot) is not None]),
+        ("E2E latency (ms)", [r.e2e * 1000 for r in ok if r.e2e is not None]),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, (label, values) in zip(axes, series):
+        if values:
+            ordered = sorted(values)
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))])
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("phloem bench serve: latency CDFs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    """The `bench serve` subcommand; prints the report and writes --json / --plot.
+    Returns 1 if any request failed."""
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be at least 1")
+    if not 0 <= args.prefix_len <= args.input_len:
+        raise ValueError("--prefix-len must be in [0, --input-len]")
+    if args.request_rate <= 0:
+        raise ValueError("--request-rate must be positive (inf: all at once)")
+    results, duration, model = asyncio.run(_run(args))
+    summary = summarize_serve(results, duration, args, model)
+    print(format_serve_result(summary))
+    if summary["errors"]:
+        print("errors: " + "; ".join(summary["errors"]), file=sys.stderr)
+    if args.json:
+        record = {
+            **summary,
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "requests": [asdict(r) for r in results],
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m phloem.entrypoints.bench_serve ...` (same flags as `phloem bench serve`)."""
+    parser = argparse.ArgumentParser(prog="phloem bench serve", description=__doc__)
+    add_serve_bench_args(parser)
+    return run_serve_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
