@@ -54,11 +54,12 @@ def build_hf_model(hf_config: Any, state: dict[str, torch.Tensor], dtype, device
     return model.eval()
 
 
-@torch.inference_mode()
 def run_transformers_generate_batch(model: nn.Module, workload: Workload) -> dict:
     """Time `generate_batch` on the workload (one warm-up on two prompts first). Output lengths
     are the workload's maximum for every request (generate_batch takes one max_new_tokens), so
-    tokens/s counts what it actually generated."""
+    tokens/s counts what it actually generated. Not under inference_mode: generate_batch runs
+    its loop in a background thread, which must be able to update the tensors it creates.
+    Raises RuntimeError when requests come back incomplete (failed requests)."""
     from transformers import GenerationConfig
 
     max_new = max(workload.output_lens)
@@ -85,6 +86,11 @@ def run_transformers_generate_batch(model: nn.Module, workload: Workload) -> dic
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
+    if len(results) != workload.num_requests or generated < len(results) * max_new:
+        raise RuntimeError(
+            f"generate_batch returned {len(results)} of {workload.num_requests} requests with "
+            f"{generated} of {len(results) * max_new} tokens"
+        )
     return {
         "name": "transformers",
         "method": "generate_batch (continuous batching)",

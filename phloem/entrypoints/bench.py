@@ -113,6 +113,7 @@ def _engine_info(llm) -> dict:
         "dtype": str(worker.dtype).replace("torch.", ""),
         "attention_backend": worker.model_runner.backend.name,
         "cuda_graphs": bool(getattr(worker, "cuda_graphs", False)),
+        "compiled_layers": getattr(worker, "compiled_layers", 0),
         "num_kv_blocks": worker.num_blocks,
         "block_size": llm.llm_engine.config.cache.block_size,
         "max_num_seqs": sched.max_num_seqs,
@@ -143,11 +144,12 @@ def _versions() -> dict:
     return out
 
 
-def _profile(llm, workload, steps: int, path: str) -> list[dict]:
-    """Profile `steps` engine steps of a fresh copy of the workload's first requests; writes the
-    kernel table to `path` and returns the top kernels by device time."""
+def _profile(llm, workload, steps: int, path: str) -> dict:
+    """Profile engine steps of a fresh copy of the workload's first requests, twice: right after
+    admission (prefill-heavy steps) and once every request has its first token (decode steps).
+    Writes both kernel tables to `path`; returns per phase the wall and device time per step and
+    the top kernels by device time."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from phloem import SamplingParams
 
@@ -157,29 +159,62 @@ def _profile(llm, workload, steps: int, path: str) -> list[dict]:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
         for p, o in zip(workload.prompts[:n], workload.output_lens[:n])
     ]
-    for _ in range(3):
-        engine.step()
+    seen: set[str] = set()
+
+    def step() -> None:
+        seen.update(o.request_id for o in engine.step())
+
+    result, tables = {}, []
+    step()
+    result["prefill_steps"] = _profile_phase(engine, step, steps, tables, "prefill")
+    for _ in range(2000):
+        if len(seen) >= n or not engine.has_unfinished_requests():
+            break
+        step()
+    result["decode_steps"] = _profile_phase(engine, step, steps, tables, "decode")
+    engine.abort_request(ids)
+    torch.cuda.synchronize()
+    Path(path).write_text("\n\n".join(tables))
+    return result
+
+
+def _profile_phase(engine, step, steps: int, tables: list[str], label: str) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    done = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             if not engine.has_unfinished_requests():
                 break
-            engine.step()
+            step()
+            done += 1
         torch.cuda.synchronize()
-    engine.abort_request(ids)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    Path(path).write_text(table)
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    return [
-        {
-            "name": e.key[:120],
-            "device_time_ms": e.device_time_total / 1e3,
-            "self_share": e.self_device_time_total / total,
-            "calls": e.count,
-        }
-        for e in events[:12]
-    ]
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    tables.append(
+        f"== {label}: {done} steps\n" + averages.table(sort_by="cuda_time_total", row_limit=30)
+    )
+    events = [e for e in averages if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    device_total = sum(e.self_device_time_total for e in events) / 1e3  # ms
+    done = max(done, 1)
+    return {
+        "steps": done,
+        "wall_ms_per_step_profiled": wall * 1e3 / done,
+        "device_ms_per_step": device_total / done,
+        "top_kernels": [
+            {
+                "name": e.key[:120],
+                "device_ms_per_step": e.self_device_time_total / 1e3 / done,
+                "share": e.self_device_time_total / 1e3 / max(device_total, 1e-9),
+                "calls_per_step": e.count / done,
+            }
+            for e in events[:12]
+        ],
+    }
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -211,8 +246,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings() if on_cuda else None
     model_arg, args.model = args.model, model_dir
     llm = build_llm(args)
-    llm.generate(  # warm-up: first-use compilation and allocator growth stay out of the timing
-        [{"prompt_token_ids": p[:64]} for p in workload.prompts[:2]],
+    warm = [[100 + (7 * i + j) % 900 for j in range(64)] for i in range(2)]
+    llm.generate(  # warm-up (ids outside the workload's, so no prefix of it gets cached)
+        [{"prompt_token_ids": p} for p in warm],
         __import__("phloem").SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
         use_tqdm=False,
     )
@@ -254,7 +290,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         result["bound_total_tokens_per_s"] = (num_in + num_out) / roof.bound_time_s
         result["roofline_ratio"] = roof.bound_time_s / elapsed
     if args.profile and on_cuda:
-        result["top_kernels"] = _profile(llm, workload, args.profile_steps, args.profile)
+        result["profile"] = _profile(llm, workload, args.profile_steps, args.profile)
     if args.compare == "transformers":
         result["peer"] = _run_peer(llm, hf_config, workload, result)
     _report(result)

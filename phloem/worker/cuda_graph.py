@@ -55,12 +55,13 @@ def write_kv_no_sync(
 
 
 @contextlib.contextmanager
-def _capturable_kv_writes() -> Iterator[None]:
-    """While capturing, route the attention layer's KV write through `write_kv_no_sync`.
+def sync_free_kv_writes() -> Iterator[None]:
+    """Route the attention layer's KV write through `write_kv_no_sync` for the duration.
 
-    `write_kv` filters -1 slots with a host sync, which stream capture forbids. Graph steps never
-    carry -1 slots (dummies write to the scratch block), and a replay runs no Python, so swapping
-    the function only during capture is enough.
+    `write_kv` filters -1 slots with a host sync, which stream capture forbids and which stalls
+    the GPU once per layer in eager steps. The model runner's steps never carry -1 slots (graph
+    dummies write to the scratch block), and a replay runs no Python, so swapping the function
+    while a GPU forward is traced or captured is enough.
     TODO: drop once the attention layer asks the backend (or a sync-free kv_store) for the write.
     """
     import phloem.layers.attention as attention_layer
@@ -150,8 +151,8 @@ class CUDAGraphRunner:
             ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
             self.backend.begin_step(meta, cuda_graph=True)
-            with forward_context(ctx), _capturable_kv_writes():
-                self.model(ids, positions)  # warm-up: lazy inits, allocator, cuBLAS handles
+            with forward_context(ctx), sync_free_kv_writes():
+                self.model(ids, positions)  # warm-up: lazy inits, compiles, cuBLAS
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):

@@ -9,6 +9,7 @@ CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from phloem.core.scheduler import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.sampler import Sampler, SamplingRow
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
-from phloem.worker.cuda_graph import CUDAGraphRunner
+from phloem.worker.cuda_graph import CUDAGraphRunner, sync_free_kv_writes
 
 
 @dataclass
@@ -207,7 +208,8 @@ class ModelRunner:
         begin_step = getattr(self.backend, "begin_step", None)
         if begin_step is not None:
             begin_step(meta)
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)):
+        writes = sync_free_kv_writes() if self.device.type == "cuda" else contextlib.nullcontext()
+        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)), writes:
             return self.model(input_ids, positions)
 
     def _run_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:

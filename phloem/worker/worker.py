@@ -16,6 +16,7 @@ import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
 from phloem.ops.attention.interface import get_attention_backend
+from phloem.worker.fusion import compile_elementwise_layers
 from phloem.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class Worker:
         self.model = load_model(
             source, hf_config, self.dtype, self.device, load_format=model_config.load_format
         )
+        self.compiled_layers = 0
+        if self.device.type == "cuda":
+            self.compiled_layers = compile_elementwise_layers(self.model)
         sched = scheduler_config or SchedulerConfig(**PROFILE_DEFAULTS)
         block_size = cache_config.block_size
         backend = get_attention_backend(
@@ -86,7 +90,9 @@ class Worker:
             head_dim=self.model.head_dim,
             dtype=self.dtype,
             device=self.device,
-            max_num_blocks_per_seq=-(-max(sched.max_model_len, _max_positions(hf_config)) // block_size),
+            max_num_blocks_per_seq=-(
+                -max(sched.max_model_len, _max_positions(hf_config)) // block_size
+            ),
         )
         logger.info("attention backend: %s", backend.name)
         profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)

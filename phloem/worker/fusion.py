@@ -1,0 +1,48 @@
+"""Fusing the elementwise layers between the GEMMs with torch.compile (inductor), on CUDA.
+
+Eagerly, one decoder layer of batch-1 decode launches about 40 small kernels (RMSNorm with the
+residual add, RoPE's slicing and float casts, SiLU * up) next to its 4 GEMMs; each costs a launch
+slot of 1-3 us even inside a CUDA graph, about 2.5 ms per Llama-8B step on an H100, where the
+weights take 5.5 ms to read. Compiling just these layers fuses each into one or two Triton kernels
+(measured: 9.8 -> 7.7 ms per token) without tracing attention, KV writes or the model's loops.
+
+One compiled function per layer class is shared by every instance (the instance is an argument,
+its tensors graph inputs and its equal integer attributes constants), with dynamic shapes, so the
+whole model costs a few compiles, whatever the number of layers and batch sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def compile_elementwise_layers(model: nn.Module) -> int:
+    """Replace the forward of each RMSNorm, RotaryEmbedding and SiluAndMul instance of `model`
+    with a compiled version (mutates the instances; compiles lazily on first call). Returns how
+    many instances were wrapped; 0 when PHLOEM_TORCH_COMPILE=0."""
+    if os.environ.get("PHLOEM_TORCH_COMPILE", "1") == "0":
+        return 0
+    from phloem.layers.activation import SiluAndMul
+    from phloem.layers.norm import RMSNorm
+    from phloem.layers.rotary import RotaryEmbedding
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    compiled = {
+        cls: torch.compile(cls.forward, dynamic=True)
+        for cls in (RMSNorm, RotaryEmbedding, SiluAndMul)
+    }
+    count = 0
+    for module in model.modules():
+        fn = compiled.get(type(module))
+        if fn is not None:
+            module.forward = functools.partial(fn, module)
+            count += 1
+    logger.info("torch.compile: %d elementwise layers share %d compiled functions", count, 3)
+    return count
