@@ -2,14 +2,15 @@
 # The whole GPU check-and-bench in one run (<= 10 minutes), from the repository root:
 #   STAGES="build tests latency prefill decode" benchmarks/device_check.sh OUT_DIR
 # Stages: build (FlashInfer modules), tests (tests/gpu), and one bench per workload
-# (latency, prefill, decode, shared, batchllm); bench JSON lands in OUT_DIR/results/.
+# (latency, prefill, decode, shared, batchllm); bench JSON and profiles land in OUT_DIR/results.tgz.
 # Needs the carried .whl/ (and .fiaot/ when modules were built before): see device_setup.sh.
 set -uo pipefail
 OUT=${1:-/tmp/phloem_out}
 STAGES=${STAGES:-"build tests latency prefill decode"}
 MODEL=${MODEL:-llama-3.1-8b}
 COMPARE=${COMPARE:-"--compare transformers"}
-mkdir -p "$OUT/results"
+RES=/tmp/phloem_results
+mkdir -p "$RES/results"
 source benchmarks/device_setup.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, flashinfer, transformers; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
@@ -17,8 +18,9 @@ bench() {  # bench NAME TIMEOUT ARGS...
     local name=$1 limit=$2; shift 2
     echo "=== bench $name ($(date +%T))"
     timeout "$limit" python3 -m phloem.entrypoints.cli bench throughput --model "$MODEL" \
-        --json "$OUT/results/$name.json" --profile "$OUT/results/$name-profile.txt" "$@"
+        --json "$RES/results/$name.json" --profile "$RES/results/$name-profile.txt" "$@"
     echo "=== bench $name rc=$? ($(date +%T))"
+    tar -czf "$OUT/results.tgz" -C "$RES" results  # after each bench: a timeout keeps the rest
 }
 for stage in $STAGES; do
     case $stage in
@@ -34,6 +36,5 @@ for stage in $STAGES; do
     batchllm) bench batchllm 240 --workload batchllm --num-groups ${BATCHLLM_G:-16} ;;
     esac
 done
-tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results"
 echo "=== done ($(date +%T))"
 for f in "$OUT"/*.tgz; do ls -la "$f"; done
