@@ -17,7 +17,7 @@ python3 -c "import torch, flashinfer, transformers; print('torch', torch.__versi
 bench() {  # bench NAME TIMEOUT ARGS...
     local name=$1 limit=$2; shift 2
     echo "=== bench $name ($(date +%T))"
-    timeout "$limit" python3 -m phloem.entrypoints.cli bench throughput --model "$MODEL" \
+    timeout "$limit" python3 -m phloem.entrypoints.bench throughput --model "$MODEL" \
         --json "$RES/results/$name.json" --profile "$RES/results/$name-profile.txt" "$@"
     echo "=== bench $name rc=$? ($(date +%T))"
     tar -czf "$OUT/results.tgz" -C "$RES" results  # after each bench: a timeout keeps the rest

@@ -385,3 +385,19 @@ def _plot(r: dict, path: str) -> None:
     ax.set_title(f"{r['workload']} on {r['device']}")
     fig.tight_layout()
     fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m phloem.entrypoints.bench throughput ...`: the bench without the other
+    subcommands' imports (the GPU machine lacks some of the server's dependencies)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="phloem")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
