@@ -1,0 +1,476 @@
+"""Prefix-shared (cascade) attention: read a group's shared prefix KV once per step for all members.
+
+Members of a prefix group (core/prefix_planner.py, runtime `SharedPrefix` in core/request.py) hold
+the same physical KV blocks for their first `prefix_len` tokens (a multiple of the block size):
+
+    sequence b:  |-- shared prefix: group blocks, prefix_len --|-- own blocks: seq_len - prefix_len --|
+                                                                  |-- this step's q_len queries --|
+
+Every query of a member sits at a position >= prefix_len, so it attends to the *whole* prefix (no
+causal mask there) and causally to its own tokens. Softmax attention over a union of two disjoint
+KV sets is exactly the log-sum-exp merge of the attention over each set (FlashInfer's
+"attention states", arXiv 2501.01005 §2.2; Hydragen arXiv 2402.05099 §3; BatchLLM arXiv 2412.03594
+§5): with (O_i, LSE_i) the normalized output and log-sum-exp of the scores over set i,
+
+    LSE = log(exp(LSE_1) + exp(LSE_2)),   O = exp(LSE_1 - LSE) O_1 + exp(LSE_2 - LSE) O_2.
+
+So a step splits into
+  * prefix tiles, one per group: all query tokens of the group's members (GQA heads folded into the
+    M dimension: row = token * (H / H_kv) + g) against the prefix KV -- a matrix-matrix product that
+    reads the prefix once instead of once per member (the Hydragen / BatchLLM saving), and
+  * suffix tiles, one per sequence: its queries against its own KV with the causal mask,
+each producing a partial (O, LSE), then a merge.
+
+Parts of this module:
+  * `SharedPrefixMetadata` and `build_shared_prefix_metadata`: the group structure of one step,
+    derived from per-sequence prefix lengths and the block tables (group key = prefix block ids).
+  * `merge_attention_states`: the merge, natural-log LSE (FlashInfer uses base 2; see there).
+  * `shared_prefix_attention_reference`: the cascade math in plain torch (the CPU path, an oracle).
+  * `shared_prefix_attention_triton`: our kernel -- ONE launch whose grid covers the prefix tiles
+    and the suffix tiles of the step (BatchLLM's horizontal fusion), then a small merge kernel.
+  * `SharedPrefixAttention`: an `AttentionBackend` that chooses per step, by a documented cost
+    rule, between the shared-prefix path and a plain paged backend, and counts which one ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.attention.reference import _gather_kv
+
+# -- per-step group structure ------------------------------------------------------------------
+
+
+@dataclass
+class SharedPrefixMetadata:
+    """The prefix-group structure of one step (host lists; built by `build_shared_prefix_metadata`).
+
+    B = sequences of the step (as in `AttentionMetadata`), NG = groups in this step.
+
+    Per group g:
+        group_block_ids[g]: the prefix's block ids (prefix_len / block_size of them).
+        group_prefix_lens[g]: prefix length [tokens], a multiple of block_size, > 0.
+        group_seq_ids[g]: member sequences (indices into the step's B sequences), step order.
+        group_query_ranges[g]: the members' query-token ranges (start, end) into the step's T
+            tokens, same order as group_seq_ids.
+    Per sequence b:
+        seq_group[b]: its group index, or -1 (attends to all its KV as one "suffix").
+        seq_prefix_lens[b]: KV tokens covered by its group's prefix tile (0 without a group).
+        suffix_block_ids[b]: its own block ids after the prefix, ceil(suffix_lens[b] / block_size)
+            of them (its whole table without a group).
+        suffix_lens[b]: own KV length = seq_lens[b] - seq_prefix_lens[b] [tokens].
+
+    `plan_cache` holds per-implementation derived tensors (the Triton tile table) so one step's
+    layers plan once; it is owned by the implementations.
+    """
+
+    block_size: int
+    group_block_ids: list[list[int]]
+    group_prefix_lens: list[int]
+    group_seq_ids: list[list[int]]
+    group_query_ranges: list[list[tuple[int, int]]]
+    seq_group: list[int]
+    seq_prefix_lens: list[int]
+    suffix_block_ids: list[list[int]]
+    suffix_lens: list[int]
+    plan_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_prefix_lens)
+
+    def group_token_indices(self, g: int) -> list[int]:
+        """Query-token indices of group g, member by member (the M order of its prefix tile)."""
+        return [t for start, end in self.group_query_ranges[g] for t in range(start, end)]
+
+    @property
+    def saved_kv_tokens(self) -> int:
+        """KV tokens (per layer, per KV head) the shared path does not read this step versus
+        plain paged attention: sum over groups of (members - 1) * prefix_len."""
+        return sum((len(m) - 1) * p for m, p in zip(self.group_seq_ids, self.group_prefix_lens))
+
+
+def build_shared_prefix_metadata(
+    attn_meta: AttentionMetadata,
+    prefix_lens: list[int],
+    min_group_size: int = 2,
+) -> SharedPrefixMetadata:
+    """Derive a step's prefix groups from per-sequence shared-prefix lengths.
+
+    Sequences b with prefix_lens[b] = p > 0 are grouped by the tuple of their first p / block_size
+    block ids (same physical prefix = same group). A sequence stays without a group (its whole KV
+    is its "suffix") when p == 0, when it has no query tokens this step, when its first query
+    position is < p (a group leader still computing the prefix: its queries must see the prefix
+    causally), or when fewer than `min_group_size` sequences of the step share its prefix (a group
+    of one reads the prefix once either way; pass 1 to force groups of one, e.g. in tests).
+
+    Args:
+        attn_meta: the step's metadata; `block_tables_cpu` is used when present (else one
+            device-to-host copy of `block_tables`).
+        prefix_lens: [B] shared-prefix length of each sequence [tokens], 0 for none.
+        min_group_size: smallest group kept.
+    Returns:
+        The step's `SharedPrefixMetadata`; groups in order of their first member.
+    Raises:
+        ValueError: if len(prefix_lens) != B, a length is negative or not a multiple of the block
+            size, or a block table is shorter than its prefix or its KV.
+    """
+    num_seqs, bs = attn_meta.num_seqs, attn_meta.block_size
+    if len(prefix_lens) != num_seqs:
+        raise ValueError(f"prefix_lens has {len(prefix_lens)} entries for {num_seqs} sequences")
+    tables = attn_meta.block_tables_cpu
+    if tables is None:
+        tables = attn_meta.block_tables.tolist()
+    qsl, seq_lens = attn_meta.query_start_loc_cpu, attn_meta.seq_lens_cpu
+    candidates: dict[tuple[int, ...], list[int]] = {}
+    for b, p in enumerate(prefix_lens):
+        if p < 0 or p % bs:
+            raise ValueError(f"sequence {b}: prefix_len {p} is not a multiple of block size {bs}")
+        if len(tables[b]) < -(-seq_lens[b] // bs):
+            raise ValueError(f"sequence {b}: block table too short for {seq_lens[b]} tokens")
+        q_len = qsl[b + 1] - qsl[b]
+        if p == 0 or q_len == 0 or seq_lens[b] - q_len < p:
+            continue
+        candidates.setdefault(tuple(tables[b][: p // bs]), []).append(b)
+    seq_group = [-1] * num_seqs
+    sp = SharedPrefixMetadata(bs, [], [], [], [], seq_group, [0] * num_seqs, [], [])
+    for key, members in candidates.items():
+        if len(members) < max(min_group_size, 1):
+            continue
+        g = sp.num_groups
+        sp.group_block_ids.append(list(key))
+        sp.group_prefix_lens.append(len(key) * bs)
+        sp.group_seq_ids.append(members)
+        sp.group_query_ranges.append([(qsl[b], qsl[b + 1]) for b in members])
+        for b in members:
+            seq_group[b] = g
+            sp.seq_prefix_lens[b] = len(key) * bs
+    for b in range(num_seqs):
+        p = sp.seq_prefix_lens[b]
+        sp.suffix_lens.append(seq_lens[b] - p)
+        sp.suffix_block_ids.append(list(tables[b][p // bs : -(-seq_lens[b] // bs)]))
+    return sp
+
+
+# -- merging attention states -----------------------------------------------------------------
+
+
+def merge_attention_states(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint KV sets into the result over their union.
+
+    Args:
+        o1, o2: [T, H, D] normalized partial outputs (any float dtype).
+        lse1, lse2: [T, H] log-sum-exp of the *scaled* scores of each set, NATURAL log:
+            lse = log(sum_j exp(scale * q.k_j)); -inf for an empty set.
+            FlashInfer (`run(return_lse=True)`, `merge_state`) uses base 2:
+            lse_2 = log2(sum_j 2^(scale * log2(e) * q.k_j)) = lse / ln 2, so convert with
+            `lse = lse_2 * math.log(2)` (and back with `lse_2 = lse / math.log(2)`).
+    Returns:
+        (o [T, H, D], lse [T, H]) in float32 (float64 if any input is float64). Rows where both
+        sets are empty get o = 0 and lse = -inf. A partial output with lse = -inf is never read,
+        so it may hold garbage (NaN).
+    """
+    cdt = torch.float64 if torch.float64 in (o1.dtype, o2.dtype, lse1.dtype) else torch.float32
+    lse1, lse2 = lse1.to(cdt), lse2.to(cdt)
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)  # [T, H], in [0, 1]
+    den = w1 + w2
+    zero = torch.zeros((), dtype=cdt, device=o1.device)
+    num = torch.where(w1[..., None] > 0, o1.to(cdt), zero) * w1[..., None]
+    num = num + torch.where(w2[..., None] > 0, o2.to(cdt), zero) * w2[..., None]
+    o = num / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+    return o, m + torch.log(den)
+
+
+# -- plain-torch reference of the cascade math ------------------------------------------------
+
+
+def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, H, D] -> [H_kv, n * G, D]; row t * G + g is token t, query head h_kv * G + g."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    return (
+        q.view(n, num_kv_heads, group, head_dim)
+        .transpose(0, 1)
+        .reshape(num_kv_heads, n * group, head_dim)
+    )
+
+
+def _unfold_gqa(o: torch.Tensor, lse: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_fold_gqa` for outputs [H_kv, n * G, D] and LSE [H_kv, n * G]."""
+    num_kv_heads, rows, head_dim = o.shape
+    group = rows // n
+    o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, -1, head_dim)
+    return o, lse.view(num_kv_heads, n, group).transpose(0, 1).reshape(n, -1)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H_kv, M, D], k/v [N, H_kv, D], keep [M, N] or None -> (o [H_kv, M, D], lse [H_kv, M])."""
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, N, D]
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H_kv, M, N]
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def shared_prefix_partials_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_meta: AttentionMetadata,
+    sp_meta: SharedPrefixMetadata,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two partial attention states of every query token, in plain torch.
+
+    Returns:
+        (o_prefix [T, H, D], lse_prefix [T, H], o_suffix [T, H, D], lse_suffix [T, H]) in float32
+        (float64 for float64 queries); natural-log LSE. Tokens without a group have
+        lse_prefix = -inf and o_prefix = 0; tokens outside `query_start_loc` have both LSE -inf.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    cdt = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dev = query.device
+    o_pre = torch.zeros(num_tokens, num_heads, head_dim, dtype=cdt, device=dev)
+    lse_pre = torch.full((num_tokens, num_heads), float("-inf"), dtype=cdt, device=dev)
+    o_suf, lse_suf = o_pre.clone(), lse_pre.clone()
+    i64 = dict(dtype=torch.int64, device=dev)
+    # Prefix: all queries of a group against the prefix KV, one matmul per group (no mask).
+    for g in range(sp_meta.num_groups):
+        tokens = torch.tensor(sp_meta.group_token_indices(g), **i64)
+        p = sp_meta.group_prefix_lens[g]
+        table = torch.tensor([sp_meta.group_block_ids[g]], **i64)
+        k, v = _gather_kv(kv_cache, table, torch.tensor([p], **i64), p, cdt)
+        q = _fold_gqa(query[tokens].to(cdt), num_kv_heads)
+        o, lse = _unfold_gqa(*_attend(q, k[0], v[0], scale, None), len(tokens))
+        o_pre[tokens], lse_pre[tokens] = o, lse
+    # Suffix: each sequence against its own KV, causal: query i sits at position seq_len - q_len
+    # + i and sees own KV index j (position prefix_len + j) iff prefix_len + j <= that position.
+    qsl = attn_meta.query_start_loc_cpu
+    for b in range(attn_meta.num_seqs):
+        start, end = qsl[b], qsl[b + 1]
+        if end == start:
+            continue
+        p, n_own = sp_meta.seq_prefix_lens[b], sp_meta.suffix_lens[b]
+        table = torch.tensor([sp_meta.suffix_block_ids[b]], **i64)
+        k, v = _gather_kv(kv_cache, table, torch.tensor([n_own], **i64), n_own, cdt)
+        q_pos = torch.arange(attn_meta.seq_lens_cpu[b] - (end - start), attn_meta.seq_lens_cpu[b])
+        keep = (p + torch.arange(n_own))[None, :] <= q_pos[:, None]  # [q_len, n_own]
+        keep = keep.to(dev).repeat_interleave(num_heads // num_kv_heads, dim=0)
+        q = _fold_gqa(query[start:end].to(cdt), num_kv_heads)
+        o_suf[start:end], lse_suf[start:end] = _unfold_gqa(
+            *_attend(q, k[0], v[0], scale, keep), end - start
+        )
+    return o_pre, lse_pre, o_suf, lse_suf
+
+
+def shared_prefix_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_meta: AttentionMetadata,
+    sp_meta: SharedPrefixMetadata,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cascade attention in plain torch: prefix part per group + suffix part per sequence, merged.
+
+    Equal (up to rounding) to causal paged attention over each sequence's whole KV
+    (`paged_attention_reference`); reads each group's prefix KV once.
+
+    Args:
+        query: [T, H, D]; kv_cache: [num_blocks, 2, block_size, H_kv, D] (read only);
+        attn_meta: the step's metadata; sp_meta: its groups (`build_shared_prefix_metadata`);
+        scale: softmax scale; return_lse: also return the merged natural-log LSE [T, H].
+    Returns:
+        [T, H, D] in query.dtype (zeros for tokens outside `query_start_loc`), and the LSE in
+        float32 (float64 for float64 queries) if asked.
+    """
+    o, lse = merge_attention_states(
+        *shared_prefix_partials_reference(query, kv_cache, attn_meta, sp_meta, scale)
+    )
+    out = o.to(query.dtype)
+    return (out, lse) if return_lse else out
+
+
+# -- our Triton kernel (shared_prefix_triton.py, imported lazily) ------------------------------
+
+
+def shared_prefix_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_meta: AttentionMetadata,
+    sp_meta: SharedPrefixMetadata,
+    scale: float,
+    **options: Any,
+) -> torch.Tensor:
+    """Cascade attention with our Triton kernel: one horizontally fused launch over the step's
+    prefix tiles (per group, GQA heads folded into M) and suffix tiles (per sequence, causal),
+    then a merge launch. Same contract as `shared_prefix_attention_reference` (output only);
+    `options` (block_m, block_n, prefix_splits, num_warps, num_stages) are documented in
+    `shared_prefix_triton.shared_prefix_attention`. Imports triton on first use.
+    """
+    from phloem.ops.attention.shared_prefix_triton import shared_prefix_attention
+
+    return shared_prefix_attention(query, kv_cache, attn_meta, sp_meta, scale, **options)
+
+
+# -- the backend: per-step choice between the shared-prefix path and plain paged attention ------
+
+
+IMPLS = ("auto", "triton", "reference")
+
+
+class SharedPrefixAttention:
+    """An `AttentionBackend` that runs cascade attention on steps where prefix sharing pays, and
+    delegates every other step (and every CUDA-graph step) to a plain paged backend.
+
+    How it learns the groups: the model runner sets `meta.prefix_lens_cpu` (list[int], one per
+    sequence: the length of the group prefix its block table starts with, 0 for none); absent or
+    all-zero means no sharing. `begin_step(meta)` builds the `SharedPrefixMetadata` once per step.
+
+    Cost rule (per step, host only), with S = `SharedPrefixMetadata.saved_kv_tokens` =
+    sum over groups of (members in the step - 1) * prefix_len, and R = grouped query tokens:
+
+        shared  iff  S >= min_saved_kv_tokens  and  S >= partial_cost_tokens * R
+
+    S is the KV tokens (per layer and KV head) plain paged attention would read again; each
+    grouped token costs the shared path a float32 partial (O, LSE) write and read for the prefix
+    and suffix states: 2 states * 2 passes * H * D * 4 bytes, against 2 * H_kv * D * kv_bytes per
+    saved KV token -- about 16 KV tokens for Llama-3-8B (H / H_kv = 4, bf16), the default. The
+    floor `min_saved_kv_tokens` (default 1024) covers the fixed cost of the extra merge launch.
+
+    Counters (`stats()`, for `--json`): steps that ran the shared path, eager plain steps, CUDA-
+    graph plain steps (each replay plans once; captures count too), and KV tokens saved.
+
+    Args:
+        fallback: the plain paged backend (FlashInfer on GPU, `ReferenceAttention` on CPU).
+        impl: "triton", "reference" or "auto" (Triton for CUDA tensors when it imports, else the
+            reference), resolved at the first shared step.
+        min_saved_kv_tokens, partial_cost_tokens: the cost rule above.
+        min_group_size: smallest group formed (`build_shared_prefix_metadata`).
+        triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
+    """
+
+    name = "shared_prefix"
+
+    def __init__(
+        self,
+        fallback: AttentionBackend,
+        impl: str = "auto",
+        min_saved_kv_tokens: int = 1024,
+        partial_cost_tokens: float = 16.0,
+        min_group_size: int = 2,
+        **triton_options: Any,
+    ) -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"unknown shared-prefix impl {impl!r}; supported: {list(IMPLS)}")
+        self.fallback = fallback
+        self.impl = impl
+        self.min_saved_kv_tokens = min_saved_kv_tokens
+        self.partial_cost_tokens = partial_cost_tokens
+        self.min_group_size = min_group_size
+        self.triton_options = triton_options
+        self.num_shared_steps = 0
+        self.num_plain_steps = 0
+        self.num_graph_steps = 0
+        self.num_saved_kv_tokens = 0
+        self.last_path: str | None = None
+        self._meta: AttentionMetadata | None = None
+        self._sp: SharedPrefixMetadata | None = None
+
+    def plan(self, meta: AttentionMetadata) -> SharedPrefixMetadata | None:
+        """The step's groups if the cost rule picks the shared path, else None. Host only, no
+        side effects: the model runner may call it to decide whether to replay a CUDA graph."""
+        prefix_lens = getattr(meta, "prefix_lens_cpu", None)
+        if not prefix_lens or not any(prefix_lens):
+            return None
+        sp = build_shared_prefix_metadata(meta, prefix_lens, self.min_group_size)
+        saved = sp.saved_kv_tokens
+        grouped = sum(e - s for ranges in sp.group_query_ranges for s, e in ranges)
+        if saved < self.min_saved_kv_tokens or saved < self.partial_cost_tokens * grouped:
+            return None
+        return sp
+
+    def begin_step(self, meta: AttentionMetadata, cuda_graph: bool = False) -> None:
+        """Choose the step's path and plan it; call once per step before the forward pass (the
+        model runner does). Mutates the counters and, on the plain path, the fallback's plan.
+
+        Raises:
+            ValueError: with `cuda_graph` when the fallback cannot plan graph steps.
+        """
+        sp = None if cuda_graph else self.plan(meta)
+        self._meta, self._sp = meta, sp
+        if sp is not None:
+            self.num_shared_steps += 1
+            self.num_saved_kv_tokens += sp.saved_kv_tokens
+            self.last_path = "shared_prefix"
+            return
+        if cuda_graph:
+            self.num_graph_steps += 1
+        else:
+            self.num_plain_steps += 1
+        self.last_path = self.fallback.name
+        begin = getattr(self.fallback, "begin_step", None)
+        if begin is not None:
+            begin(meta, cuda_graph=cuda_graph)
+        elif cuda_graph:
+            raise ValueError(f"fallback backend {self.fallback.name!r} cannot plan CUDA graphs")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal paged attention (the `AttentionBackend.forward` contract) by the step's path;
+        plans the step first if `begin_step` was not called with this `meta`."""
+        if meta is not self._meta:
+            self.begin_step(meta)
+        if self._sp is None:
+            return self.fallback.forward(query, kv_cache, meta, scale)
+        if self._resolve_impl(query) == "triton":
+            return shared_prefix_attention_triton(
+                query, kv_cache, meta, self._sp, scale, **self.triton_options
+            )
+        return shared_prefix_attention_reference(query, kv_cache, meta, self._sp, scale)
+
+    def end_step(self) -> None:
+        """Forget the step's plan (and the fallback's)."""
+        self._meta = self._sp = None
+        end = getattr(self.fallback, "end_step", None)
+        if end is not None:
+            end()
+
+    def stats(self) -> dict[str, Any]:
+        """Which path ran how often (JSON-ready)."""
+        return {
+            "attention_path_last": self.last_path,
+            "shared_prefix_steps": self.num_shared_steps,
+            "plain_steps": self.num_plain_steps,
+            "cuda_graph_steps": self.num_graph_steps,
+            "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
+        }
+
+    def _resolve_impl(self, query: torch.Tensor) -> str:
+        if self.impl == "auto":
+            impl = "reference"
+            if query.is_cuda:
+                try:
+                    import triton  # noqa: F401
+
+                    impl = "triton"
+                except ImportError:
+                    pass
+            self.impl = impl
+        return self.impl

@@ -1,0 +1,363 @@
+"""Prefix-shared (cascade) attention against plain paged attention, on fresh random steps.
+
+Each step mixes: prefix groups whose members share the physical prefix blocks (decode tokens right
+at the prefix boundary -- no own token before this step --, decode tokens after own blocks, first
+suffix prefill chunks starting at the boundary, later chunks), a group leader whose queries are
+still inside the prefix (must not be grouped), sequences without a group, padding tokens, random
+non-contiguous block ids, and NaN in every slot no sequence owns (a kernel reading one fails).
+The Triton kernel runs under TRITON_INTERPRET=1 on the CPU at tiny shapes (skipped without triton).
+"""
+
+import dataclasses
+import math
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+from phloem.ops.attention import AttentionMetadata
+from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
+from phloem.ops.attention.shared_prefix import (
+    SharedPrefixAttention,
+    build_shared_prefix_metadata,
+    merge_attention_states,
+    shared_prefix_attention_reference,
+    shared_prefix_attention_triton,
+    shared_prefix_partials_reference,
+)
+
+torch.set_num_threads(1)
+
+# Without a GPU the Triton kernel runs in the interpreter. TRITON_INTERPRET=1 must be set before
+# triton's first import (set later, nested @triton.jit helpers fail with "Cannot call @triton.jit'd
+# outside of the scope of a kernel" in triton 3.6): do it at collection.
+_TRITON_IMPORTED_EARLY = False
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    _TRITON_IMPORTED_EARLY = "triton" in sys.modules
+    os.environ["TRITON_INTERPRET"] = "1"
+
+BLOCK_SIZE = 16
+
+
+def make_shared_step(
+    groups: list[tuple[int, list[tuple[int, int]]]],
+    singles: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    leaders: list[tuple[int, int, int]] = (),
+    num_pad: int = 2,
+    block_size: int = BLOCK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """A random step: (query, kv_cache, meta, prefix_lens).
+
+    Args:
+        groups: (prefix_len, members) with members as (q_len, own_len): the sequence's KV is
+            prefix_len + own_len tokens and its q_len queries are the last ones (q_len <= own_len).
+        singles: (q_len, seq_len) of sequences without a group.
+        leaders: (group index, q_len, seq_len): sequences whose table starts with the group's
+            prefix blocks and whose prefix_lens entry is the prefix length, but whose queries
+            start inside the prefix (seq_len - q_len < prefix_len).
+    Sequences are shuffled, so group members are not contiguous in the step.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    seqs = [(g, p, q, p + own) for g, (p, members) in enumerate(groups) for q, own in members]
+    seqs += [(None, 0, q, n) for q, n in singles]
+    seqs += [(g, groups[g][0], q, n) for g, q, n in leaders]
+    rng.shuffle(seqs)
+    num_prefix = [p // block_size for p, _ in groups]
+    num_own = [max(0, math.ceil(n / block_size) - p // block_size) for _, p, _, n in seqs]
+    num_blocks = sum(num_prefix) + sum(num_own) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    prefix_ids = [[free.pop() for _ in range(n)] for n in num_prefix]
+    tables, qsl, prefix_lens, seq_lens = [], [0], [], []
+    for (g, p, q_len, n), n_own in zip(seqs, num_own):
+        tables.append((prefix_ids[g] if g is not None else []) + [free.pop() for _ in range(n_own)])
+        qsl.append(qsl[-1] + q_len)
+        prefix_lens.append(p)
+        seq_lens.append(n)
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for table, n in zip(tables, seq_lens):
+        pos = torch.arange(n)
+        used[torch.tensor(table)[pos // block_size] * block_size + pos % block_size] = True
+    kv_cache.masked_fill_(~used.view(num_blocks, 1, block_size, 1, 1), float("nan"))
+    query = torch.randn(qsl[-1] + num_pad, num_heads, head_dim, generator=gen)
+    padded = torch.zeros(len(seqs), max(map(len, tables)) + 1, dtype=torch.int32)
+    for b, table in enumerate(tables):
+        padded[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((qsl[-1] + num_pad,), -1, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=padded,
+        block_size=block_size,
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        block_tables_cpu=tables,
+    )
+    return query.to(dtype), kv_cache.to(dtype), meta, prefix_lens
+
+
+def random_members(rng: random.Random, n: int, max_own: int = 40) -> list[tuple[int, int]]:
+    """n members: decode at the prefix boundary, decode after own blocks, suffix chunks."""
+    kinds = [(1, 1), (1, BLOCK_SIZE + 1), (5, 5), (3, 2 * BLOCK_SIZE + 3)]  # always covered
+    members = kinds[:n]
+    while len(members) < n:
+        own = rng.randint(1, max_own)
+        members.append((1, own) if rng.random() < 0.7 else (rng.randint(1, own), own))
+    rng.shuffle(members)
+    return members
+
+
+def random_case(seed: int, group_size: int, prefix_len: int, gqa: int):
+    rng = random.Random(seed)
+    max_own = 8 if prefix_len >= 1024 or group_size > 8 else 40
+    groups = [(prefix_len, random_members(rng, group_size, max_own))]
+    groups.append((BLOCK_SIZE, random_members(rng, 3)))  # a second, short-prefix group
+    singles = [(1, rng.randint(1, 50)), (7, 7), (4, rng.randint(4, 60))]
+    leaders = [(0, 5, prefix_len + 3), (0, BLOCK_SIZE, BLOCK_SIZE)]  # queries inside the prefix
+    small = prefix_len >= 1024 or group_size > 8  # keep the CPU cost small
+    num_kv_heads, head_dim = (1, 4) if small else (2, 8)
+    return groups, singles, leaders, gqa * num_kv_heads, num_kv_heads, head_dim
+
+
+GRID = [
+    (1, 16, 1),
+    (1, 64, 2),
+    (2, 16, 4),
+    (2, 272, 1),
+    (5, 48, 2),
+    (7, 128, 4),
+    (16, 2048, 4),
+    (64, 16, 2),
+    (64, 512, 1),
+    (64, 4096, 4),
+    (3, 4096, 2),
+]
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+def test_builder_groups_by_prefix_blocks():
+    groups = [(32, [(1, 1), (2, 9), (1, 17)]), (16, [(1, 3)]), (48, [(4, 4), (1, 2)])]
+    q, kv, meta, prefix_lens = make_shared_step(
+        groups, [(1, 5), (3, 3)], 2, 1, 8, torch.float32, seed=1, leaders=[(0, 4, 20)]
+    )
+    sp = build_shared_prefix_metadata(meta, prefix_lens)  # min_group_size 2: the single drops
+    assert sorted(sp.group_prefix_lens) == [32, 48]
+    for g in range(sp.num_groups):
+        p = sp.group_prefix_lens[g]
+        for b, (start, end) in zip(sp.group_seq_ids[g], sp.group_query_ranges[g]):
+            assert meta.block_tables_cpu[b][: p // BLOCK_SIZE] == sp.group_block_ids[g]
+            assert (start, end) == tuple(meta.query_start_loc_cpu[b : b + 2])
+            assert meta.seq_lens_cpu[b] - (end - start) >= p  # every query after the prefix
+            assert sp.seq_group[b] == g and sp.seq_prefix_lens[b] == p
+    assert sum(map(len, sp.group_seq_ids)) == 5  # the leader and the single are not grouped
+    for b in range(meta.num_seqs):
+        p, n = sp.seq_prefix_lens[b], meta.seq_lens_cpu[b]
+        assert sp.suffix_lens[b] == n - p
+        assert sp.suffix_block_ids[b] == meta.block_tables_cpu[b][p // 16 : math.ceil(n / 16)]
+    assert sp.saved_kv_tokens == 2 * 32 + 1 * 48
+    forced = build_shared_prefix_metadata(meta, prefix_lens, min_group_size=1)
+    assert sorted(forced.group_prefix_lens) == [16, 32, 48]
+
+
+def test_builder_rejects_bad_prefix_lens():
+    _, _, meta, prefix_lens = make_shared_step([(32, [(1, 1), (1, 2)])], [], 2, 1, 8,
+                                               torch.float32, seed=0)  # fmt: skip
+    with pytest.raises(ValueError, match="entries"):
+        build_shared_prefix_metadata(meta, prefix_lens[:-1])
+    with pytest.raises(ValueError, match="multiple of block size"):
+        build_shared_prefix_metadata(meta, [p + 1 if p else 0 for p in prefix_lens])
+
+
+# -- merge ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merge_equals_softmax_over_concatenation(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_heads, head_dim, n1, n2 = 5, 3, 4, 7, 11
+    scores = torch.randn(num_tokens, num_heads, n1 + n2, generator=gen, dtype=torch.float64) * 4
+    values = torch.randn(n1 + n2, head_dim, generator=gen, dtype=torch.float64)
+    scores[0, 0, :n1] = float("-inf")  # an empty first set
+    scores[1, 2, n1:] = float("-inf")  # an empty second set
+
+    def part(s, v):
+        lse = torch.logsumexp(s, dim=-1)
+        o = torch.softmax(s, dim=-1) @ v
+        return torch.where(torch.isneginf(lse)[..., None], float("nan"), o), lse  # garbage O
+
+    o1, lse1 = part(scores[..., :n1], values[:n1])
+    o2, lse2 = part(scores[..., n1:], values[n1:])
+    o, lse = merge_attention_states(o1, lse1, o2, lse2)
+    torch.testing.assert_close(o, torch.softmax(scores, -1) @ values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=0, atol=1e-12)
+    # float32 in, float32 out; FlashInfer's base-2 LSE converts by * ln 2
+    lse2_base2 = (lse2 / math.log(2)).float()
+    o32, lse32 = merge_attention_states(
+        o1.float(), lse1.float(), o2.float(), lse2_base2 * math.log(2)
+    )
+    assert o32.dtype == lse32.dtype == torch.float32
+    torch.testing.assert_close(o32.double(), o, rtol=0, atol=1e-5)
+    # both sets empty: zero output, -inf LSE
+    inf = torch.full((1, 1), float("-inf"))
+    o_e, lse_e = merge_attention_states(torch.ones(1, 1, 2), inf, torch.ones(1, 1, 2), inf)
+    assert o_e.abs().sum() == 0 and torch.isneginf(lse_e).all()
+
+
+# -- the reference cascade --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size,prefix_len,gqa", GRID)
+def test_reference_cascade_matches_paged_attention(group_size, prefix_len, gqa):
+    seed = group_size * 7919 + prefix_len * 31 + gqa
+    groups, singles, leaders, num_heads, num_kv_heads, head_dim = random_case(
+        seed, group_size, prefix_len, gqa
+    )
+    # float64 end to end against the float64 oracle: the cascade is exact up to rounding.
+    q, kv, meta, prefix_lens = make_shared_step(
+        groups, singles, num_heads, num_kv_heads, head_dim, torch.float64, seed, leaders
+    )
+    sp = build_shared_prefix_metadata(meta, prefix_lens, min_group_size=1)
+    assert sorted(map(len, sp.group_seq_ids)) == sorted([group_size, 3])  # leaders not grouped
+    scale = head_dim**-0.5
+    oracle = paged_attention_reference(q, kv, meta, scale)
+    out, lse = shared_prefix_attention_reference(q, kv, meta, sp, scale, return_lse=True)
+    torch.testing.assert_close(out, oracle, rtol=0, atol=1e-10)
+    assert torch.isfinite(lse[: meta.query_start_loc_cpu[-1]]).all()
+    # float32 against the plain CPU backend
+    q32, kv32 = q.float(), kv.float()
+    plain = ReferenceAttention().forward(q32, kv32, meta, scale)
+    shared = shared_prefix_attention_reference(q32, kv32, meta, sp, scale)
+    torch.testing.assert_close(shared, plain, rtol=0, atol=2e-5)
+    assert shared[meta.query_start_loc_cpu[-1] :].abs().sum() == 0  # padding tokens
+
+
+def test_reference_partials_prefix_state_only_for_grouped_tokens():
+    groups = [(32, [(1, 1), (2, 5)])]
+    q, kv, meta, prefix_lens = make_shared_step(groups, [(3, 9)], 2, 2, 8, torch.float64, 3)
+    sp = build_shared_prefix_metadata(meta, prefix_lens)
+    _, lse_pre, _, lse_suf = shared_prefix_partials_reference(q, kv, meta, sp, 0.5)
+    grouped = set(sp.group_token_indices(0))
+    for t in range(meta.query_start_loc_cpu[-1]):
+        assert torch.isfinite(lse_pre[t]).all() == (t in grouped)
+        assert torch.isfinite(lse_suf[t]).all()
+
+
+# -- the backend and its cost rule ------------------------------------------------------------
+
+
+def test_backend_cost_rule_counters_and_exactness():
+    groups = [(64, [(1, 1), (1, 3), (2, 7), (1, 20)])]
+    q, kv, meta, prefix_lens = make_shared_step(groups, [(1, 9), (4, 4)], 4, 2, 8,
+                                                torch.float32, seed=5)  # fmt: skip
+    plain = ReferenceAttention().forward(q, kv, meta, 0.35)
+    # saved = 3 * 64 = 192 KV tokens for 5 grouped query tokens
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="reference", min_saved_kv_tokens=192,
+                                    partial_cost_tokens=192 / 5)  # fmt: skip
+    meta.prefix_lens_cpu = prefix_lens
+    backend.begin_step(meta)
+    torch.testing.assert_close(backend.forward(q, kv, meta, 0.35), plain, rtol=0, atol=2e-5)
+    assert backend.last_path == "shared_prefix"
+    backend.min_saved_kv_tokens = 193  # just under the floor: plain path
+    backend.begin_step(meta)
+    torch.testing.assert_close(backend.forward(q, kv, meta, 0.35), plain, rtol=0, atol=0)
+    assert backend.last_path == "reference"
+    backend.min_saved_kv_tokens, backend.partial_cost_tokens = 0, 192 / 5 + 0.1  # ratio rule
+    assert backend.plan(meta) is None
+    step = dataclasses.replace(meta)  # a new step without prefix information: plain
+    backend.forward(q, kv, step, 0.35)  # without begin_step the step plans itself
+    backend.forward(q, kv, step, 0.35)  # same step, second layer: no new plan
+    assert backend.stats() == {
+        "attention_path_last": "reference",
+        "shared_prefix_steps": 1,
+        "plain_steps": 2,
+        "cuda_graph_steps": 0,
+        "shared_prefix_saved_kv_tokens": 192,
+    }
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        backend.begin_step(step, cuda_graph=True)
+
+
+# -- the Triton kernel (interpreter on the CPU) -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_kernel():
+    """The Triton module, interpreted on the CPU (TRITON_INTERPRET is read at import)."""
+    if _TRITON_IMPORTED_EARLY:
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 could be set (run this file alone)"
+        )
+    pytest.importorskip("triton")
+    from phloem.ops.attention import shared_prefix_triton
+
+    return shared_prefix_triton
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+TRITON_GRID = [  # (group size, prefix_len, gqa, prefix_splits, block_m)
+    (1, 16, 1, 1, 16),
+    (3, 32, 2, 1, 16),
+    (4, 48, 4, 3, 16),
+    (6, 32, 2, 2, 32),
+    (2, 96, 1, None, None),
+]
+
+
+@pytest.mark.parametrize("group_size,prefix_len,gqa,splits,block_m", TRITON_GRID)
+def test_triton_matches_reference(triton_kernel, group_size, prefix_len, gqa, splits, block_m):
+    rng = random.Random(group_size * 100 + prefix_len + gqa)
+    groups = [(prefix_len, random_members(rng, group_size, max_own=24)), (16, [(1, 2), (2, 3)])]
+    singles = [(1, 21), (6, 6), (3, 19)]
+    leaders = [(0, 4, prefix_len + 1)]
+    q, kv, meta, prefix_lens = make_shared_step(
+        groups, singles, 2 * gqa, 2, 8, torch.float32, seed=gqa + splits if splits else 0,
+        leaders=leaders,
+    )  # fmt: skip
+    sp = build_shared_prefix_metadata(meta, prefix_lens, min_group_size=1)
+    oracle = paged_attention_reference(q, kv, meta, 0.4)
+    dev = device()
+    out = shared_prefix_attention_triton(
+        q.to(dev), kv.to(dev), meta, sp, 0.4, block_m=block_m, block_n=16, prefix_splits=splits
+    )
+    torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
+    assert out[meta.query_start_loc_cpu[-1] :].abs().sum() == 0
+
+
+def test_triton_half_precision_and_head_dim_padding(triton_kernel):
+    groups = [(32, [(1, 1), (2, 3), (1, 17)])]
+    q, kv, meta, prefix_lens = make_shared_step(groups, [(1, 5)], 4, 2, 12, torch.float16, 11)
+    sp = build_shared_prefix_metadata(meta, prefix_lens)
+    oracle = paged_attention_reference(q, kv, meta, 0.3)
+    dev = device()
+    out = shared_prefix_attention_triton(q.to(dev), kv.to(dev), meta, sp, 0.3, block_n=16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=2e-3)
+
+
+def test_backend_triton_path(triton_kernel):
+    groups = [(48, [(1, 1), (1, 4), (3, 3)]), (16, [(1, 1), (1, 2)])]
+    q, kv, meta, prefix_lens = make_shared_step(groups, [(2, 9)], 2, 1, 8, torch.float32, 13)
+    meta.prefix_lens_cpu = prefix_lens
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", min_saved_kv_tokens=1,
+                                    partial_cost_tokens=1, block_n=16)  # fmt: skip
+    dev = device()
+    out = backend.forward(q.to(dev), kv.to(dev), meta, 0.5)
+    assert backend.last_path == "shared_prefix"
+    oracle = paged_attention_reference(q, kv, meta, 0.5)
+    torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
