@@ -361,3 +361,62 @@ def test_backend_triton_path(triton_kernel):
     assert backend.last_path == "shared_prefix"
     oracle = paged_attention_reference(q, kv, meta, 0.5)
     torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
+
+
+# -- GPU: realistic shapes, compiled Triton and the FlashInfer cascade baseline -----------------
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu_step(dtype=torch.bfloat16, num_groups=4, degree=16, prefix_len=2048, seed=0):
+    """Llama-3-8B attention shapes: decode members, suffix chunks, singles, a leader."""
+    rng = random.Random(seed)
+    groups = [(prefix_len, random_members(rng, degree, max_own=300)) for _ in range(num_groups)]
+    singles = [(1, 700), (37, 37), (64, 900)]
+    q, kv, meta, prefix_lens = make_shared_step(
+        groups, singles, 32, 8, 128, dtype, seed, leaders=[(0, 100, prefix_len + 20)]
+    )
+    meta.prefix_lens_cpu = prefix_lens
+    return q.cuda(), kv.cuda(), meta, prefix_lens
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("prefix_splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_triton_matches_reference(prefix_splits, dtype):
+    pytest.importorskip("triton")
+    q, kv, meta, prefix_lens = gpu_step(dtype)
+    sp = build_shared_prefix_metadata(meta, prefix_lens)
+    scale = 128**-0.5
+    want = ReferenceAttention().forward(q.float(), kv.float(), meta, scale)
+    got = shared_prefix_attention_triton(q, kv, meta, sp, scale, prefix_splits=prefix_splits)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("impl", ["triton", "flashinfer"])
+def test_gpu_backend_paths(impl):
+    if impl == "flashinfer":
+        pytest.importorskip("flashinfer")
+    pytest.importorskip("triton")
+    from phloem.ops.attention import get_attention_backend
+
+    q, kv, meta, _ = gpu_step()
+    scale = 128**-0.5
+    fallback = get_attention_backend(
+        "auto", num_heads=32, num_kv_heads=8, head_dim=128, scale=scale, dtype=q.dtype,
+        device=q.device,
+    )  # fmt: skip
+    backend = SharedPrefixAttention(fallback, impl=impl)
+    backend.begin_step(meta)
+    got = backend.forward(q, kv, meta, scale)
+    assert backend.last_path == "shared_prefix"
+    want = ReferenceAttention().forward(q.float(), kv.float(), meta, scale)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
+    step = dataclasses.replace(meta)  # no prefix_lens_cpu: the fallback runs
+    backend.begin_step(step)
+    plain = backend.forward(q, kv, step, scale)
+    assert backend.last_path == fallback.name
+    torch.testing.assert_close(plain.float(), want, rtol=0, atol=2e-2)

@@ -327,7 +327,7 @@ def shared_prefix_attention_triton(
 # -- the backend: per-step choice between the shared-prefix path and plain paged attention ------
 
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = ("auto", "triton", "flashinfer", "reference")
 
 
 class SharedPrefixAttention:
@@ -354,8 +354,9 @@ class SharedPrefixAttention:
 
     Args:
         fallback: the plain paged backend (FlashInfer on GPU, `ReferenceAttention` on CPU).
-        impl: "triton", "reference" or "auto" (Triton for CUDA tensors when it imports, else the
-            reference), resolved at the first shared step.
+        impl: "triton" (ours), "flashinfer" (the library cascade baseline,
+            `shared_prefix_flashinfer.FlashInferCascade`), "reference", or "auto" (Triton for CUDA
+            tensors when it imports, else the reference), resolved at the first shared step.
         min_saved_kv_tokens, partial_cost_tokens: the cost rule above.
         min_group_size: smallest group formed (`build_shared_prefix_metadata`).
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
@@ -387,6 +388,8 @@ class SharedPrefixAttention:
         self.last_path: str | None = None
         self._meta: AttentionMetadata | None = None
         self._sp: SharedPrefixMetadata | None = None
+        self._cascade: Any = None  # FlashInferCascade, made at the first "flashinfer" step
+        self._cascade_step: SharedPrefixMetadata | None = None
 
     def plan(self, meta: AttentionMetadata) -> SharedPrefixMetadata | None:
         """The step's groups if the cost rule picks the shared path, else None. Host only, no
@@ -439,10 +442,13 @@ class SharedPrefixAttention:
             self.begin_step(meta)
         if self._sp is None:
             return self.fallback.forward(query, kv_cache, meta, scale)
-        if self._resolve_impl(query) == "triton":
+        impl = self._resolve_impl(query)
+        if impl == "triton":
             return shared_prefix_attention_triton(
                 query, kv_cache, meta, self._sp, scale, **self.triton_options
             )
+        if impl == "flashinfer":
+            return self._flashinfer_cascade(query, kv_cache, meta, scale)
         return shared_prefix_attention_reference(query, kv_cache, meta, self._sp, scale)
 
     def end_step(self) -> None:
@@ -461,6 +467,24 @@ class SharedPrefixAttention:
             "cuda_graph_steps": self.num_graph_steps,
             "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
         }
+
+    def _flashinfer_cascade(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """FlashInfer's two-level cascade, planned at the step's first layer."""
+        cascade = self._cascade
+        if cascade is None or cascade.scale != scale or cascade.dtype != query.dtype:
+            from phloem.ops.attention.shared_prefix_flashinfer import FlashInferCascade
+
+            num_heads, head_dim = query.shape[1:]
+            cascade = FlashInferCascade(
+                num_heads, kv_cache.shape[3], head_dim, query.dtype, query.device, scale
+            )
+            self._cascade, self._cascade_step = cascade, None
+        if self._cascade_step is not self._sp:
+            cascade.plan(meta, self._sp)
+            self._cascade_step = self._sp
+        return cascade.run(query, kv_cache)
 
     def _resolve_impl(self, query: torch.Tensor) -> str:
         if self.impl == "auto":
