@@ -55,15 +55,15 @@ def test_disconnect_while_waiting_never_runs(small_server):
 
 
 def test_kv_exhaustion_preempts_and_recomputes(small_server):
-    """16 blocks x 16 tokens = 256 slots; two requests of ~10 + 130 tokens cannot both fit."""
+    """16 blocks x 16 tokens = 256 slots; two requests of ~100 + 40 tokens cannot both fit."""
+    prompts = [f"{p} " * 20 for p in ("The sky is blue.", "Cats like to sleep.")]
     with httpx.Client(base_url=small_server.url, timeout=300) as client:
-        prompts = PROMPTS[2:4]
-        alone = [greedy(client, p, max_tokens=130, ignore_eos=True)["text"] for p in prompts]
+        alone = [greedy(client, p, max_tokens=40, ignore_eos=True)["text"] for p in prompts]
         before = small_server.metrics()
         results: dict[int, str] = {}
 
         def run(i: int) -> None:
-            results[i] = greedy(client, prompts[i], max_tokens=130, ignore_eos=True)["text"]
+            results[i] = greedy(client, prompts[i], max_tokens=40, ignore_eos=True)["text"]
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:

@@ -69,8 +69,10 @@ def test_disconnect_mid_stream_frees_kv(main_server):
                 if chunks >= 5:
                     break
             running = main_server.metrics()
-            assert running["phloem:num_requests_running"] == 1
-            assert running["phloem:kv_cache_usage_perc"] > 0
+            assert running["phloem:num_requests_running"] >= 1, {
+                k: v for k, v in running.items() if "bucket" not in k
+            }
+            assert running["phloem:kv_cache_usage_perc"] > 0, running
     # The connection is closed: the request is aborted and its blocks return.
     after = main_server.wait_idle(timeout=20)
     key = 'phloem:request_aborted_total{phase="running"}'
@@ -98,14 +100,14 @@ def test_disconnect_non_streaming_frees_kv(main_server):
 
 
 def test_abort_some_of_many(main_server, client):
-    alone = [greedy(client, p)["text"] for p in PROMPTS]
+    alone = [greedy(client, p, max_tokens=16)["text"] for p in PROMPTS[::2]]
     main_server.wait_idle()
     results: dict[int, str] = {}
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            results[i] = greedy(client, PROMPTS[i])["text"]
+            results[i] = greedy(client, PROMPTS[i], max_tokens=16)["text"]
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -125,8 +127,8 @@ def test_abort_some_of_many(main_server, client):
     for t in threads:
         t.join(120)
     assert not errors, errors
-    for i in range(0, len(PROMPTS), 2):
-        assert results[i] == alone[i], f"prompt {i} changed when others were aborted"
+    for k, i in enumerate(range(0, len(PROMPTS), 2)):
+        assert results[i] == alone[k], f"prompt {i} changed when others were aborted"
     main_server.wait_idle(timeout=30)
 
 

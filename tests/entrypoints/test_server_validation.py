@@ -103,9 +103,10 @@ def test_context_overflow_is_400(client, openai_client):
         )
     assert "maximum context length is 512 tokens" in str(e.value)
     # Fits exactly: prompt + max_tokens == 512 is accepted (never silently truncated).
-    ids = client.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
-    r = client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 512 - len(ids), "stop": ["\n"]})
+    ids = client.post("/tokenize", json={"prompt": "hello " * 600}).json()["tokens"][:500]
+    r = client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 12})
     assert r.status_code == 200, r.text
+    assert_error(client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 13}), 400, "prompt")
 
 
 # -- 3. malformed and truncated JSON ---------------------------------------------------------------
