@@ -420,3 +420,19 @@ def test_gpu_backend_paths(impl):
     plain = backend.forward(q, kv, step, scale)
     assert backend.last_path == fallback.name
     torch.testing.assert_close(plain.float(), want, rtol=0, atol=2e-2)
+
+
+def test_triton_split_rule(triton_kernel, monkeypatch):
+    """Few long prefixes on a 132-SM GPU split; many groups, or tiny prefixes, do not."""
+    monkeypatch.setattr(triton_kernel, "_num_sms", lambda device: 132)
+
+    def splits(num_groups, prefix_len, degree=16):
+        groups = [(prefix_len, [(1, 201)] * degree) for _ in range(num_groups)]
+        _, _, meta, prefix_lens = make_shared_step(groups, [], 4, 1, 4, torch.float32, 0, num_pad=0)
+        sp = build_shared_prefix_metadata(meta, prefix_lens)
+        rows = [degree * 4] * num_groups
+        return triton_kernel._prefix_splits(meta, sp, rows, 8, 4, 64, 32 * 129 * 4, "cpu", None)
+
+    assert splits(4, 8192) == [5] * 4
+    assert splits(64, 8192, degree=4) == [1] * 64
+    assert splits(2, 256) == [1, 1]

@@ -198,6 +198,42 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+_MIN_SPLIT_KV = 512  # fewest prefix KV tokens worth a split of their own
+_MAX_SPLITS = 16
+_MAX_PARTIAL_BYTES = 512 << 20  # bound on the float32 partial-state buffer of one call
+
+
+def _prefix_splits(
+    attn_meta: AttentionMetadata,
+    sp: SharedPrefixMetadata,
+    group_rows: list[int],
+    num_kv_heads: int,
+    gqa: int,
+    block_m: int,
+    partial_bytes: int,
+    device: torch.device,
+    forced: int | None,
+) -> list[int]:
+    """KV splits of each group's prefix, so that no prefix program is the critical path.
+
+    Work of the launch W = sum over programs of the KV tokens each reads. Spread over 2 programs
+    per SM, one program's fair share is W / (2 * num_SMs); a prefix tile longer than that is split
+    into floor(P / share) pieces (so each piece >= share >= _MIN_SPLIT_KV tokens; at most
+    _MAX_SPLITS, and fewer when the partial states of the step would exceed _MAX_PARTIAL_BYTES).
+    """
+    if forced is not None:
+        return [forced] * sp.num_groups
+    qsl = attn_meta.query_start_loc_cpu
+    work = sum(_cdiv(r, block_m) * p for r, p in zip(group_rows, sp.group_prefix_lens))
+    work += sum(_cdiv((qsl[b + 1] - qsl[b]) * gqa, block_m) * sp.suffix_lens[b]
+                for b in range(attn_meta.num_seqs))  # fmt: skip
+    share = max(_MIN_SPLIT_KV, work * num_kv_heads // (2 * _num_sms(device)))
+    num_grouped = sum(group_rows) // gqa
+    by_memory = _MAX_PARTIAL_BYTES // max(1, num_grouped * partial_bytes) - 1
+    cap = max(1, min(_MAX_SPLITS, by_memory))
+    return [max(1, min(cap, p // share)) for p in sp.group_prefix_lens]
+
+
 def _plan_triton(
     attn_meta: AttentionMetadata,
     sp: SharedPrefixMetadata,
@@ -207,6 +243,7 @@ def _plan_triton(
     block_m: int | None,
     block_n: int,
     prefix_splits: int | None,
+    partial_bytes: int,
 ) -> _TritonPlan:
     """Host-side tile table of one step (see the table layout above). Prefix tiles come first,
     longest KV range first, so the heavy tiles start early (a greedy longest-first schedule)."""
@@ -228,23 +265,17 @@ def _plan_triton(
     if block_m is None:  # 16 for decode-only singles, up to 64 for large groups / chunks
         widest = max([*group_rows, *((qsl[b + 1] - qsl[b]) * gqa for b in range(len(seq_lens)))])
         block_m = min(64, max(16, 1 << max(0, widest - 1).bit_length()))
-    num_suffix_tiles = sum(
-        _cdiv((qsl[b + 1] - qsl[b]) * gqa, block_m) for b in range(len(seq_lens))
-    )
-    num_prefix_tiles = sum(_cdiv(rows, block_m) for rows in group_rows)
-    if prefix_splits is None:  # split the prefix KV when too few programs fill the GPU
-        target = 2 * _num_sms(device)
-        have = (num_prefix_tiles + num_suffix_tiles) * num_kv_heads
-        longest = max(sp.group_prefix_lens, default=0)
-        prefix_splits = max(1, min(8, _cdiv(target, max(have, 1)), longest // 1024))
+    splits = _prefix_splits(attn_meta, sp, group_rows, num_kv_heads, gqa, block_m, partial_bytes,
+                            device, prefix_splits)  # fmt: skip
+    suffix_slot = max(splits, default=0)
     blocks: list[int] = []
     prefix_tiles, suffix_tiles = [], []
     for g in range(sp.num_groups):
         blk_off = len(blocks)
         blocks.extend(sp.group_block_ids[g])
         p = sp.group_prefix_lens[g]
-        chunk = _cdiv(_cdiv(p, prefix_splits), block_n) * block_n  # KV tokens per split
-        for s in range(prefix_splits):
+        chunk = _cdiv(_cdiv(p, splits[g]), block_n) * block_n  # KV tokens per split
+        for s in range(splits[g]):
             kb, ke = s * chunk, min(p, (s + 1) * chunk)
             for row0 in range(0, group_rows[g], block_m) if kb < ke else ():
                 prefix_tiles.append((group_off[g], row0, group_rows[g], blk_off, kb, ke, 0, s))
@@ -253,7 +284,7 @@ def _plan_triton(
         if q_len == 0:
             continue
         if sp.seq_group[b] >= 0:
-            tok_off, slot = member_off[b], prefix_splits
+            tok_off, slot = member_off[b], suffix_slot
         else:
             tok_off, slot = len(tokens), -1
             tokens.extend(range(qsl[b], qsl[b + 1]))
@@ -275,7 +306,7 @@ def _plan_triton(
     host = [as_i32(prefix_tiles + suffix_tiles).view(-1, _TILE_FIELDS), as_i32(tokens),
             as_i32(blocks or [0]), as_i32(qpos or [0])]  # fmt: skip
     dev = [t.to(device, non_blocking=True) for t in host]
-    return _TritonPlan(*dev, num_grouped, prefix_splits + 1, block_m, block_n)
+    return _TritonPlan(*dev, num_grouped, suffix_slot + 1, block_m, block_n)
 
 
 def shared_prefix_attention(
@@ -307,12 +338,13 @@ def shared_prefix_attention(
         scale: softmax scale.
         block_m: query rows per tile (power of 2, >= 16; default from the widest segment);
         block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
-        prefix_splits: KV splits of each prefix (default: enough programs for 2 per SM, at
-            least 1024 prefix tokens per split, at most 8); num_warps / num_stages: Triton.
+        prefix_splits: KV splits of every prefix (default: per group, see `_prefix_splits`);
+        num_warps / num_stages: Triton launch options.
     Returns:
         [T, H, D] in query.dtype; zeros for tokens past `query_start_loc[-1]`.
-    Memory: a transient float32 buffer of (splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped
-        query tokens of the step (the caching allocator reuses it across layers).
+    Memory: a transient float32 buffer of (max splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped
+        query tokens of the step (<= 512 MiB by the split rule unless splits are forced; the
+        caching allocator reuses it across layers).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -330,9 +362,9 @@ def shared_prefix_attention(
     key = ("triton", num_kv_heads, gqa, block_m, block_n, prefix_splits, query.device)
     plan = sp_meta.plan_cache.get(key)
     if plan is None:
-        plan = _plan_triton(
-            attn_meta, sp_meta, num_kv_heads, gqa, query.device, block_m, block_n, prefix_splits
-        )
+        partial_bytes = num_heads * (head_dim + 1) * 4  # float32 O and LSE of one token
+        plan = _plan_triton(attn_meta, sp_meta, num_kv_heads, gqa, query.device, block_m,
+                            block_n, prefix_splits, partial_bytes)  # fmt: skip
         sp_meta.plan_cache[key] = plan
     out = torch.empty_like(query)
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
