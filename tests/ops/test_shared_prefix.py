@@ -436,3 +436,53 @@ def test_triton_split_rule(triton_kernel, monkeypatch):
     assert splits(4, 8192) == [5] * 4
     assert splits(64, 8192, degree=4) == [1] * 64
     assert splits(2, 256) == [1, 1]
+
+
+# -- end to end: greedy outputs identical with the shared-prefix path on and off ------------------
+
+
+def step_prefix_lens(sched) -> list[int]:
+    """What the model runner passes per scheduled request: its group's prefix length when its
+    block table starts with the group's prefix blocks, else 0."""
+    lens = []
+    for s in sched.scheduled:
+        group = s.request.shared_prefix
+        held = group is not None and group.block_ids is not None
+        shared = held and s.block_ids[: len(group.block_ids)] == group.block_ids
+        lens.append(group.prefix_len if shared else 0)
+    return lens
+
+
+def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, monkeypatch):
+    """A tiny Llama through LLM.generate (planned groups, chunked prefill mixed with decode): the
+    shared-prefix backend (reference impl, always chosen) changes no greedy token. Until the
+    model runner sets `prefix_lens_cpu` itself, the test wraps its prepare_inputs."""
+    from phloem import LLM, SamplingParams
+    from tests.engine.test_prefix_sharing_e2e import workloads
+    from tests.engine.tiny_models import write_tiny_model
+
+    torch.set_num_threads(2)
+    write_tiny_model("llama", tmp_path, embedded_tokenizer_dir, seed=1)
+    prompts = [{"prompt_token_ids": p} for p in workloads()["many_groups"]]
+    random.Random(0).shuffle(prompts)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = []
+    for shared in (False, True):
+        llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=24)
+        runner = llm.llm_engine.executor.worker.model_runner
+        if shared:
+            backend = SharedPrefixAttention(runner.backend, impl="reference",
+                                            min_saved_kv_tokens=0, partial_cost_tokens=0)  # fmt: skip
+            prepare = runner.prepare_inputs
+
+            def prepare_with_groups(sched, prepare=prepare):
+                inputs = prepare(sched)
+                inputs.attn_metadata.prefix_lens_cpu = step_prefix_lens(sched)
+                return inputs
+
+            monkeypatch.setattr(runner, "prepare_inputs", prepare_with_groups)
+            monkeypatch.setattr(runner, "backend", backend)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+    assert results[0] == results[1]
+    assert backend.num_shared_steps > 0 and backend.num_saved_kv_tokens > 0
