@@ -486,3 +486,13 @@ def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, mon
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
     assert backend.num_shared_steps > 0 and backend.num_saved_kv_tokens > 0
+
+
+def test_plan_decode_for_the_cuda_graph_decision():
+    backend = SharedPrefixAttention(ReferenceAttention(), min_saved_kv_tokens=64)
+    tables = [[7, 8, 1], [7, 8, 2], [7, 8, 3], [9, 4]]
+    seq_lens = [33, 40, 35, 20]
+    sp = backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], block_size=16)
+    assert sp is not None and sp.group_seq_ids == [[0, 1, 2]] and sp.saved_kv_tokens == 64
+    assert backend.plan_decode(seq_lens, tables, [32, 32, 0, 0], block_size=16) is None  # 32 < 64
+    assert backend.num_shared_steps == 0  # planning only: no counters

@@ -27,9 +27,11 @@ Parts of this module:
   * `merge_attention_states`: the merge, natural-log LSE (FlashInfer uses base 2; see there).
   * `shared_prefix_attention_reference`: the cascade math in plain torch (the CPU path, an oracle).
   * `shared_prefix_attention_triton`: our kernel -- ONE launch whose grid covers the prefix tiles
-    and the suffix tiles of the step (BatchLLM's horizontal fusion), then a small merge kernel.
+    and the suffix tiles of the step (BatchLLM's horizontal fusion), then a small merge kernel
+    (in shared_prefix_triton.py, imported lazily).
   * `SharedPrefixAttention`: an `AttentionBackend` that chooses per step, by a documented cost
-    rule, between the shared-prefix path and a plain paged backend, and counts which one ran.
+    rule, between the shared-prefix path and a plain paged backend, and counts which one ran;
+    its "flashinfer" impl is the library baseline (shared_prefix_flashinfer.py, lazily).
 """
 
 from __future__ import annotations
@@ -403,6 +405,32 @@ class SharedPrefixAttention:
         if saved < self.min_saved_kv_tokens or saved < self.partial_cost_tokens * grouped:
             return None
         return sp
+
+    def plan_decode(
+        self,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        prefix_lens: list[int],
+        block_size: int,
+    ) -> SharedPrefixMetadata | None:
+        """`plan` for a decode-only step given as host lists (one query per sequence), for the
+        model runner's CUDA-graph decision: a step this returns groups for must run eagerly
+        (graphs replay the plain path)."""
+        empty = torch.empty(0, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=empty,
+            query_start_loc=empty,
+            seq_lens=empty,
+            block_tables=empty,
+            block_size=block_size,
+            max_query_len=1,
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=list(range(len(seq_lens) + 1)),
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=block_tables,
+        )
+        meta.prefix_lens_cpu = prefix_lens  # type: ignore[attr-defined]
+        return self.plan(meta)
 
     def begin_step(self, meta: AttentionMetadata, cuda_graph: bool = False) -> None:
         """Choose the step's path and plan it; call once per step before the forward pass (the
