@@ -30,7 +30,8 @@ for stage in $STAGES; do
            timeout 300 python3 -m pytest -q -x -s -p no:cacheprovider tests/gpu 2>&1 | tail -40 ;;
     latency) bench latency 150 --workload latency $COMPARE ;;
     latency-eager) bench latency-eager 150 --workload latency --enforce-eager ;;
-    prefill) bench prefill-heavy 240 --workload prefill-heavy --num-requests ${PREFILL_N:-200} $COMPARE ;;
+    prefill) bench prefill-heavy 240 --workload prefill-heavy --num-requests ${PREFILL_N:-200} ${PREFILL_COMPARE:-} ;;
+    prefill-peer) bench prefill-heavy-peer 240 --workload prefill-heavy --num-requests ${PREFILL_PEER_N:-32} $COMPARE ;;
     decode) bench decode-heavy 300 --workload decode-heavy --num-requests ${DECODE_N:-200} ${DECODE_COMPARE:-} ;;
     shared) bench shared-prefix 240 --workload shared-prefix --num-groups ${SHARED_G:-8} ;;
     batchllm) bench batchllm 240 --workload batchllm --num-groups ${BATCHLLM_G:-16} ;;

@@ -72,7 +72,7 @@ def run_transformers_generate_batch(model: nn.Module, workload: Workload) -> dic
     )
     prompts = workload.prompts
     model.generate_batch(inputs=prompts[:2], generation_config=config, progress_bar=False)
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     if workload.sequential:
         results = {}
@@ -83,7 +83,7 @@ def run_transformers_generate_batch(model: nn.Module, workload: Workload) -> dic
                 results[f"{i}:{key}"] = value
     else:
         results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-    torch.cuda.synchronize()
+    _sync()
     elapsed = time.perf_counter() - start
     generated = sum(len(r.generated_tokens) for r in results.values())
     if len(results) != workload.num_requests or generated < len(results) * max_new:
@@ -100,3 +100,8 @@ def run_transformers_generate_batch(model: nn.Module, workload: Workload) -> dic
         "total_tokens_per_s": (workload.num_input_tokens + generated) / elapsed,
         "output_tokens_per_s": generated / elapsed,
     }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -291,12 +291,12 @@ def run_throughput(args: argparse.Namespace) -> int:
         result["roofline_ratio"] = roof.bound_time_s / elapsed
     if args.profile and on_cuda:
         result["profile"] = _profile(llm, workload, args.profile_steps, args.profile)
+    _report(result)
+    _write(args.json, result)  # before the peer: a slow peer must not cost phloem's numbers
     if args.compare == "transformers":
         result["peer"] = _run_peer(llm, hf_config, workload, result)
-    _report(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        _report({"peer": result["peer"]})
+        _write(args.json, result)
     if args.plot:
         _plot(result, args.plot)
     return 0
@@ -326,7 +326,15 @@ def _run_peer(llm, hf_config, workload, result: dict) -> dict:
     return peer
 
 
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def _report(r: dict) -> None:
+    if set(r) == {"peer"}:
+        return _report_peer(r["peer"])
     lines = [
         f"device {r['device']}  model {r['model']} ({r['num_layers']} layers)  "
         f"workload {r['workload']} {r['shape']}",
@@ -349,16 +357,17 @@ def _report(r: dict) -> None:
             f"bound {roof['bound_time_s']:.2f} s ({roof['limiter']}) = "
             f"{r['bound_total_tokens_per_s']:.0f} total tok/s; roofline ratio {r['roofline_ratio']:.3f}"
         )
-    peer = r.get("peer")
-    if peer:
-        if "error" in peer:
-            lines.append(f"  peer {peer['name']}: failed: {peer['error']}")
-        else:
-            lines.append(
-                f"  peer {peer['name']}: {peer['total_tokens_per_s']:.0f} total tok/s; "
-                f"phloem / peer = {peer['ratio']:.2f}x"
-            )
     print("\n".join(lines))
+
+
+def _report_peer(peer: dict) -> None:
+    if "error" in peer:
+        print(f"  peer {peer['name']}: failed: {peer['error']}")
+    else:
+        print(
+            f"  peer {peer['name']}: {peer['total_tokens_per_s']:.0f} total tok/s; "
+            f"phloem / peer = {peer['ratio']:.2f}x"
+        )
 
 
 def _plot(r: dict, path: str) -> None:
