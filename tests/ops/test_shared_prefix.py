@@ -496,3 +496,21 @@ def test_plan_decode_for_the_cuda_graph_decision():
     assert sp is not None and sp.group_seq_ids == [[0, 1, 2]] and sp.saved_kv_tokens == 64
     assert backend.plan_decode(seq_lens, tables, [32, 32, 0, 0], block_size=16) is None  # 32 < 64
     assert backend.num_shared_steps == 0  # planning only: no counters
+
+
+def test_builder_compares_whole_prefix():
+    """Same length, first and last block, different middle block: two groups, not one."""
+    tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 9, 3, 12], [1, 9, 3, 13], [1, 2, 3, 14]]
+    n = len(tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.full((n,), 50, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_size=16, max_query_len=1, max_seq_len=50,
+        query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[50] * n, block_tables_cpu=None,
+    )  # fmt: skip
+    sp = build_shared_prefix_metadata(meta, [48] * n)
+    assert sp.group_block_ids == [[1, 2, 3], [1, 9, 3]]
+    assert sp.group_seq_ids == [[0, 1, 4], [2, 3]]
+    assert sp.suffix_block_ids == [[10], [11], [12], [13], [14]]

@@ -128,7 +128,10 @@ def build_shared_prefix_metadata(
     if tables is None:
         tables = attn_meta.block_tables.tolist()
     qsl, seq_lens = attn_meta.query_start_loc_cpu, attn_meta.seq_lens_cpu
-    candidates: dict[tuple[int, ...], list[int]] = {}
+    # Bucket by (length, first, last block) -- cheap to hash --, then compare the whole prefix
+    # with the bucket's groups (a C-level list compare): same blocks, same group.
+    buckets: dict[tuple[int, int, int], list[tuple[list[int], list[int]]]] = {}
+    candidates: list[tuple[list[int], list[int]]] = []  # (prefix block ids, members)
     for b, p in enumerate(prefix_lens):
         if p < 0 or p % bs:
             raise ValueError(f"sequence {b}: prefix_len {p} is not a multiple of block size {bs}")
@@ -137,20 +140,28 @@ def build_shared_prefix_metadata(
         q_len = qsl[b + 1] - qsl[b]
         if p == 0 or q_len == 0 or seq_lens[b] - q_len < p:
             continue
-        candidates.setdefault(tuple(tables[b][: p // bs]), []).append(b)
+        prefix = tables[b][: p // bs]
+        bucket = buckets.setdefault((p, prefix[0], prefix[-1]), [])
+        for ids, members in bucket:
+            if ids == prefix:
+                members.append(b)
+                break
+        else:
+            bucket.append((prefix, [b]))
+            candidates.append(bucket[-1])
     seq_group = [-1] * num_seqs
     sp = SharedPrefixMetadata(bs, [], [], [], [], seq_group, [0] * num_seqs, [], [])
-    for key, members in candidates.items():
+    for ids, members in candidates:
         if len(members) < max(min_group_size, 1):
             continue
-        g = sp.num_groups
-        sp.group_block_ids.append(list(key))
-        sp.group_prefix_lens.append(len(key) * bs)
+        g, p = sp.num_groups, len(ids) * bs
+        sp.group_block_ids.append(list(ids))
+        sp.group_prefix_lens.append(p)
         sp.group_seq_ids.append(members)
         sp.group_query_ranges.append([(qsl[b], qsl[b + 1]) for b in members])
         for b in members:
             seq_group[b] = g
-            sp.seq_prefix_lens[b] = len(key) * bs
+            sp.seq_prefix_lens[b] = p
     for b in range(num_seqs):
         p = sp.seq_prefix_lens[b]
         sp.suffix_lens.append(seq_lens[b] - p)
