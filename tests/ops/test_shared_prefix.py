@@ -170,6 +170,8 @@ def test_builder_groups_by_prefix_blocks():
     assert sp.saved_kv_tokens == 2 * 32 + 1 * 48
     forced = build_shared_prefix_metadata(meta, prefix_lens, min_group_size=1)
     assert sorted(forced.group_prefix_lens) == [16, 32, 48]
+    decode_only = build_shared_prefix_metadata(meta, prefix_lens, max_member_query_len=1)
+    assert decode_only.group_prefix_lens == [32] and len(decode_only.group_seq_ids[0]) == 2
 
 
 def test_builder_rejects_bad_prefix_lens():

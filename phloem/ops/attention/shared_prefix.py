@@ -100,6 +100,7 @@ def build_shared_prefix_metadata(
     attn_meta: AttentionMetadata,
     prefix_lens: list[int],
     min_group_size: int = 2,
+    max_member_query_len: int | None = None,
 ) -> SharedPrefixMetadata:
     """Derive a step's prefix groups from per-sequence shared-prefix lengths.
 
@@ -108,13 +109,16 @@ def build_shared_prefix_metadata(
     is its "suffix") when p == 0, when it has no query tokens this step, when its first query
     position is < p (a group leader still computing the prefix: its queries must see the prefix
     causally), or when fewer than `min_group_size` sequences of the step share its prefix (a group
-    of one reads the prefix once either way; pass 1 to force groups of one, e.g. in tests).
+    of one reads the prefix once either way; pass 1 to force groups of one, e.g. in tests), or when
+    it computes more than `max_member_query_len` tokens this step (a long prefill chunk is already
+    a matrix-matrix pass over the prefix: grouping it saves no KV reads, only adds partial states).
 
     Args:
         attn_meta: the step's metadata; `block_tables_cpu` is used when present (else one
             device-to-host copy of `block_tables`).
         prefix_lens: [B] shared-prefix length of each sequence [tokens], 0 for none.
         min_group_size: smallest group kept.
+        max_member_query_len: longest q_len that may join a group (None: any).
     Returns:
         The step's `SharedPrefixMetadata`; groups in order of their first member.
     Raises:
@@ -139,6 +143,8 @@ def build_shared_prefix_metadata(
             raise ValueError(f"sequence {b}: block table too short for {seq_lens[b]} tokens")
         q_len = qsl[b + 1] - qsl[b]
         if p == 0 or q_len == 0 or seq_lens[b] - q_len < p:
+            continue
+        if max_member_query_len is not None and q_len > max_member_query_len:
             continue
         prefix = tables[b][: p // bs]
         bucket = buckets.setdefault((p, prefix[0], prefix[-1]), [])
@@ -371,7 +377,9 @@ class SharedPrefixAttention:
             `shared_prefix_flashinfer.FlashInferCascade`), "reference", or "auto" (Triton for CUDA
             tensors when it imports, else the reference), resolved at the first shared step.
         min_saved_kv_tokens, partial_cost_tokens: the cost rule above.
-        min_group_size: smallest group formed (`build_shared_prefix_metadata`).
+        min_group_size, max_member_query_len: which sequences form groups
+            (`build_shared_prefix_metadata`); by default prefill chunks longer than 16 tokens
+            stay out of groups and read their whole KV in their own tiles.
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     """
 
@@ -384,6 +392,7 @@ class SharedPrefixAttention:
         min_saved_kv_tokens: int = 1024,
         partial_cost_tokens: float = 16.0,
         min_group_size: int = 2,
+        max_member_query_len: int | None = 16,
         **triton_options: Any,
     ) -> None:
         if impl not in IMPLS:
@@ -393,6 +402,7 @@ class SharedPrefixAttention:
         self.min_saved_kv_tokens = min_saved_kv_tokens
         self.partial_cost_tokens = partial_cost_tokens
         self.min_group_size = min_group_size
+        self.max_member_query_len = max_member_query_len
         self.triton_options = triton_options
         self.num_shared_steps = 0
         self.num_plain_steps = 0
@@ -410,7 +420,9 @@ class SharedPrefixAttention:
         prefix_lens = getattr(meta, "prefix_lens_cpu", None)
         if not prefix_lens or not any(prefix_lens):
             return None
-        sp = build_shared_prefix_metadata(meta, prefix_lens, self.min_group_size)
+        sp = build_shared_prefix_metadata(
+            meta, prefix_lens, self.min_group_size, self.max_member_query_len
+        )
         saved = sp.saved_kv_tokens
         grouped = sum(e - s for ranges in sp.group_query_ranges for s, e in ranges)
         if saved < self.min_saved_kv_tokens or saved < self.partial_cost_tokens * grouped:
