@@ -228,6 +228,7 @@ def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> di
     }
     rec = {"groups": groups, "degree": args.degree, "prefix_len": prefix_len,
            "suffix_len": args.suffix_len, "num_seqs": num_seqs, "paths": {}}  # fmt: skip
+    rec["default_cost_rule_picks_shared"] = SharedPrefixAttention(fallback).plan(meta) is not None
     begin(fallback, meta)
     base = fallback.forward(q, kv, meta, scale)
     ref_bytes = num_seqs * (prefix_len + own) * token_bytes // kv.element_size() * 4
