@@ -27,7 +27,7 @@ async def _client(base_url, headers, index: int, deadline: float, stats: dict) -
     limits = httpx.Limits(max_connections=1)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits) as client:
         k = 0
-        while time.monotonic() < deadline:
+        while k == 0 or time.monotonic() < deadline:  # every client sends at least one request
             k += 1
             chat = (index + k) % 2 == 0
             path = "/v1/chat/completions" if chat else "/v1/completions"

@@ -347,9 +347,14 @@ def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator
 
     async def body():
         watch = asyncio.ensure_future(wait_disconnect(request))
-        watch.add_done_callback(
-            lambda t: [state.engine.abort(r) for r in ids] if not t.cancelled() else None
-        )
+
+        def on_disconnect(task: asyncio.Future) -> None:
+            # Only a clean return means the client left (an error in the watcher does not).
+            if not task.cancelled() and task.exception() is None:
+                for request_id in ids:
+                    state.engine.abort(request_id)
+
+        watch.add_done_callback(on_disconnect)
         try:
             async for chunk in chunks:
                 yield chunk
