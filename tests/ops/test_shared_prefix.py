@@ -332,13 +332,18 @@ def test_triton_matches_reference(triton_kernel, group_size, prefix_len, gqa, sp
         leaders=leaders,
     )  # fmt: skip
     sp = build_shared_prefix_metadata(meta, prefix_lens, min_group_size=1)
-    oracle = paged_attention_reference(q, kv, meta, 0.4)
     dev = device()
-    out = shared_prefix_attention_triton(
-        q.to(dev), kv.to(dev), meta, sp, 0.4, block_m=block_m, block_n=16, prefix_splits=splits
-    )
-    torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
-    assert out[meta.query_start_loc_cpu[-1] :].abs().sum() == 0
+    # Two "layers" of one step: the second reuses the first's plan and partial-state buffers.
+    for layer in range(2):
+        if layer:
+            q, kv = torch.randn_like(q), kv * -1.5 + 0.25  # NaN slots stay NaN
+        oracle = paged_attention_reference(q, kv, meta, 0.4)
+        out = shared_prefix_attention_triton(
+            q.to(dev), kv.to(dev), meta, sp, 0.4, block_m=block_m, block_n=16, prefix_splits=splits
+        )
+        torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
+        assert out[meta.query_start_loc_cpu[-1] :].abs().sum() == 0
+    assert len(sp.plan_cache) == 1
 
 
 def test_triton_half_precision_and_head_dim_padding(triton_kernel):

@@ -55,6 +55,11 @@ class _TritonPlan:
     num_slots: int  # prefix splits + 1
     block_m: int
     block_n: int
+    # float32 partial states [slots, R, H, D] and LSE [slots, R, H], allocated with the plan and
+    # shared by the step's layers: every layer runs the same tile table, so the LSE entries no
+    # tile writes (splits a group does not have) stay -inf from the one fill.
+    opart: torch.Tensor | None = None
+    lpart: torch.Tensor | None = None
 
 
 @triton.jit
@@ -342,9 +347,9 @@ def shared_prefix_attention(
         num_warps / num_stages: Triton launch options.
     Returns:
         [T, H, D] in query.dtype; zeros for tokens past `query_start_loc[-1]`.
-    Memory: a transient float32 buffer of (max splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped
-        query tokens of the step (<= 512 MiB by the split rule unless splits are forced; the
-        caching allocator reuses it across layers).
+    Memory: a float32 buffer of (max splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped query
+        tokens of the step (<= 512 MiB by the split rule unless splits are forced), allocated
+        once per step with the plan and reused by every layer.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -359,21 +364,22 @@ def shared_prefix_attention(
     gqa = num_heads // num_kv_heads
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
-    key = ("triton", num_kv_heads, gqa, block_m, block_n, prefix_splits, query.device)
+    dev = query.device
+    key = ("triton", num_heads, num_kv_heads, head_dim, block_m, block_n, prefix_splits, dev)
     plan = sp_meta.plan_cache.get(key)
-    if plan is None:
+    if plan is None:  # once per step: the layers share the plan and its partial-state buffers
         partial_bytes = num_heads * (head_dim + 1) * 4  # float32 O and LSE of one token
-        plan = _plan_triton(attn_meta, sp_meta, num_kv_heads, gqa, query.device, block_m,
-                            block_n, prefix_splits, partial_bytes)  # fmt: skip
+        plan = _plan_triton(attn_meta, sp_meta, num_kv_heads, gqa, dev, block_m, block_n,
+                            prefix_splits, partial_bytes)  # fmt: skip
+        rows = max(plan.num_grouped, 1)
+        f32 = dict(dtype=torch.float32, device=dev)
+        plan.opart = torch.empty(plan.num_slots, rows, num_heads, head_dim, **f32)
+        plan.lpart = torch.full((plan.num_slots, rows, num_heads), float("-inf"), **f32)
         sp_meta.plan_cache[key] = plan
+    opart, lpart = plan.opart, plan.lpart
     out = torch.empty_like(query)
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
-    rows = max(plan.num_grouped, 1)
-    opart = torch.empty(plan.num_slots, rows, num_heads, head_dim, dtype=torch.float32,
-                        device=query.device)  # fmt: skip
-    lpart = torch.full((plan.num_slots, rows, num_heads), float("-inf"), dtype=torch.float32,
-                       device=query.device)  # fmt: skip
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
     if plan.tiles.shape[0]:
