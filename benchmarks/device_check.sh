@@ -9,6 +9,7 @@ OUT=${1:-/tmp/phloem_out}
 STAGES=${STAGES:-"build tests latency prefill decode"}
 MODEL=${MODEL:-llama-3.1-8b}
 COMPARE=${COMPARE:-"--compare transformers"}
+ENGINE_ARGS=${ENGINE_ARGS:-}  # e.g. "--max-num-batched-tokens 8192"
 RES=/tmp/phloem_results
 mkdir -p "$RES/results"
 source benchmarks/device_setup.sh || exit 1
@@ -18,7 +19,7 @@ bench() {  # bench NAME TIMEOUT ARGS...
     local name=$1 limit=$2; shift 2
     echo "=== bench $name ($(date +%T))"
     timeout "$limit" python3 -m phloem.entrypoints.bench throughput --model "$MODEL" \
-        --json "$RES/results/$name.json" --profile "$RES/results/$name-profile.txt" "$@"
+        --json "$RES/results/$name.json" --profile "$RES/results/$name-profile.txt" $ENGINE_ARGS "$@"
     echo "=== bench $name rc=$? ($(date +%T))"
     tar -czf "$OUT/results.tgz" -C "$RES" results  # after each bench: a timeout keeps the rest
 }

@@ -155,8 +155,10 @@ def _profile(llm, workload, steps: int, path: str) -> dict:
 
     engine = llm.llm_engine
     n = min(workload.num_requests, engine.scheduler_config.max_num_seqs)
+    # Reversed prompts: the same shapes (and shared prefixes become shared suffixes), but no
+    # prefix the run just cached, so the profiled prefill steps compute their prompts.
     ids = [
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+        engine.add_request(p[::-1], SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
         for p, o in zip(workload.prompts[:n], workload.output_lens[:n])
     ]
     seen: set[str] = set()
