@@ -62,17 +62,19 @@ def test_disconnect_mid_stream_frees_kv(main_server):
     with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
+            # Read 5 chunks without abandoning the iterator: a generator dropped by `break` is
+            # finalized, and httpcore then closes the connection (a real disconnect, too early).
+            lines = r.iter_lines()
             chunks = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
+            while chunks < 5:
+                if next(lines).startswith("data: "):
                     chunks += 1
-                if chunks >= 5:
-                    break
             running = main_server.metrics()
             assert running["phloem:num_requests_running"] >= 1, {
                 k: v for k, v in running.items() if "abort" in k or "running" in k or "fail" in k
             }
             assert running["phloem:kv_cache_usage_perc"] > 0, running
+            lines.close()
     # The connection is closed: the request is aborted and its blocks return.
     after = main_server.wait_idle(timeout=20)
     key = 'phloem:request_aborted_total{phase="running"}'

@@ -343,23 +343,24 @@ async def _run_or_disconnect(request: Request, coro):
 
 
 def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator[str], ids):
-    """SSE response whose request ids are aborted if the client goes away."""
+    """SSE response whose request ids are aborted if the client goes away.
+
+    Starlette already listens for the client's disconnect while it streams and cancels this
+    body when it comes; a second listener on the same connection would race it for ASGI
+    messages, so the abort rides on that cancellation (`finally`). Aborting a request that has
+    finished is a no-op.
+    """
 
     async def body():
-        watch = asyncio.ensure_future(wait_disconnect(request))
-
-        def on_disconnect(task: asyncio.Future) -> None:
-            # Only a clean return means the client left (an error in the watcher does not).
-            if not task.cancelled() and task.exception() is None:
-                for request_id in ids:
-                    state.engine.abort(request_id)
-
-        watch.add_done_callback(on_disconnect)
+        completed = False
         try:
             async for chunk in chunks:
                 yield chunk
+            completed = True
         finally:
-            watch.cancel()
+            if not completed:
+                for request_id in ids:
+                    state.engine.abort(request_id)
             await chunks.aclose()  # type: ignore[attr-defined]
 
     return StreamingResponse(
