@@ -7,7 +7,7 @@ returning outputs in input order.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -249,31 +249,39 @@ class LLM:
             )
         return request_ids
 
-    def run_engine(self, request_ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
-        """Step until the given requests finish; returns their outputs in the given order."""
+    def iter_outputs(
+        self, request_ids: list[str], use_tqdm: bool = True
+    ) -> Iterator[RequestOutput]:
+        """Step the engine and yield each of `request_ids`' finished RequestOutput as soon as it
+        finishes (so a job can persist results one by one). The progress bar shows prompts
+        done, input/output tokens/s and the prefix reuse ratio."""
         engine = self.llm_engine
         pending = set(request_ids)
-        results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start = time.monotonic()
         num_in = num_out = num_reused = 0
         try:
             while pending and engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.finished and output.request_id in pending:
-                        pending.discard(output.request_id)
-                        results[output.request_id] = output
-                        num_in += len(output.prompt_token_ids)
-                        num_out += sum(len(o.token_ids) for o in output.outputs)
-                        num_reused += output.num_cached_tokens
-                        elapsed = max(time.monotonic() - start, 1e-9)
-                        bar.set_postfix_str(
-                            f"input: {num_in / elapsed:.1f} toks/s, "
-                            f"output: {num_out / elapsed:.1f} toks/s, "
-                            f"prefix reuse: {num_reused / max(num_in, 1):.0%}",
-                            refresh=False,
-                        )
-                        bar.update(1)
+                    if not output.finished or output.request_id not in pending:
+                        continue
+                    pending.discard(output.request_id)
+                    num_in += len(output.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in output.outputs)
+                    num_reused += output.num_cached_tokens
+                    elapsed = max(time.monotonic() - start, 1e-9)
+                    bar.set_postfix_str(
+                        f"input: {num_in / elapsed:.1f} toks/s, "
+                        f"output: {num_out / elapsed:.1f} toks/s, "
+                        f"prefix reuse: {num_reused / max(num_in, 1):.0%}",
+                        refresh=False,
+                    )
+                    bar.update(1)
+                    yield output
         finally:
             bar.close()
+
+    def run_engine(self, request_ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Step until the given requests finish; returns their outputs in the given order."""
+        results = {o.request_id: o for o in self.iter_outputs(request_ids, use_tqdm)}
         return [results[r] for r in request_ids]

@@ -101,7 +101,7 @@ def output_record(parsed: ParsedLine, output) -> dict[str, Any]:
 def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any], use_tqdm=True):
     """Run the job; returns the summary dict (see `phloem.engine.metrics.summarize`)."""
     from phloem.engine.metrics import summarize
-    from phloem.entrypoints.resumable import iter_finished, write_atomically
+    from phloem.entrypoints.resumable import write_atomically
 
     start = time.monotonic()
     with open(input_path, encoding="utf-8") as f:
@@ -121,7 +121,7 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
     line_of = dict(zip(request_ids, todo))
     outputs = []
     try:
-        for output in iter_finished(llm, request_ids, use_tqdm=use_tqdm):
+        for output in llm.iter_outputs(request_ids, use_tqdm=use_tqdm):
             i = line_of[output.request_id]
             done[i] = {"line": i, "record": output_record(parsed[i], output)}
             log.append(done[i])

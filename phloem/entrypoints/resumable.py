@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -111,35 +111,3 @@ def write_atomically(path: str, lines: list[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def iter_finished(llm, request_ids: list[str], use_tqdm: bool = True) -> Iterator:
-    """Step the engine and yield each of `request_ids`' RequestOutput as soon as it finishes
-    (like `LLM.run_engine`, but streaming, so the caller can persist results one by one)."""
-    from tqdm.auto import tqdm
-
-    engine = llm.llm_engine
-    pending = set(request_ids)
-    bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
-    start = time.monotonic()
-    num_in = num_out = num_reused = 0
-    try:
-        while pending and engine.has_unfinished_requests():
-            for output in engine.step():
-                if not output.finished or output.request_id not in pending:
-                    continue
-                pending.discard(output.request_id)
-                num_in += len(output.prompt_token_ids)
-                num_out += sum(len(c.token_ids) for c in output.outputs)
-                num_reused += output.num_cached_tokens
-                elapsed = max(time.monotonic() - start, 1e-9)
-                bar.set_postfix_str(
-                    f"input: {num_in / elapsed:.1f} toks/s, "
-                    f"output: {num_out / elapsed:.1f} toks/s, "
-                    f"prefix reuse: {num_reused / max(num_in, 1):.0%}",
-                    refresh=False,
-                )
-                bar.update(1)
-                yield output
-    finally:
-        bar.close()

@@ -163,7 +163,7 @@ def _custom_id_of(raw: str) -> str | None:
 def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm: bool = True):
     """Run (or resume) the job; returns counts {"num_lines", "num_resumed", "num_failed", ...}."""
     from phloem.entrypoints.openai.server import Frontend
-    from phloem.entrypoints.resumable import ResultLog, iter_finished
+    from phloem.entrypoints.resumable import ResultLog
 
     engine = llm.llm_engine
     front = Frontend(llm.get_tokenizer(), engine.max_model_len, engine.validate_prompt, model_name)
@@ -201,7 +201,7 @@ def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm:
                 owners.append((b, i))
         request_ids = llm.add_requests(encoded, params)
         owner_of = dict(zip(request_ids, owners))
-        for output in iter_finished(llm, request_ids, use_tqdm):
+        for output in llm.iter_outputs(request_ids, use_tqdm):
             b, i = owner_of[output.request_id]
             b.outputs[i] = output
             if len(b.outputs) == len(b.prep.prompts):
