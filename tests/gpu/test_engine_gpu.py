@@ -68,8 +68,12 @@ def test_greedy_and_logits_vs_transformers(setup):
     llm, ours = _phloem(path, prompts)
     engine = llm.llm_engine
     worker = engine.executor.worker
-    hf32 = build_hf_model(engine.hf_config, hf_state_dict(worker.model, "cuda"), torch.float32, "cuda")
-    hf16 = build_hf_model(engine.hf_config, hf_state_dict(worker.model, "cuda"), torch.bfloat16, "cuda")
+    hf32 = build_hf_model(
+        engine.hf_config, hf_state_dict(worker.model, "cuda"), torch.float32, "cuda"
+    )
+    hf16 = build_hf_model(
+        engine.hf_config, hf_state_dict(worker.model, "cuda"), torch.bfloat16, "cuda"
+    )
     agree = total = 0
     errs_ours, errs_hf = [], []
     for prompt, got in zip(prompts, ours):
