@@ -44,6 +44,7 @@ def run_phloem(prompts, output_len: int, max_num_batched_tokens: int) -> tuple[f
 @torch.inference_mode()
 def run_transformers(prompts, output_len: int) -> tuple[float, list]:
     import transformers
+
     from phloem.models.loader import resolve_model
 
     source = resolve_model(None)
