@@ -142,6 +142,7 @@ class AsyncLLMEngine:
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
+        engine.stream_outputs = True  # every step's tokens reach the streams
         self.metrics = metrics
         self.fault_injection = fault_injection
         self.on_death = on_death

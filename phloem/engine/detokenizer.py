@@ -22,12 +22,18 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt; its last few tokens give the first output token context.
         skip_special_tokens: drop special tokens from the text.
         stop: stop strings; the text is cut before the first one found.
+        incremental: keep `text` up to date after every token (needed for streaming). Without
+            it and without stop strings, tokens are only collected and the text is decoded once
+            by `flush()` (same text, one decode call instead of two per token).
     """
 
-    def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens=True, stop=()):
+    def __init__(
+        self, tokenizer, prompt_token_ids, skip_special_tokens=True, stop=(), incremental=True
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
+        self.incremental = incremental or bool(self.stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._token_ids = context
@@ -44,10 +50,16 @@ class IncrementalDetokenizer:
         Mutates `text`.
         """
         self._token_ids.append(token_id)
+        if not self.incremental:
+            return None
         return self._advance(final=False)
 
     def flush(self) -> str | None:
         """Emit text still held back (the sequence has ended); returns a stop string hit."""
+        if not self.incremental:  # one decode of context + outputs, minus the context's text
+            context = self._decode(self._token_ids[: self._read_offset])
+            self.text = self._decode(self._token_ids)[len(context) :]
+            return None
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str | None:

@@ -102,7 +102,13 @@ class LLMEngine:
         )
         self.scheduler_config.validate()
         worker = Worker(
-            config.model, config.cache, source, self.hf_config, config.seed, self.eos_token_id
+            config.model,
+            config.cache,
+            source,
+            self.hf_config,
+            config.seed,
+            self.eos_token_id,
+            scheduler_config=self.scheduler_config,
         )
         self.executor = UniProcExecutor(worker)
         capacity = self.executor.num_blocks * config.cache.block_size
@@ -128,6 +134,9 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}
         self._ids = itertools.count()
         self.num_computed_prompt_tokens = 0
+        # True: step() returns an output for every prompt that got a token (streaming, kept up
+        # to date text); False (offline): only finished prompts, text decoded once at the end.
+        self.stream_outputs = False
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -180,7 +189,11 @@ class LLMEngine:
                 shared_prefix=shared_prefix,
             )
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop
+                self.tokenizer,
+                prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                incremental=self.stream_outputs,
             )
             seq = _Sequence(
                 request, index, request_id, detok, logprobs=[] if params.logprobs else None
@@ -225,7 +238,8 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every prompt that got new tokens."""
+        """Run one iteration; returns an output for every prompt that finished (and, with
+        `stream_outputs`, for every prompt that got a new token)."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(
@@ -263,7 +277,8 @@ class LLMEngine:
                 del self._prompts[entry.request_id]
                 for seq in entry.sequences:
                     self._sequences.pop(seq.request.request_id, None)
-            outputs.append(entry.to_output())
+            if entry.finished or self.stream_outputs:
+                outputs.append(entry.to_output())
         return outputs
 
     def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
