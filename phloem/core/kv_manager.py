@@ -77,6 +77,8 @@ class KVManager:
         free enough blocks.
         """
         needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed == 0:
+            return True
         if needed > self.num_reclaimable_blocks:
             return False
         # Evicted blocks may still be in use elsewhere (a group or another request holds
@@ -86,9 +88,8 @@ class KVManager:
             self.allocator.decref(cache.evict(needed - self.allocator.num_free_blocks))
         if needed > self.allocator.num_free_blocks:
             return False
-        if needed:
-            table = self._block_tables.setdefault(request.request_id, [])
-            table.extend(self.allocator.allocate(needed))
+        table = self._block_tables.setdefault(request.request_id, [])
+        table.extend(self.allocator.allocate(needed))
         return True
 
     # -- reuse ------------------------------------------------------------------------------

@@ -155,6 +155,8 @@ class Scheduler:
         memory allow. With memory-centric admission, a request is admitted only if the blocks
         it will need to finish (prompt + max_tokens, net of shared prefix blocks) fit beside
         what the running requests still need (BatchLLM §4.3)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return budget
         skipped: list[Request] = []
         reserved = self._reserved_blocks() if self.config.memory_centric_admission else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
