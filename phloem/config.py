@@ -28,7 +28,8 @@ class ModelConfig:
         device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
         enforce_eager: never capture CUDA graphs (decode steps run eagerly).
         attention_backend: "auto" (FlashInfer on CUDA when installed, else the plain-torch
-            reference), "reference" or "flashinfer".
+            reference), "reference", "flashinfer" or "shared_prefix" (cascade attention over
+            prefix groups, BatchLLM §5, wrapping "auto" for other steps).
     """
 
     model: str | None = None
@@ -49,9 +50,9 @@ class ModelConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.attention_backend not in ("auto", "reference", "flashinfer"):
+        if self.attention_backend not in ("auto", "reference", "flashinfer", "shared_prefix"):
             raise ValueError(
-                "attention_backend must be 'auto', 'reference' or 'flashinfer', "
+                "attention_backend must be 'auto', 'reference', 'flashinfer' or 'shared_prefix', "
                 f"got {self.attention_backend!r}"
             )
 

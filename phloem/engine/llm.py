@@ -41,7 +41,8 @@ class LLM:
         load_format: "auto" or "dummy" (random weights, for benchmarks).
         device: "auto", "cpu" or "cuda".
         enforce_eager: no CUDA graphs for decode steps.
-        attention_backend: "auto", "reference" or "flashinfer".
+        attention_backend: "auto", "reference", "flashinfer" or "shared_prefix" (cascade
+            attention for prefix groups).
         enable_prefix_caching: plan shared prefixes over each `generate` batch (BatchLLM) and
             keep finished requests' KV in a radix cache for later requests; False computes
             every prompt in full (for comparison).

@@ -39,7 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="admit requests whenever their next chunk fits, relying on preemption",
     )
     g.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "reference", "flashinfer"]
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "reference", "flashinfer", "shared_prefix"],
     )
 
 

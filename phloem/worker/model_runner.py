@@ -32,6 +32,16 @@ class ModelRunnerOutput:
     top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
 
 
+def shared_prefix_len(s) -> int:
+    """Tokens at the start of the request's block table that are its prefix group's shared
+    blocks (0 when it has none, or they are not held yet)."""
+    group = s.request.shared_prefix
+    if group is None or group.block_ids is None:
+        return 0
+    n = len(group.block_ids)
+    return group.prefix_len if s.block_ids[:n] == group.block_ids else 0
+
+
 @dataclass
 class _HostStep:
     """A step's inputs as host lists (T tokens, B sequences, S sampled)."""
@@ -44,13 +54,14 @@ class _HostStep:
     block_tables: list[list[int]]
     logits_indices: list[int]
     sampled: list[int]
+    prefix_lens: list[int]
 
     @classmethod
     def build(cls, sched: SchedulerOutput, block_size: int) -> _HostStep:
         """Each scheduled request computes positions [start, end):
         |-- computed (start) --|-- this step: end - start --|-- later --|"""
         bs = block_size
-        step = cls([], [], [], [0], [], [], [], [])
+        step = cls([], [], [], [0], [], [], [], [], [])
         for i, s in enumerate(sched.scheduled):
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_tokens
             step.input_ids.extend(s.request.token_ids(start, end))
@@ -60,6 +71,7 @@ class _HostStep:
             step.query_start_loc.append(len(step.input_ids))
             step.seq_lens.append(end)
             step.block_tables.append(table)
+            step.prefix_lens.append(shared_prefix_len(s))
             if s.sample:
                 step.logits_indices.append(len(step.input_ids) - 1)
                 step.sampled.append(i)
@@ -160,6 +172,7 @@ class ModelRunner:
             query_start_loc_cpu=host.query_start_loc,
             seq_lens_cpu=host.seq_lens,
             block_tables_cpu=host.block_tables,
+            prefix_lens_cpu=host.prefix_lens,
         )
         return StepInputs(
             input_ids=torch.tensor(host.input_ids, dtype=torch.int64, device=dev),
@@ -230,6 +243,11 @@ class ModelRunner:
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
             tables.append(s.block_ids)
+        plan_decode = getattr(self.backend, "plan_decode", None)
+        if plan_decode is not None:
+            prefix_lens = [shared_prefix_len(s) for s in scheduled]
+            if any(prefix_lens) and plan_decode(seq_lens, tables, prefix_lens, bs) is not None:
+                return None, []  # prefix sharing pays this step: run the cascade path eagerly
         hidden = runner.run(ids, positions, slots, seq_lens, tables)
         return hidden, list(range(len(scheduled)))
 

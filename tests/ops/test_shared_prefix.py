@@ -462,8 +462,8 @@ def step_prefix_lens(sched) -> list[int]:
 
 def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, monkeypatch):
     """A tiny Llama through LLM.generate (planned groups, chunked prefill mixed with decode): the
-    shared-prefix backend (reference impl, always chosen) changes no greedy token. Until the
-    model runner sets `prefix_lens_cpu` itself, the test wraps its prepare_inputs."""
+    model runner passes each sequence's group prefix length itself, and the shared-prefix
+    backend (reference impl, always chosen) changes no greedy token."""
     from phloem import LLM, SamplingParams
     from tests.engine.test_prefix_sharing_e2e import workloads
     from tests.engine.tiny_models import write_tiny_model
@@ -474,21 +474,17 @@ def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, mon
     random.Random(0).shuffle(prompts)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     results = []
-    for shared in (False, True):
-        llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=24)
+    for name in ("reference", "shared_prefix"):
+        llm = LLM(str(tmp_path), block_size=4, max_num_batched_tokens=24, attention_backend=name)
         runner = llm.llm_engine.executor.worker.model_runner
-        if shared:
-            backend = SharedPrefixAttention(runner.backend, impl="reference",
-                                            min_saved_kv_tokens=0, partial_cost_tokens=0)  # fmt: skip
-            prepare = runner.prepare_inputs
-
-            def prepare_with_groups(sched, prepare=prepare):
-                inputs = prepare(sched)
-                inputs.attn_metadata.prefix_lens_cpu = step_prefix_lens(sched)
-                return inputs
-
-            monkeypatch.setattr(runner, "prepare_inputs", prepare_with_groups)
-            monkeypatch.setattr(runner, "backend", backend)
+        if name == "shared_prefix":
+            backend = runner.backend
+            assert isinstance(backend, SharedPrefixAttention)
+            backend.impl, backend.min_saved_kv_tokens, backend.partial_cost_tokens = (
+                "reference",
+                0,
+                0,
+            )
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]

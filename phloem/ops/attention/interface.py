@@ -42,6 +42,9 @@ class AttentionMetadata:
         block_tables_cpu: the block ids of each sequence as Python lists (unpadded, at least
             ceil(seq_lens[b] / block_size) ids each), for backends that plan on the host
             (FlashInfer); None when the builder of the metadata did not provide them.
+        prefix_lens_cpu: per sequence, the tokens at the start of its block table that are its
+            prefix group's shared blocks (0 for none); read by the shared-prefix backend
+            (`shared_prefix.py`) to batch a group's queries against the prefix KV once.
     """
 
     slot_mapping: torch.Tensor
@@ -54,6 +57,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_tables_cpu: list[list[int]] | None = None
+    prefix_lens_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -95,7 +99,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-BACKENDS = ("auto", "reference", "flashinfer")
+BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
 
 
 def get_attention_backend(name: str = "reference", **geometry) -> AttentionBackend:
@@ -103,7 +107,9 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
 
     Args:
         name: "reference" (plain torch; the CPU path), "flashinfer" (paged FlashInfer kernels,
-            CUDA only) or "auto": FlashInfer on a CUDA device when it imports, else reference.
+            CUDA only), "auto": FlashInfer on a CUDA device when it imports, else reference, or
+            "shared_prefix": prefix-shared (cascade) attention for steps with prefix groups,
+            wrapping the "auto" backend for all other steps (BatchLLM §5).
         geometry: what a planning backend needs up front, ignored by the reference:
             num_heads, num_kv_heads, head_dim, scale, dtype (of q and the KV cache), device,
             max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers).
@@ -113,6 +119,10 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
+    if name == "shared_prefix":  # cascade attention on steps where sharing pays, else "auto"
+        from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+
+        return SharedPrefixAttention(get_attention_backend("auto", **geometry))
     device = geometry.get("device")
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "auto":
