@@ -105,6 +105,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _attention_stats(llm) -> dict | None:
+    """Which attention path each step took (the shared-prefix backend counts them)."""
+    stats = getattr(llm.llm_engine.executor.worker.model_runner.backend, "stats", None)
+    return stats() if stats is not None else None
+
+
 def _engine_info(llm) -> dict:
     worker = llm.llm_engine.executor.worker
     sched = llm.llm_engine.scheduler_config
@@ -276,6 +282,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "tpot_s": _percentiles([o.tpot for o in outputs if o.tpot is not None]),
         "prefix_tokens_reused": sum(o.num_cached_tokens for o in outputs) / max(num_in, 1),
         "engine": _engine_info(llm),
+        "attention": _attention_stats(llm),
         "versions": _versions(),
         "command": "phloem " + " ".join(sys.argv[1:]),
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
