@@ -422,7 +422,7 @@ def test_gpu_backend_paths(impl):
     assert backend.last_path == "shared_prefix"
     want = ReferenceAttention().forward(q.float(), kv.float(), meta, scale)
     torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
-    step = dataclasses.replace(meta)  # no prefix_lens_cpu: the fallback runs
+    step = dataclasses.replace(meta, prefix_lens_cpu=None)  # no groups: the fallback runs
     backend.begin_step(step)
     plain = backend.forward(q, kv, step, scale)
     assert backend.last_path == fallback.name

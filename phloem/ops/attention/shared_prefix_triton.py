@@ -147,13 +147,14 @@ def tile_kernel(
     l_use = tl.where(has, l_i, 1.0)
     o = acc / l_use[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_use)) * 0.6931471805599453, float("-inf"))
+    # Names differ per branch: compiled Triton needs one type per variable across branches.
     if slot < 0:
-        dst = out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        out_dst = out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
+        tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         prow = (tok_off + t_local).to(tl.int64)
-        dst = opart_ptr + slot * s_ps + prow[:, None] * s_pt + head[:, None] * s_ph
-        tl.store(dst + offs_d[None, :], o, mask=q_mask)
+        part_dst = opart_ptr + slot * s_ps + prow[:, None] * s_pt + head[:, None] * s_ph
+        tl.store(part_dst + offs_d[None, :], o, mask=q_mask)
         tl.store(lpart_ptr + slot * s_ls + prow * s_lt + head, lse, mask=row_ok)
 
 
