@@ -30,8 +30,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 logger = logging.getLogger(__name__)
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -60,6 +58,8 @@ def parse_batch_line(front, raw: str, line_number: int, first_line: dict[str, in
     `first_line` maps each custom_id to the first input line holding it; later lines with the
     same custom_id fail as duplicates (decided over the whole file, so resuming agrees).
     """
+    from pydantic import ValidationError  # lazy: `phloem` runs without the server extras
+
     from phloem.entrypoints.openai.protocol import (
         APIError,
         ChatCompletionRequest,
