@@ -155,6 +155,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+_TOP_P_CANDIDATES = 1024  # tokens sorted on the fast path of top-k/top-p
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -174,10 +177,43 @@ def apply_top_k_top_p(
     does the same).
     """
     vocab_size = logits.shape[1]
+    num_cand = min(vocab_size, _TOP_P_CANDIDATES)
+    if num_cand < vocab_size and bool((top_k <= num_cand).all()):
+        # Every row keeps at most num_cand tokens: sort only the candidates (exact).
+        sorted_logits = logits.topk(num_cand, dim=-1).values
+        return _truncate_sorted(logits, sorted_logits, top_k, top_p)
+    if num_cand < vocab_size and bool((top_k >= vocab_size).all()):
+        # Pure top-p: exact from the candidates for rows whose candidates hold >= top_p of the
+        # mass (the nucleus ends inside them); the other rows fall back to a full sort.
+        cand = logits.topk(num_cand, dim=-1).values
+        mass = (cand - logits.logsumexp(dim=-1, keepdim=True)).exp().sum(dim=-1)
+        fits = mass >= top_p
+        if bool(fits.all()):
+            return _truncate_sorted(logits, cand, top_k, top_p, logits.logsumexp(dim=-1))
     sorted_logits = logits.sort(dim=-1, descending=True).values
-    position = torch.arange(vocab_size, device=logits.device)
+    return _truncate_sorted(logits, sorted_logits, top_k, top_p)
+
+
+def _truncate_sorted(
+    logits: torch.Tensor,
+    sorted_logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    log_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The top-k/top-p cut given the leading `sorted_logits` [B, C] (descending) of `logits`.
+
+    `log_norm` [B]: log of the softmax normaliser over the whole kept-by-top-k set when the C
+    candidates are fewer than it (pure top-p); None normalises over the candidates within top-k.
+    """
+    num_cand = sorted_logits.shape[1]
+    position = torch.arange(num_cand, device=logits.device)
     in_top_k = position[None, :] < top_k[:, None]
-    probs = sorted_logits.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    masked = sorted_logits.masked_fill(~in_top_k, float("-inf"))
+    if log_norm is None:
+        probs = masked.softmax(dim=-1)
+    else:
+        probs = (masked - log_norm[:, None]).exp()
     mass_before = probs.cumsum(dim=-1) - probs
     keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     num_keep = keep.sum(dim=-1).clamp_min(1)  # keep is a prefix: both conditions are monotone
