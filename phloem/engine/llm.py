@@ -209,11 +209,23 @@ class LLM:
 
     def plan(
         self,
-        prompt_token_ids: Sequence[list[int]],
-        sampling_params: Sequence[SamplingParams],
+        prompts: Sequence[PromptType | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> PrefixPlan:
         """The global prefix plan for a batch (BatchLLM §4): groups of requests sharing a prefix
-        computed once, and the schedule order (decode-heavy first). Runs no model."""
+        computed once, and the schedule order (decode-heavy first). Runs no model.
+
+        Args:
+            prompts: as for `generate`, or token-id lists.
+            sampling_params: one for all or one per prompt (their `max_tokens` order the plan).
+        Returns:
+            the `PrefixPlan` (`describe()` prints it; `planned_reuse_ratio` is its saving).
+        """
+        prompt_token_ids = [
+            list(p) if isinstance(p, list) else self.encode_prompt(p)[1] for p in prompts
+        ]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
         max_tokens = [
             p.max_tokens if p.max_tokens is not None else self.llm_engine.max_model_len - len(ids)
             for ids, p in zip(prompt_token_ids, sampling_params)

@@ -82,3 +82,13 @@ def test_radix_cache_across_generate_calls(tiny_llama):
     fresh = LLM(str(tiny_llama), block_size=4, enable_prefix_caching=False)
     alone = fresh.generate({"prompt_token_ids": system + [7, 8, 9]}, params, use_tqdm=False)[0]
     assert second.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_plan_is_inspectable(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=4)
+    prompts = workloads()["many_groups"]
+    plan = llm.plan([{"prompt_token_ids": p} for p in prompts])
+    assert plan.num_logical_prompt_tokens == sum(map(len, prompts))
+    assert len(plan.shared_groups) == 4 and 0 < plan.planned_reuse_ratio < 1
+    assert "4 shared-prefix groups" in plan.describe()
+    assert llm.plan(prompts, SamplingParams(max_tokens=3)).order == plan.order
