@@ -33,7 +33,7 @@ class _Sequence:
     index: int
     prompt_id: str
     detokenizer: IncrementalDetokenizer
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # only when the request asked for logprobs
     logprobs: list[dict[int, float]] | None = None
 
 
@@ -195,9 +195,9 @@ class LLMEngine:
                 params.stop,
                 incremental=self.stream_outputs,
             )
-            seq = _Sequence(
-                request, index, request_id, detok, logprobs=[] if params.logprobs else None
-            )
+            seq = _Sequence(request, index, request_id, detok)
+            if params.logprobs is not None:
+                seq.cumulative_logprob, seq.logprobs = 0.0, []
             entry.sequences.append(seq)
         self._prompts[request_id] = entry
         for seq in entry.sequences:
@@ -296,7 +296,7 @@ class LLMEngine:
     def _record_logprobs(seq: _Sequence, runner_output, token_id: int) -> None:
         request_id = seq.request.request_id
         logprob = runner_output.logprobs.get(request_id)
-        if logprob is not None:
+        if logprob is not None and seq.cumulative_logprob is not None:
             seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
             top = runner_output.top_logprobs.get(request_id) or {token_id: logprob}

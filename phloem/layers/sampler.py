@@ -64,13 +64,14 @@ class SamplerOutput:
 
     Fields:
         token_ids: [B] sampled token ids.
-        logprobs: [B] log-prob of the sampled token under log_softmax(input logits).
+        logprobs: [B] log-prob of the sampled token under log_softmax(input logits); all None
+            when no row asked for logprobs (the log-softmax over the vocabulary is then skipped).
         top_logprobs: [B] for rows with params.logprobs = k: {token_id: raw log-prob} for the k
             most likely tokens plus the sampled one (k or k + 1 entries); None for other rows.
     """
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
 
 
@@ -245,7 +246,13 @@ class Sampler:
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
             )
         raw = logits.float()
-        x = raw.clone()
+        needs_copy = any(r.banned_token_ids for r in rows) or any(
+            r.params.repetition_penalty != 1.0
+            or r.params.frequency_penalty != 0.0
+            or r.params.presence_penalty != 0.0
+            for r in rows
+        )
+        x = raw.clone() if needs_copy else raw  # only bans and penalties write in place
         apply_banned(x, [r.banned_token_ids for r in rows])
         x = self._penalize(x, rows)
 
@@ -344,6 +351,8 @@ class Sampler:
         raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
     ) -> SamplerOutput:
         """Raw log-probs of the sampled and top-k tokens; the single device-to-host copy."""
+        if all(r.params.logprobs is None for r in rows):
+            return SamplerOutput(tokens.tolist(), [None] * len(rows), [None] * len(rows))
         lse = torch.logsumexp(raw, dim=-1)
         sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         max_k = max((r.params.logprobs or 0 for r in rows), default=0)

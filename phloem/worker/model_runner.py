@@ -28,7 +28,7 @@ class ModelRunnerOutput:
     distribution, and the top-k log-probs when the request asked for them."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, float] = field(default_factory=dict)
+    logprobs: dict[str, float | None] = field(default_factory=dict)
     top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
 
 
