@@ -414,8 +414,8 @@ async def create_completion(state: ServerState, request: Request):
     n = req.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _completion_chunks(
-            state, prep, fault, arrival, response_id, created, n, include_usage
+        chunks = _in_band_errors(
+            _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage)
         )
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
@@ -456,15 +456,13 @@ def completion_response(front, prep: _Prepared, finals: list, response_id: str, 
     }
 
 
-async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage):
-    holdback = [_holdback(p) for p in prep.params]
-    choices: dict[tuple[int, int], _Choice] = {}
-    finals: list = [None] * len(prep.request_ids)
+def _chunk_maker(state, object_name: str, response_id: str, created: int, include_usage: bool):
+    """A function (choices, usage=None) -> one SSE frame of a streamed response."""
 
     def chunk(choice_list, usage=None):
         data = {
             "id": response_id,
-            "object": "text_completion",
+            "object": object_name,
             "created": created,
             "model": state.model_name,
             "choices": choice_list,
@@ -473,32 +471,34 @@ async def _completion_chunks(state, prep, fault, arrival, response_id, created, 
             data["usage"] = usage
         return sse(data)
 
+    return chunk
+
+
+async def _choice_deltas(state, prep, fault, arrival, finals: list):
+    """Yield (prompt index, completion, text delta, done, t0, t1) for every completion that has
+    new text or just finished; `finals[i]` keeps prompt i's latest output (for usage)."""
+    holdback = [_holdback(p) for p in prep.params]
+    choices: dict[tuple[int, int], _Choice] = {}
+    async for index, output in _merged(state.engine, prep, fault, arrival):
+        finals[index] = output
+        for c in output.outputs:
+            st = choices.setdefault((index, c.index), _Choice(holdback[index]))
+            if st.finished:
+                continue
+            done = c.finish_reason is not None or output.finished
+            delta, t0, t1 = st.delta(c, done)
+            if not delta and not done:
+                continue
+            st.finished = done
+            yield index, c, delta, done, t0, t1, st.num_chars - len(delta)
+
+
+async def _in_band_errors(frames):
+    """Pass SSE frames through; once headers are sent, errors are reported in-band, and the
+    stream always ends with [DONE] (a cancelled stream just stops)."""
     try:
-        async for index, output in _merged(state.engine, prep, fault, arrival):
-            finals[index] = output
-            for c in output.outputs:
-                st = choices.setdefault((index, c.index), _Choice(holdback[index]))
-                if st.finished:
-                    continue
-                done = c.finish_reason is not None or output.finished
-                delta, t0, t1 = st.delta(c, done)
-                if not delta and not done:
-                    continue
-                st.finished = done
-                item = {
-                    "index": index * n + c.index,
-                    "text": delta,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason if done else None,
-                    "stop_reason": c.stop_reason if done else None,
-                }
-                if prep.top_k is not None:
-                    item["logprobs"] = _logprobs_completion(
-                        state.tokenizer, c, t0, t1, prep.top_k, st.num_chars - len(delta)
-                    )
-                yield chunk([item])
-        if include_usage:
-            yield chunk([], _usage(finals))
+        async for frame in frames:
+            yield frame
     except asyncio.CancelledError:
         raise
     except (EngineDeadError, RequestFailedError, ValueError) as e:
@@ -507,6 +507,26 @@ async def _completion_chunks(state, prep, fault, arrival, response_id, created, 
         logger.exception("stream failed")
         yield sse(APIError(500, f"internal error: {type(e).__name__}").body())
     yield sse("[DONE]")
+
+
+async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage):
+    chunk = _chunk_maker(state, "text_completion", response_id, created, include_usage)
+    finals: list = [None] * len(prep.request_ids)
+    async for index, c, delta, done, t0, t1, offset in _choice_deltas(
+        state, prep, fault, arrival, finals
+    ):
+        item = {
+            "index": index * n + c.index,
+            "text": delta,
+            "logprobs": None,
+            "finish_reason": c.finish_reason if done else None,
+            "stop_reason": c.stop_reason if done else None,
+        }
+        if prep.top_k is not None:
+            item["logprobs"] = _logprobs_completion(state.tokenizer, c, t0, t1, prep.top_k, offset)
+        yield chunk([item])
+    if include_usage:
+        yield chunk([], _usage(finals))
 
 
 # -- chat -----------------------------------------------------------------------------------------
@@ -553,7 +573,7 @@ async def create_chat_completion(state: ServerState, request: Request):
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _chat_chunks(state, prep, fault, arrival, created, include_usage)
+        chunks = _in_band_errors(_chat_chunks(state, prep, fault, arrival, created, include_usage))
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
         finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
@@ -593,68 +613,27 @@ def chat_response(front, prep: _Prepared, finals: list, created: int):
 
 
 async def _chat_chunks(state, prep, fault, arrival, created, include_usage):
-    request_id = prep.request_ids[0]
-    n = prep.params[0].n
-    holdback = _holdback(prep.params[0])
-    choices: dict[int, _Choice] = {}
-    final = None
-
-    def chunk(choice_list, usage=None):
-        data = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_name,
-            "choices": choice_list,
+    chunk = _chunk_maker(
+        state, "chat.completion.chunk", prep.request_ids[0], created, include_usage
+    )
+    for i in range(prep.params[0].n):
+        first = {"index": i, "delta": {"role": "assistant", "content": ""}}
+        yield chunk([{**first, "logprobs": None, "finish_reason": None}])
+    finals: list = [None]
+    async for _, c, delta, done, t0, t1, _ in _choice_deltas(state, prep, fault, arrival, finals):
+        item = {
+            "index": c.index,
+            "delta": {"content": delta} if delta else {},
+            "logprobs": None,
+            "finish_reason": c.finish_reason if done else None,
         }
-        if include_usage:
-            data["usage"] = usage
-        return sse(data)
-
-    try:
-        for i in range(n):
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
-        async for _, output in _merged(state.engine, prep, fault, arrival):
-            final = output
-            for c in output.outputs:
-                st = choices.setdefault(c.index, _Choice(holdback))
-                if st.finished:
-                    continue
-                done = c.finish_reason is not None or output.finished
-                delta, t0, t1 = st.delta(c, done)
-                if not delta and not done:
-                    continue
-                st.finished = done
-                item = {
-                    "index": c.index,
-                    "delta": {"content": delta} if delta else {},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason if done else None,
-                }
-                if done:
-                    item["stop_reason"] = c.stop_reason
-                if prep.top_k is not None:
-                    item["logprobs"] = _logprobs_chat(state.tokenizer, c, t0, t1, prep.top_k)
-                yield chunk([item])
-        if include_usage:
-            yield chunk([], _usage([final]))
-    except asyncio.CancelledError:
-        raise
-    except (EngineDeadError, RequestFailedError, ValueError) as e:
-        yield sse(engine_error(e).body())
-    except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-        logger.exception("stream failed")
-        yield sse(APIError(500, f"internal error: {type(e).__name__}").body())
-    yield sse("[DONE]")
+        if done:
+            item["stop_reason"] = c.stop_reason
+        if prep.top_k is not None:
+            item["logprobs"] = _logprobs_chat(state.tokenizer, c, t0, t1, prep.top_k)
+        yield chunk([item])
+    if include_usage:
+        yield chunk([], _usage(finals))
 
 
 # -- the app --------------------------------------------------------------------------------------
