@@ -22,6 +22,32 @@ from phloem.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 
 
+def render_chat(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> tuple[str, list[int]]:
+    """(text, token ids) of one conversation rendered with the tokenizer's chat template; the
+    rendered text is tokenized without adding special tokens again (the template has them).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, the messages are not a list of
+            {"role": str, "content": str}, or the template rejects them.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; pass plain prompts")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise ValueError("messages must be a list of {'role': str, 'content': str}")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:  # a template that rejects these messages (e.g. role order)
+        raise ValueError(f"the chat template failed on these messages: {e}") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLM:
     """An engine for offline batches.
 
@@ -126,27 +152,9 @@ class LLM:
             f"got {type(prompt).__name__}"
         )
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render one conversation with the tokenizer's chat template (generation prompt added).
-
-        Raises ValueError if the tokenizer has no chat template or the messages are malformed.
-        """
-        tokenizer = self.llm_engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass plain prompts")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise ValueError("messages must be a list of {'role': str, 'content': str}")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
     def encode_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        """(rendered text, token ids) of a conversation; special tokens are not added twice."""
-        text = self.apply_chat_template(messages)
-        return text, self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
+        """(rendered text, token ids) of a conversation; see `render_chat`."""
+        return render_chat(self.llm_engine.tokenizer, messages)
 
     # -- generation -------------------------------------------------------------------------------
 

@@ -549,19 +549,14 @@ def prepare_chat(front, req: ChatCompletionRequest) -> _Prepared:
 
 
 def render_chat(state, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-    tokenizer = state.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template", param="messages")
+    """`phloem.engine.llm.render_chat` of the request's messages; its errors become 400s."""
+    from phloem.engine.llm import render_chat as render
+
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-        raise APIError(
-            400, f"the chat template failed on these messages: {e}", param="messages"
-        ) from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
+        return render(state.tokenizer, conversation, add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 async def create_chat_completion(state: ServerState, request: Request):
