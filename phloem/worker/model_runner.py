@@ -54,10 +54,10 @@ class _HostStep:
     block_tables: list[list[int]]
     logits_indices: list[int]
     sampled: list[int]
-    prefix_lens: list[int]
+    prefix_lens: list[int]  # filled only when the backend batches prefix groups
 
     @classmethod
-    def build(cls, sched: SchedulerOutput, block_size: int) -> _HostStep:
+    def build(cls, sched: SchedulerOutput, block_size: int, prefix_lens: bool) -> _HostStep:
         """Each scheduled request computes positions [start, end):
         |-- computed (start) --|-- this step: end - start --|-- later --|"""
         bs = block_size
@@ -71,7 +71,8 @@ class _HostStep:
             step.query_start_loc.append(len(step.input_ids))
             step.seq_lens.append(end)
             step.block_tables.append(table)
-            step.prefix_lens.append(shared_prefix_len(s))
+            if prefix_lens:  # only a backend that batches prefix groups reads them
+                step.prefix_lens.append(shared_prefix_len(s))
             if s.sample:
                 step.logits_indices.append(len(step.input_ids) - 1)
                 step.sampled.append(i)
@@ -156,7 +157,8 @@ class ModelRunner:
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """Build the step's tensors from the scheduler output (host lists, one copy to device)."""
-        host = _HostStep.build(sched, self.block_size)
+        uses_groups = hasattr(self.backend, "plan_decode")
+        host = _HostStep.build(sched, self.block_size, prefix_lens=uses_groups)
         dev = self.device
         q_lens = [b - a for a, b in zip(host.query_start_loc, host.query_start_loc[1:])]
         max_blocks = max(len(t) for t in host.block_tables)
@@ -172,7 +174,7 @@ class ModelRunner:
             query_start_loc_cpu=host.query_start_loc,
             seq_lens_cpu=host.seq_lens,
             block_tables_cpu=host.block_tables,
-            prefix_lens_cpu=host.prefix_lens,
+            prefix_lens_cpu=host.prefix_lens if uses_groups else None,
         )
         return StepInputs(
             input_ids=torch.tensor(host.input_ids, dtype=torch.int64, device=dev),
