@@ -43,6 +43,9 @@ class KVManager:
         self._locked_nodes: dict[str, RadixNode] = {}
         self._num_cached_prompt_blocks: dict[str, int] = {}
         self._held_prefixes: dict[int, SharedPrefix] = {}
+        # One eviction scans the whole tree (O(nodes)); when the pool runs dry in steady state
+        # every allocation would evict, so each eviction frees at least this many blocks.
+        self.evict_batch_blocks = max(1, num_blocks // 128)
         self.num_prefix_cache_queries = 0  # prompt tokens looked up in the radix cache
         self.num_prefix_cache_hits = 0  # prompt tokens found there
 
@@ -72,7 +75,8 @@ class KVManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`.
 
-        Evicts radix-cache blocks if the free list is short. Mutates the request's block table
+        Evicts radix-cache blocks (least recently used first, at least `evict_batch_blocks` at
+        a time) if the free list is short. Mutates the request's block table
         (appends fresh blocks). Returns False, allocating nothing, when even eviction cannot
         free enough blocks.
         """
@@ -82,10 +86,12 @@ class KVManager:
         if needed > self.num_reclaimable_blocks:
             return False
         # Evicted blocks may still be in use elsewhere (a group or another request holds
-        # them), so evict until enough are really free or nothing evictable is left.
+        # them), so evict until enough are really free or nothing evictable is left; each
+        # eviction takes at least `evict_batch_blocks` (LRU order), amortizing its tree scan.
         cache = self.prefix_cache
         while needed > self.allocator.num_free_blocks and cache and cache.num_evictable_blocks:
-            self.allocator.decref(cache.evict(needed - self.allocator.num_free_blocks))
+            short = needed - self.allocator.num_free_blocks
+            self.allocator.decref(cache.evict(max(short, self.evict_batch_blocks)))
         if needed > self.allocator.num_free_blocks:
             return False
         table = self._block_tables.setdefault(request.request_id, [])

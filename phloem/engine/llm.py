@@ -140,10 +140,12 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
+                # set(map(type, ...)) walks the list in C: no Python frame per token
+                if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+                    if not isinstance(ids, list) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids
+                    ):
+                        raise ValueError("prompt_token_ids must be a list of integers")
                 return prompt.get("prompt"), list(ids)
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.llm_engine.tokenizer.encode(prompt["prompt"])

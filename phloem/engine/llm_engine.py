@@ -215,8 +215,8 @@ class LLMEngine:
                 f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
             )
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
             raise ValueError(
                 f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
             )

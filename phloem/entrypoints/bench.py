@@ -52,6 +52,11 @@ def register(subparsers) -> None:
     o.add_argument("--compare", default=None, choices=["transformers"], help="in-run peer")
     o.add_argument("--profile", default=None, help="torch.profiler top kernels -> this file")
     o.add_argument("--profile-steps", type=int, default=12)
+    o.add_argument(
+        "--trace-steps",
+        action="store_true",
+        help="time every step's host phases and GPU work (CUDA events); adds a sync per step",
+    )
     p.set_defaults(func=run_throughput)
 
 
@@ -96,6 +101,102 @@ def _generate(llm, workload) -> tuple[float, list]:
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
     _sync()
     return time.perf_counter() - start, outputs
+
+
+class StepTrace:
+    """Per-step host and device time of an engine, by step kind (wraps its methods in place).
+
+    Host phases: `schedule`, `execute` (input building, planning, kernel launches and the wait
+    for the sampled tokens), `update` (token bookkeeping and outputs). On CUDA, `device_ms` is
+    the time from the step's first kernel launch (eager forward, or a graph replay with its
+    planning) to the sampled tokens (CUDA events), so `step_ms - device_ms` is roughly the time
+    the GPU sat idle waiting for the host.
+    A step is "decode" when every scheduled request computes one token, else "mixed".
+    """
+
+    def __init__(self, engine) -> None:
+        import torch
+
+        self.steps: list[tuple[str, int, int, float, float, float, float, float]] = []
+        self._cuda = torch.cuda.is_available() and engine.executor.worker.device.type == "cuda"
+        schedule, execute = engine.scheduler.schedule, engine.executor.execute_model
+        step = engine.step
+        state: dict = {}
+
+        def traced_schedule():
+            start = time.perf_counter()
+            out = schedule()
+            state["schedule"] = time.perf_counter() - start
+            return out
+
+        def traced_execute(sched):
+            start = time.perf_counter()
+            out = execute(sched)
+            begin = state.get("begin")
+            if begin is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()
+                state["device"] = begin.elapsed_time(end) / 1e3
+            state["execute"] = time.perf_counter() - start
+            state["sched"] = sched
+            return out
+
+        def mark_begin(fn):  # the step's first kernel launch starts the device clock
+            def wrapped(*args, **kwargs):
+                if "begin" not in state:
+                    state["begin"] = torch.cuda.Event(enable_timing=True)
+                    state["begin"].record()
+                return fn(*args, **kwargs)
+
+            return wrapped
+
+        if self._cuda:
+            runner = engine.executor.worker.model_runner
+            runner.model.forward = mark_begin(runner.model.forward)
+            if runner.graph_runner is not None:
+                runner.graph_runner.run = mark_begin(runner.graph_runner.run)
+
+        def traced_step():
+            start = time.perf_counter()
+            state.clear()
+            outs = step()
+            total = time.perf_counter() - start
+            sched = state.get("sched")
+            if sched is not None and sched.scheduled:
+                num_tokens = sum(x.num_tokens for x in sched.scheduled)
+                kind = "decode" if num_tokens == len(sched.scheduled) else "mixed"
+                host = state["schedule"] + state["execute"]
+                self.steps.append((kind, len(sched.scheduled), num_tokens, total,
+                                   state["schedule"], state["execute"], total - host,
+                                   state.get("device", 0.0)))  # fmt: skip
+            return outs
+
+        engine.scheduler.schedule = traced_schedule
+        engine.executor.execute_model = traced_execute
+        engine.step = traced_step
+
+    def summary(self) -> dict:
+        """Per step kind: steps, mean sequences and tokens, total and mean ms per phase."""
+        out = {}
+        for kind in ("decode", "mixed"):
+            rows = [r for r in self.steps if r[0] == kind]
+            if not rows:
+                continue
+            n = len(rows)
+            mean = {i: sum(r[i] for r in rows) / n for i in range(1, len(rows[0]))}
+            out[kind] = {
+                "steps": n,
+                "mean_seqs": mean[1],
+                "mean_tokens": mean[2],
+                "total_s": sum(r[3] for r in rows),
+                "step_ms": mean[3] * 1e3,
+                "schedule_ms": mean[4] * 1e3,
+                "execute_ms": mean[5] * 1e3,
+                "update_ms": mean[6] * 1e3,
+                "device_ms": mean[7] * 1e3 if self._cuda else None,
+            }
+        return out
 
 
 def _sync() -> None:
@@ -260,6 +361,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         __import__("phloem").SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
         use_tqdm=False,
     )
+    trace = StepTrace(llm.llm_engine) if args.trace_steps else None
     elapsed, outputs = _generate(llm, workload)
     num_in = workload.num_input_tokens
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -283,6 +385,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "prefix_tokens_reused": sum(o.num_cached_tokens for o in outputs) / max(num_in, 1),
         "engine": _engine_info(llm),
         "attention": _attention_stats(llm),
+        "steps": trace.summary() if trace is not None else None,
         "versions": _versions(),
         "command": "phloem " + " ".join(sys.argv[1:]),
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -359,6 +462,13 @@ def _report(r: dict) -> None:
                 f"p99 {p['p99'] * 1e3:.1f}"
             )
     lines.append(f"  prefix tokens reused: {r['prefix_tokens_reused']:.1%}")
+    for kind, t in (r.get("steps") or {}).items():
+        device = "" if t["device_ms"] is None else f", device {t['device_ms']:.1f}"
+        lines.append(
+            f"  {kind} steps: {t['steps']} x {t['mean_seqs']:.0f} seqs / {t['mean_tokens']:.0f} "
+            f"tokens, {t['step_ms']:.1f} ms each (schedule {t['schedule_ms']:.1f}, execute "
+            f"{t['execute_ms']:.1f}, update {t['update_ms']:.1f}{device}) = {t['total_s']:.1f} s"
+        )
     if "roofline" in r:
         c, roof = r["ceilings"], r["roofline"]
         lines.append(

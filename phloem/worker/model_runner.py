@@ -10,8 +10,10 @@ CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,49 +36,84 @@ class ModelRunnerOutput:
 
 def shared_prefix_len(s) -> int:
     """Tokens at the start of the request's block table that are its prefix group's shared
-    blocks (0 when it has none, or they are not held yet)."""
+    blocks (0 when it has none, or they are not held yet).
+
+    Comparing the first and the last prefix block is enough: a table holds a group's block at
+    the same index only by attaching the group's blocks (or a radix-cache path through them,
+    which fixes every block before it), never by a fresh allocation.
+    """
     group = s.request.shared_prefix
     if group is None or group.block_ids is None:
         return 0
-    n = len(group.block_ids)
-    return group.prefix_len if s.block_ids[:n] == group.block_ids else 0
+    ids, table = group.block_ids, s.block_ids
+    n = len(ids)
+    if len(table) >= n and table[n - 1] == ids[-1] and table[0] == ids[0]:
+        return group.prefix_len
+    return 0
 
 
 @dataclass
 class _HostStep:
-    """A step's inputs as host lists (T tokens, B sequences, S sampled)."""
+    """A step's inputs on the host (T tokens, B sequences, S sampled): numpy arrays for what
+    becomes a tensor, lists for what backends plan from."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logits_indices: list[int]
-    sampled: list[int]
-    prefix_lens: list[int]  # filled only when the backend batches prefix groups
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B]
+    block_tables: list[list[int]]  # [B] the scheduler's lists (not copies: read only)
+    logits_indices: list[int]  # [S]
+    sampled: list[int]  # [S]
+    prefix_lens: list[int] | None  # [B], only when the backend batches prefix groups
 
     @classmethod
     def build(cls, sched: SchedulerOutput, block_size: int, prefix_lens: bool) -> _HostStep:
-        """Each scheduled request computes positions [start, end):
-        |-- computed (start) --|-- this step: end - start --|-- later --|"""
+        """Each scheduled request b computes positions [start_b, end_b):
+
+            |-- computed (start_b) --|-- this step: q_len_b tokens --|-- later --|
+
+        Per-request work is a few list slices; per-token work is vectorized (numpy)."""
         bs = block_size
-        step = cls([], [], [], [0], [], [], [], [], [])
-        for i, s in enumerate(sched.scheduled):
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_tokens
-            step.input_ids.extend(s.request.token_ids(start, end))
-            step.positions.extend(range(start, end))
-            table = s.block_ids
-            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            step.query_start_loc.append(len(step.input_ids))
-            step.seq_lens.append(end)
-            step.block_tables.append(table)
-            if prefix_lens:  # only a backend that batches prefix groups reads them
-                step.prefix_lens.append(shared_prefix_len(s))
-            if s.sample:
-                step.logits_indices.append(len(step.input_ids) - 1)
-                step.sampled.append(i)
-        return step
+        scheduled = sched.scheduled
+        num_seqs = len(scheduled)
+        ids: list[int] = []
+        blocks: list[int] = []  # per request, the blocks its new tokens fall in, concatenated
+        starts = [s.num_computed_tokens for s in scheduled]
+        q_lens = [s.num_tokens for s in scheduled]
+        tables = [s.block_ids for s in scheduled]
+        for s, start, q_len, table in zip(scheduled, starts, q_lens, tables):
+            end = start + q_len
+            ids += s.request.token_ids(start, end)
+            blocks += table[start // bs : (end - 1) // bs + 1]
+        seq_lens = [a + n for a, n in zip(starts, q_lens)]
+        qsl = [0, *itertools.accumulate(q_lens)]
+        sampled = [i for i, s in enumerate(scheduled) if seq_lens[i] == s.request.num_tokens]
+        # Per token t of sequence b: position start_b + (t - qsl_b); its block is entry
+        # position // bs - start_b // bs of b's run in `blocks`.
+        start_a = np.array(starts, dtype=np.int64)
+        q_len_a = np.array(q_lens, dtype=np.int64)
+        seq_of = np.repeat(np.arange(num_seqs), q_len_a)
+        positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(
+            start_a - np.array(qsl[:-1], dtype=np.int64), q_len_a
+        )
+        first_block = start_a // bs
+        run_len = (start_a + q_len_a - 1) // bs - first_block + 1
+        run_off = np.cumsum(run_len) - run_len
+        block_of = np.array(blocks, dtype=np.int64)[
+            (run_off - first_block)[seq_of] + positions // bs
+        ]
+        return cls(
+            input_ids=np.array(ids, dtype=np.int64),
+            positions=positions,
+            slots=block_of * bs + positions % bs,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            logits_indices=[qsl[i + 1] - 1 for i in sampled],
+            sampled=sampled,
+            prefix_lens=[shared_prefix_len(s) for s in scheduled] if prefix_lens else None,
+        )
 
 
 @dataclass
@@ -88,6 +125,14 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S], token index of each sampled sequence's last token
     sampled: list[int]  # [S], index into scheduler_output.scheduled
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device` (pinned staging on CUDA, so the copy is async)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class ModelRunner:
@@ -156,31 +201,40 @@ class ModelRunner:
     # -- inputs ---------------------------------------------------------------------------------
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """Build the step's tensors from the scheduler output (host lists, one copy to device)."""
-        uses_groups = hasattr(self.backend, "plan_decode")
-        host = _HostStep.build(sched, self.block_size, prefix_lens=uses_groups)
+        """Build the step's tensors from the scheduler output (host arrays, then one copy each
+        to the device). The 0-padded device block table is built only for backends that read
+        it (`needs_block_tables`, true unless a backend says otherwise)."""
+        backend = self.backend
+        host = _HostStep.build(sched, self.block_size, hasattr(backend, "plan_decode"))
         dev = self.device
-        q_lens = [b - a for a, b in zip(host.query_start_loc, host.query_start_loc[1:])]
-        max_blocks = max(len(t) for t in host.block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in host.block_tables]
+        max_seq_len = max(host.seq_lens)
+        qsl = host.query_start_loc
+        if getattr(backend, "needs_block_tables", True):
+            width = max(len(t) for t in host.block_tables)
+            padded = np.zeros((len(host.block_tables), width), dtype=np.int32)
+            for row, table in zip(padded, host.block_tables):
+                row[: len(table)] = table
+            block_tables = torch.from_numpy(padded).to(dev)
+        else:
+            block_tables = torch.empty(0, 0, dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(host.slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(host.seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=_to_device(host.slots, dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(host.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=block_tables,
             block_size=self.block_size,
-            max_query_len=max(q_lens),
-            max_seq_len=max(host.seq_lens),
-            query_start_loc_cpu=host.query_start_loc,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=qsl,
             seq_lens_cpu=host.seq_lens,
             block_tables_cpu=host.block_tables,
-            prefix_lens_cpu=host.prefix_lens if uses_groups else None,
+            prefix_lens_cpu=host.prefix_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(host.input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(host.positions, dtype=torch.int64, device=dev),
+            input_ids=_to_device(host.input_ids, dev),
+            positions=_to_device(host.positions, dev),
             attn_metadata=meta,
-            logits_indices=torch.tensor(host.logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(host.logits_indices, dtype=torch.int64).to(dev),
             sampled=host.sampled,
         )
 

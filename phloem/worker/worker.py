@@ -93,6 +93,7 @@ class Worker:
             max_num_blocks_per_seq=-(
                 -max(sched.max_model_len, _max_positions(hf_config)) // block_size
             ),
+            max_num_seqs=sched.max_num_seqs,
         )
         logger.info("attention backend: %s", backend.name)
         profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)

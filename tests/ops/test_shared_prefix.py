@@ -14,6 +14,7 @@ import os
 import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -312,17 +313,21 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-TRITON_GRID = [  # (group size, prefix_len, gqa, prefix_splits, block_m)
-    (1, 16, 1, 1, 16),
-    (3, 32, 2, 1, 16),
-    (4, 48, 4, 3, 16),
-    (6, 32, 2, 2, 32),
-    (2, 96, 1, None, None),
+TRITON_GRID = [  # (group size, prefix_len, gqa, prefix_splits, block_m, narrow_block_m)
+    (1, 16, 1, 1, 16, None),
+    (3, 32, 2, 1, 16, None),
+    (4, 48, 4, 3, 16, None),
+    (6, 32, 2, 2, 32, None),
+    (2, 96, 1, None, None, None),
+    (5, 32, 2, 2, 32, 16),  # decode segments (<= 16 rows) in a second, narrow launch
+    (3, 48, 4, None, None, 16),
 ]
 
 
-@pytest.mark.parametrize("group_size,prefix_len,gqa,splits,block_m", TRITON_GRID)
-def test_triton_matches_reference(triton_kernel, group_size, prefix_len, gqa, splits, block_m):
+@pytest.mark.parametrize("group_size,prefix_len,gqa,splits,block_m,narrow", TRITON_GRID)
+def test_triton_matches_reference(
+    triton_kernel, group_size, prefix_len, gqa, splits, block_m, narrow
+):
     rng = random.Random(group_size * 100 + prefix_len + gqa)
     groups = [(prefix_len, random_members(rng, group_size, max_own=24)), (16, [(1, 2), (2, 3)])]
     singles = [(1, 21), (6, 6), (3, 19)]
@@ -339,11 +344,14 @@ def test_triton_matches_reference(triton_kernel, group_size, prefix_len, gqa, sp
             q, kv = torch.randn_like(q), kv * -1.5 + 0.25  # NaN slots stay NaN
         oracle = paged_attention_reference(q, kv, meta, 0.4)
         out = shared_prefix_attention_triton(
-            q.to(dev), kv.to(dev), meta, sp, 0.4, block_m=block_m, block_n=16, prefix_splits=splits
-        )
+            q.to(dev), kv.to(dev), meta, sp, 0.4, block_m=block_m, block_n=16,
+            prefix_splits=splits, narrow_block_m=narrow,
+        )  # fmt: skip
         torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
         assert out[meta.query_start_loc_cpu[-1] :].abs().sum() == 0
     assert len(sp.plan_cache) == 1
+    plan = next(iter(sp.plan_cache.values()))
+    assert [n for _, _, n in plan.launches] == ([False, True] if narrow else [False])
 
 
 def test_triton_half_precision_and_head_dim_padding(triton_kernel):
@@ -437,8 +445,12 @@ def test_triton_split_rule(triton_kernel, monkeypatch):
         groups = [(prefix_len, [(1, 201)] * degree) for _ in range(num_groups)]
         _, _, meta, prefix_lens = make_shared_step(groups, [], 4, 1, 4, torch.float32, 0, num_pad=0)
         sp = build_shared_prefix_metadata(meta, prefix_lens)
-        rows = [degree * 4] * num_groups
-        return triton_kernel._prefix_splits(meta, sp, rows, 8, 4, 64, 32 * 129 * 4, "cpu", None)
+        rows = np.array([degree * 4] * num_groups)
+        suffix_work = sum(sp.suffix_lens)  # one row tile (4 rows <= 64) per decode sequence
+        num_grouped = num_groups * degree
+        return triton_kernel._prefix_splits(
+            sp, rows, suffix_work, 8, num_grouped, 64, 32 * 129 * 4, "cpu", None
+        )
 
     assert splits(4, 8192) == [5] * 4
     assert splits(64, 8192, degree=4) == [1] * 64

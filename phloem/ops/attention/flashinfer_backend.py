@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from phloem.ops.attention.interface import AttentionMetadata
 
-_WORKSPACE_BYTES = 256 << 20
+_WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
 
 
 def paged_kv_layout(
@@ -42,15 +43,28 @@ def paged_kv_layout(
     tables = meta.block_tables_cpu
     if tables is None:
         tables = meta.block_tables.tolist()  # one device sync; builders should pass host tables
-    num_pages = [(n + bs - 1) // bs for n in meta.seq_lens_cpu]
-    for b, (table, n) in enumerate(zip(tables, num_pages)):
-        if len(table) < n:
-            raise ValueError(f"sequence {b}: block table has {len(table)} blocks, needs {n}")
-    indices = list(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, num_pages)))
-    indptr = [0, *itertools.accumulate(num_pages)]
-    last = [n - (p - 1) * bs for n, p in zip(meta.seq_lens_cpu, num_pages)]
-    as_int32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    return as_int32(indptr), as_int32(indices), as_int32(last)
+    seq_lens = np.array(meta.seq_lens_cpu, dtype=np.int64)
+    num_pages = (seq_lens + bs - 1) // bs
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    short = np.flatnonzero(lengths < num_pages)
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"sequence {b}: block table has {lengths[b]} blocks, needs {num_pages[b]}")
+    pages = num_pages.tolist()
+    total = int(num_pages.sum())
+    indices = np.fromiter(
+        itertools.chain.from_iterable(itertools.starmap(_head, zip(tables, pages))),
+        dtype=np.int32,
+        count=total,
+    )
+    indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    last = (seq_lens - (num_pages - 1) * bs).astype(np.int32)
+    return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
+
+
+def _head(table: list[int], n: int) -> list[int]:
+    return table if len(table) == n else table[:n]
 
 
 class FlashInferAttention:
@@ -62,10 +76,13 @@ class FlashInferAttention:
         device: the CUDA device.
         scale: softmax scale (default head_dim ** -0.5); every layer must use the same.
         max_num_blocks_per_seq: longest block table a sequence can have; sizes the page-index
-            buffer of each CUDA-graph wrapper.
+            buffer that the CUDA-graph wrappers share.
+        max_num_seqs: largest batch of a step; sizes the workspace (FlashInfer's split-KV
+            partial states grow with the batch: 256 MiB per 256 sequences).
     """
 
     name = "flashinfer"
+    needs_block_tables = False  # plans from `block_tables_cpu`
 
     def __init__(
         self,
@@ -76,6 +93,7 @@ class FlashInferAttention:
         device: torch.device | str,
         scale: float | None = None,
         max_num_blocks_per_seq: int = 8192,
+        max_num_seqs: int = 256,
     ) -> None:
         import flashinfer
 
@@ -89,7 +107,9 @@ class FlashInferAttention:
         self.device = torch.device(device)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.max_num_blocks_per_seq = max_num_blocks_per_seq
-        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        workspace_bytes = _WORKSPACE_BYTES * max(1, -(-max_num_seqs // 256))
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._graph_kv_indices: torch.Tensor | None = None  # shared by the graph wrappers
         self._eager = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, "NHD", backend="fa2"
         )
@@ -104,13 +124,18 @@ class FlashInferAttention:
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
             i32 = dict(dtype=torch.int32, device=self.device)
+            # One page-index buffer for every bucket (the largest is made first): only one
+            # graph replays at a time, and each replay's plan rewrites the buffer first.
+            need = batch_size * self.max_num_blocks_per_seq
+            if self._graph_kv_indices is None or self._graph_kv_indices.numel() < need:
+                self._graph_kv_indices = torch.zeros(need, **i32)
             wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace,
                 "NHD",
                 use_cuda_graph=True,
                 qo_indptr_buf=torch.arange(batch_size + 1, **i32),
                 paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
-                paged_kv_indices_buf=torch.zeros(batch_size * self.max_num_blocks_per_seq, **i32),
+                paged_kv_indices_buf=self._graph_kv_indices,
                 paged_kv_last_page_len_buf=torch.zeros(batch_size, **i32),
                 backend="fa2",
             )

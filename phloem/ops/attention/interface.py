@@ -71,6 +71,8 @@ class AttentionBackend(Protocol):
     A backend may also define `begin_step(meta, cuda_graph=False)`: the model runner calls it once
     per step, before the forward pass (and before replaying a captured CUDA graph), so the backend
     can plan the step on the host once instead of once per layer (FlashInfer's `plan()`).
+    A backend that never reads the padded device `meta.block_tables` (it plans from
+    `block_tables_cpu`) sets `needs_block_tables = False`, and the model runner skips building it.
     With `cuda_graph=True` the plan must write into buffers of fixed address that a graph captured
     for `meta.num_seqs` sequences reads.
     """
@@ -112,7 +114,8 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             wrapping the "auto" backend for all other steps (BatchLLM §5).
         geometry: what a planning backend needs up front, ignored by the reference:
             num_heads, num_kv_heads, head_dim, scale, dtype (of q and the KV cache), device,
-            max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers).
+            max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
+            max_num_seqs (largest batch of a step, sizes FlashInfer's workspace).
     Raises:
         ValueError: for an unknown backend name.
         ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.

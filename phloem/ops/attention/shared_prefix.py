@@ -414,6 +414,11 @@ class SharedPrefixAttention:
         self._cascade: Any = None  # FlashInferCascade, made at the first "flashinfer" step
         self._cascade_step: SharedPrefixMetadata | None = None
 
+    @property
+    def needs_block_tables(self) -> bool:
+        """The shared path plans from host lists; the fallback may read the device table."""
+        return getattr(self.fallback, "needs_block_tables", True)
+
     def plan(self, meta: AttentionMetadata) -> SharedPrefixMetadata | None:
         """The step's groups if the cost rule picks the shared path, else None. Host only, no
         side effects: the model runner may call it to decide whether to replay a CUDA graph."""

@@ -13,9 +13,10 @@ decorator reads it); tensors may then live on the CPU.
 
 from __future__ import annotations
 
-import functools
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -47,13 +48,12 @@ _TILE_FIELDS = 8
 class _TritonPlan:
     """Device tensors of one step's launch (built once per step, reused by every layer)."""
 
-    tiles: torch.Tensor  # int32 [num_tiles, 8]
+    launches: list[tuple[torch.Tensor, int, bool]]  # (tile table int32 [tiles, 8], BLOCK_M, narrow)
     tokens: torch.Tensor  # int32 [R + ungrouped tokens]
     blocks: torch.Tensor  # int32 [prefix blocks + suffix blocks]
     qpos: torch.Tensor  # int32 [T] position of each query token (-1 past query_start_loc[-1])
     num_grouped: int  # R
     num_slots: int  # prefix splits + 1
-    block_m: int
     block_n: int
     # float32 partial states [slots, R, H, D] and LSE [slots, R, H], allocated with the plan and
     # shared by the step's layers: every layer runs the same tile table, so the LSE entries no
@@ -210,11 +210,11 @@ _MAX_PARTIAL_BYTES = 512 << 20  # bound on the float32 partial-state buffer of o
 
 
 def _prefix_splits(
-    attn_meta: AttentionMetadata,
     sp: SharedPrefixMetadata,
-    group_rows: list[int],
+    group_rows: np.ndarray,
+    suffix_work: int,
     num_kv_heads: int,
-    gqa: int,
+    num_grouped: int,
     block_m: int,
     partial_bytes: int,
     device: torch.device,
@@ -222,22 +222,30 @@ def _prefix_splits(
 ) -> list[int]:
     """KV splits of each group's prefix, so that no prefix program is the critical path.
 
-    Work of the launch W = sum over programs of the KV tokens each reads. Spread over 2 programs
-    per SM, one program's fair share is W / (2 * num_SMs); a prefix tile longer than that is split
-    into floor(P / share) pieces (so each piece >= share >= _MIN_SPLIT_KV tokens; at most
-    _MAX_SPLITS, and fewer when the partial states of the step would exceed _MAX_PARTIAL_BYTES).
+    Work of the launch W = sum over programs of the KV tokens each reads (`suffix_work` is the
+    suffix tiles' part). Spread over 2 programs per SM, one program's fair share is
+    W / (2 * num_SMs); a prefix tile longer than that is split into floor(P / share) pieces (so
+    each piece >= share >= _MIN_SPLIT_KV tokens; at most _MAX_SPLITS, and fewer when the partial
+    states of the step would exceed _MAX_PARTIAL_BYTES).
     """
     if forced is not None:
         return [forced] * sp.num_groups
-    qsl = attn_meta.query_start_loc_cpu
-    work = sum(_cdiv(r, block_m) * p for r, p in zip(group_rows, sp.group_prefix_lens))
-    work += sum(_cdiv((qsl[b + 1] - qsl[b]) * gqa, block_m) * sp.suffix_lens[b]
-                for b in range(attn_meta.num_seqs))  # fmt: skip
+    prefix_lens = np.array(sp.group_prefix_lens, dtype=np.int64)
+    work = int((-(-group_rows // block_m) * prefix_lens).sum()) + suffix_work
     share = max(_MIN_SPLIT_KV, work * num_kv_heads // (2 * _num_sms(device)))
-    num_grouped = sum(group_rows) // gqa
     by_memory = _MAX_PARTIAL_BYTES // max(1, num_grouped * partial_bytes) - 1
     cap = max(1, min(_MAX_SPLITS, by_memory))
     return [max(1, min(cap, p // share)) for p in sp.group_prefix_lens]
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [starts[i], starts[i] + lengths[i]) (int64)."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - offsets, lengths)
+
+
+def _concat(lists) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
 
 
 def _plan_triton(
@@ -250,69 +258,109 @@ def _plan_triton(
     block_n: int,
     prefix_splits: int | None,
     partial_bytes: int,
+    narrow_block_m: int | None = None,
 ) -> _TritonPlan:
-    """Host-side tile table of one step (see the table layout above). Prefix tiles come first,
-    longest KV range first, so the heavy tiles start early (a greedy longest-first schedule)."""
-    qsl, seq_lens = attn_meta.query_start_loc_cpu, attn_meta.seq_lens_cpu
-    tokens: list[int] = []
-    group_off = []
-    for g in range(sp.num_groups):
-        group_off.append(len(tokens))
-        tokens.extend(sp.group_token_indices(g))
-    num_grouped = len(tokens)
-    member_off = {}
-    for g, members in enumerate(sp.group_seq_ids):
-        off = group_off[g]
-        for b in members:
-            member_off[b] = off
-            off += qsl[b + 1] - qsl[b]
-    bounds = [*group_off, num_grouped]
-    group_rows = [(bounds[g + 1] - bounds[g]) * gqa for g in range(sp.num_groups)]
+    """Host-side tile tables of one step (see the table layout above). Prefix tiles come first,
+    longest KV range first, so the heavy tiles start early (a greedy longest-first schedule).
+    Per-sequence work is vectorized (numpy); only groups are looped over.
+
+    With `narrow_block_m`, suffix segments of at most that many rows (decode tokens: q_len * GQA
+    rows) get tiles of their own in a second launch with that BLOCK_M, so a step that mixes long
+    prefill chunks (wide tiles) with decode tokens does not pad each decode tile to the wide M.
+    """
+    qsl = np.array(attn_meta.query_start_loc_cpu, dtype=np.int64)
+    seq_lens = np.array(attn_meta.seq_lens_cpu, dtype=np.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    seq_group = np.array(sp.seq_group, dtype=np.int64)
+    # Grouped tokens, group-major then member order: partial row r of the merge.
+    members = _concat(sp.group_seq_ids)
+    member_lens = q_lens[members]
+    grouped_tokens = _ranges(qsl[:-1][members], member_lens)
+    num_grouped = len(grouped_tokens)
+    tok_off = np.zeros(len(seq_lens), dtype=np.int64)
+    tok_off[members] = np.cumsum(member_lens) - member_lens
+    group_sizes = np.array([len(m) for m in sp.group_seq_ids], dtype=np.int64)
+    group_first = np.cumsum(group_sizes) - group_sizes
+    group_off = tok_off[members[group_first]] if sp.num_groups else np.zeros(0, np.int64)
+    group_rows = np.add.reduceat(member_lens, group_first) * gqa if sp.num_groups else group_off
+    # Ungrouped sequences with queries: their tokens follow, in step order.
+    lone = np.flatnonzero((seq_group < 0) & (q_lens > 0))
+    tok_off[lone] = num_grouped + np.cumsum(q_lens[lone]) - q_lens[lone]
+    tokens = np.concatenate([grouped_tokens, _ranges(qsl[:-1][lone], q_lens[lone])])
+    active = np.flatnonzero(q_lens > 0)
+    n_rows = q_lens[active] * gqa
+    narrow = np.zeros(len(active), dtype=bool)
+    if narrow_block_m is not None:
+        narrow = n_rows <= narrow_block_m
     if block_m is None:  # 16 for decode-only singles, up to 64 for large groups / chunks
-        widest = max([*group_rows, *((qsl[b + 1] - qsl[b]) * gqa for b in range(len(seq_lens)))])
+        widest = int(max(group_rows.max(initial=0), n_rows[~narrow].max(initial=0)))
         block_m = min(64, max(16, 1 << max(0, widest - 1).bit_length()))
-    splits = _prefix_splits(attn_meta, sp, group_rows, num_kv_heads, gqa, block_m, partial_bytes,
-                            device, prefix_splits)  # fmt: skip
+    tile_m = np.where(narrow, narrow_block_m or block_m, block_m)
+    # Suffix tiles: every sequence with queries, ceil(q_len * gqa / BLOCK_M) row tiles each.
+    n_tiles = -(-n_rows // tile_m)
+    pos0 = np.array(sp.seq_prefix_lens, dtype=np.int64)[active]
+    suffix_lens = np.array(sp.suffix_lens, dtype=np.int64)[active]
+    suffix_work = int((n_tiles * suffix_lens).sum())
+    splits = _prefix_splits(sp, group_rows, suffix_work, num_kv_heads, num_grouped, block_m,
+                            partial_bytes, device, prefix_splits)  # fmt: skip
     suffix_slot = max(splits, default=0)
-    blocks: list[int] = []
-    prefix_tiles, suffix_tiles = [], []
+    prefix_blocks = _concat(sp.group_block_ids)
+    suffix_ids = sp.suffix_block_ids
+    suffix_blocks = _concat(suffix_ids[b] for b in active.tolist())
+    suffix_counts = np.fromiter(
+        (len(suffix_ids[b]) for b in active.tolist()), np.int64, len(active)
+    )
+    blk_off = len(prefix_blocks) + np.cumsum(suffix_counts) - suffix_counts
+    prefix_tiles = []
+    group_blk_off = 0
     for g in range(sp.num_groups):
-        blk_off = len(blocks)
-        blocks.extend(sp.group_block_ids[g])
-        p = sp.group_prefix_lens[g]
+        p, rows = sp.group_prefix_lens[g], int(group_rows[g])
         chunk = _cdiv(_cdiv(p, splits[g]), block_n) * block_n  # KV tokens per split
+        off = int(group_off[g])
         for s in range(splits[g]):
             kb, ke = s * chunk, min(p, (s + 1) * chunk)
-            for row0 in range(0, group_rows[g], block_m) if kb < ke else ():
-                prefix_tiles.append((group_off[g], row0, group_rows[g], blk_off, kb, ke, 0, s))
-    for b in range(len(seq_lens)):
-        q_len = qsl[b + 1] - qsl[b]
-        if q_len == 0:
-            continue
-        if sp.seq_group[b] >= 0:
-            tok_off, slot = member_off[b], suffix_slot
-        else:
-            tok_off, slot = len(tokens), -1
-            tokens.extend(range(qsl[b], qsl[b + 1]))
-        blk_off = len(blocks)
-        blocks.extend(sp.suffix_block_ids[b])
-        pos0, first = sp.seq_prefix_lens[b], seq_lens[b] - q_len
-        n_rows = q_len * gqa
-        for row0 in range(0, n_rows, block_m):
-            last = first + (min(n_rows, row0 + block_m) - 1) // gqa  # causal: KV past it unused
-            suffix_tiles.append((tok_off, row0, n_rows, blk_off, 0, last - pos0 + 1, pos0, slot))
+            for row0 in range(0, rows, block_m) if kb < ke else ():
+                prefix_tiles.append((off, row0, rows, group_blk_off, kb, ke, 0, s))
+        group_blk_off += len(sp.group_block_ids[g])
     prefix_tiles.sort(key=lambda t: t[4] - t[5])
-    suffix_tiles.sort(key=lambda t: -t[5])
-    num_tokens = qsl[-1]
-    qpos = [-1] * num_tokens
-    for b in range(len(seq_lens)):
-        q_len = qsl[b + 1] - qsl[b]
-        qpos[qsl[b] : qsl[b + 1]] = range(seq_lens[b] - q_len, seq_lens[b])
-    as_i32 = functools.partial(torch.tensor, dtype=torch.int32)
-    host = [as_i32(prefix_tiles + suffix_tiles).view(-1, _TILE_FIELDS), as_i32(tokens),
-            as_i32(blocks or [0]), as_i32(qpos or [0])]  # fmt: skip
-    dev = [t.to(device, non_blocking=True) for t in host]
-    return _TritonPlan(*dev, num_grouped, suffix_slot + 1, block_m, block_n)
+    tile_seq = np.repeat(np.arange(len(active)), n_tiles)
+    row0 = np.arange(len(tile_seq)) - np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
+    row0 = row0 * tile_m[tile_seq]
+    rows_t = n_rows[tile_seq]
+    first = (seq_lens[active] - q_lens[active])[tile_seq]
+    last = first + (np.minimum(rows_t, row0 + tile_m[tile_seq]) - 1) // gqa  # causal: KV past it
+    slot = np.where(seq_group[active] >= 0, suffix_slot, -1)[tile_seq]
+    suffix_tiles = np.stack(
+        [tok_off[active][tile_seq], row0, rows_t, blk_off[tile_seq],
+         np.zeros_like(row0), last - pos0[tile_seq] + 1, pos0[tile_seq], slot], axis=1,
+    )  # fmt: skip
+    order = np.argsort(-suffix_tiles[:, 5], kind="stable")
+    suffix_tiles, tile_narrow = suffix_tiles[order], narrow[tile_seq][order]
+    wide = np.concatenate(
+        [
+            np.array(prefix_tiles, dtype=np.int64).reshape(-1, _TILE_FIELDS),
+            suffix_tiles[~tile_narrow],
+        ]
+    )
+    qpos = np.full(int(qsl[-1]), -1, dtype=np.int64)
+    qpos[_ranges(qsl[:-1], q_lens)] = _ranges(seq_lens - q_lens, q_lens)
+    blocks = np.concatenate([prefix_blocks, suffix_blocks])
+
+    def dev(t: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(t.astype(np.int32)).to(device, non_blocking=True)
+
+    launches = [(dev(wide), block_m, False)] if len(wide) else []
+    if tile_narrow.any():
+        launches.append((dev(suffix_tiles[tile_narrow]), narrow_block_m, True))
+    return _TritonPlan(
+        launches,
+        dev(tokens),
+        dev(blocks if len(blocks) else np.zeros(1, np.int64)),
+        dev(qpos if len(qpos) else np.zeros(1, np.int64)),
+        num_grouped,
+        suffix_slot + 1,
+        block_n,
+    )
 
 
 def shared_prefix_attention(
@@ -327,6 +375,8 @@ def shared_prefix_attention(
     prefix_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    narrow_block_m: int | None = None,
+    narrow_num_warps: int | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
     the step (BatchLLM §5 horizontal fusion), then one merge launch over the grouped tokens.
@@ -346,6 +396,9 @@ def shared_prefix_attention(
         block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
         prefix_splits: KV splits of every prefix (default: per group, see `_prefix_splits`);
         num_warps / num_stages: Triton launch options.
+        narrow_block_m: if set (power of 2, >= 16), suffix segments of at most this many rows
+            (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
+            default `num_warps`) instead of being padded to the wide tiles' BLOCK_M.
     Returns:
         [T, H, D] in query.dtype; zeros for tokens past `query_start_loc[-1]`.
     Memory: a float32 buffer of (max splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped query
@@ -366,12 +419,13 @@ def shared_prefix_attention(
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     dev = query.device
-    key = ("triton", num_heads, num_kv_heads, head_dim, block_m, block_n, prefix_splits, dev)
+    key = ("triton", num_heads, num_kv_heads, head_dim, block_m, block_n, prefix_splits,
+           narrow_block_m, dev)  # fmt: skip
     plan = sp_meta.plan_cache.get(key)
     if plan is None:  # once per step: the layers share the plan and its partial-state buffers
         partial_bytes = num_heads * (head_dim + 1) * 4  # float32 O and LSE of one token
         plan = _plan_triton(attn_meta, sp_meta, num_kv_heads, gqa, dev, block_m, block_n,
-                            prefix_splits, partial_bytes)  # fmt: skip
+                            prefix_splits, partial_bytes, narrow_block_m)  # fmt: skip
         rows = max(plan.num_grouped, 1)
         f32 = dict(dtype=torch.float32, device=dev)
         plan.opart = torch.empty(plan.num_slots, rows, num_heads, head_dim, **f32)
@@ -383,19 +437,20 @@ def shared_prefix_attention(
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
-    if plan.tiles.shape[0]:
-        tile_kernel[(plan.tiles.shape[0], num_kv_heads)](
+    for tiles, tile_m, narrow in plan.launches:
+        warps = (narrow_num_warps or num_warps) if narrow else num_warps
+        tile_kernel[(tiles.shape[0], num_kv_heads)](
             query, kv_cache, out, opart, lpart,
-            plan.tiles, plan.tokens, plan.qpos, plan.blocks,
+            tiles, plan.tokens, plan.qpos, plan.blocks,
             scale * _LOG2E,
             query.stride(0), query.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             out.stride(0), out.stride(1),
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=plan.block_m,
+            GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
             BLOCK_N=plan.block_n, PAGE=attn_meta.block_size, PRECISION=precision,
             INTERPRET=_interpreting(),
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=warps, num_stages=num_stages,
         )  # fmt: skip
     if plan.num_grouped:
         merge_kernel[(plan.num_grouped,)](
