@@ -11,6 +11,13 @@ the new token]. Per (G, P), one layer's attention is timed for:
   no_prefix           the plain backend on B sequences of S + 1 tokens (no prefix at all): the
                       issue's goal is shared-path time <= 1.5x this
 
+`--mixed L,M` adds prefill chunks to the step, as in a BatchLLM mixed step: L leaders computing a
+fresh P-token prefix (q_len = P) and M group members computing their own S-token prompts after
+the shared prefix (q_len = S; longer than 16 tokens, so they stay out of the groups and read their
+whole KV). `--triton-configs` adds Triton variants as paths `triton:NAME`, each a comma list of
+options of `shared_prefix_triton.shared_prefix_attention` (bm=block_m, bn=block_n, w=num_warps,
+s=num_stages, nm=narrow_block_m, nw=narrow_num_warps), configs separated by ';'.
+
 Self-checking: before timing, every path's output is compared with the plain path (and, where it
 fits in memory, with the float32 reference); a path that disagrees is reported with ok=false and
 not timed. With the shared path, time should grow with G, not with G * D.
@@ -19,6 +26,8 @@ Writes OUT_DIR/shared_prefix_attention.json after every configuration (a timeout
 
     python benchmarks/shared_prefix_attention.py OUT_DIR                 # GPU, defaults below
     python benchmarks/shared_prefix_attention.py OUT_DIR --groups 8 --prefix-lens 512,2048
+    python benchmarks/shared_prefix_attention.py OUT --groups 54 --prefix-lens 2000 --mixed 3,30 \
+        --triton-configs "nm=16;bm=128,w=8,nm=16"
     TRITON_INTERPRET=1 python benchmarks/shared_prefix_attention.py OUT --smoke   # CPU check
 """
 
@@ -61,6 +70,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--atol", type=float, default=2e-2, help="agreement with the plain path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed", default=None, help="L,M: prefill chunks of L leaders, M members")
+    p.add_argument("--triton-configs", default="", help="Triton variants (see the docstring)")
     p.add_argument(
         "--smoke", action="store_true", help="tiny CPU-sized run (checks the script, not speed)"
     )
@@ -69,11 +80,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(args.paths) - set(PATHS)
     if unknown:
         p.error(f"unknown paths {sorted(unknown)}")
+    keys = {"bm": "block_m", "bn": "block_n", "w": "num_warps", "s": "num_stages",
+            "nm": "narrow_block_m", "nw": "narrow_num_warps"}  # fmt: skip
+    args.triton_options = {"triton": {}}
+    for cfg in filter(None, args.triton_configs.split(";")):
+        opts = dict(kv.split("=") for kv in cfg.split(","))
+        args.triton_options[f"triton:{cfg}"] = {keys[k]: int(v) for k, v in opts.items()}
+        args.paths.append(f"triton:{cfg}")
+    args.mixed = tuple(int(x) for x in args.mixed.split(",")) if args.mixed else (0, 0)
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.groups, args.degree, args.prefix_lens, args.suffix_len = [2, 3], 3, [32, 64], 5
         args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 16
         args.iters, args.warmup, args.dtype = 2, 1, "float32"
+        args.mixed = (1, 2) if args.mixed != (0, 0) else args.mixed
     elif args.device.type != "cuda":
         p.error("no CUDA device: run with --smoke (and TRITON_INTERPRET=1 for the triton path)")
     args.dtype = getattr(torch, args.dtype)
@@ -81,40 +101,63 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_step(args, groups: int, prefix_len: int, with_prefix: bool = True):
-    """(query, kv_cache, meta) of one decode step; meta.prefix_lens_cpu set. Block ids random."""
+    """(query, kv_cache, meta) of one step: a decode token for each of the G * D sequences, then
+    the `--mixed` prefill chunks; meta.prefix_lens_cpu set. Block ids random."""
     bs, dev = args.block_size, args.device
     if prefix_len % bs:
         raise ValueError(f"prefix length {prefix_len} not a multiple of the block size {bs}")
-    num_seqs = groups * args.degree
+    num_leaders, num_members = args.mixed if with_prefix else (0, 0)
+    num_decode = groups * args.degree
     own_len = args.suffix_len + 1
     own_blocks = -(-own_len // bs)
     prefix_blocks = prefix_len // bs if with_prefix else 0
-    num_blocks = groups * prefix_blocks + num_seqs * own_blocks
+    leader_blocks = -(-prefix_len // bs)
+    num_blocks = (groups * prefix_blocks + (num_decode + num_members) * own_blocks
+                  + num_leaders * leader_blocks)  # fmt: skip
     ids = list(range(num_blocks))
     random.Random(args.seed).shuffle(ids)
     prefixes = [[ids.pop() for _ in range(prefix_blocks)] for _ in range(groups)]
     tables = [prefixes[b // args.degree] + [ids.pop() for _ in range(own_blocks)]
-              for b in range(num_seqs)]  # fmt: skip
+              for b in range(num_decode)]  # fmt: skip
     seq_len = (prefix_len if with_prefix else 0) + own_len
+    seq_lens, q_lens = [seq_len] * num_decode, [1] * num_decode
+    prefix_lens = [prefix_len if with_prefix else 0] * num_decode
+    for _ in range(num_leaders):  # computing a fresh prefix: no group yet
+        tables.append([ids.pop() for _ in range(leader_blocks)])
+        seq_lens.append(prefix_len)
+        q_lens.append(prefix_len)
+        prefix_lens.append(0)
+    for m in range(num_members):  # own prompt chunk after the group's prefix
+        tables.append(prefixes[m % groups] + [ids.pop() for _ in range(own_blocks)])
+        seq_lens.append(seq_len - 1)
+        q_lens.append(args.suffix_len)
+        prefix_lens.append(prefix_len)
+    num_seqs = len(tables)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     shape = (num_blocks, 2, bs, args.num_kv_heads, args.head_dim)
     kv = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).to(args.dtype)
-    q = torch.randn(num_seqs, args.num_heads, args.head_dim, generator=gen, device=dev)
+    q = torch.randn(qsl[-1], args.num_heads, args.head_dim, generator=gen, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
-    last = [t[(seq_len - 1) // bs] * bs + (seq_len - 1) % bs for t in tables]
+    slots = [t[p // bs] * bs + p % bs
+             for t, n, q_len in zip(tables, seq_lens, q_lens) for p in range(n - q_len, n)]  # fmt: skip
+    width = max(map(len, tables))
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(last, dtype=torch.int64, device=dev),
-        query_start_loc=torch.arange(num_seqs + 1, **i32),
-        seq_lens=torch.full((num_seqs,), seq_len, **i32),
-        block_tables=torch.tensor(tables, **i32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        query_start_loc=torch.tensor(qsl, **i32),
+        seq_lens=torch.tensor(seq_lens, **i32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32),
         block_size=bs,
-        max_query_len=1,
-        max_seq_len=seq_len,
-        query_start_loc_cpu=list(range(num_seqs + 1)),
-        seq_lens_cpu=[seq_len] * num_seqs,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
         block_tables_cpu=tables,
     )
-    meta.prefix_lens_cpu = [prefix_len if with_prefix else 0] * num_seqs
+    meta.prefix_lens_cpu = prefix_lens
+    del num_seqs
     return q.to(args.dtype), kv, meta
 
 
@@ -187,17 +230,18 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
         fn = lambda: fallback.forward(q, kv, meta, scale)  # noqa: E731
         res["max_abs_diff_vs_plain"], res["ok"] = 0.0, True
     elif path == "no_prefix":
-        q0, kv0, meta0 = make_step(args, len(q) // args.degree, 0, with_prefix=False)
+        q0, kv0, meta0 = make_step(args, meta.num_seqs // args.degree, 0, with_prefix=False)
         begin(fallback, meta0)
         fn = lambda: fallback.forward(q0, kv0, meta0, scale)  # noqa: E731
         res["ok"] = True
     else:
-        impl = "triton" if path == "triton" else "flashinfer"
+        impl = "triton" if path.startswith("triton") else "flashinfer"
         missing = unavailable(impl)
         if missing:
             return {"ok": None, "skipped": missing}
+        options = args.triton_options.get(path, {})
         backend = SharedPrefixAttention(
-            fallback, impl=impl, min_saved_kv_tokens=0, partial_cost_tokens=0
+            fallback, impl=impl, min_saved_kv_tokens=0, partial_cost_tokens=0, **options
         )
         res["compile_and_first_call_ms"] = host_ms(lambda: backend.forward(q, kv, meta, scale))
         res["host_plan_ms"] = host_ms(lambda: backend.begin_step(meta))  # builder + cost rule
@@ -222,12 +266,13 @@ def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> di
     shared_tokens = groups * prefix_len + num_seqs * own
     kv_tokens = {
         "plain": num_seqs * (prefix_len + own),
-        "triton": shared_tokens,
         "flashinfer_cascade": shared_tokens,
         "no_prefix": num_seqs * own,
     }
+    kv_tokens.update((p, shared_tokens) for p in args.paths if p.startswith("triton"))
     rec = {"groups": groups, "degree": args.degree, "prefix_len": prefix_len,
-           "suffix_len": args.suffix_len, "num_seqs": num_seqs, "paths": {}}  # fmt: skip
+           "suffix_len": args.suffix_len, "num_seqs": num_seqs, "mixed": list(args.mixed),
+           "paths": {}}  # fmt: skip
     rec["default_cost_rule_picks_shared"] = SharedPrefixAttention(fallback).plan(meta) is not None
     begin(fallback, meta)
     base = fallback.forward(q, kv, meta, scale)
@@ -245,11 +290,11 @@ def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> di
             if args.device.type == "cuda":
                 torch.cuda.empty_cache()
         res["kv_tokens_read"] = kv_tokens[path]
-        if "ms" in res:
+        if "ms" in res and args.mixed == (0, 0):  # decode-only: the KV read is the whole story
             res["kv_gb_per_s"] = kv_tokens[path] * token_bytes / res["ms"] / 1e6
         rec["paths"][path] = res
     paths = rec["paths"]
-    for name in ("triton", "flashinfer_cascade"):
+    for name in [p for p in args.paths if p.startswith("triton")] + ["flashinfer_cascade"]:
         if "ms" in paths.get(name, {}):
             if "ms" in paths.get("plain", {}):
                 paths[name]["speedup_vs_plain"] = paths["plain"]["ms"] / paths[name]["ms"]

@@ -374,8 +374,8 @@ def shared_prefix_attention(
     block_n: int | None = None,
     prefix_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
-    narrow_block_m: int | None = None,
+    num_stages: int = 3,
+    narrow_block_m: int | None = 16,
     narrow_num_warps: int | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
@@ -395,8 +395,9 @@ def shared_prefix_attention(
         block_m: query rows per tile (power of 2, >= 16; default from the widest segment);
         block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
         prefix_splits: KV splits of every prefix (default: per group, see `_prefix_splits`);
-        num_warps / num_stages: Triton launch options.
-        narrow_block_m: if set (power of 2, >= 16), suffix segments of at most this many rows
+        num_warps / num_stages: Triton launch options (defaults measured on an H100,
+            benchmarks/results/2026-11-23-h100/attention-sweep-*.json).
+        narrow_block_m: if set (power of 2, >= 16; default 16), suffix segments of at most this many rows
             (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
             default `num_warps`) instead of being padded to the wide tiles' BLOCK_M.
     Returns:
