@@ -191,8 +191,9 @@ def host_ms(fn) -> float:
 
 
 def plain_backend(args, scale: float):
+    name = "flashinfer" if unavailable("flashinfer") is None else "reference"  # plain paged
     return get_attention_backend(
-        "auto",
+        name,
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,

@@ -27,9 +27,10 @@ class ModelConfig:
         load_format: "auto" (weights from the checkpoint) or "dummy" (random weights).
         device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
         enforce_eager: never capture CUDA graphs (decode steps run eagerly).
-        attention_backend: "auto" (FlashInfer on CUDA when installed, else the plain-torch
-            reference), "reference", "flashinfer" or "shared_prefix" (cascade attention over
-            prefix groups, BatchLLM §5, wrapping "auto" for other steps).
+        attention_backend: "auto" (on CUDA with FlashInfer: prefix-shared attention on steps
+            where it pays, FlashInfer on the others; else the plain-torch reference),
+            "reference", "flashinfer" (never shares) or "shared_prefix" (cascade attention over
+            prefix groups, BatchLLM §5, wrapping the plain backend for other steps).
     """
 
     model: str | None = None
@@ -101,6 +102,10 @@ class SchedulerConfig:
         memory_centric_admission: admit a request only when the KV blocks it needs to finish
             (prompt + max_tokens, net of shared blocks) fit beside the running requests' needs
             (BatchLLM §4.3); off admits whenever the next chunk fits (vLLM's policy).
+        async_scheduling: schedule and launch step N+1 while step N still runs on the device
+            (its sampled tokens feed step N+1 on the device; the host learns them one step
+            later), so host work overlaps device work. A request that stops on a sampled token
+            costs one wasted token of compute; steps with penalties wait for the previous step.
     """
 
     max_num_seqs: int = 256
@@ -108,6 +113,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     memory_centric_admission: bool = True
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

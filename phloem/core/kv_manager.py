@@ -180,7 +180,9 @@ class KVManager:
         node = self._locked_nodes.pop(request.request_id, None)
         self._num_cached_prompt_blocks.pop(request.request_id, None)
         if table and cache and self.prefix_cache is not None:
-            num_full = min(request.num_computed_tokens // self.block_size, len(table))
+            # async scheduling: computed positions may hold tokens not yet known on the host
+            computed = min(request.num_computed_tokens, request.num_known_tokens)
+            num_full = min(computed // self.block_size, len(table))
             if num_full:
                 tokens = request.token_ids(0, num_full * self.block_size)
                 duplicates = set(self.prefix_cache.insert(tokens, table[:num_full]))

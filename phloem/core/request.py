@@ -7,7 +7,12 @@ The one number that drives scheduling (vLLM v1's contract):
     |---- num_computed_tokens (KV cached) ----|--- still to compute ---|
 
 Each step the scheduler gives a request some tokens to compute; when `num_computed_tokens`
-reaches `num_tokens`, the step's logits at the last position yield one new output token. Prefill,
+reaches `num_tokens`, the step's logits at the last position yield one new output token.
+
+With async scheduling, a token sampled by a step still on the device is *pending*: counted in
+`num_tokens` (so the next step can be scheduled to compute it) but not yet in `output_token_ids`:
+
+    |---------------- num_known_tokens ----------------|-- num_pending_tokens --| Prefill,
 chunked prefill, decode, resumption after preemption and prefix hits are all this one loop.
 """
 
@@ -82,6 +87,8 @@ class Request:
         num_computed_tokens: tokens whose KV is in the cache [tokens].
         num_cached_tokens: prompt tokens taken from shared blocks instead of computed [tokens].
         num_preemptions: times its blocks were taken back.
+        num_pending_tokens: tokens sampled by steps still in flight (async scheduling), not yet
+            appended to `output_token_ids` [tokens].
         stop_reason: the stop string or stop token id that finished it, if any.
     """
 
@@ -95,6 +102,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
 
@@ -108,6 +116,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Known plus pending tokens: what the scheduler may compute."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus appended output tokens (their ids are on the host)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -115,7 +129,7 @@ class Request:
         return self.status.finished
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids at positions [start, end) of prompt + output."""
+        """Token ids at positions [start, end) of prompt + output (known tokens only)."""
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
@@ -124,4 +138,7 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def append_output_token(self, token_id: int) -> None:
+        """Append a sampled token; a pending one (async scheduling) stops being pending."""
         self.output_token_ids.append(token_id)
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1

@@ -8,6 +8,16 @@ OSDI 2022; chunked prefill mixed with decode: Agrawal et al., Sarathi-Serve, arX
 When blocks run out, the most recently admitted running request is preempted: its blocks are
 freed and it recomputes from scratch later, with its outputs kept (recompute preemption,
 PagedAttention §4.5).
+
+Async scheduling (`SchedulerConfig.async_scheduling`): `schedule()` is called for step N+1 before
+`update_from_output` of step N, so it advances `num_computed_tokens` itself and counts each
+sampled token as pending (`Request.num_pending_tokens`) until the update appends it:
+
+    schedule(N) -> [device runs N] -> schedule(N+1) -> [device runs N+1] -> update(N) -> ...
+
+A request whose pending tokens already reach its `max_tokens` (or the context) is not scheduled
+again; one that stops on a sampled token (EOS, stop ids) gets one wasted token in the step
+after, which its update skips.
 """
 
 from __future__ import annotations
@@ -34,10 +44,8 @@ class ScheduledRequest:
     num_computed_tokens: int
     num_tokens: int
     block_ids: list[int]
-
-    @property
-    def sample(self) -> bool:
-        return self.num_computed_tokens + self.num_tokens == self.request.num_tokens
+    sample: bool = False  # set from the request when scheduled (async scheduling changes
+    # `request.num_tokens` right after, so it cannot be derived later)
 
 
 @dataclass
@@ -128,18 +136,36 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            index += 1
+            if request.num_pending_tokens and self._will_finish_by_length(request):
+                continue  # its pending token ends it: computing another would be waste
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request itself was preempted: nothing later can fit either
             self._add(output, request, num_new)
             budget -= num_new
-            index += 1
 
         if not output.preempted_request_ids:
             budget = self._admit_waiting(output, budget)
             if not output.scheduled and self.waiting and self._release_idle_prefixes():
                 budget = self._admit_waiting(output, budget)
+        if self.config.async_scheduling:  # the step is as good as computed for what follows
+            for scheduled in output.scheduled:
+                request = scheduled.request
+                request.num_computed_tokens += scheduled.num_tokens
+                if scheduled.sample:
+                    request.num_pending_tokens += 1
         return output
+
+    def _will_finish_by_length(self, request: Request) -> bool:
+        """True if the request's pending tokens reach its max_tokens or the context."""
+        max_tokens = request.sampling_params.max_tokens
+        num_output = request.num_output_tokens + request.num_pending_tokens
+        if max_tokens is not None and num_output >= max_tokens:
+            return True
+        return request.num_tokens >= self.config.max_model_len
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
@@ -246,6 +272,7 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
                 num_tokens=num_new,
                 block_ids=self.kv.block_ids(request.request_id),
+                sample=request.num_computed_tokens + num_new == request.num_tokens,
             )
         )
 
@@ -267,27 +294,32 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Advance `num_computed_tokens`, append each sampled token and apply the token stop
+        """Advance `num_computed_tokens` (sync scheduling; async advanced it in `schedule`),
+        append each sampled token (a pending one stops being pending) and apply the token stop
         rules. Returns the requests that got a new token this step (finished ones included).
 
         Raises:
             KeyError: if a request that had to sample is missing from `sampled_token_ids`.
         """
         updated = []
+        advance = not self.config.async_scheduling  # async: schedule() advanced it already
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted (or stopped, async) while the step ran
                 continue
-            request.num_computed_tokens += scheduled.num_tokens
+            if advance:
+                request.num_computed_tokens += scheduled.num_tokens
+            running = request.status is RequestStatus.RUNNING  # async: may be preempted since
             group = request.shared_prefix
             if (
-                group is not None
+                running
+                and group is not None
                 and group.leader is request
                 and request.num_computed_tokens >= group.prefix_len
             ):
                 self.kv.hold_shared_prefix(group, request)
                 group.leader = None
-            if scheduled.num_computed_tokens < request.num_prompt_tokens:
+            if running and scheduled.num_computed_tokens < request.num_prompt_tokens:
                 self.kv.cache_prompt_blocks(request)
             if not scheduled.sample:
                 continue

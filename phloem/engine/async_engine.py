@@ -64,8 +64,10 @@ class _GuardedExecutor:
 
     The model runner samples the rows of `[s for s in sched.scheduled if s.sample]` in order; the
     wrapped sampler maps its row i to that request. Rows with a NaN/inf logit are replaced by
-    zeros (so the sampler does not fail the whole batch) and their request ids are recorded in
-    `failed` for the engine loop to fail after the step.
+    zeros on the device (so the sampler does not fail the whole batch); which rows those were is
+    copied to the host behind the step's own tokens, so the check adds no device sync (async
+    scheduling keeps its overlap), and their request ids are recorded in `failed` when the step
+    is collected, for the engine loop to fail after the step.
     """
 
     def __init__(self, inner, faults: dict[str, str]) -> None:
@@ -76,12 +78,14 @@ class _GuardedExecutor:
         self.failed: set[str] = set()
         self.num_preemptions = 0
         self._rows: list[str] = []
+        self._checks: dict[int, tuple[list[str], object]] = {}  # id(launched) -> rows, finite
+        self._pending_check: tuple[list[str], object] | None = None
         runner = getattr(getattr(inner, "worker", None), "model_runner", None)
         sampler = getattr(runner, "sampler", None)
         if sampler is None:
             logger.warning("no model_runner.sampler to guard: non-finite logits are not checked")
         else:
-            runner.sampler = self._guarded(sampler)
+            runner.sampler = _GuardedSampler(sampler, self._check_logits)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -89,8 +93,9 @@ class _GuardedExecutor:
     def _fault_of(self, seq_id: str) -> str | None:
         return self.faults.get(seq_id) or self.faults.get(seq_id.split("#", 1)[0])
 
-    def execute_model(self, sched):
+    def _record(self, sched) -> None:
         self._rows = []
+        self._pending_check = None
         self.num_preemptions += len(sched.preempted_request_ids)
         for s in sched.scheduled:
             seq_id = s.request.request_id
@@ -99,29 +104,58 @@ class _GuardedExecutor:
                 self._rows.append(seq_id)
             if self.faults and self._fault_of(seq_id) == "die":
                 raise RuntimeError(f"injected engine fault (request {seq_id})")
-        return self.inner.execute_model(sched)
 
-    def _guarded(self, sampler):
+    def execute_model(self, sched):
+        return self.collect(self.launch(sched))
+
+    def launch(self, sched):
+        self._record(sched)
+        launched = self.inner.launch(sched)
+        if launched is not None and self._pending_check is not None:
+            self._checks[id(launched)] = self._pending_check
+        return launched
+
+    def collect(self, launched):
+        out = self.inner.collect(launched)  # waits for the step, finite flags included
+        check = self._checks.pop(id(launched), None) if launched is not None else None
+        if check is not None:
+            rows, finite = check
+            for i, ok in enumerate(finite.tolist()):
+                if not ok and i < len(rows):
+                    self.failed.add(rows[i])
+        return out
+
+    def _check_logits(self, logits):
+        """Fault injection, then zero the non-finite rows (device only)."""
         import torch
 
-        def sample(logits, rows):
-            if self.faults:
-                for i, seq_id in enumerate(self._rows[: logits.shape[0]]):
-                    if self._fault_of(seq_id) == "nan":
-                        logits = logits.clone()
-                        logits[i] = float("nan")
-            finite = torch.isfinite(logits).all(dim=-1)
-            if not bool(finite.all()):
-                bad = (~finite).nonzero().flatten().tolist()
-                logits = logits.clone()
-                for i in bad:
-                    logits[i] = 0.0
-                    if i < len(self._rows):
-                        self.failed.add(self._rows[i])
-            return sampler(logits, rows)
+        if self.faults:
+            for i, seq_id in enumerate(self._rows[: logits.shape[0]]):
+                if self._fault_of(seq_id) == "nan":
+                    logits = logits.clone()
+                    logits[i] = float("nan")
+        finite = torch.isfinite(logits).all(dim=-1)
+        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
+        host = finite
+        if finite.is_cuda:
+            host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(finite, non_blocking=True)  # ordered before the sampler's own copies
+        self._pending_check = (list(self._rows), host)
+        return logits
 
-        sample.inner = sampler  # type: ignore[attr-defined]
-        return sample
+
+class _GuardedSampler:
+    """The model runner's sampler with `check` applied to the logits first."""
+
+    def __init__(self, inner, check) -> None:
+        self.inner = inner
+        self.check = check
+
+    def __call__(self, logits, rows):
+        return self.inner(self.check(logits), rows)
+
+    def launch(self, logits, rows):
+        return self.inner.launch(self.check(logits), rows)
 
 
 class AsyncLLMEngine:

@@ -75,6 +75,8 @@ class LLM:
         memory_centric_admission: admit requests by the KV blocks they need to finish
             (prompt + max_tokens); False admits whenever the next chunk fits (vLLM-style) and
             relies on preemption.
+        async_scheduling: schedule and launch each step while the previous one runs on the
+            device (host work overlaps device work); False runs steps one after the other.
     Raises:
         ValueError: naming the argument, for invalid values.
     """
@@ -99,6 +101,7 @@ class LLM:
         attention_backend: str = "auto",
         enable_prefix_caching: bool = True,
         memory_centric_admission: bool = True,
+        async_scheduling: bool = True,
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
@@ -119,6 +122,7 @@ class LLM:
                 max_model_len=max(max_num_batched_tokens, 1),
                 enable_chunked_prefill=enable_chunked_prefill,
                 memory_centric_admission=memory_centric_admission,
+                async_scheduling=async_scheduling,
             ),
             seed=seed,
         )

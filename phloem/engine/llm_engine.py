@@ -137,6 +137,8 @@ class LLMEngine:
         # True: step() returns an output for every prompt that got a token (streaming, kept up
         # to date text); False (offline): only finished prompts, text decoded once at the end.
         self.stream_outputs = False
+        # async scheduling: the launched step whose tokens the next step() collects
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -233,15 +235,46 @@ class LLMEngine:
                 self._sequences.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
+        # A request in a step still in flight is still in the scheduler's running list; a
+        # launched step holding only finished requests is collected (and ignored) by the next
+        # step() whenever that comes.
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every prompt that finished (and, with
-        `stream_outputs`, for every prompt that got a new token)."""
+        `stream_outputs`, for every prompt that got a new token).
+
+        With async scheduling the iteration schedules and launches step N+1, then waits for
+        step N (launched by the previous call) and returns its outputs, so the host's work on
+        step N+1 and on N's tokens overlaps the device running N and N+1:
+
+            schedule(N+1) -> launch(N+1) -> collect(N) -> update(N) -> outputs of N
+        """
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        if not self.scheduler_config.async_scheduling:
+            runner_output = self.executor.execute_model(scheduler_output)
+            updated = self.scheduler.update_from_output(
+                scheduler_output, runner_output.sampled_token_ids
+            )
+            return self._process_outputs(scheduler_output, updated, runner_output)
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
+            outputs = self._finish_in_flight()  # penalties read the tokens of the step before
+        launched = self.executor.launch(scheduler_output)
+        if self._in_flight is not None:
+            outputs = self._finish_in_flight()
+        # an empty step has nothing to update; a step without samples still does (prefix holds)
+        self._in_flight = None if scheduler_output.is_empty else (scheduler_output, launched)
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the launched step's tokens, update the scheduler, build its outputs."""
+        assert self._in_flight is not None
+        scheduler_output, launched = self._in_flight
+        self._in_flight = None
+        runner_output = self.executor.collect(launched)
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
         )

@@ -55,7 +55,12 @@ def register(subparsers) -> None:
     o.add_argument(
         "--trace-steps",
         action="store_true",
-        help="time every step's host phases and GPU work (CUDA events); adds a sync per step",
+        help="time every step's host phases and GPU work (CUDA events)",
+    )
+    o.add_argument(
+        "--profile-window",
+        default=None,
+        help="START:COUNT: torch.profiler over those steps of the measured run -> --profile",
     )
     p.set_defaults(func=run_throughput)
 
@@ -106,20 +111,26 @@ def _generate(llm, workload) -> tuple[float, list]:
 class StepTrace:
     """Per-step host and device time of an engine, by step kind (wraps its methods in place).
 
-    Host phases: `schedule`, `execute` (input building, planning, kernel launches and the wait
-    for the sampled tokens), `update` (token bookkeeping and outputs). On CUDA, `device_ms` is
-    the time from the step's first kernel launch (eager forward, or a graph replay with its
-    planning) to the sampled tokens (CUDA events), so `step_ms - device_ms` is roughly the time
-    the GPU sat idle waiting for the host.
-    A step is "decode" when every scheduled request computes one token, else "mixed".
+    Host phases of one `step()` call: `schedule`, `launch` (input building, planning and kernel
+    launches), `wait` (for the sampled tokens of the step being collected: the previous one
+    under async scheduling) and `update` (token bookkeeping and outputs: the rest). On CUDA,
+    `device_ms` is the span from the step's first kernel launch to its sampled tokens (CUDA
+    events, read at the end: no extra syncs); the device is busy for all of it unless it waits
+    for the host's launches. A step is "decode" when every request computes one token, else
+    "mixed".
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, profile_window: tuple[int, int] | None = None,
+                 profile_path: str | None = None) -> None:  # fmt: skip
         import torch
 
-        self.steps: list[tuple[str, int, int, float, float, float, float, float]] = []
-        self._cuda = torch.cuda.is_available() and engine.executor.worker.device.type == "cuda"
-        schedule, execute = engine.scheduler.schedule, engine.executor.execute_model
+        self.profile_window, self.profile_path = profile_window, profile_path
+        self._prof = None
+        # (kind, seqs, tokens, step s, schedule s, launch s, wait s, update s, begin, end)
+        self.steps: list[list] = []
+        runner = engine.executor.worker.model_runner
+        self._cuda = torch.cuda.is_available() and runner.device.type == "cuda"
+        schedule, launch, collect = engine.scheduler.schedule, runner.launch, runner.collect
         step = engine.step
         state: dict = {}
 
@@ -127,19 +138,22 @@ class StepTrace:
             start = time.perf_counter()
             out = schedule()
             state["schedule"] = time.perf_counter() - start
+            state["sched"] = out
             return out
 
-        def traced_execute(sched):
+        def traced_launch(sched):
             start = time.perf_counter()
-            out = execute(sched)
-            begin = state.get("begin")
-            if begin is not None:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                end.synchronize()
-                state["device"] = begin.elapsed_time(end) / 1e3
-            state["execute"] = time.perf_counter() - start
-            state["sched"] = sched
+            out = launch(sched)
+            if self._cuda and "begin" in state:
+                state["end"] = torch.cuda.Event(enable_timing=True)
+                state["end"].record()
+            state["launch"] = time.perf_counter() - start
+            return out
+
+        def traced_collect(launched):
+            start = time.perf_counter()
+            out = collect(launched)
+            state["wait"] = state.get("wait", 0.0) + time.perf_counter() - start
             return out
 
         def mark_begin(fn):  # the step's first kernel launch starts the device clock
@@ -151,13 +165,8 @@ class StepTrace:
 
             return wrapped
 
-        if self._cuda:
-            runner = engine.executor.worker.model_runner
-            runner.model.forward = mark_begin(runner.model.forward)
-            if runner.graph_runner is not None:
-                runner.graph_runner.run = mark_begin(runner.graph_runner.run)
-
         def traced_step():
+            self._profile_tick(len(self.steps))
             start = time.perf_counter()
             state.clear()
             outs = step()
@@ -166,25 +175,65 @@ class StepTrace:
             if sched is not None and sched.scheduled:
                 num_tokens = sum(x.num_tokens for x in sched.scheduled)
                 kind = "decode" if num_tokens == len(sched.scheduled) else "mixed"
-                host = state["schedule"] + state["execute"]
-                self.steps.append((kind, len(sched.scheduled), num_tokens, total,
-                                   state["schedule"], state["execute"], total - host,
-                                   state.get("device", 0.0)))  # fmt: skip
+                host = state["schedule"] + state.get("launch", 0.0) + state.get("wait", 0.0)
+                self.steps.append([kind, len(sched.scheduled), num_tokens, total,
+                                   state["schedule"], state.get("launch", 0.0),
+                                   state.get("wait", 0.0), total - host,
+                                   state.get("begin"), state.get("end")])  # fmt: skip
             return outs
 
         engine.scheduler.schedule = traced_schedule
-        engine.executor.execute_model = traced_execute
+        runner.launch, runner.collect = traced_launch, traced_collect
         engine.step = traced_step
+        if self._cuda:
+            runner.model.forward = mark_begin(runner.model.forward)
+            if runner.graph_runner is not None:
+                runner.graph_runner.run = mark_begin(runner.graph_runner.run)
+
+    def _profile_tick(self, index: int) -> None:
+        """torch.profiler over steps [start, start + count) of the run (`profile_window`):
+        host ops by self CPU time (syncs and allocations show up as long CUDA API calls)."""
+        if self.profile_window is None:
+            return
+        start, count = self.profile_window
+        if index == start and self._prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self._cuda
+            self._prof = profile(activities=activities)
+            self._prof.__enter__()
+        elif index == start + count and self._prof is not None:
+            import torch
+
+            if self._cuda:
+                torch.cuda.synchronize()
+            self._prof.__exit__(None, None, None)
+            averages = self._prof.key_averages()
+            tables = [
+                f"== steps {start}..{start + count - 1}, by self CPU time\n"
+                + averages.table(sort_by="self_cpu_time_total", row_limit=40),
+                "== by device time\n" + averages.table(sort_by="cuda_time_total", row_limit=30),
+            ]
+            Path(self.profile_path or "profile-window.txt").write_text("\n\n".join(tables))
+            self.profile_window = None
 
     def summary(self) -> dict:
         """Per step kind: steps, mean sequences and tokens, total and mean ms per phase."""
+        import torch
+
+        if self._cuda:
+            torch.cuda.synchronize()
+        for row in self.steps:
+            begin, end = row[8], row[9]
+            row[8] = begin.elapsed_time(end) / 1e3 if begin is not None and end else None
         out = {}
         for kind in ("decode", "mixed"):
             rows = [r for r in self.steps if r[0] == kind]
             if not rows:
                 continue
             n = len(rows)
-            mean = {i: sum(r[i] for r in rows) / n for i in range(1, len(rows[0]))}
+            mean = {i: sum(r[i] for r in rows) / n for i in range(1, 8)}
+            device = [r[8] for r in rows if r[8] is not None]
             out[kind] = {
                 "steps": n,
                 "mean_seqs": mean[1],
@@ -192,9 +241,10 @@ class StepTrace:
                 "total_s": sum(r[3] for r in rows),
                 "step_ms": mean[3] * 1e3,
                 "schedule_ms": mean[4] * 1e3,
-                "execute_ms": mean[5] * 1e3,
-                "update_ms": mean[6] * 1e3,
-                "device_ms": mean[7] * 1e3 if self._cuda else None,
+                "launch_ms": mean[5] * 1e3,
+                "wait_ms": mean[6] * 1e3,
+                "update_ms": mean[7] * 1e3,
+                "device_ms": sum(device) / len(device) * 1e3 if device else None,
             }
         return out
 
@@ -225,6 +275,7 @@ def _engine_info(llm) -> dict:
         "block_size": llm.llm_engine.config.cache.block_size,
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "async_scheduling": sched.async_scheduling,
         "max_model_len": sched.max_model_len,
     }
 
@@ -361,7 +412,12 @@ def run_throughput(args: argparse.Namespace) -> int:
         __import__("phloem").SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
         use_tqdm=False,
     )
-    trace = StepTrace(llm.llm_engine) if args.trace_steps else None
+    window = None
+    if args.profile_window:
+        window = tuple(int(x) for x in args.profile_window.split(":"))
+    trace = None
+    if args.trace_steps or window:
+        trace = StepTrace(llm.llm_engine, window, args.profile)
     elapsed, outputs = _generate(llm, workload)
     num_in = workload.num_input_tokens
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -401,7 +457,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         result["roofline"] = roof.to_dict()
         result["bound_total_tokens_per_s"] = (num_in + num_out) / roof.bound_time_s
         result["roofline_ratio"] = roof.bound_time_s / elapsed
-    if args.profile and on_cuda:
+    if on_cuda:
+        stats = torch.cuda.memory_stats()
+        result["cuda_allocator"] = {
+            k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                      "num_sync_all_streams", "num_ooms")
+        }  # fmt: skip
+    if args.profile and on_cuda and not window:
         result["profile"] = _profile(llm, workload, args.profile_steps, args.profile)
     _report(result)
     _write(args.json, result)  # before the peer: a slow peer must not cost phloem's numbers
@@ -466,8 +528,9 @@ def _report(r: dict) -> None:
         device = "" if t["device_ms"] is None else f", device {t['device_ms']:.1f}"
         lines.append(
             f"  {kind} steps: {t['steps']} x {t['mean_seqs']:.0f} seqs / {t['mean_tokens']:.0f} "
-            f"tokens, {t['step_ms']:.1f} ms each (schedule {t['schedule_ms']:.1f}, execute "
-            f"{t['execute_ms']:.1f}, update {t['update_ms']:.1f}{device}) = {t['total_s']:.1f} s"
+            f"tokens, {t['step_ms']:.1f} ms each (schedule {t['schedule_ms']:.1f}, launch "
+            f"{t['launch_ms']:.1f}, wait {t['wait_ms']:.1f}, update {t['update_ms']:.1f}"
+            f"{device}) = {t['total_s']:.1f} s"
         )
     if "roofline" in r:
         c, roof = r["ceilings"], r["roofline"]

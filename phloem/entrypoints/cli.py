@@ -39,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="admit requests whenever their next chunk fits, relying on preemption",
     )
     g.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="wait for each step's tokens before scheduling the next (no host/device overlap)",
+    )
+    g.add_argument(
         "--attention-backend",
         default="auto",
         choices=["auto", "reference", "flashinfer", "shared_prefix"],
@@ -92,6 +97,7 @@ def build_llm(args: argparse.Namespace):
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_sharing,
         memory_centric_admission=not args.no_memory_centric_admission,
+        async_scheduling=not args.no_async_scheduling,
         load_format=args.load_format,
         seed=args.seed,
         enforce_eager=args.enforce_eager,

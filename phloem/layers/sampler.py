@@ -241,6 +241,12 @@ class Sampler:
         Advances each random row's generator (or the sampler's) by one draw; greedy rows advance
         nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
         """
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        """`__call__` without waiting: enqueues the sampling and the copy of its results to
+        the host; `SampledTokens.tokens` (int64 [B], on the logits' device) can feed the next
+        step's inputs on the device before the host has the ids."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
@@ -269,7 +275,7 @@ class Sampler:
             r_idx = torch.tensor(random, dtype=torch.long, device=device)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
             tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random])
-        return self._gather_output(raw, tokens, rows)
+        return SampledTokens.start(raw, tokens, rows)
 
     def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Apply penalties to the rows that have any (others are untouched); returns x."""
@@ -346,25 +352,58 @@ class Sampler:
                 q[i] = torch.empty(vocab_size, device=device).exponential_(generator=r.generator)
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
-    @staticmethod
-    def _gather_output(
-        raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
-    ) -> SamplerOutput:
-        """Raw log-probs of the sampled and top-k tokens; the single device-to-host copy."""
+
+class SampledTokens:
+    """One step's sampled tokens on their way to the host (see `Sampler.launch`).
+
+    On CUDA the results are copied into pinned host memory with `non_blocking` copies and an
+    event is recorded behind them, so `result()` waits for this step's sampling only, not for
+    work enqueued after it (the next step, under async scheduling).
+    """
+
+    def __init__(self, tokens: torch.Tensor, parts: list[torch.Tensor], rows, max_k: int):
+        self.tokens = tokens
+        self._rows = rows
+        self._max_k = max_k
+        self._event = None
+        if tokens.is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(host, parts):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            parts = host
+        self._parts = parts
+
+    @classmethod
+    def start(cls, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]):
+        """Enqueue what the host needs: the tokens, and for logprob rows the raw log-probs of
+        the sampled and of the top-k tokens (one log-softmax pass, only if a row asked)."""
         if all(r.params.logprobs is None for r in rows):
-            return SamplerOutput(tokens.tolist(), [None] * len(rows), [None] * len(rows))
+            return cls(tokens, [tokens], rows, 0)
         lse = torch.logsumexp(raw, dim=-1)
         sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         max_k = max((r.params.logprobs or 0 for r in rows), default=0)
         max_k = min(max_k, raw.shape[1])
-        token_list = tokens.tolist()
-        lp_list = sampled_lp.tolist()
-        top_vals: list[list[float]] = [[] for _ in rows]
-        top_ids: list[list[int]] = [[] for _ in rows]
+        parts = [tokens, sampled_lp]
         if max_k > 0:
             values, indices = raw.topk(max_k, dim=-1)
-            top_vals = (values - lse[:, None]).tolist()
-            top_ids = indices.tolist()
+            parts += [values - lse[:, None], indices]
+        return cls(tokens, parts, rows, max_k)
+
+    def result(self) -> SamplerOutput:
+        """The host lists (waits for this step's copies)."""
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._rows
+        token_list = self._parts[0].tolist()
+        if len(self._parts) == 1:
+            return SamplerOutput(token_list, [None] * len(rows), [None] * len(rows))
+        lp_list = self._parts[1].tolist()
+        top_vals: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if self._max_k > 0:
+            top_vals, top_ids = self._parts[2].tolist(), self._parts[3].tolist()
         top_logprobs: list[dict[int, float] | None] = []
         for i, r in enumerate(rows):
             k = r.params.logprobs

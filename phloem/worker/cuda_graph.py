@@ -29,6 +29,7 @@ from torch import nn
 
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.staging import pinned
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +178,12 @@ class CUDAGraphRunner:
         slots: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        fill_inputs=None,
     ) -> torch.Tensor:
         """Replay the graph of the step's bucket; returns hidden [B, hidden_size] of the B real
-        rows (a view of the graph's output: valid until the next replay).
+        rows (a view of the graph's output: valid until the next replay). `fill_inputs`, if
+        given, is called with the static input-id buffer after the host ids are copied in (it
+        writes pending token ids on the device).
 
         Raises:
             ValueError: if no bucket holds B sequences.
@@ -197,7 +201,9 @@ class CUDAGraphRunner:
             ],
             dtype=torch.int64,
         )
-        self._static_inputs[:, :batch].copy_(host, non_blocking=True)
+        self._static_inputs[:, :batch].copy_(pinned(host), non_blocking=True)
+        if fill_inputs is not None:
+            fill_inputs(self._static_inputs[0, :num_seqs])
         self.backend.begin_step(self._metadata(batch, seq_lens, block_tables), cuda_graph=True)
         self._graphs[batch].replay()
         return self._outputs[batch][:num_seqs]

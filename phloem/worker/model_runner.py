@@ -19,8 +19,9 @@ from torch import nn
 
 from phloem.core.scheduler import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
-from phloem.layers.sampler import Sampler, SamplingRow
+from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.staging import to_device
 from phloem.worker.cuda_graph import CUDAGraphRunner, sync_free_kv_writes
 
 
@@ -32,6 +33,14 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float | None] = field(default_factory=dict)
     top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampling is enqueued on the device (see `ModelRunner.launch`)."""
+
+    request_ids: list[str]  # the sampled requests, in row order
+    sampled: SampledTokens
 
 
 def shared_prefix_len(s) -> int:
@@ -66,6 +75,8 @@ class _HostStep:
     logits_indices: list[int]  # [S]
     sampled: list[int]  # [S]
     prefix_lens: list[int] | None  # [B], only when the backend batches prefix groups
+    pending: list[tuple[int, str]]  # (token index, request id): ids sampled by the step in
+    # flight (async scheduling), filled in on the device from that step's sampled tokens
 
     @classmethod
     def build(cls, sched: SchedulerOutput, block_size: int, prefix_lens: bool) -> _HostStep:
@@ -82,13 +93,18 @@ class _HostStep:
         starts = [s.num_computed_tokens for s in scheduled]
         q_lens = [s.num_tokens for s in scheduled]
         tables = [s.block_ids for s in scheduled]
+        pending: list[tuple[int, str]] = []
         for s, start, q_len, table in zip(scheduled, starts, q_lens, tables):
             end = start + q_len
-            ids += s.request.token_ids(start, end)
+            request = s.request
+            ids += request.token_ids(start, end)
+            if end > request.num_known_tokens:  # the last one is pending (one step in flight)
+                pending.append((len(ids), request.request_id))
+                ids.append(0)
             blocks += table[start // bs : (end - 1) // bs + 1]
         seq_lens = [a + n for a, n in zip(starts, q_lens)]
         qsl = [0, *itertools.accumulate(q_lens)]
-        sampled = [i for i, s in enumerate(scheduled) if seq_lens[i] == s.request.num_tokens]
+        sampled = [i for i, s in enumerate(scheduled) if s.sample]
         # Per token t of sequence b: position start_b + (t - qsl_b); its block is entry
         # position // bs - start_b // bs of b's run in `blocks`.
         start_a = np.array(starts, dtype=np.int64)
@@ -113,6 +129,7 @@ class _HostStep:
             logits_indices=[qsl[i + 1] - 1 for i in sampled],
             sampled=sampled,
             prefix_lens=[shared_prefix_len(s) for s in scheduled] if prefix_lens else None,
+            pending=pending,
         )
 
 
@@ -125,14 +142,6 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S], token index of each sampled sequence's last token
     sampled: list[int]  # [S], index into scheduler_output.scheduled
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on `device` (pinned staging on CUDA, so the copy is async)."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 class ModelRunner:
@@ -171,6 +180,8 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
         self.graph_runner: CUDAGraphRunner | None = None
+        # the last launched step's sampled tokens (device int64 [S]) and request id -> row
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the per-layer caches: num_blocks usable blocks plus the scratch block
@@ -214,13 +225,13 @@ class ModelRunner:
             padded = np.zeros((len(host.block_tables), width), dtype=np.int32)
             for row, table in zip(padded, host.block_tables):
                 row[: len(table)] = table
-            block_tables = torch.from_numpy(padded).to(dev)
+            block_tables = to_device(padded, dev)
         else:
             block_tables = torch.empty(0, 0, dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=_to_device(host.slots, dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(host.seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=to_device(host.slots, dev),
+            query_start_loc=to_device(np.array(qsl, dtype=np.int32), dev),
+            seq_lens=to_device(np.array(host.seq_lens, dtype=np.int32), dev),
             block_tables=block_tables,
             block_size=self.block_size,
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
@@ -230,11 +241,14 @@ class ModelRunner:
             block_tables_cpu=host.block_tables,
             prefix_lens_cpu=host.prefix_lens,
         )
+        input_ids = to_device(host.input_ids, dev)
+        if host.pending:
+            self._fill_pending(input_ids, host.pending)
         return StepInputs(
-            input_ids=_to_device(host.input_ids, dev),
-            positions=_to_device(host.positions, dev),
+            input_ids=input_ids,
+            positions=to_device(host.positions, dev),
             attn_metadata=meta,
-            logits_indices=torch.tensor(host.logits_indices, dtype=torch.int64).to(dev),
+            logits_indices=to_device(np.array(host.logits_indices, dtype=np.int64), dev),
             sampled=host.sampled,
         )
 
@@ -247,28 +261,69 @@ class ModelRunner:
         Mutates the KV cache (writes the step's K/V) and the seeded requests' generators.
         Decode-only steps replay a CUDA graph when graphs were captured and one fits.
         """
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        """Enqueue one step (forward, sampling, the copy of the tokens to the host) and return
+        without waiting for the device; `collect` gets the result. Input tokens that are still
+        pending (sampled by the previous launched step, async scheduling) are taken from that
+        step's device tensor. None for an empty step."""
         for request_id in sched.finished_request_ids:
             self._generators.pop(request_id, None)
-        out = ModelRunnerOutput()
         if sched.is_empty:
-            return out
+            return None
         hidden, sampled = self._run_graph(sched)
         if hidden is None:
             inputs = self.prepare_inputs(sched)
             sampled = inputs.sampled
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             if not sampled:
-                return out
+                return None
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        rows = [self._sampling_row(sched.scheduled[i].request) for i in sampled]
-        result = self.sampler(logits, rows)
-        for k, i in enumerate(sampled):
-            request_id = sched.scheduled[i].request.request_id
+        requests = [sched.scheduled[i].request for i in sampled]
+        handle = self.sampler.launch(logits, [self._sampling_row(r) for r in requests])
+        request_ids = [r.request_id for r in requests]
+        self._last_sampled = (handle.tokens, {rid: k for k, rid in enumerate(request_ids)})
+        return LaunchedStep(request_ids, handle)
+
+    @staticmethod
+    def collect(launched: LaunchedStep | None) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens (only that step's) and return them by request."""
+        out = ModelRunnerOutput()
+        if launched is None:
+            return out
+        result = launched.sampled.result()
+        for k, request_id in enumerate(launched.request_ids):
             out.sampled_token_ids[request_id] = result.token_ids[k]
             out.logprobs[request_id] = result.logprobs[k]
             out.top_logprobs[request_id] = result.top_logprobs[k]
         return out
+
+    @staticmethod
+    def needs_token_history(sched: SchedulerOutput) -> bool:
+        """True if sampling this step reads earlier output tokens (penalties), so a step in
+        flight must be collected (its tokens appended) before this one is launched."""
+        for s in sched.scheduled:
+            p = s.request.sampling_params
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+                return True
+        return False
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
+        """input_ids[index] = the token the last launched step sampled for the request."""
+        if self._last_sampled is None:
+            raise RuntimeError("a step has pending input tokens but no step was launched")
+        tokens, rows = self._last_sampled
+        try:
+            src = [rows[request_id] for _, request_id in pending]
+        except KeyError as e:
+            msg = f"request {e} has a pending token the last step did not sample"
+            raise RuntimeError(msg) from None
+        index = np.array([[i for i, _ in pending], src], dtype=np.int64)
+        index_t = to_device(index, input_ids.device)
+        input_ids.index_copy_(0, index_t[0], tokens[index_t[1]])
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -292,9 +347,14 @@ class ModelRunner:
             return None, []
         bs = self.block_size
         ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        pending: list[tuple[int, str]] = []
         for s in scheduled:
             pos = s.num_computed_tokens
-            ids.append(s.request.token_ids(pos, pos + 1)[0])
+            if pos < s.request.num_known_tokens:
+                ids.append(s.request.token_ids(pos, pos + 1)[0])
+            else:  # sampled by the step in flight: filled in on the device
+                pending.append((len(ids), s.request.request_id))
+                ids.append(0)
             positions.append(pos)
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
@@ -304,7 +364,10 @@ class ModelRunner:
             prefix_lens = [shared_prefix_len(s) for s in scheduled]
             if any(prefix_lens) and plan_decode(seq_lens, tables, prefix_lens, bs) is not None:
                 return None, []  # prefix sharing pays this step: run the cascade path eagerly
-        hidden = runner.run(ids, positions, slots, seq_lens, tables)
+        fill = None
+        if pending:
+            fill = lambda input_ids: self._fill_pending(input_ids, pending)  # noqa: E731
+        hidden = runner.run(ids, positions, slots, seq_lens, tables, fill_inputs=fill)
         return hidden, list(range(len(scheduled)))
 
     @torch.inference_mode()
@@ -347,7 +410,10 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
                 self._generators[request.request_id] = generator
         banned: list[int] = []
-        if request.num_output_tokens < params.min_tokens:
+        # outputs before this sample: appended ones plus those pending from earlier steps (the
+        # async scheduler counts this step's own sample as pending already)
+        num_before = request.num_output_tokens + max(0, request.num_pending_tokens - 1)
+        if num_before < params.min_tokens:
             banned = list(params.stop_token_ids)
             if self.eos_token_id is not None:
                 banned.append(self.eos_token_id)

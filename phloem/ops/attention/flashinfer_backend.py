@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from phloem.ops.attention.interface import AttentionMetadata
+from phloem.ops.staging import pinned
 
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
 
@@ -60,7 +61,7 @@ def paged_kv_layout(
     indptr = np.zeros(len(pages) + 1, dtype=np.int32)
     np.cumsum(num_pages, out=indptr[1:])
     last = (seq_lens - (num_pages - 1) * bs).astype(np.int32)
-    return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
+    return pinned(indptr), pinned(indices), pinned(last)
 
 
 def _head(table: list[int], n: int) -> list[int]:
@@ -149,7 +150,7 @@ class FlashInferAttention:
         With `cuda_graph`, every sequence must have q_len 1 (a decode step, padded to the graph's
         batch size by whole dummy sequences).
         """
-        qo_indptr = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int32)
+        qo_indptr = pinned(np.array(meta.query_start_loc_cpu, dtype=np.int32))
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(meta)
         if cuda_graph:
             if meta.max_query_len != 1:

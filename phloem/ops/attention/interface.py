@@ -109,9 +109,11 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
 
     Args:
         name: "reference" (plain torch; the CPU path), "flashinfer" (paged FlashInfer kernels,
-            CUDA only), "auto": FlashInfer on a CUDA device when it imports, else reference, or
-            "shared_prefix": prefix-shared (cascade) attention for steps with prefix groups,
-            wrapping the "auto" backend for all other steps (BatchLLM §5).
+            CUDA only), "shared_prefix": prefix-shared (cascade) attention on steps where the
+            cost rule says sharing pays (BatchLLM §5), wrapping the plain backend ("flashinfer"
+            on CUDA when it imports, else "reference") for all other steps, or "auto": on a
+            CUDA device with FlashInfer, "shared_prefix" over FlashInfer when Triton imports
+            (else plain FlashInfer); otherwise the reference.
         geometry: what a planning backend needs up front, ignored by the reference:
             num_heads, num_kv_heads, head_dim, scale, dtype (of q and the KV cache), device,
             max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
@@ -122,10 +124,27 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
-    if name == "shared_prefix":  # cascade attention on steps where sharing pays, else "auto"
+    if name in ("auto", "shared_prefix"):
+        plain = _plain_backend("auto", geometry)
+        if name == "auto" and (plain.name != "flashinfer" or not _importable("triton")):
+            return plain
         from phloem.ops.attention.shared_prefix import SharedPrefixAttention
 
-        return SharedPrefixAttention(get_attention_backend("auto", **geometry))
+        return SharedPrefixAttention(plain)
+    return _plain_backend(name, geometry)
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _plain_backend(name: str, geometry: dict) -> AttentionBackend:
+    """ "reference", "flashinfer", or "auto" (FlashInfer on CUDA when it imports, else the
+    reference), without prefix sharing."""
     device = geometry.get("device")
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "auto":

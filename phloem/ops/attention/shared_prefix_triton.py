@@ -24,6 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from phloem.ops.attention.interface import AttentionMetadata
 from phloem.ops.attention.shared_prefix import SharedPrefixMetadata
+from phloem.ops.staging import to_device
 
 _LOG2E = 1.4426950408889634
 
@@ -347,7 +348,7 @@ def _plan_triton(
     blocks = np.concatenate([prefix_blocks, suffix_blocks])
 
     def dev(t: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(t.astype(np.int32)).to(device, non_blocking=True)
+        return to_device(t.astype(np.int32), device)
 
     launches = [(dev(wide), block_m, False)] if len(wide) else []
     if tile_narrow.any():
