@@ -195,6 +195,15 @@ class ModelRunner:
         ]
         self.num_blocks = num_blocks
 
+    def warmup_attention(self, num_heads: int) -> None:
+        """Compile the attention backend's kernels for common shapes now (backends with a
+        `warmup`, e.g. the shared-prefix Triton kernels), reading only the scratch block."""
+        warmup = getattr(self.backend, "warmup", None)
+        if warmup is None or not self.kv_caches:
+            return
+        with torch.inference_mode():
+            warmup(self.kv_caches[0], num_heads, self.num_blocks, self.model.head_dim**-0.5)
+
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (CUDA only)."""
         runner = CUDAGraphRunner(

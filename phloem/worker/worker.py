@@ -123,6 +123,8 @@ class Worker:
             tokens / sched.max_model_len,
             sched.max_model_len,
         )
+        if self.device.type == "cuda":  # compile attention kernels before the first request
+            self.model_runner.warmup_attention(_num_heads(self.model))
         self.cuda_graphs = False
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.cuda_graphs = self._capture(sched.max_num_seqs)

@@ -504,13 +504,27 @@ def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, mon
 
 
 def test_plan_decode_for_the_cuda_graph_decision():
-    backend = SharedPrefixAttention(ReferenceAttention(), min_saved_kv_tokens=64)
+    backend = SharedPrefixAttention(
+        ReferenceAttention(), min_saved_kv_tokens=64, graph_min_saved_kv_tokens=64
+    )
     tables = [[7, 8, 1], [7, 8, 2], [7, 8, 3], [9, 4]]
     seq_lens = [33, 40, 35, 20]
     sp = backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], block_size=16)
     assert sp is not None and sp.group_seq_ids == [[0, 1, 2]] and sp.saved_kv_tokens == 64
     assert backend.plan_decode(seq_lens, tables, [32, 32, 0, 0], block_size=16) is None  # 32 < 64
     assert backend.num_shared_steps == 0  # planning only: no counters
+    # a step the eager rule accepts still replays the graph below the graph threshold
+    backend.graph_min_saved_kv_tokens = 65
+    assert backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], block_size=16) is None
+
+
+def test_warmup_runs_one_shared_step_and_counts_nothing():
+    backend = SharedPrefixAttention(ReferenceAttention())
+    kv = torch.randn(3, 2, 16, 2, 8)
+    backend.warmup(kv, num_heads=4, block_id=2, scale=0.3)
+    assert backend.last_path == "shared_prefix"
+    assert backend.num_shared_steps == backend.num_plain_steps == 0
+    assert backend.num_saved_kv_tokens == 0
 
 
 def test_builder_compares_whole_prefix():

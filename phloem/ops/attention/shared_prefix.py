@@ -36,6 +36,7 @@ Parts of this module:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -380,6 +381,12 @@ class SharedPrefixAttention:
         min_group_size, max_member_query_len: which sequences form groups
             (`build_shared_prefix_metadata`); by default prefill chunks longer than 16 tokens
             stay out of groups and read their whole KV in their own tiles.
+        graph_min_saved_kv_tokens: a decode step that a CUDA graph could replay (`plan_decode`)
+            takes the shared path only if S is at least this: the eager step gives up the
+            graph's launch savings (~10-15 ms for a 32-layer 8B model), about what 2^19 saved
+            KV tokens of Llama-3-8B (128 KiB each over all layers, 64 GiB) take to read at
+            4-5 TB/s. Measured on an H200 (benchmarks/results/2026-11-23-h200): 16 groups of 16
+            (S ~ 480k) ran 2.4x slower end to end on the eager shared path.
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     """
 
@@ -393,6 +400,7 @@ class SharedPrefixAttention:
         partial_cost_tokens: float = 16.0,
         min_group_size: int = 2,
         max_member_query_len: int | None = 16,
+        graph_min_saved_kv_tokens: int = 1 << 19,
         **triton_options: Any,
     ) -> None:
         if impl not in IMPLS:
@@ -403,6 +411,7 @@ class SharedPrefixAttention:
         self.partial_cost_tokens = partial_cost_tokens
         self.min_group_size = min_group_size
         self.max_member_query_len = max_member_query_len
+        self.graph_min_saved_kv_tokens = graph_min_saved_kv_tokens
         self.triton_options = triton_options
         self.num_shared_steps = 0
         self.num_plain_steps = 0
@@ -458,7 +467,47 @@ class SharedPrefixAttention:
             block_tables_cpu=block_tables,
         )
         meta.prefix_lens_cpu = prefix_lens  # type: ignore[attr-defined]
-        return self.plan(meta)
+        sp = self.plan(meta)
+        if sp is not None and sp.saved_kv_tokens < self.graph_min_saved_kv_tokens:
+            return None  # the graph's savings beat the shared path's
+        return sp
+
+    def warmup(self, kv_cache: torch.Tensor, num_heads: int, block_id: int, scale: float) -> None:
+        """Run one synthetic shared step (a group of 16 decode members, a lone decode and a
+        32-token prefill chunk, all reading block `block_id`) so the kernels of the common
+        shapes compile at start-up rather than in the first real steps. Writes nothing."""
+        bs, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+        prefix_blocks = max(1, -(-max(self.min_saved_kv_tokens, 1) // (15 * bs)))
+        prefix = [block_id] * prefix_blocks
+        p = prefix_blocks * bs
+        tables = [prefix + [block_id]] * 16 + [[block_id]] + [[block_id] * -(-32 // bs)]
+        seq_lens = [p + 1] * 16 + [1, 32]
+        q_lens = [1] * 17 + [32]
+        qsl = [0, *itertools.accumulate(q_lens)]
+        dev = kv_cache.device
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=empty,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=empty,
+            block_size=bs,
+            max_query_len=32,
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=tables,
+            prefix_lens_cpu=[p] * 16 + [0, 0],
+        )
+        query = torch.randn(qsl[-1], num_heads, head_dim, device=dev).to(kv_cache.dtype)
+        self.begin_step(meta)
+        if self._sp is not None:
+            self.forward(query, kv_cache, meta, scale)
+            self.num_shared_steps -= 1  # not a step of the workload
+            self.num_saved_kv_tokens -= self._sp.saved_kv_tokens
+        else:
+            self.num_plain_steps -= 1
+        self.end_step()
 
     def begin_step(self, meta: AttentionMetadata, cuda_graph: bool = False) -> None:
         """Choose the step's path and plan it; call once per step before the forward pass (the

@@ -164,7 +164,7 @@ def merge_kernel(
     out_ptr, opart_ptr, lpart_ptr, tok_ptr,
     s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, NUM_SLOTS: tl.constexpr,
+    num_slots, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -172,13 +172,14 @@ def merge_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SLOTS):
+    # num_slots is a runtime argument (not constexpr): one compiled merge for any split count
+    for s in range(num_slots):
         lse = tl.load(lpart_ptr + s * s_ls + r * s_lt + h, mask=h_ok, other=float("-inf"))
         m = tl.maximum(m, lse)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in tl.static_range(NUM_SLOTS):
+    for s in range(num_slots):
         lse = tl.load(lpart_ptr + s * s_ls + r * s_lt + h, mask=h_ok, other=float("-inf"))
         w = tl.exp(lse - m_use)  # 0 for an unwritten slot (lse -inf); never read its O
         src = opart_ptr + s * s_ps + r * s_pt + h[:, None] * s_ph + d[None, :]
@@ -459,7 +460,7 @@ def shared_prefix_attention(
             out, opart, lpart, plan.tokens,
             out.stride(0), out.stride(1),
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=1 << (num_heads - 1).bit_length(),
-            BLOCK_D=block_d, NUM_SLOTS=plan.num_slots, num_warps=num_warps,
+            num_heads, head_dim, 1 << (num_heads - 1).bit_length(), plan.num_slots,
+            BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
     return out
