@@ -8,18 +8,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from phloem import LLM, SamplingParams
-from tests.engine.tiny_models import VOCAB, write_tiny_model
+from tests.engine.tiny_models import VOCAB, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
-    torch.set_num_threads(2)
-    path = tmp_path_factory.mktemp("llama_async")
-    write_tiny_model("llama", path, embedded_tokenizer_dir, seed=3)
-    return path
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_async", 3)
 
 
 def prompts(seed: int = 0, num: int = 10) -> list[list[int]]:

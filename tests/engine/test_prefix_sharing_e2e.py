@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from phloem import LLM, SamplingParams
-from tests.engine.tiny_models import VOCAB, write_tiny_model
+from tests.engine.tiny_models import VOCAB, tiny_model_dir
 
 
 def workloads(seed: int = 0) -> dict[str, list[list[int]]]:
@@ -35,10 +34,7 @@ def workloads(seed: int = 0) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
-    torch.set_num_threads(2)
-    path = tmp_path_factory.mktemp("llama_share")
-    write_tiny_model("llama", path, embedded_tokenizer_dir, seed=1)
-    return path
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_share", 1)
 
 
 @pytest.mark.parametrize("name", list(workloads()))

@@ -58,6 +58,15 @@ def write_tiny_model(arch: str, path, tokenizer_dir, seed: int = 0):
     return model
 
 
+def tiny_model_dir(tmp_path_factory, tokenizer_dir, arch: str, name: str, seed: int):
+    """`write_tiny_model` into a fresh temporary folder named `name` (torch on 2 threads, as
+    in CI); returns the folder. For module-scoped fixtures."""
+    torch.set_num_threads(2)
+    path = tmp_path_factory.mktemp(name)
+    write_tiny_model(arch, path, tokenizer_dir, seed=seed)
+    return path
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Greedy continuation with transformers (full forward each step, no cache)."""
