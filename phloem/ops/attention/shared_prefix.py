@@ -385,8 +385,9 @@ class SharedPrefixAttention:
             takes the shared path only if S is at least this: the eager step gives up the
             graph's launch savings (~10-15 ms for a 32-layer 8B model), about what 2^19 saved
             KV tokens of Llama-3-8B (128 KiB each over all layers, 64 GiB) take to read at
-            4-5 TB/s. Measured on an H200 (benchmarks/results/2026-11-23-h200): 16 groups of 16
-            (S ~ 480k) ran 2.4x slower end to end on the eager shared path.
+            4-5 TB/s. On an H200 (benchmarks/results/2026-11-23-h200), 16 groups of 16 (S ~ 480k)
+            ran 2.2x slower end to end with eager shared decode steps (and kernels compiling
+            mid-run, since fixed by `warmup`); with this rule it runs on par with FlashInfer.
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     """
 
