@@ -30,11 +30,19 @@ from dataclasses import dataclass
 
 import torch
 
+from phloem.ops.staging import to_device
 from phloem.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: temperatures below it are greedy. Dividing by a smaller positive
 # temperature would only overflow float32 on the way to the same argmax.
 _GREEDY_TEMPERATURE = 1e-5
+
+
+def _device_tensor(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(data, dtype=dtype, device=device)` staged through pinned memory, so that
+    building it never waits for the device (async scheduling launches the next step's sampling
+    while the previous step still runs)."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
 
 
 @dataclass
@@ -89,7 +97,7 @@ def apply_banned(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]
                 row_idx.append(i)
                 col_idx.append(t)
     if row_idx:
-        idx = torch.tensor([row_idx, col_idx], dtype=torch.long, device=logits.device)
+        idx = _device_tensor([row_idx, col_idx], dtype=torch.long, device=logits.device)
         logits[idx[0], idx[1]] = float("-inf")
     return logits
 
@@ -112,7 +120,7 @@ def token_counts(
         + [vocab_size] * (max_len - len(ids))
         for ids in token_ids
     ]
-    index = torch.tensor(padded, dtype=torch.long, device=device)
+    index = _device_tensor(padded, dtype=torch.long, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]
 
@@ -271,8 +279,8 @@ class Sampler:
             tokens = self._sample(x, rows)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-            g_idx = torch.tensor(greedy, dtype=torch.long, device=device)
-            r_idx = torch.tensor(random, dtype=torch.long, device=device)
+            g_idx = _device_tensor(greedy, dtype=torch.long, device=device)
+            r_idx = _device_tensor(random, dtype=torch.long, device=device)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
             tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random])
         return SampledTokens.start(raw, tokens, rows)
@@ -292,9 +300,9 @@ class Sampler:
 
         def column(name: str) -> torch.Tensor:
             values = [float(getattr(r.params, name)) for r in sub]
-            return torch.tensor(values, dtype=torch.float32, device=x.device)
+            return _device_tensor(values, dtype=torch.float32, device=x.device)
 
-        idx_t = torch.tensor(idx, dtype=torch.long, device=x.device)
+        idx_t = _device_tensor(idx, dtype=torch.long, device=x.device)
         x[idx_t] = apply_penalties(
             x[idx_t],
             [r.prompt_token_ids for r in sub],
@@ -310,21 +318,21 @@ class Sampler:
         num_rows, vocab_size = x.shape
         device = x.device
         params = [r.params for r in rows]
-        temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+        temperature = _device_tensor([p.temperature for p in params], dtype=x.dtype, device=device)
         x = x / temperature[:, None]
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=device)
+            min_p = _device_tensor([p.min_p for p in params], dtype=x.dtype, device=device)
             x = apply_min_p(x, min_p)
         trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
         if trunc:
             top_k = [params[i].top_k for i in trunc]
             k = [t if 0 < t < vocab_size else vocab_size for t in top_k]
-            k_t = torch.tensor(k, dtype=torch.long, device=device)
-            p_t = torch.tensor([params[i].top_p for i in trunc], dtype=x.dtype, device=device)
+            k_t = _device_tensor(k, dtype=torch.long, device=device)
+            p_t = _device_tensor([params[i].top_p for i in trunc], dtype=x.dtype, device=device)
             if len(trunc) == num_rows:
                 x = apply_top_k_top_p(x, k_t, p_t)
             else:
-                t_idx = torch.tensor(trunc, dtype=torch.long, device=device)
+                t_idx = _device_tensor(trunc, dtype=torch.long, device=device)
                 x[t_idx] = apply_top_k_top_p(x[t_idx], k_t, p_t)
         probs = x.softmax(dim=-1)
         return probs.div_(self._exponentials(rows, vocab_size, device)).argmax(dim=-1)
@@ -346,7 +354,7 @@ class Sampler:
             if len(shared) == len(rows):
                 q = noise
             else:
-                q[torch.tensor(shared, dtype=torch.long, device=device)] = noise
+                q[_device_tensor(shared, dtype=torch.long, device=device)] = noise
         for i, r in enumerate(rows):
             if r.generator is not None:
                 q[i] = torch.empty(vocab_size, device=device).exponential_(generator=r.generator)
