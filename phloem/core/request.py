@@ -7,13 +7,13 @@ The one number that drives scheduling (vLLM v1's contract):
     |---- num_computed_tokens (KV cached) ----|--- still to compute ---|
 
 Each step the scheduler gives a request some tokens to compute; when `num_computed_tokens`
-reaches `num_tokens`, the step's logits at the last position yield one new output token.
+reaches `num_tokens`, the step's logits at the last position yield one new output token. Prefill,
+chunked prefill, decode, resumption after preemption and prefix hits are all this one loop.
 
 With async scheduling, a token sampled by a step still on the device is *pending*: counted in
 `num_tokens` (so the next step can be scheduled to compute it) but not yet in `output_token_ids`:
 
-    |---------------- num_known_tokens ----------------|-- num_pending_tokens --| Prefill,
-chunked prefill, decode, resumption after preemption and prefix hits are all this one loop.
+    |---------------- num_known_tokens ----------------|-- num_pending_tokens --|
 """
 
 from __future__ import annotations
