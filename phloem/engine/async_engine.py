@@ -129,6 +129,8 @@ class _GuardedExecutor:
         """Fault injection, then zero the non-finite rows (device only)."""
         import torch
 
+        from phloem.ops.staging import to_host
+
         if self.faults:
             for i, seq_id in enumerate(self._rows[: logits.shape[0]]):
                 if self._fault_of(seq_id) == "nan":
@@ -136,11 +138,8 @@ class _GuardedExecutor:
                     logits[i] = float("nan")
         finite = torch.isfinite(logits).all(dim=-1)
         logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-        host = finite
-        if finite.is_cuda:
-            host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
-            host.copy_(finite, non_blocking=True)  # ordered before the sampler's own copies
-        self._pending_check = (list(self._rows), host)
+        # read in `collect`, after the sampler's event (recorded behind this copy) completed
+        self._pending_check = (list(self._rows), to_host(finite))
         return logits
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phloem.ops.staging import to_device
+from phloem.ops.staging import to_device, to_host
 from phloem.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: temperatures below it are greedy. Dividing by a smaller positive
@@ -374,14 +374,10 @@ class SampledTokens:
         self._rows = rows
         self._max_k = max_k
         self._event = None
+        self._parts = [to_host(t) for t in parts]
         if tokens.is_cuda:
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
-            for h, t in zip(host, parts):
-                h.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-            parts = host
-        self._parts = parts
 
     @classmethod
     def start(cls, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]):

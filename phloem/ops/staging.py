@@ -1,4 +1,4 @@
-"""Host-to-device copies that never make the host wait for the device.
+"""Copies between host and device that never make the host wait for the device.
 
 A copy from pageable host memory may synchronize with the stream (the driver stages it through
 pinned memory it owns), which would stall the host behind every kernel already queued: fatal for
@@ -28,3 +28,13 @@ def pinned(data: np.ndarray | torch.Tensor) -> torch.Tensor:
     as FlashInfer's `plan`), or the CPU tensor itself when no GPU is present."""
     tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
     return tensor.pin_memory() if torch.cuda.is_available() else tensor
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy of a device tensor into pinned host memory, enqueued on the current
+    stream: read it only after an event recorded later on that stream has completed (a CPU
+    tensor is returned as is)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
