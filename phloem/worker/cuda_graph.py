@@ -9,6 +9,9 @@ bucket:
 
 The attention backend plans the padded step into the fixed buffers of that bucket's wrapper
 (`begin_step(meta, cuda_graph=True)`) before the replay, so only integers change between replays.
+A backend may offer several graph variants (`graph_variants()`: name -> smallest batch captured),
+e.g. the shared-prefix backend's "shared_prefix" graphs next to the "plain" ones; each is captured
+for its buckets and planned with `begin_step(meta, cuda_graph=True, graph_variant=name)`.
 The graph covers the model's forward pass (hidden states out); logits and sampling run eagerly on
 the B real rows.
 
@@ -109,8 +112,10 @@ class CUDAGraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         # rows: input ids, positions, slots (int64 [3, max_batch])
         self._static_inputs = torch.zeros(3, self.max_batch_size, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        variants = getattr(backend, "graph_variants", None)
+        self.variants: dict[str, int] = variants() if variants is not None else {"plain": 1}
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[str, int], torch.Tensor] = {}
         self._pool = None
 
     def bucket(self, num_seqs: int) -> int | None:
@@ -119,6 +124,10 @@ class CUDAGraphRunner:
             if size >= num_seqs:
                 return size
         return None
+
+    def has_graph(self, num_seqs: int, variant: str = "plain") -> bool:
+        """Whether a graph of `variant` was captured for the bucket of num_seqs sequences."""
+        return (variant, self.bucket(num_seqs)) in self._graphs
 
     def _metadata(
         self, batch: int, seq_lens: list[int], block_tables: list[list[int]]
@@ -143,29 +152,35 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first. Mutates the scratch block of the KV caches."""
+        """Capture every bucket of every variant, largest first. Mutates the scratch block of
+        the KV caches."""
         start = time.perf_counter()
         self._static_inputs.zero_()
         self._static_inputs[2].fill_(self.scratch_slot)
-        for batch in reversed(self.batch_sizes):
-            meta = self._metadata(batch, [], [])
-            ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
-            ctx = ForwardContext(meta, self.kv_caches, self.backend)
-            self.backend.begin_step(meta, cuda_graph=True)
-            with forward_context(ctx), sync_free_kv_writes():
-                self.model(ids, positions)  # warm-up: lazy inits, compiles, cuBLAS
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = self.model(ids, positions)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[batch] = graph
-            self._outputs[batch] = out
+        for variant, min_batch in self.variants.items():
+            kwargs = {} if variant == "plain" else {"graph_variant": variant}
+            for batch in reversed(self.batch_sizes):
+                if batch < min_batch:
+                    continue
+                meta = self._metadata(batch, [], [])
+                ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
+                ctx = ForwardContext(meta, self.kv_caches, self.backend)
+                self.backend.begin_step(meta, cuda_graph=True, **kwargs)
+                with forward_context(ctx), sync_free_kv_writes():
+                    self.model(ids, positions)  # warm-up: lazy inits, compiles, cuBLAS
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        out = self.model(ids, positions)
+                if self._pool is None:
+                    self._pool = graph.pool()
+                self._graphs[variant, batch] = graph
+                self._outputs[variant, batch] = out
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
+            "captured %d CUDA graphs (variants %s; decode batch sizes %d..%d) in %.1f s",
             len(self._graphs),
+            list(self.variants),
             self.batch_sizes[0],
             self.max_batch_size,
             time.perf_counter() - start,
@@ -179,19 +194,22 @@ class CUDAGraphRunner:
         seq_lens: list[int],
         block_tables: list[list[int]],
         fill_inputs=None,
+        variant: str = "plain",
+        shared=None,
     ) -> torch.Tensor:
-        """Replay the graph of the step's bucket; returns hidden [B, hidden_size] of the B real
-        rows (a view of the graph's output: valid until the next replay). `fill_inputs`, if
-        given, is called with the static input-id buffer after the host ids are copied in (it
-        writes pending token ids on the device).
+        """Replay the `variant` graph of the step's bucket; returns hidden [B, hidden_size] of
+        the B real rows (a view of the graph's output: valid until the next replay).
+        `fill_inputs`, if given, is called with the static input-id buffer after the host ids
+        are copied in (it writes pending token ids on the device). `shared` (the step's prefix
+        groups, from the backend's `plan_decode`) is passed to the "shared_prefix" variant's plan.
 
         Raises:
-            ValueError: if no bucket holds B sequences.
+            ValueError: if no graph of `variant` holds B sequences.
         """
         num_seqs = len(input_ids)
         batch = self.bucket(num_seqs)
-        if batch is None or batch not in self._graphs:
-            raise ValueError(f"no CUDA graph for a decode batch of {num_seqs}")
+        if (variant, batch) not in self._graphs:
+            raise ValueError(f"no {variant!r} CUDA graph for a decode batch of {num_seqs}")
         num_pad = batch - num_seqs
         host = torch.tensor(
             [
@@ -204,6 +222,10 @@ class CUDAGraphRunner:
         self._static_inputs[:, :batch].copy_(pinned(host), non_blocking=True)
         if fill_inputs is not None:
             fill_inputs(self._static_inputs[0, :num_seqs])
-        self.backend.begin_step(self._metadata(batch, seq_lens, block_tables), cuda_graph=True)
-        self._graphs[batch].replay()
-        return self._outputs[batch][:num_seqs]
+        meta = self._metadata(batch, seq_lens, block_tables)
+        if variant == "plain":
+            self.backend.begin_step(meta, cuda_graph=True)
+        else:
+            self.backend.begin_step(meta, cuda_graph=True, graph_variant=variant, shared=shared)
+        self._graphs[variant, batch].replay()
+        return self._outputs[variant, batch][:num_seqs]

@@ -368,15 +368,23 @@ class ModelRunner:
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
             tables.append(s.block_ids)
+        shared = None
         plan_decode = getattr(self.backend, "plan_decode", None)
         if plan_decode is not None:
             prefix_lens = [shared_prefix_len(s) for s in scheduled]
-            if any(prefix_lens) and plan_decode(seq_lens, tables, prefix_lens, bs) is not None:
-                return None, []  # prefix sharing pays this step: run the cascade path eagerly
+            if any(prefix_lens):
+                in_graph = runner.has_graph(len(scheduled), "shared_prefix")
+                path, shared = plan_decode(seq_lens, tables, prefix_lens, bs, in_graph)
+                if path == "eager":
+                    return None, []  # prefix sharing pays this step: the cascade path, eagerly
         fill = None
         if pending:
             fill = lambda input_ids: self._fill_pending(input_ids, pending)  # noqa: E731
-        hidden = runner.run(ids, positions, slots, seq_lens, tables, fill_inputs=fill)
+        variant = "plain" if shared is None else "shared_prefix"
+        hidden = runner.run(
+            ids, positions, slots, seq_lens, tables, fill_inputs=fill, variant=variant,
+            shared=shared,
+        )  # fmt: skip
         return hidden, list(range(len(scheduled)))
 
     @torch.inference_mode()

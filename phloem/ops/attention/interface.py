@@ -130,7 +130,13 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             return plain
         from phloem.ops.attention.shared_prefix import SharedPrefixAttention
 
-        return SharedPrefixAttention(plain)
+        return SharedPrefixAttention(
+            plain,
+            num_heads=geometry.get("num_heads"),
+            num_kv_heads=geometry.get("num_kv_heads"),
+            head_dim=geometry.get("head_dim"),
+            device=geometry.get("device"),
+        )
     return _plain_backend(name, geometry)
 
 

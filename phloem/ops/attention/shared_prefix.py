@@ -36,6 +36,7 @@ Parts of this module:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -348,6 +349,27 @@ def shared_prefix_attention_triton(
 
 
 IMPLS = ("auto", "triton", "flashinfer", "reference")
+# Block-id capacity of the shared-prefix graph buffers, per sequence of the largest batch
+# (average own blocks: 4,096 tokens at block size 16); a step needing more runs eagerly.
+_GRAPH_BLOCKS_PER_SEQ = 256
+
+
+def _pad_groups(sp: SharedPrefixMetadata, meta: AttentionMetadata) -> SharedPrefixMetadata:
+    """The groups of a step's first len(sp.seq_group) sequences, extended by the padding
+    sequences that follow them in `meta` (each without a group, its whole KV its own)."""
+    num_real, bs = len(sp.seq_group), meta.block_size
+    pad = range(num_real, meta.num_seqs)
+    if not pad:
+        return sp
+    seq_lens, tables = meta.seq_lens_cpu, meta.block_tables_cpu
+    return dataclasses.replace(
+        sp,
+        seq_group=sp.seq_group + [-1] * len(pad),
+        seq_prefix_lens=sp.seq_prefix_lens + [0] * len(pad),
+        suffix_block_ids=sp.suffix_block_ids + [tables[b][: -(-seq_lens[b] // bs)] for b in pad],
+        suffix_lens=sp.suffix_lens + [seq_lens[b] for b in pad],
+        plan_cache={},
+    )
 
 
 class SharedPrefixAttention:
@@ -369,8 +391,16 @@ class SharedPrefixAttention:
     saved KV token -- about 16 KV tokens for Llama-3-8B (H / H_kv = 4, bf16), the default. The
     floor `min_saved_kv_tokens` (default 1024) covers the fixed cost of the extra merge launch.
 
-    Counters (`stats()`, for `--json`): steps that ran the shared path, eager plain steps, CUDA-
-    graph plain steps (each replay plans once; captures count too), and KV tokens saved.
+    CUDA graphs: decode steps replay captured graphs in one of two variants (`graph_variants`):
+    "plain" (the fallback's kernels) or, with the Triton impl on CUDA, "shared_prefix" (our kernels
+    over fixed-capacity tile tables, `shared_prefix_triton.DecodeGraphPlan`). The model runner
+    asks `plan_decode` which one a step takes; with a shared-prefix graph the threshold is
+    `shared_graph_min_saved_kv_tokens` (the graph keeps its launch savings either way), without
+    one `graph_min_saved_kv_tokens` (the shared path gives them up by running eagerly).
+
+    Counters (`stats()`, for `--json`): steps that ran the shared path (eagerly or in a graph),
+    eager plain steps, CUDA-graph plain steps and shared-prefix graph steps (each replay plans
+    once; captures count too), and KV tokens saved.
 
     Args:
         fallback: the plain paged backend (FlashInfer on GPU, `ReferenceAttention` on CPU).
@@ -388,6 +418,12 @@ class SharedPrefixAttention:
             4-5 TB/s. On an H200 (benchmarks/results/2026-11-23-h200), 16 groups of 16 (S ~ 480k)
             ran 2.2x slower end to end with eager shared decode steps (and kernels compiling
             mid-run, since fixed by `warmup`); with this rule it runs on par with FlashInfer.
+        cuda_graphs: offer the "shared_prefix" graph variant when the impl is Triton on CUDA.
+        shared_graph_min_saved_kv_tokens: S a decode step needs to replay the shared-prefix
+            graph rather than the plain one: our three launches per layer against the fallback's
+            one cost a few microseconds each, about the time 16K KV tokens take to read.
+        num_heads, num_kv_heads, head_dim, device: the attention geometry, needed for the
+            shared-prefix graph variant (`get_attention_backend` passes them).
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     """
 
@@ -402,6 +438,12 @@ class SharedPrefixAttention:
         min_group_size: int = 2,
         max_member_query_len: int | None = 16,
         graph_min_saved_kv_tokens: int = 1 << 19,
+        cuda_graphs: bool = True,
+        shared_graph_min_saved_kv_tokens: int = 1 << 14,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        device: torch.device | str | None = None,
         **triton_options: Any,
     ) -> None:
         if impl not in IMPLS:
@@ -413,16 +455,23 @@ class SharedPrefixAttention:
         self.min_group_size = min_group_size
         self.max_member_query_len = max_member_query_len
         self.graph_min_saved_kv_tokens = graph_min_saved_kv_tokens
+        self.cuda_graphs = cuda_graphs
+        self.shared_graph_min_saved_kv_tokens = shared_graph_min_saved_kv_tokens
+        self.geometry = (num_heads, num_kv_heads, head_dim)
+        self.device = torch.device(device) if device is not None else None
         self.triton_options = triton_options
         self.num_shared_steps = 0
         self.num_plain_steps = 0
         self.num_graph_steps = 0
+        self.num_shared_graph_steps = 0
         self.num_saved_kv_tokens = 0
         self.last_path: str | None = None
         self._meta: AttentionMetadata | None = None
         self._sp: SharedPrefixMetadata | None = None
         self._cascade: Any = None  # FlashInferCascade, made at the first "flashinfer" step
         self._cascade_step: SharedPrefixMetadata | None = None
+        self._graph_plan: Any = None  # DecodeGraphPlan, made at the first shared graph capture
+        self._graph_step = False  # the current step replays a shared-prefix graph
 
     @property
     def needs_block_tables(self) -> bool:
@@ -450,10 +499,13 @@ class SharedPrefixAttention:
         block_tables: list[list[int]],
         prefix_lens: list[int],
         block_size: int,
-    ) -> SharedPrefixMetadata | None:
-        """`plan` for a decode-only step given as host lists (one query per sequence), for the
-        model runner's CUDA-graph decision: a step this returns groups for must run eagerly
-        (graphs replay the plain path)."""
+        shared_graph: bool = False,
+    ) -> tuple[str, SharedPrefixMetadata | None]:
+        """How a decode-only step given as host lists (one query per sequence) runs, for the
+        model runner's CUDA-graph decision: ("graph", None) replays the plain graph;
+        ("shared_graph", groups) the "shared_prefix" graph (offered only when `shared_graph`:
+        the runner has one for the step's batch; the step must also fit its buffers);
+        ("eager", groups) the shared path without a graph. Host only, no counters."""
         empty = torch.empty(0, dtype=torch.int32)
         meta = AttentionMetadata(
             slot_mapping=empty,
@@ -469,9 +521,40 @@ class SharedPrefixAttention:
         )
         meta.prefix_lens_cpu = prefix_lens  # type: ignore[attr-defined]
         sp = self.plan(meta)
-        if sp is not None and sp.saved_kv_tokens < self.graph_min_saved_kv_tokens:
-            return None  # the graph's savings beat the shared path's
-        return sp
+        if sp is None:
+            return "graph", None
+        in_graph = shared_graph and (self._graph_plan is None or self._graph_plan.fits(sp))
+        if in_graph and sp.saved_kv_tokens >= self.shared_graph_min_saved_kv_tokens:
+            return "shared_graph", sp
+        if sp.saved_kv_tokens < self.graph_min_saved_kv_tokens:
+            return "graph", None  # the plain graph's launch savings beat the eager shared path's
+        return "eager", sp
+
+    def graph_variants(self) -> dict[str, int]:
+        """The decode CUDA-graph variants to capture, each with the smallest batch size it is
+        captured for: "plain" always; "shared_prefix" when the Triton impl can run on the
+        configured CUDA device with known geometry (GQA <= the narrow tile, 16 rows)."""
+        variants = {"plain": 1}
+        num_heads, num_kv_heads, _ = self.geometry
+        narrow = self.triton_options.get("narrow_block_m", 16)
+        ok = (
+            self.cuda_graphs
+            and self.impl in ("auto", "triton")
+            and self.device is not None
+            and self.device.type == "cuda"
+            and num_heads is not None
+            and narrow is not None
+            and num_heads // num_kv_heads <= narrow
+            and hasattr(self.fallback, "begin_step")
+        )
+        if ok:
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                ok = False
+        if ok:
+            variants["shared_prefix"] = 16
+        return variants
 
     def warmup(self, kv_cache: torch.Tensor, num_heads: int, block_id: int, scale: float) -> None:
         """Run one synthetic shared step (a group of 16 decode members, a lone decode and a
@@ -510,13 +593,31 @@ class SharedPrefixAttention:
             self.num_plain_steps -= 1
         self.end_step()
 
-    def begin_step(self, meta: AttentionMetadata, cuda_graph: bool = False) -> None:
+    def begin_step(
+        self,
+        meta: AttentionMetadata,
+        cuda_graph: bool = False,
+        graph_variant: str = "plain",
+        shared: SharedPrefixMetadata | None = None,
+    ) -> None:
         """Choose the step's path and plan it; call once per step before the forward pass (the
         model runner does). Mutates the counters and, on the plain path, the fallback's plan.
 
+        With `cuda_graph` and `graph_variant="shared_prefix"`, plans the (padded) decode step
+        into the shared-prefix graph buffers: `shared` is the step's groups from `plan_decode`
+        over the real sequences (padding rows follow them, without a group); None (a capture)
+        builds them from `meta.prefix_lens_cpu`.
+
         Raises:
-            ValueError: with `cuda_graph` when the fallback cannot plan graph steps.
+            ValueError: with `cuda_graph` when the fallback cannot plan graph steps, for an
+                unknown graph variant, or a shared step the graph buffers cannot hold.
         """
+        self._graph_step = False
+        if cuda_graph and graph_variant == "shared_prefix":
+            self._begin_shared_graph_step(meta, shared)
+            return
+        if graph_variant != "plain":
+            raise ValueError(f"unknown CUDA-graph variant {graph_variant!r}")
         sp = None if cuda_graph else self.plan(meta)
         self._meta, self._sp = meta, sp
         if sp is not None:
@@ -546,6 +647,8 @@ class SharedPrefixAttention:
         plans the step first if `begin_step` was not called with this `meta`."""
         if meta is not self._meta:
             self.begin_step(meta)
+        if self._graph_step:
+            return self._graph_plan.forward(query, kv_cache, scale, meta.block_size)
         if self._sp is None:
             return self.fallback.forward(query, kv_cache, meta, scale)
         impl = self._resolve_impl(query)
@@ -560,6 +663,7 @@ class SharedPrefixAttention:
     def end_step(self) -> None:
         """Forget the step's plan (and the fallback's)."""
         self._meta = self._sp = None
+        self._graph_step = False
         end = getattr(self.fallback, "end_step", None)
         if end is not None:
             end()
@@ -571,8 +675,37 @@ class SharedPrefixAttention:
             "shared_prefix_steps": self.num_shared_steps,
             "plain_steps": self.num_plain_steps,
             "cuda_graph_steps": self.num_graph_steps,
+            "shared_prefix_graph_steps": self.num_shared_graph_steps,
             "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
         }
+
+    def _begin_shared_graph_step(
+        self, meta: AttentionMetadata, shared: SharedPrefixMetadata | None
+    ) -> None:
+        """Plan a padded decode step into the shared-prefix graph buffers (made at the first
+        call, the capture of the largest batch)."""
+        from phloem.ops.attention.shared_prefix_triton import DecodeGraphPlan
+
+        if shared is None:
+            prefix_lens = meta.prefix_lens_cpu or [0] * meta.num_seqs
+            shared = build_shared_prefix_metadata(
+                meta, prefix_lens, self.min_group_size, self.max_member_query_len
+            )
+        sp = _pad_groups(shared, meta)
+        if self._graph_plan is None:
+            num_heads, num_kv_heads, head_dim = self.geometry
+            options = {k: v for k, v in self.triton_options.items()
+                       if k in ("block_n", "num_warps", "num_stages", "narrow_block_m")}  # fmt: skip
+            self._graph_plan = DecodeGraphPlan(
+                meta.num_seqs, num_heads, num_kv_heads, head_dim, self.device or "cuda",
+                max_blocks=meta.num_seqs * _GRAPH_BLOCKS_PER_SEQ, **options,
+            )  # fmt: skip
+        self._graph_plan.prepare(meta, sp)
+        self._meta, self._sp, self._graph_step = meta, sp, True
+        self.num_shared_graph_steps += 1
+        self.num_shared_steps += 1
+        self.num_saved_kv_tokens += sp.saved_kv_tokens
+        self.last_path = "shared_prefix"
 
     def _flashinfer_cascade(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float

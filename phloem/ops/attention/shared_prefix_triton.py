@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from phloem.ops.attention.interface import AttentionMetadata
 from phloem.ops.attention.shared_prefix import SharedPrefixMetadata
-from phloem.ops.staging import to_device
+from phloem.ops.staging import pinned, to_device
 
 _LOG2E = 1.4426950408889634
 
@@ -46,6 +46,20 @@ _TILE_FIELDS = 8
 
 
 @dataclass
+class _HostPlan:
+    """One step's tile tables and index arrays on the host (numpy int64), before upload."""
+
+    wide: np.ndarray  # [tiles, 8] prefix tiles and suffix tiles of more than narrow rows
+    narrow: np.ndarray  # [tiles, 8] suffix tiles of at most narrow_block_m rows (decode tokens)
+    block_m: int  # BLOCK_M of the wide launch
+    tokens: np.ndarray  # [R + ungrouped tokens]
+    blocks: np.ndarray  # [prefix blocks + suffix blocks]
+    qpos: np.ndarray  # [T] position of each query token (-1 past query_start_loc[-1])
+    num_grouped: int  # R
+    num_slots: int  # prefix splits + 1 (the suffix slot is the last)
+
+
+@dataclass
 class _TritonPlan:
     """Device tensors of one step's launch (built once per step, reused by every layer)."""
 
@@ -53,6 +67,7 @@ class _TritonPlan:
     tokens: torch.Tensor  # int32 [R + ungrouped tokens]
     blocks: torch.Tensor  # int32 [prefix blocks + suffix blocks]
     qpos: torch.Tensor  # int32 [T] position of each query token (-1 past query_start_loc[-1])
+    count: torch.Tensor  # int32 [1]: R, the rows the merge kernel reduces
     num_grouped: int  # R
     num_slots: int  # prefix splits + 1
     block_n: int
@@ -61,6 +76,7 @@ class _TritonPlan:
     # tile writes (splits a group does not have) stay -inf from the one fill.
     opart: torch.Tensor | None = None
     lpart: torch.Tensor | None = None
+    merge_grid: int = 0  # merge programs (R eagerly; the batch in a CUDA graph)
 
 
 @triton.jit
@@ -161,14 +177,17 @@ def tile_kernel(
 
 @triton.jit
 def merge_kernel(
-    out_ptr, opart_ptr, lpart_ptr, tok_ptr,
+    out_ptr, opart_ptr, lpart_ptr, tok_ptr, count_ptr,
     s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     num_slots, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    # Rows past the device-side count are no-ops: a CUDA graph launches one program per row of
+    # its batch, and only the step's grouped tokens (count_ptr[0]) have partials to merge.
     r = tl.program_id(0).to(tl.int64)
+    live = r < tl.load(count_ptr)
     h = tl.arange(0, BLOCK_H)
-    h_ok = h < NUM_HEADS
+    h_ok = h < tl.where(live, NUM_HEADS, 0)  # (a scalar & vector mask trips the interpreter)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -187,7 +206,7 @@ def merge_kernel(
         acc += o * w[:, None]
         den += w
     o = acc / tl.where(den > 0, den, 1.0)[:, None]
-    tok = tl.load(tok_ptr + r).to(tl.int64)
+    tok = tl.load(tok_ptr + tl.where(live, r, 0)).to(tl.int64)  # (stores masked when dead)
     dst = out_ptr + tok * s_ot + h[:, None] * s_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
@@ -250,7 +269,7 @@ def _concat(lists) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
 
 
-def _plan_triton(
+def _plan_host(
     attn_meta: AttentionMetadata,
     sp: SharedPrefixMetadata,
     num_kv_heads: int,
@@ -261,7 +280,9 @@ def _plan_triton(
     prefix_splits: int | None,
     partial_bytes: int,
     narrow_block_m: int | None = None,
-) -> _TritonPlan:
+    max_splits: int | None = None,
+    max_prefix_tiles: int | None = None,
+) -> _HostPlan:
     """Host-side tile tables of one step (see the table layout above). Prefix tiles come first,
     longest KV range first, so the heavy tiles start early (a greedy longest-first schedule).
     Per-sequence work is vectorized (numpy); only groups are looped over.
@@ -269,6 +290,10 @@ def _plan_triton(
     With `narrow_block_m`, suffix segments of at most that many rows (decode tokens: q_len * GQA
     rows) get tiles of their own in a second launch with that BLOCK_M, so a step that mixes long
     prefill chunks (wide tiles) with decode tokens does not pad each decode tile to the wide M.
+
+    For CUDA-graph steps (fixed buffers): `max_splits` caps the prefix splits and fixes the
+    suffix slot at `max_splits` (so the merge always reduces max_splits + 1 slots), and
+    `max_prefix_tiles` bounds the prefix tiles (splits fall back to 1 when they would exceed it).
     """
     qsl = np.array(attn_meta.query_start_loc_cpu, dtype=np.int64)
     seq_lens = np.array(attn_meta.seq_lens_cpu, dtype=np.int64)
@@ -305,7 +330,12 @@ def _plan_triton(
     suffix_work = int((n_tiles * suffix_lens).sum())
     splits = _prefix_splits(sp, group_rows, suffix_work, num_kv_heads, num_grouped, block_m,
                             partial_bytes, device, prefix_splits)  # fmt: skip
-    suffix_slot = max(splits, default=0)
+    row_tiles = -(-group_rows // block_m)
+    if max_splits is not None:
+        splits = [min(s, max_splits) for s in splits]
+        if max_prefix_tiles is not None and int((row_tiles * splits).sum()) > max_prefix_tiles:
+            splits = [1] * sp.num_groups
+    suffix_slot = max(splits, default=0) if max_splits is None else max_splits
     prefix_blocks = _concat(sp.group_block_ids)
     suffix_ids = sp.suffix_block_ids
     suffix_blocks = _concat(suffix_ids[b] for b in active.tolist())
@@ -347,22 +377,87 @@ def _plan_triton(
     qpos = np.full(int(qsl[-1]), -1, dtype=np.int64)
     qpos[_ranges(qsl[:-1], q_lens)] = _ranges(seq_lens - q_lens, q_lens)
     blocks = np.concatenate([prefix_blocks, suffix_blocks])
+    return _HostPlan(
+        wide, suffix_tiles[tile_narrow], block_m, tokens, blocks, qpos, num_grouped,
+        suffix_slot + 1,
+    )  # fmt: skip
+
+
+def _plan_triton(
+    attn_meta: AttentionMetadata,
+    sp: SharedPrefixMetadata,
+    num_kv_heads: int,
+    gqa: int,
+    device: torch.device,
+    block_m: int | None,
+    block_n: int,
+    prefix_splits: int | None,
+    partial_bytes: int,
+    narrow_block_m: int | None = None,
+) -> _TritonPlan:
+    """`_plan_host`, uploaded: the device tensors of an eager step's launches."""
+    host = _plan_host(attn_meta, sp, num_kv_heads, gqa, device, block_m, block_n,
+                      prefix_splits, partial_bytes, narrow_block_m)  # fmt: skip
 
     def dev(t: np.ndarray) -> torch.Tensor:
         return to_device(t.astype(np.int32), device)
 
-    launches = [(dev(wide), block_m, False)] if len(wide) else []
-    if tile_narrow.any():
-        launches.append((dev(suffix_tiles[tile_narrow]), narrow_block_m, True))
+    launches = [(dev(host.wide), host.block_m, False)] if len(host.wide) else []
+    if len(host.narrow):
+        launches.append((dev(host.narrow), narrow_block_m, True))
     return _TritonPlan(
         launches,
-        dev(tokens),
-        dev(blocks if len(blocks) else np.zeros(1, np.int64)),
-        dev(qpos if len(qpos) else np.zeros(1, np.int64)),
-        num_grouped,
-        suffix_slot + 1,
+        dev(host.tokens),
+        dev(host.blocks if len(host.blocks) else np.zeros(1, np.int64)),
+        dev(host.qpos if len(host.qpos) else np.zeros(1, np.int64)),
+        dev(np.array([host.num_grouped])),
+        host.num_grouped,
+        host.num_slots,
         block_n,
+        merge_grid=host.num_grouped,
     )
+
+
+def _launch(
+    plan: _TritonPlan,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    block_size: int,
+    num_warps: int,
+    num_stages: int,
+    narrow_num_warps: int | None,
+) -> None:
+    """The step's tile launches, then the merge (when it has rows to merge)."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    opart, lpart = plan.opart, plan.lpart
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
+    for tiles, tile_m, narrow in plan.launches:
+        warps = (narrow_num_warps or num_warps) if narrow else num_warps
+        tile_kernel[(tiles.shape[0], num_kv_heads)](
+            query, kv_cache, out, opart, lpart,
+            tiles, plan.tokens, plan.qpos, plan.blocks,
+            scale * _LOG2E,
+            query.stride(0), query.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            out.stride(0), out.stride(1),
+            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
+            GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
+            BLOCK_N=plan.block_n, PAGE=block_size, PRECISION=precision,
+            INTERPRET=_interpreting(),
+            num_warps=warps, num_stages=num_stages,
+        )  # fmt: skip
+    if plan.merge_grid:
+        merge_kernel[(plan.merge_grid,)](
+            out, opart, lpart, plan.tokens, plan.count,
+            out.stride(0), out.stride(1),
+            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
+            num_heads, head_dim, 1 << (num_heads - 1).bit_length(), plan.num_slots,
+            BLOCK_D=block_d, num_warps=num_warps,
+        )  # fmt: skip
 
 
 def shared_prefix_attention(
@@ -434,33 +529,150 @@ def shared_prefix_attention(
         plan.opart = torch.empty(plan.num_slots, rows, num_heads, head_dim, **f32)
         plan.lpart = torch.full((plan.num_slots, rows, num_heads), float("-inf"), **f32)
         sp_meta.plan_cache[key] = plan
-    opart, lpart = plan.opart, plan.lpart
     out = torch.empty_like(query)
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
-    for tiles, tile_m, narrow in plan.launches:
-        warps = (narrow_num_warps or num_warps) if narrow else num_warps
-        tile_kernel[(tiles.shape[0], num_kv_heads)](
-            query, kv_cache, out, opart, lpart,
-            tiles, plan.tokens, plan.qpos, plan.blocks,
-            scale * _LOG2E,
-            query.stride(0), query.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            out.stride(0), out.stride(1),
-            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
-            BLOCK_N=plan.block_n, PAGE=attn_meta.block_size, PRECISION=precision,
-            INTERPRET=_interpreting(),
-            num_warps=warps, num_stages=num_stages,
-        )  # fmt: skip
-    if plan.num_grouped:
-        merge_kernel[(plan.num_grouped,)](
-            out, opart, lpart, plan.tokens,
-            out.stride(0), out.stride(1),
-            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            num_heads, head_dim, 1 << (num_heads - 1).bit_length(), plan.num_slots,
-            BLOCK_D=block_d, num_warps=num_warps,
-        )  # fmt: skip
+    _launch(plan, query, kv_cache, out, scale, attn_meta.block_size, num_warps, num_stages,
+            narrow_num_warps)  # fmt: skip
     return out
+
+
+class DecodeGraphPlan:
+    """Fixed-address tile tables and partial states for shared-prefix decode steps replayed
+    from CUDA graphs (one instance serves every captured batch size).
+
+    A graph captured for a batch of B decode sequences (q_len 1, padded with dummy sequences)
+    launches per layer, with grids fixed at capture:
+      * the wide launch over B rows of the prefix-tile table: a step's prefix tiles (at most B:
+        with one KV split a group of m members has ceil(m * GQA / BLOCK_M) <= m row tiles), the
+        rows past them zero, i.e. no-op tiles (n_rows = 0 and an empty KV range);
+      * the narrow launch over B rows, one suffix tile per sequence (a decode token's GQA rows
+        fit one narrow tile);
+      * the merge over B programs, of which the first `count[0]` (the grouped tokens) work.
+    Prefix splits are capped at `max_splits` and the suffix partial always goes to slot
+    `max_splits`, so the merge reduces a fixed number of slots; `prepare` resets their LSE to
+    -inf each step (a slot no tile of this step writes must not keep an older step's LSE).
+
+    `prepare(meta, sp)` plans a step on the host and uploads every table in one pinned copy into
+    one int32 buffer laid out as [wide | narrow | tokens | qpos | count | blocks], each region
+    sized for `max_batch`; graphs of smaller batches read prefixes of the regions.
+
+    Args:
+        max_batch: the largest captured batch B.
+        num_heads, num_kv_heads, head_dim: attention geometry (GQA = num_heads / num_kv_heads
+            must be <= narrow_block_m).
+        device: the CUDA device (or CPU under the Triton interpreter, for tests).
+        max_blocks: capacity of the block-id region (prefix blocks + own blocks of a step);
+            `fits(sp)` tells whether a step fits.
+        block_m, narrow_block_m, block_n, max_splits, num_warps, num_stages: kernel options as in
+            `shared_prefix_attention`.
+    Memory: (max_splits + 1) * max_batch * num_heads * (head_dim + 1) * 4 bytes of float32
+        partial states (168 MiB for B = 2048, 32 heads of 128, 4 splits) plus the tables.
+    Raises:
+        ValueError: if GQA > narrow_block_m.
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        max_blocks: int,
+        block_m: int = 64,
+        narrow_block_m: int = 16,
+        block_n: int | None = None,
+        max_splits: int = 4,
+        num_warps: int = 4,
+        num_stages: int = 3,
+    ) -> None:
+        gqa = num_heads // num_kv_heads
+        if gqa > narrow_block_m:
+            raise ValueError(f"GQA ratio {gqa} exceeds narrow_block_m {narrow_block_m}")
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.device = torch.device(device)
+        self.block_m, self.narrow_block_m, self.max_splits = block_m, narrow_block_m, max_splits
+        self.block_n = block_n or (64 if head_dim <= 128 else 32)
+        self.num_warps, self.num_stages = num_warps, num_stages
+        m = max_batch
+        # region offsets in the int32 buffer
+        self._off = dict(wide=0, narrow=8 * m, tokens=16 * m, qpos=17 * m, count=18 * m)
+        self._off["blocks"] = 18 * m + 1
+        self._buf = torch.zeros(self._off["blocks"] + max_blocks, dtype=torch.int32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.opart = torch.zeros(max_splits + 1, m, num_heads, head_dim, **f32)
+        self.lpart = torch.full((max_splits + 1, m, num_heads), float("-inf"), **f32)
+        self._plans: dict[int, _TritonPlan] = {}
+
+    def fits(self, sp: SharedPrefixMetadata) -> bool:
+        """Whether a step's block ids fit the buffer (else run it eagerly), with room for the
+        padding sequences of its bucket (fewer than 16, one block each)."""
+        used = sum(map(len, sp.group_block_ids)) + sum(map(len, sp.suffix_block_ids))
+        return used + 16 <= self.max_blocks
+
+    def _view(self, name: str, length: int) -> torch.Tensor:
+        start = self._off[name]
+        return self._buf[start : start + length]
+
+    def plan_for(self, batch: int) -> _TritonPlan:
+        """The launch description a graph of `batch` sequences captures (views of the buffers)."""
+        plan = self._plans.get(batch)
+        if plan is None:
+            plan = _TritonPlan(
+                [(self._view("wide", 8 * batch).view(batch, 8), self.block_m, False),
+                 (self._view("narrow", 8 * batch).view(batch, 8), self.narrow_block_m, True)],
+                self._view("tokens", batch),
+                self._buf[self._off["blocks"] :],
+                self._view("qpos", batch),
+                self._view("count", 1),
+                batch,
+                self.max_splits + 1,
+                self.block_n,
+                self.opart,
+                self.lpart,
+                merge_grid=batch,
+            )  # fmt: skip
+            self._plans[batch] = plan
+        return plan
+
+    def prepare(self, attn_meta: AttentionMetadata, sp: SharedPrefixMetadata) -> None:
+        """Plan a decode step of B = attn_meta.num_seqs sequences (q_len 1 each, real ones and
+        padding) into the buffers, before the replay of the graph of batch B.
+
+        Raises:
+            ValueError: if B > max_batch, a sequence has q_len != 1, or the blocks do not fit.
+        """
+        batch = attn_meta.num_seqs
+        if batch > self.max_batch or attn_meta.query_start_loc_cpu[-1] != batch:
+            raise ValueError(f"a graph step needs <= {self.max_batch} decode sequences (q_len 1)")
+        if sum(map(len, sp.group_block_ids)) + sum(map(len, sp.suffix_block_ids)) > self.max_blocks:
+            raise ValueError(f"the step's block ids exceed the graph buffer ({self.max_blocks})")
+        host = _plan_host(
+            attn_meta, sp, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.device,
+            self.block_m, self.block_n, None, self.num_heads * (self.head_dim + 1) * 4,
+            self.narrow_block_m, max_splits=self.max_splits, max_prefix_tiles=batch,
+        )  # fmt: skip
+        if len(host.narrow) != batch or len(host.wide) > batch:
+            raise ValueError("not a decode step: tiles do not match the graph's grid")
+        off = self._off
+        data = np.zeros(off["blocks"] + len(host.blocks), dtype=np.int32)
+        data[off["wide"] : off["wide"] + host.wide.size] = host.wide.ravel()
+        data[off["narrow"] : off["narrow"] + host.narrow.size] = host.narrow.ravel()
+        data[off["tokens"] : off["tokens"] + batch] = host.tokens
+        data[off["qpos"] : off["qpos"] + batch] = host.qpos
+        data[off["count"]] = host.num_grouped
+        data[off["blocks"] :] = host.blocks
+        self._buf[: len(data)].copy_(pinned(data), non_blocking=True)
+        self.lpart[:, :batch].fill_(float("-inf"))
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, block_size: int
+    ) -> torch.Tensor:
+        """The planned step's attention, [B, H, D] in query.dtype (capturable: no host work
+        depends on the step)."""
+        out = torch.empty_like(query)
+        _launch(self.plan_for(query.shape[0]), query, kv_cache, out, scale, block_size,
+                self.num_warps, self.num_stages, None)  # fmt: skip
+        return out
