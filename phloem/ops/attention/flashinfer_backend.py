@@ -80,6 +80,9 @@ class FlashInferAttention:
             buffer that the CUDA-graph wrappers share.
         max_num_seqs: largest batch of a step; sizes the workspace (FlashInfer's split-KV
             partial states grow with the batch: 256 MiB per 256 sequences).
+        kernel_backend: FlashInfer's prefill kernel family for eager steps, "fa2" (default:
+            any GPU, one module per head dim) or "fa3" (Hopper only; JIT-built on first use);
+            graph steps always use "fa2".
     """
 
     name = "flashinfer"
@@ -95,6 +98,7 @@ class FlashInferAttention:
         scale: float | None = None,
         max_num_blocks_per_seq: int = 8192,
         max_num_seqs: int = 256,
+        kernel_backend: str = "fa2",
     ) -> None:
         import flashinfer
 
@@ -112,7 +116,7 @@ class FlashInferAttention:
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._graph_kv_indices: torch.Tensor | None = None  # shared by the graph wrappers
         self._eager = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend="fa2"
+            self._workspace, "NHD", backend=kernel_backend
         )
         self._graph_wrappers: dict[int, object] = {}
         self._active = None
