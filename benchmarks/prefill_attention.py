@@ -107,7 +107,7 @@ def main(argv=None):
                 from phloem.ops.attention.shared_prefix_triton import shared_prefix_attention
 
                 sp = build_shared_prefix_metadata(meta, [0] * meta.num_seqs)
-                fn = lambda: shared_prefix_attention(q, kv, meta, sp, scale)  # noqa: E731
+                fn = lambda sp=sp: shared_prefix_attention(q, kv, meta, sp, scale)  # noqa: E731
             else:
                 from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 

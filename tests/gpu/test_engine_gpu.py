@@ -73,7 +73,9 @@ def test_shared_prefix_cuda_graphs(setup):
     for _ in range(6):  # 6 groups x 8 members x 512 shared tokens: ~21K KV tokens saved a step
         prefix = [rng.randrange(1000, 128000) for _ in range(512)]
         for _ in range(8):
-            prompts.append(prefix + [rng.randrange(1000, 128000) for _ in range(rng.randint(4, 40))])
+            prompts.append(
+                prefix + [rng.randrange(1000, 128000) for _ in range(rng.randint(4, 40))]
+            )
     llm, graphed = _phloem(path, prompts)
     stats = llm.llm_engine.executor.worker.model_runner.backend.stats()
     _free(llm)

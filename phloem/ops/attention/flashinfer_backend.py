@@ -187,11 +187,13 @@ class FlashInferAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal paged attention (the contract of `AttentionBackend.forward`).
 
         Plans lazily if `begin_step` was not called for this step (tests, other callers); query
-        tokens past `query_start_loc[-1]` (padding) get zeros.
+        tokens past `query_start_loc[-1]` (padding) get zeros. `out` (contiguous, query's shape
+        and dtype), if given, receives the result (and is returned).
         """
         if abs(scale - self.scale) > 1e-6 * self.scale:
             raise ValueError(f"scale {scale} differs from the planned softmax scale {self.scale}")
@@ -199,8 +201,11 @@ class FlashInferAttention:
             self.begin_step(meta)
         num_tokens = self._num_query_tokens
         if num_tokens == query.shape[0]:
-            return self._active.run(query, kv_cache)
-        out = torch.zeros_like(query)
+            return self._active.run(query, kv_cache, out=out)
+        if out is None:
+            out = torch.zeros_like(query)
+        else:
+            out[num_tokens:].zero_()
         out[:num_tokens] = self._active.run(query[:num_tokens], kv_cache)
         return out
 

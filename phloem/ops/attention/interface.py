@@ -136,8 +136,21 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             num_kv_heads=geometry.get("num_kv_heads"),
             head_dim=geometry.get("head_dim"),
             device=geometry.get("device"),
+            prefill_backend=_hopper_prefill_backend(plain, geometry),
         )
     return _plain_backend(name, geometry)
+
+
+def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:
+    """FlashInfer's "fa3" prefill kernels for the long prefill chunks of shared-prefix steps, on
+    Hopper (compute capability 9.x) when the plain backend is FlashInfer; else None. Its
+    workspace is sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step)."""
+    device = geometry.get("device")
+    if plain.name != "flashinfer" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(**{**geometry, "max_num_seqs": 256}, kernel_backend="fa3")
 
 
 def _importable(module: str) -> bool:

@@ -37,14 +37,17 @@ Parts of this module:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
 from phloem.ops.attention.reference import _gather_kv
+from phloem.ops.staging import to_device
 
 # -- per-step group structure ------------------------------------------------------------------
 
@@ -400,7 +403,8 @@ class SharedPrefixAttention:
 
     Counters (`stats()`, for `--json`): steps that ran the shared path (eagerly or in a graph),
     eager plain steps, CUDA-graph plain steps and shared-prefix graph steps (each replay plans
-    once; captures count too), and KV tokens saved.
+    once; captures count too), shared steps whose prefill chunks went to `prefill_backend`, and
+    KV tokens saved.
 
     Args:
         fallback: the plain paged backend (FlashInfer on GPU, `ReferenceAttention` on CPU).
@@ -424,6 +428,14 @@ class SharedPrefixAttention:
             one cost a few microseconds each, about the time 16K KV tokens take to read.
         num_heads, num_kv_heads, head_dim, device: the attention geometry, needed for the
             shared-prefix graph variant (`get_attention_backend` passes them).
+        prefill_backend: if set, eager shared steps hand their long prefill chunks (sequences
+            without a group and with at least `prefill_min_query_len` queries: group leaders
+            computing a prefix, members computing their own prompt) to this plain backend,
+            planned for just those sequences, and our kernel computes the rest. Prefill chunks
+            are compute-bound, where a library kernel tuned per GPU beats our portable tiles
+            (FlashInfer's Hopper "fa3" kernels: 399 vs 259 TFLOP/s on an H200,
+            benchmarks/results/2026-11-23-h200/prefill-attention.json);
+            `get_attention_backend` sets it on Hopper GPUs.
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     """
 
@@ -444,6 +456,8 @@ class SharedPrefixAttention:
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         device: torch.device | str | None = None,
+        prefill_backend: AttentionBackend | None = None,
+        prefill_min_query_len: int = 64,
         **triton_options: Any,
     ) -> None:
         if impl not in IMPLS:
@@ -459,11 +473,18 @@ class SharedPrefixAttention:
         self.shared_graph_min_saved_kv_tokens = shared_graph_min_saved_kv_tokens
         self.geometry = (num_heads, num_kv_heads, head_dim)
         self.device = torch.device(device) if device is not None else None
+        self.prefill_backend = prefill_backend
+        self.prefill_min_query_len = prefill_min_query_len
+        self._prefill_takes_out = prefill_backend is not None and (
+            "out" in inspect.signature(prefill_backend.forward).parameters
+        )
+        self._split: tuple[np.ndarray, Any, AttentionMetadata] | None = None
         self.triton_options = triton_options
         self.num_shared_steps = 0
         self.num_plain_steps = 0
         self.num_graph_steps = 0
         self.num_shared_graph_steps = 0
+        self.num_prefill_split_steps = 0
         self.num_saved_kv_tokens = 0
         self.last_path: str | None = None
         self._meta: AttentionMetadata | None = None
@@ -558,15 +579,16 @@ class SharedPrefixAttention:
 
     def warmup(self, kv_cache: torch.Tensor, num_heads: int, block_id: int, scale: float) -> None:
         """Run one synthetic shared step (a group of 16 decode members, a lone decode and a
-        32-token prefill chunk, all reading block `block_id`) so the kernels of the common
+        max(32, prefill_min_query_len)-token prefill chunk, all reading block `block_id`) so the kernels of the common
         shapes compile at start-up rather than in the first real steps. Writes nothing."""
         bs, head_dim = kv_cache.shape[2], kv_cache.shape[4]
         prefix_blocks = max(1, -(-max(self.min_saved_kv_tokens, 1) // (15 * bs)))
         prefix = [block_id] * prefix_blocks
         p = prefix_blocks * bs
-        tables = [prefix + [block_id]] * 16 + [[block_id]] + [[block_id] * -(-32 // bs)]
-        seq_lens = [p + 1] * 16 + [1, 32]
-        q_lens = [1] * 17 + [32]
+        chunk = max(32, self.prefill_min_query_len)  # also loads `prefill_backend`'s kernel
+        tables = [prefix + [block_id]] * 16 + [[block_id]] + [[block_id] * -(-chunk // bs)]
+        seq_lens = [p + 1] * 16 + [1, chunk]
+        q_lens = [1] * 17 + [chunk]
         qsl = [0, *itertools.accumulate(q_lens)]
         dev = kv_cache.device
         empty = torch.empty(0, dtype=torch.int32, device=dev)
@@ -576,7 +598,7 @@ class SharedPrefixAttention:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=empty,
             block_size=bs,
-            max_query_len=32,
+            max_query_len=chunk,
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
@@ -620,7 +642,11 @@ class SharedPrefixAttention:
             raise ValueError(f"unknown CUDA-graph variant {graph_variant!r}")
         sp = None if cuda_graph else self.plan(meta)
         self._meta, self._sp = meta, sp
+        self._split = None
         if sp is not None:
+            if self.prefill_backend is not None and self._resolve_impl(None) == "triton":
+                self._split = self._plan_prefill_split(meta, sp)
+                self.num_prefill_split_steps += self._split is not None
             self.num_shared_steps += 1
             self.num_saved_kv_tokens += sp.saved_kv_tokens
             self.last_path = "shared_prefix"
@@ -653,20 +679,26 @@ class SharedPrefixAttention:
             return self.fallback.forward(query, kv_cache, meta, scale)
         impl = self._resolve_impl(query)
         if impl == "triton":
-            return shared_prefix_attention_triton(
-                query, kv_cache, meta, self._sp, scale, **self.triton_options
-            )
+            split = self._split
+            out = shared_prefix_attention_triton(
+                query, kv_cache, meta, self._sp, scale,
+                exclude=None if split is None else split[0], **self.triton_options,
+            )  # fmt: skip
+            if split is not None:
+                self._run_prefill_split(query, kv_cache, out, scale)
+            return out
         if impl == "flashinfer":
             return self._flashinfer_cascade(query, kv_cache, meta, scale)
         return shared_prefix_attention_reference(query, kv_cache, meta, self._sp, scale)
 
     def end_step(self) -> None:
         """Forget the step's plan (and the fallback's)."""
-        self._meta = self._sp = None
+        self._meta = self._sp = self._split = None
         self._graph_step = False
-        end = getattr(self.fallback, "end_step", None)
-        if end is not None:
-            end()
+        for backend in (self.fallback, self.prefill_backend):
+            end = getattr(backend, "end_step", None)
+            if end is not None:
+                end()
 
     def stats(self) -> dict[str, Any]:
         """Which path ran how often (JSON-ready)."""
@@ -676,8 +708,76 @@ class SharedPrefixAttention:
             "plain_steps": self.num_plain_steps,
             "cuda_graph_steps": self.num_graph_steps,
             "shared_prefix_graph_steps": self.num_shared_graph_steps,
+            "prefill_split_steps": self.num_prefill_split_steps,
             "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
         }
+
+    def _plan_prefill_split(
+        self, meta: AttentionMetadata, sp: SharedPrefixMetadata
+    ) -> tuple[np.ndarray, Any, AttentionMetadata] | None:
+        """(exclude mask [B], token slice or index list, sub-step metadata) for the step's long
+        ungrouped prefill chunks, planned on `prefill_backend`; None when there are none."""
+        qsl, bs = meta.query_start_loc_cpu, meta.block_size
+        seqs = [
+            b for b in range(meta.num_seqs)
+            if sp.seq_group[b] < 0 and qsl[b + 1] - qsl[b] >= self.prefill_min_query_len
+        ]  # fmt: skip
+        if not seqs:
+            return None
+        tables = meta.block_tables_cpu
+        if tables is None:
+            tables = meta.block_tables.tolist()
+        sub_qsl = [0, *itertools.accumulate(qsl[b + 1] - qsl[b] for b in seqs)]
+        seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
+        sub_tables = [tables[b][: -(-meta.seq_lens_cpu[b] // bs)] for b in seqs]
+        if all(qsl[a + 1] == qsl[b] for a, b in zip(seqs, seqs[1:])):
+            index: Any = slice(qsl[seqs[0]], qsl[seqs[-1] + 1])
+        else:
+            index = [t for b in seqs for t in range(qsl[b], qsl[b + 1])]
+        i32 = dict(dtype=torch.int32)
+        if getattr(self.prefill_backend, "needs_block_tables", True):
+            width = max(map(len, sub_tables))
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in sub_tables], **i32)
+        else:
+            block_tables = torch.empty(0, **i32)
+        sub = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.int64),
+            query_start_loc=torch.tensor(sub_qsl, **i32),
+            seq_lens=torch.tensor(seq_lens, **i32),
+            block_tables=block_tables,
+            block_size=bs,
+            max_query_len=max(b - a for a, b in zip(sub_qsl, sub_qsl[1:])),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=sub_qsl,
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=sub_tables,
+        )
+        begin = getattr(self.prefill_backend, "begin_step", None)
+        if begin is not None:
+            begin(sub)
+        exclude = np.zeros(meta.num_seqs, dtype=bool)
+        exclude[seqs] = True
+        return exclude, index, sub
+
+    def _run_prefill_split(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> None:
+        """Write the split-off prefill chunks' attention into `out` (in place when the chunks'
+        tokens are contiguous and the backend takes `out`, else gathered and scattered)."""
+        exclude, index, sub = self._split
+        prefill = self.prefill_backend
+        if isinstance(index, slice):
+            dst = out[index]
+            if self._prefill_takes_out:
+                prefill.forward(query[index], kv_cache, sub, scale, out=dst)
+            else:
+                dst.copy_(prefill.forward(query[index], kv_cache, sub, scale))
+            return
+        if isinstance(index, list):  # first layer of the step: upload the token indices once
+            index = to_device(np.array(index, dtype=np.int64), query.device)
+            self._split = (exclude, index, sub)
+        out.index_copy_(0, index, prefill.forward(query.index_select(0, index), kv_cache, sub,
+                                                  scale))  # fmt: skip
 
     def _begin_shared_graph_step(
         self, meta: AttentionMetadata, shared: SharedPrefixMetadata | None
@@ -725,10 +825,19 @@ class SharedPrefixAttention:
             self._cascade_step = self._sp
         return cascade.run(query, kv_cache)
 
-    def _resolve_impl(self, query: torch.Tensor) -> str:
+    def _resolve_impl(self, query: torch.Tensor | None) -> str:
+        """The impl to run; "auto" resolves at the first step with a query tensor (Triton for
+        CUDA tensors when it imports, else the reference); before that, by `device`."""
         if self.impl == "auto":
+            on_cuda = (
+                query.is_cuda
+                if query is not None
+                else (self.device is not None and self.device.type == "cuda")
+            )
+            if query is None and not on_cuda:
+                return "auto"
             impl = "reference"
-            if query.is_cuda:
+            if on_cuda:
                 try:
                     import triton  # noqa: F401
 

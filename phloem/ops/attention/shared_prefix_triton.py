@@ -282,6 +282,7 @@ def _plan_host(
     narrow_block_m: int | None = None,
     max_splits: int | None = None,
     max_prefix_tiles: int | None = None,
+    exclude: np.ndarray | None = None,
 ) -> _HostPlan:
     """Host-side tile tables of one step (see the table layout above). Prefix tiles come first,
     longest KV range first, so the heavy tiles start early (a greedy longest-first schedule).
@@ -294,6 +295,8 @@ def _plan_host(
     For CUDA-graph steps (fixed buffers): `max_splits` caps the prefix splits and fixes the
     suffix slot at `max_splits` (so the merge always reduces max_splits + 1 slots), and
     `max_prefix_tiles` bounds the prefix tiles (splits fall back to 1 when they would exceed it).
+    `exclude` (bool [B]) marks ungrouped sequences whose queries another kernel computes: they
+    get no tiles (and their rows of the output are left unwritten).
     """
     qsl = np.array(attn_meta.query_start_loc_cpu, dtype=np.int64)
     seq_lens = np.array(attn_meta.seq_lens_cpu, dtype=np.int64)
@@ -311,10 +314,15 @@ def _plan_host(
     group_off = tok_off[members[group_first]] if sp.num_groups else np.zeros(0, np.int64)
     group_rows = np.add.reduceat(member_lens, group_first) * gqa if sp.num_groups else group_off
     # Ungrouped sequences with queries: their tokens follow, in step order.
-    lone = np.flatnonzero((seq_group < 0) & (q_lens > 0))
+    has_queries = q_lens > 0
+    if exclude is not None:
+        if (exclude & (seq_group >= 0)).any():
+            raise ValueError("only sequences without a group can be excluded")
+        has_queries &= ~exclude
+    lone = np.flatnonzero((seq_group < 0) & has_queries)
     tok_off[lone] = num_grouped + np.cumsum(q_lens[lone]) - q_lens[lone]
     tokens = np.concatenate([grouped_tokens, _ranges(qsl[:-1][lone], q_lens[lone])])
-    active = np.flatnonzero(q_lens > 0)
+    active = np.flatnonzero(has_queries)
     n_rows = q_lens[active] * gqa
     narrow = np.zeros(len(active), dtype=bool)
     if narrow_block_m is not None:
@@ -394,10 +402,11 @@ def _plan_triton(
     prefix_splits: int | None,
     partial_bytes: int,
     narrow_block_m: int | None = None,
+    exclude: np.ndarray | None = None,
 ) -> _TritonPlan:
     """`_plan_host`, uploaded: the device tensors of an eager step's launches."""
     host = _plan_host(attn_meta, sp, num_kv_heads, gqa, device, block_m, block_n,
-                      prefix_splits, partial_bytes, narrow_block_m)  # fmt: skip
+                      prefix_splits, partial_bytes, narrow_block_m, exclude=exclude)  # fmt: skip
 
     def dev(t: np.ndarray) -> torch.Tensor:
         return to_device(t.astype(np.int32), device)
@@ -474,6 +483,7 @@ def shared_prefix_attention(
     num_stages: int = 3,
     narrow_block_m: int | None = 16,
     narrow_num_warps: int | None = None,
+    exclude: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
     the step (BatchLLM §5 horizontal fusion), then one merge launch over the grouped tokens.
@@ -497,6 +507,8 @@ def shared_prefix_attention(
         narrow_block_m: if set (power of 2, >= 16; default 16), suffix segments of at most this many rows
             (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
             default `num_warps`) instead of being padded to the wide tiles' BLOCK_M.
+        exclude: bool [B] or None: ungrouped sequences computed elsewhere (their output rows are
+            left unwritten for the caller); fixed for the step (the plan is cached per step).
     Returns:
         [T, H, D] in query.dtype; zeros for tokens past `query_start_loc[-1]`.
     Memory: a float32 buffer of (max splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped query
@@ -518,12 +530,12 @@ def shared_prefix_attention(
         block_n = 64 if head_dim <= 128 else 32
     dev = query.device
     key = ("triton", num_heads, num_kv_heads, head_dim, block_m, block_n, prefix_splits,
-           narrow_block_m, dev)  # fmt: skip
+           narrow_block_m, dev, exclude is not None)  # fmt: skip
     plan = sp_meta.plan_cache.get(key)
     if plan is None:  # once per step: the layers share the plan and its partial-state buffers
         partial_bytes = num_heads * (head_dim + 1) * 4  # float32 O and LSE of one token
         plan = _plan_triton(attn_meta, sp_meta, num_kv_heads, gqa, dev, block_m, block_n,
-                            prefix_splits, partial_bytes, narrow_block_m)  # fmt: skip
+                            prefix_splits, partial_bytes, narrow_block_m, exclude)  # fmt: skip
         rows = max(plan.num_grouped, 1)
         f32 = dict(dtype=torch.float32, device=dev)
         plan.opart = torch.empty(plan.num_slots, rows, num_heads, head_dim, **f32)
