@@ -177,6 +177,9 @@ class CUDAGraphRunner:
                 self._graphs[variant, batch] = graph
                 self._outputs[variant, batch] = out
         torch.cuda.synchronize(self.device)
+        reset = getattr(self.backend, "reset_stats", None)
+        if reset is not None:  # step counters count the workload's steps, not the captures
+            reset()
         logger.info(
             "captured %d CUDA graphs (variants %s; decode batch sizes %d..%d) in %.1f s",
             len(self._graphs),

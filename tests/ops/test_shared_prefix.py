@@ -296,6 +296,8 @@ def test_backend_cost_rule_counters_and_exactness():
         backend.begin_step(step, cuda_graph=True)
     with pytest.raises(ValueError, match="variant"):
         backend.begin_step(step, cuda_graph=True, graph_variant="other")
+    backend.reset_stats()
+    assert set(backend.stats().values()) == {0, "reference"}
 
 
 # -- the Triton kernel (interpreter on the CPU) -----------------------------------------------

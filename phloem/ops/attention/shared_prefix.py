@@ -403,8 +403,8 @@ class SharedPrefixAttention:
 
     Counters (`stats()`, for `--json`): steps that ran the shared path (eagerly or in a graph),
     eager plain steps, CUDA-graph plain steps and shared-prefix graph steps (each replay plans
-    once; captures count too), shared steps whose prefill chunks went to `prefill_backend`, and
-    KV tokens saved.
+    once), shared steps whose prefill chunks went to `prefill_backend`, and KV tokens saved.
+    `reset_stats()` zeroes them (the graph runner does after its captures).
 
     Args:
         fallback: the plain paged backend (FlashInfer on GPU, `ReferenceAttention` on CPU).
@@ -711,6 +711,12 @@ class SharedPrefixAttention:
             "prefill_split_steps": self.num_prefill_split_steps,
             "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
         }
+
+    def reset_stats(self) -> None:
+        """Zero the counters of `stats()` (e.g. after CUDA-graph captures and warm-up steps)."""
+        self.num_shared_steps = self.num_plain_steps = self.num_graph_steps = 0
+        self.num_shared_graph_steps = self.num_prefill_split_steps = 0
+        self.num_saved_kv_tokens = 0
 
     def _plan_prefill_split(
         self, meta: AttentionMetadata, sp: SharedPrefixMetadata
