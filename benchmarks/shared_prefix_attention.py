@@ -16,7 +16,9 @@ fresh P-token prefix (q_len = P) and M group members computing their own S-token
 the shared prefix (q_len = S; longer than 16 tokens, so they stay out of the groups and read their
 whole KV). `--triton-configs` adds Triton variants as paths `triton:NAME`, each a comma list of
 options of `shared_prefix_triton.shared_prefix_attention` (bm=block_m, bn=block_n, w=num_warps,
-s=num_stages, nm=narrow_block_m, nw=narrow_num_warps), configs separated by ';'.
+s=num_stages, nm=narrow_block_m, nw=narrow_num_warps, nbn=narrow_block_n, ns=narrow_num_stages,
+ps=prefix_splits),
+configs separated by ';'.
 
 Self-checking: before timing, every path's output is compared with the plain path (and, where it
 fits in memory, with the float32 reference); a path that disagrees is reported with ok=false and
@@ -81,7 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown paths {sorted(unknown)}")
     keys = {"bm": "block_m", "bn": "block_n", "w": "num_warps", "s": "num_stages",
-            "nm": "narrow_block_m", "nw": "narrow_num_warps"}  # fmt: skip
+            "nm": "narrow_block_m", "nw": "narrow_num_warps", "nbn": "narrow_block_n",
+            "ns": "narrow_num_stages", "ps": "prefix_splits"}  # fmt: skip
     args.triton_options = {"triton": {}}
     for cfg in filter(None, args.triton_configs.split(";")):
         opts = dict(kv.split("=") for kv in cfg.split(","))

@@ -192,7 +192,8 @@ class StepTrace:
 
     def _profile_tick(self, index: int) -> None:
         """torch.profiler over steps [start, start + count) of the run (`profile_window`):
-        host ops by self CPU time (syncs and allocations show up as long CUDA API calls)."""
+        host ops by self CPU time (syncs and allocations show up as long CUDA API calls), device
+        time by kernel, and the timeline as a Chrome trace next to the tables (`.trace.json`)."""
         if self.profile_window is None:
             return
         start, count = self.profile_window
@@ -214,7 +215,10 @@ class StepTrace:
                 + averages.table(sort_by="self_cpu_time_total", row_limit=40),
                 "== by device time\n" + averages.table(sort_by="cuda_time_total", row_limit=30),
             ]
-            Path(self.profile_path or "profile-window.txt").write_text("\n\n".join(tables))
+            path = Path(self.profile_path or "profile-window.txt")
+            path.write_text("\n\n".join(tables))
+            # the timeline too (chrome://tracing, Perfetto, benchmarks/trace_gaps.py)
+            self._prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
             self.profile_window = None
 
     def summary(self) -> dict:

@@ -437,15 +437,22 @@ def _launch(
     num_warps: int,
     num_stages: int,
     narrow_num_warps: int | None,
+    narrow_block_n: int | None = None,
+    narrow_num_stages: int | None = None,
 ) -> None:
-    """The step's tile launches, then the merge (when it has rows to merge)."""
+    """The step's tile launches, then the merge (when it has rows to merge). The narrow launch
+    (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     opart, lpart = plan.opart, plan.lpart
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
     for tiles, tile_m, narrow in plan.launches:
-        warps = (narrow_num_warps or num_warps) if narrow else num_warps
+        warps, stages, block_n = num_warps, num_stages, plan.block_n
+        if narrow:
+            warps = narrow_num_warps or num_warps
+            stages = narrow_num_stages or num_stages
+            block_n = narrow_block_n or plan.block_n
         tile_kernel[(tiles.shape[0], num_kv_heads)](
             query, kv_cache, out, opart, lpart,
             tiles, plan.tokens, plan.qpos, plan.blocks,
@@ -455,9 +462,9 @@ def _launch(
             out.stride(0), out.stride(1),
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
             GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
-            BLOCK_N=plan.block_n, PAGE=block_size, PRECISION=precision,
+            BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
             INTERPRET=_interpreting(),
-            num_warps=warps, num_stages=num_stages,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     if plan.merge_grid:
         merge_kernel[(plan.merge_grid,)](
@@ -483,6 +490,8 @@ def shared_prefix_attention(
     num_stages: int = 3,
     narrow_block_m: int | None = 16,
     narrow_num_warps: int | None = None,
+    narrow_block_n: int | None = None,
+    narrow_num_stages: int | None = None,
     exclude: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
@@ -506,7 +515,8 @@ def shared_prefix_attention(
             benchmarks/results/2026-11-23-h100/attention-sweep-*.json).
         narrow_block_m: if set (power of 2, >= 16; default 16), suffix segments of at most this many rows
             (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
-            default `num_warps`) instead of being padded to the wide tiles' BLOCK_M.
+            default `num_warps`; `narrow_block_n` and `narrow_num_stages`, default `block_n`
+            and `num_stages`) instead of being padded to the wide tiles' BLOCK_M.
         exclude: bool [B] or None: ungrouped sequences computed elsewhere (their output rows are
             left unwritten for the caller); fixed for the step (the plan is cached per step).
     Returns:
@@ -545,7 +555,7 @@ def shared_prefix_attention(
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
     _launch(plan, query, kv_cache, out, scale, attn_meta.block_size, num_warps, num_stages,
-            narrow_num_warps)  # fmt: skip
+            narrow_num_warps, narrow_block_n, narrow_num_stages)  # fmt: skip
     return out
 
 
