@@ -8,6 +8,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Our Triton kernels run under the interpreter on machines without a GPU. Triton reads
+# TRITON_INTERPRET when a kernel module is imported (and some test modules' imports pull triton in
+# early), so choose it here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
