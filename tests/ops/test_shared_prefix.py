@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from phloem.ops.attention import AttentionMetadata
+from phloem.ops.attention.interface import _importable
 from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
 from phloem.ops.attention.shared_prefix import (
     SharedPrefixAttention,
@@ -588,14 +589,6 @@ def test_graph_variants_need_triton_on_cuda_and_geometry():
         ok = SharedPrefixAttention(Planning(), num_heads=32, num_kv_heads=8, head_dim=128,
                                    device="cuda")  # fmt: skip
         assert ok.graph_variants() == {"plain": 1, "shared_prefix": 16}
-
-
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
 
 
 def _decode_step(groups, singles, num_pad, seed, num_heads=4, num_kv_heads=2):

@@ -391,22 +391,10 @@ def _plan_host(
     )  # fmt: skip
 
 
-def _plan_triton(
-    attn_meta: AttentionMetadata,
-    sp: SharedPrefixMetadata,
-    num_kv_heads: int,
-    gqa: int,
-    device: torch.device,
-    block_m: int | None,
-    block_n: int,
-    prefix_splits: int | None,
-    partial_bytes: int,
-    narrow_block_m: int | None = None,
-    exclude: np.ndarray | None = None,
+def _upload(
+    host: _HostPlan, device: torch.device, block_n: int, narrow_block_m: int | None
 ) -> _TritonPlan:
-    """`_plan_host`, uploaded: the device tensors of an eager step's launches."""
-    host = _plan_host(attn_meta, sp, num_kv_heads, gqa, device, block_m, block_n,
-                      prefix_splits, partial_bytes, narrow_block_m, exclude=exclude)  # fmt: skip
+    """A `_plan_host` plan as the device tensors of an eager step's launches."""
 
     def dev(t: np.ndarray) -> torch.Tensor:
         return to_device(t.astype(np.int32), device)
@@ -544,8 +532,9 @@ def shared_prefix_attention(
     plan = sp_meta.plan_cache.get(key)
     if plan is None:  # once per step: the layers share the plan and its partial-state buffers
         partial_bytes = num_heads * (head_dim + 1) * 4  # float32 O and LSE of one token
-        plan = _plan_triton(attn_meta, sp_meta, num_kv_heads, gqa, dev, block_m, block_n,
-                            prefix_splits, partial_bytes, narrow_block_m, exclude)  # fmt: skip
+        host = _plan_host(attn_meta, sp_meta, num_kv_heads, gqa, dev, block_m, block_n,
+                          prefix_splits, partial_bytes, narrow_block_m, exclude=exclude)  # fmt: skip
+        plan = _upload(host, dev, block_n, narrow_block_m)
         rows = max(plan.num_grouped, 1)
         f32 = dict(dtype=torch.float32, device=dev)
         plan.opart = torch.empty(plan.num_slots, rows, num_heads, head_dim, **f32)
