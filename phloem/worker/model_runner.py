@@ -179,6 +179,9 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed=seed, device=device)
         self._generators: dict[str, torch.Generator] = {}
+        # request id -> (request, its row): rows that never change (no min_tokens bans) are
+        # built once per request, not once per step (~1,000 rows a step at BatchLLM scale)
+        self._rows: dict[str, tuple[object, SamplingRow]] = {}
         self.graph_runner: CUDAGraphRunner | None = None
         # the last launched step's sampled tokens (device int64 [S]) and request id -> row
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
@@ -280,6 +283,7 @@ class ModelRunner:
         step's device tensor. None for an empty step."""
         for request_id in sched.finished_request_ids:
             self._generators.pop(request_id, None)
+            self._rows.pop(request_id, None)
         if sched.is_empty:
             return None
         hidden, sampled = self._run_graph(sched)
@@ -419,6 +423,9 @@ class ModelRunner:
         torch.log_softmax(logits.float(), dim=-1).argmax(dim=-1)
 
     def _sampling_row(self, request) -> SamplingRow:
+        cached = self._rows.get(request.request_id)
+        if cached is not None and cached[0] is request:
+            return cached[1]
         params = request.sampling_params
         generator = None
         if params.seed is not None and not params.greedy:
@@ -434,10 +441,13 @@ class ModelRunner:
             banned = list(params.stop_token_ids)
             if self.eos_token_id is not None:
                 banned.append(self.eos_token_id)
-        return SamplingRow(
+        row = SamplingRow(
             params=params,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            output_token_ids=request.output_token_ids,  # the request's list, appended in place
             generator=generator,
             banned_token_ids=banned,
         )
+        if params.min_tokens == 0:  # nothing in the row depends on the step
+            self._rows[request.request_id] = (request, row)
+        return row
