@@ -58,6 +58,9 @@ class ModelConfig:
             )
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -71,6 +74,9 @@ class CacheConfig:
         enable_prefix_caching: keep finished requests' KV in a radix cache for later requests
             and plan shared prefixes over each offline batch (BatchLLM); off computes every
             prompt in full (n > 1 siblings still share their prompt's blocks).
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3, scale 1, values clamped
+            to +-448: half the bytes per token, so twice the tokens in the same memory and half
+            the KV reads of decode attention; lossy).
     """
 
     block_size: int = 16
@@ -78,9 +84,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         _positive("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -77,6 +77,8 @@ class LLM:
             relies on preemption.
         async_scheduling: schedule and launch each step while the previous one runs on the
             device (host work overlaps device work); False runs steps one after the other.
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3 KV cache; see
+            `CacheConfig`).
     Raises:
         ValueError: naming the argument, for invalid values.
     """
@@ -102,6 +104,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         memory_centric_admission: bool = True,
         async_scheduling: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
@@ -115,6 +118,7 @@ class LLM:
                 kv_cache_memory_bytes,
                 gpu_memory_utilization,
                 enable_prefix_caching,
+                kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -272,6 +272,7 @@ def _engine_info(llm) -> dict:
     return {
         "device_type": worker.device.type,
         "dtype": str(worker.dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(worker.kv_dtype).replace("torch.", ""),
         "attention_backend": worker.model_runner.backend.name,
         "cuda_graphs": bool(getattr(worker, "cuda_graphs", False)),
         "compiled_layers": getattr(worker, "compiled_layers", 0),
@@ -451,8 +452,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     if ceilings is not None:
+        kv_dtype = llm.llm_engine.executor.worker.kv_dtype
         roof = workload_roofline(
-            ModelShape.from_hf(hf_config),
+            ModelShape.from_hf(hf_config, torch.tensor([], dtype=kv_dtype).element_size()),
             workload,
             ceilings["flops_per_s"],
             ceilings["bytes_per_s"],

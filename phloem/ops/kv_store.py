@@ -2,11 +2,34 @@
 
 kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 slot = block_id * block_size + offset_in_block;  slot -1 = padding, not written.
+
+An FP8 cache (`torch.float8_e4m3fn`, `kv_cache_dtype="fp8"`) stores K and V with a scale of 1
+(as vLLM's uncalibrated "fp8" KV cache): values are clamped to +-448, the format's largest finite
+value, and rounded to nearest; readers convert back to the query dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache dtype: a plain cast, or for FP8 a clamp to +-448 first (no NaN/inf)."""
+    if dtype == FP8_KV_DTYPE:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def index_copy_rows(flat: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """flat[rows] = src cast to flat's dtype (`index_copy_`; FP8 through a byte view, which every
+    device supports)."""
+    src = to_cache_dtype(src, flat.dtype)
+    if flat.dtype == FP8_KV_DTYPE:
+        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
+    flat.index_copy_(0, rows, src)
 
 
 def write_kv(
@@ -19,7 +42,7 @@ def write_kv(
 
     Args:
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim], contiguous; mutated.
-        key, value: [T, num_kv_heads, head_dim]; cast to the cache dtype on write.
+        key, value: [T, num_kv_heads, head_dim]; cast to the cache dtype on write (FP8: clamped).
         slot_mapping: int64 [T]; the slot of each token, -1 to skip the token (padding).
 
     Raises:
@@ -47,5 +70,5 @@ def write_kv(
     k_rows = torch.div(slots, block_size, rounding_mode="floor") * (2 * block_size)
     k_rows += slots % block_size
     flat = kv_cache.view(num_blocks * 2 * block_size, num_kv_heads, head_dim)
-    flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
-    flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+    index_copy_rows(flat, k_rows, key)
+    index_copy_rows(flat, k_rows + block_size, value)

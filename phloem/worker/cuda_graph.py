@@ -32,6 +32,7 @@ from torch import nn
 
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.kv_store import index_copy_rows
 from phloem.ops.staging import pinned
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,8 @@ def write_kv_no_sync(
     k_rows = torch.div(slot_mapping, block_size, rounding_mode="floor") * (2 * block_size)
     k_rows += slot_mapping % block_size
     flat = kv_cache.view(num_blocks * 2 * block_size, num_kv_heads, head_dim)
-    flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
-    flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+    index_copy_rows(flat, k_rows, key)
+    index_copy_rows(flat, k_rows + block_size, value)
 
 
 @contextlib.contextmanager

@@ -205,7 +205,8 @@ class ModelRunner:
         if warmup is None or not self.kv_caches:
             return
         with torch.inference_mode():
-            warmup(self.kv_caches[0], num_heads, self.num_blocks, self.model.head_dim**-0.5)
+            dtype = next(self.model.parameters()).dtype
+            warmup(self.kv_caches[0], num_heads, self.num_blocks, self.model.head_dim**-0.5, dtype)
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (CUDA only)."""

@@ -16,6 +16,7 @@ import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
 from phloem.ops.attention.interface import get_attention_backend
+from phloem.ops.kv_store import FP8_KV_DTYPE
 from phloem.worker.fusion import compile_elementwise_layers
 from phloem.worker.model_runner import ModelRunner
 
@@ -83,12 +84,14 @@ class Worker:
             self.compiled_layers = compile_elementwise_layers(self.model)
         sched = scheduler_config or SchedulerConfig(**PROFILE_DEFAULTS)
         block_size = cache_config.block_size
+        self.kv_dtype = FP8_KV_DTYPE if cache_config.kv_cache_dtype == "fp8" else self.dtype
         backend = get_attention_backend(
             model_config.attention_backend,
             num_heads=_num_heads(self.model),
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
             device=self.device,
             max_num_blocks_per_seq=-(
                 -max(sched.max_model_len, _max_positions(hf_config)) // block_size
@@ -101,7 +104,7 @@ class Worker:
             self.model,
             num_blocks=-(-profile_tokens // block_size),
             block_size=block_size,
-            kv_dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
             device=self.device,
             backend=backend,
             seed=seed,
@@ -119,7 +122,7 @@ class Worker:
             self.num_blocks,
             block_size,
             tokens,
-            self.num_blocks * kv_bytes_per_block(self.model, block_size, self.dtype) / 2**30,
+            self.num_blocks * kv_bytes_per_block(self.model, block_size, self.kv_dtype) / 2**30,
             tokens / sched.max_model_len,
             sched.max_model_len,
         )
@@ -167,7 +170,7 @@ class Worker:
         total * gpu_memory_utilization - (memory in use now + the profiled activation peak)."""
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
-        per_block = kv_bytes_per_block(self.model, cache.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, cache.block_size, self.kv_dtype)
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":

@@ -88,6 +88,26 @@ def test_shared_prefix_cuda_graphs(setup):
     assert same >= 0.9 * len(prompts) * STEPS
 
 
+def test_fp8_kv_cache(setup):
+    """kv_cache_dtype="fp8" on the GPU path (FlashInfer fp8 reads, our kernel's, CUDA graphs):
+    twice the KV blocks of bf16, and greedy tokens close to the bf16 cache's (FP8 rounding may
+    flip near-ties on random weights; a cache read wrongly diverges at once)."""
+    path, prompts = setup
+    llm, full = _phloem(path, prompts)
+    blocks = llm.llm_engine.executor.worker.num_blocks
+    _free(llm)
+    llm, fp8 = _phloem(path, prompts, kv_cache_dtype="fp8")
+    worker = llm.llm_engine.executor.worker
+    assert worker.model_runner.kv_caches[0].dtype == torch.float8_e4m3fn and worker.cuda_graphs
+    ratio = worker.num_blocks / blocks
+    _free(llm)
+    agree = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), STEPS)
+                for x, y in zip(fp8, full))  # fmt: skip
+    print(f"fp8 KV: {ratio:.2f}x the blocks; {agree}/{len(prompts) * STEPS} tokens agree")
+    assert 1.9 < ratio < 2.2
+    assert agree >= 0.5 * len(prompts) * STEPS
+
+
 def test_async_scheduling_does_not_change_tokens(setup):
     """Step N+1 launched before step N's tokens reach the host (pending ids filled in on the
     device, in eager and graph steps alike) gives the synchronous engine's tokens."""

@@ -46,3 +46,27 @@ def test_write_kv_rejects_bad_shapes() -> None:
             torch.zeros(3, 2, 8),
             torch.zeros(3, dtype=torch.long),
         )
+
+
+def test_write_kv_fp8_clamps_and_rounds() -> None:
+    """An FP8 cache stores clamp(x, +-448) rounded to e4m3 (no NaN from large values), through
+    the byte view that also works where index_copy_ has no FP8 kernel (the CPU)."""
+    from phloem.ops.kv_store import FP8_KV_DTYPE
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.zeros(4, 2, 4, 2, 8, dtype=FP8_KV_DTYPE)
+    key = torch.randn(5, 2, 8, generator=gen) * 300  # many beyond 448
+    value = torch.randn(5, 2, 8, generator=gen)
+    slots = torch.tensor([0, 7, -1, 9, 15])
+    write_kv(cache, key, value, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, 4)
+        want_k = key[t].clamp(-448, 448).to(FP8_KV_DTYPE).float()
+        assert torch.equal(cache[block, 0, offset].float(), want_k)
+        assert torch.equal(cache[block, 1, offset].float(), value[t].to(FP8_KV_DTYPE).float())
+    assert cache.float().isfinite().all() and cache.float().abs().max() == 448
+    written = torch.zeros(16, dtype=torch.bool)
+    written[[0, 7, 9, 15]] = True
+    assert (cache.float().permute(0, 2, 1, 3, 4).reshape(16, -1)[~written] == 0).all()

@@ -407,6 +407,29 @@ def test_gpu_triton_matches_reference(prefix_splits, dtype):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_gpu_triton_and_flashinfer_read_an_fp8_cache():
+    """Llama-8B shapes, float8_e4m3fn cache, bf16 queries: our kernel and FlashInfer's (the
+    plain fallback) against the float32 reference on the dequantized cache."""
+    pytest.importorskip("triton")
+    q, kv, meta, prefix_lens = gpu_step()
+    kv8 = kv.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = 128**-0.5
+    want = ReferenceAttention().forward(q.float(), kv8.float(), meta, scale)
+    sp = build_shared_prefix_metadata(meta, prefix_lens)
+    got = shared_prefix_attention_triton(q, kv8, meta, sp, scale)
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
+    pytest.importorskip("flashinfer")
+    from phloem.ops.attention import get_attention_backend
+
+    plain = get_attention_backend(
+        "flashinfer", num_heads=32, num_kv_heads=8, head_dim=128, scale=scale, dtype=q.dtype,
+        kv_dtype=torch.float8_e4m3fn, device=q.device,
+    )  # fmt: skip
+    torch.testing.assert_close(plain.forward(q, kv8, meta, scale).float(), want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("impl", ["triton", "flashinfer"])
 def test_gpu_backend_paths(impl):
     if impl == "flashinfer":
@@ -736,3 +759,20 @@ def test_prefill_chunks_split_to_another_backend(triton_kernel, min_query_len):
     assert len(long_lone) == (1 if min_query_len == 6 else 4)
     assert isinstance(backend._split[1], slice) == (len(long_lone) == 1)
     assert backend.stats()["prefill_split_steps"] == 1
+
+
+def test_triton_reads_an_fp8_cache(triton_kernel):
+    """float8_e4m3fn KV (NaN kept in unowned slots) with float16 queries: our kernel converts on
+    load and matches the float64 math on the dequantized cache."""
+    rng = random.Random(7)
+    groups = [(32, random_members(rng, 4, max_own=20)), (16, [(1, 2), (2, 5)])]
+    q, kv, meta, prefix_lens = make_shared_step(groups, [(1, 9), (5, 5)], 4, 2, 16,
+                                                torch.float32, seed=3)  # fmt: skip
+    kv8 = kv.clamp(-448, 448).to(torch.float8_e4m3fn)
+    q16 = q.to(torch.float16)
+    sp = build_shared_prefix_metadata(meta, prefix_lens)
+    dev = device()
+    out = shared_prefix_attention_triton(q16.to(dev), kv8.to(dev), meta, sp, 0.4, block_n=16)
+    assert out.dtype == torch.float16
+    want = paged_attention_reference(q16.double(), kv8.double(), meta, 0.4)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=0, atol=2e-3)

@@ -73,7 +73,8 @@ class FlashInferAttention:
 
     Args:
         num_heads, num_kv_heads, head_dim: this rank's attention geometry.
-        dtype: dtype of queries, outputs and the KV cache (bf16 or fp16).
+        dtype: dtype of queries and outputs (bf16 or fp16).
+        kv_dtype: dtype of the KV cache (default `dtype`; torch.float8_e4m3fn for an FP8 cache).
         device: the CUDA device.
         scale: softmax scale (default head_dim ** -0.5); every layer must use the same.
         max_num_blocks_per_seq: longest block table a sequence can have; sizes the page-index
@@ -96,6 +97,7 @@ class FlashInferAttention:
         dtype: torch.dtype,
         device: torch.device | str,
         scale: float | None = None,
+        kv_dtype: torch.dtype | None = None,
         max_num_blocks_per_seq: int = 8192,
         max_num_seqs: int = 256,
         kernel_backend: str = "fa2",
@@ -109,6 +111,7 @@ class FlashInferAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = torch.device(device)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.max_num_blocks_per_seq = max_num_blocks_per_seq
@@ -174,7 +177,7 @@ class FlashInferAttention:
             causal=True,
             sm_scale=self.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
         )
         self._active = wrapper
         self._num_query_tokens = meta.query_start_loc_cpu[-1]

@@ -115,7 +115,8 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             CUDA device with FlashInfer, "shared_prefix" over FlashInfer when Triton imports
             (else plain FlashInfer); otherwise the reference.
         geometry: what a planning backend needs up front, ignored by the reference:
-            num_heads, num_kv_heads, head_dim, scale, dtype (of q and the KV cache), device,
+            num_heads, num_kv_heads, head_dim, scale, dtype (of q), kv_dtype (of the KV cache,
+            default dtype), device,
             max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
             max_num_seqs (largest batch of a step, sizes FlashInfer's workspace).
     Raises:
@@ -144,10 +145,13 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
 def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:
     """FlashInfer's "fa3" prefill kernels for the long prefill chunks of shared-prefix steps, on
     Hopper (compute capability 9.x) when the plain backend is FlashInfer; else None. Its
-    workspace is sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step)."""
+    workspace is sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step). None
+    for an FP8 KV cache."""
     device = geometry.get("device")
     if plain.name != "flashinfer" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
+    if geometry.get("kv_dtype", geometry.get("dtype")) != geometry.get("dtype"):
+        return None  # fa3 reads a cache of the query's dtype; an FP8 cache stays on our kernel
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(**{**geometry, "max_num_seqs": 256}, kernel_backend="fa3")

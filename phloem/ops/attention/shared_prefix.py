@@ -577,10 +577,18 @@ class SharedPrefixAttention:
             variants["shared_prefix"] = 16
         return variants
 
-    def warmup(self, kv_cache: torch.Tensor, num_heads: int, block_id: int, scale: float) -> None:
+    def warmup(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        block_id: int,
+        scale: float,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Run one synthetic shared step (a group of 16 decode members, a lone decode and a
-        max(32, prefill_min_query_len)-token prefill chunk, all reading block `block_id`) so the kernels of the common
-        shapes compile at start-up rather than in the first real steps. Writes nothing."""
+        max(32, prefill_min_query_len)-token prefill chunk, all reading block `block_id`) so
+        the kernels of the common shapes compile at start-up rather than in the first real
+        steps. Queries in `dtype` (default the cache's). Writes nothing."""
         bs, head_dim = kv_cache.shape[2], kv_cache.shape[4]
         prefix_blocks = max(1, -(-max(self.min_saved_kv_tokens, 1) // (15 * bs)))
         prefix = [block_id] * prefix_blocks
@@ -605,7 +613,7 @@ class SharedPrefixAttention:
             block_tables_cpu=tables,
             prefix_lens_cpu=[p] * 16 + [0, 0],
         )
-        query = torch.randn(qsl[-1], num_heads, head_dim, device=dev).to(kv_cache.dtype)
+        query = torch.randn(qsl[-1], num_heads, head_dim, device=dev).to(dtype or kv_cache.dtype)
         self.begin_step(meta)
         if self._sp is not None:
             self.forward(query, kv_cache, meta, scale)
@@ -817,6 +825,8 @@ class SharedPrefixAttention:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """FlashInfer's two-level cascade, planned at the step's first layer."""
+        if kv_cache.dtype != query.dtype:
+            raise ValueError("the FlashInfer cascade baseline needs a KV cache of the query dtype")
         cascade = self._cascade
         if cascade is None or cascade.scale != scale or cascade.dtype != query.dtype:
             from phloem.ops.attention.shared_prefix_flashinfer import FlashInferCascade

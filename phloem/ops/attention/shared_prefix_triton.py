@@ -94,6 +94,7 @@ def kv_step(
     kv_mask = j_ok[:, None] & d_ok[None, :]
     k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(kv_ptr + s_kkv + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache is read at half the bytes, computed in q's
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
     keep = j_ok[None, :] & ((pos0 + j)[None, :] <= qpos[:, None])
     s = tl.where(keep, s, float("-inf"))
@@ -138,7 +139,6 @@ def tile_kernel(
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # fmt: skip
-    q = q.to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -494,7 +494,8 @@ def shared_prefix_attention(
 
     Args:
         query: [T, H, D] (last dim contiguous); kv_cache: [num_blocks, 2, block_size, H_kv, D]
-            (last dim contiguous; read only); attn_meta / sp_meta: the step and its groups;
+            (last dim contiguous; read only; query's dtype or float8_e4m3fn, converted to the
+            query's dtype on load); attn_meta / sp_meta: the step and its groups;
         scale: softmax scale.
         block_m: query rows per tile (power of 2, >= 16; default from the widest segment);
         block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
