@@ -67,6 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--kv-fp8", action="store_true", help="float8_e4m3fn KV cache (queries --dtype)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -141,7 +142,8 @@ def make_step(args, groups: int, prefix_len: int, with_prefix: bool = True):
         qsl.append(qsl[-1] + n)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     shape = (num_blocks, 2, bs, args.num_kv_heads, args.head_dim)
-    kv = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).to(args.dtype)
+    kv = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32)
+    kv = kv.to(torch.float8_e4m3fn if args.kv_fp8 else args.dtype)
     q = torch.randn(qsl[-1], args.num_heads, args.head_dim, generator=gen, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
     slots = [t[p // bs] * bs + p % bs
@@ -202,6 +204,7 @@ def plain_backend(args, scale: float):
         head_dim=args.head_dim,
         scale=scale,
         dtype=args.dtype,
+        kv_dtype=torch.float8_e4m3fn if args.kv_fp8 else args.dtype,
         device=args.device,
         max_num_blocks_per_seq=(max(args.prefix_lens) + args.suffix_len + 1) // args.block_size + 1,
     )
