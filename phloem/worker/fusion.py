@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 def compile_elementwise_layers(model: nn.Module) -> int:
     """Replace the forward of each RMSNorm and RotaryEmbedding instance of `model` (and
-    SiluAndMul where its Triton kernel is unavailable) with a compiled version (mutates the instances; compiles lazily on first call). Returns how
-    many instances were wrapped; 0 when PHLOEM_TORCH_COMPILE=0."""
+    SiluAndMul where its Triton kernel is unavailable) with a compiled version (mutates the
+    instances; compiles lazily on first call). Returns how many instances were wrapped; 0 when
+    PHLOEM_TORCH_COMPILE=0."""
     if os.environ.get("PHLOEM_TORCH_COMPILE", "1") == "0":
         return 0
     from phloem.layers.activation import SiluAndMul, _fused

@@ -702,6 +702,16 @@ def test_warmup_runs_one_shared_step_and_counts_nothing():
     assert backend.num_saved_kv_tokens == 0
 
 
+def test_warmup_with_a_prefill_split_counts_nothing(triton_kernel):
+    """The warm-up step's prefill chunk goes to the prefill backend; no counter keeps it."""
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", min_saved_kv_tokens=16,
+                                    partial_cost_tokens=1, prefill_backend=ReferenceAttention(),
+                                    block_n=16)  # fmt: skip
+    backend.warmup(torch.randn(3, 2, 16, 2, 8), num_heads=4, block_id=2, scale=0.3)
+    assert backend.last_path == "shared_prefix"
+    assert set(backend.stats().values()) == {0, "shared_prefix"}
+
+
 def test_builder_compares_whole_prefix():
     """Same length, first and last block, different middle block: two groups, not one."""
     tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 9, 3, 12], [1, 9, 3, 13], [1, 2, 3, 14]]

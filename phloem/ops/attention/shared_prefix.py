@@ -375,6 +375,40 @@ def _pad_groups(sp: SharedPrefixMetadata, meta: AttentionMetadata) -> SharedPref
     )
 
 
+def _host_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str | None = None,
+    padded_tables: bool = False,
+    prefix_lens: list[int] | None = None,
+) -> AttentionMetadata:
+    """A step's metadata from host lists (what planning backends read). Device fields:
+    `query_start_loc` and `seq_lens` on `device` (empty when None), the 0-padded block table
+    only with `padded_tables` (for backends that read it), no slot mapping."""
+    qsl = [0, *itertools.accumulate(query_lens)]
+    i32 = dict(dtype=torch.int32, device=device)
+    empty = torch.empty(0, **i32)
+    tables = empty
+    if padded_tables:
+        width = max(map(len, block_tables), default=0)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], **i32)
+    return AttentionMetadata(
+        slot_mapping=empty,
+        query_start_loc=empty if device is None else torch.tensor(qsl, **i32),
+        seq_lens=empty if device is None else torch.tensor(seq_lens, **i32),
+        block_tables=tables,
+        block_size=block_size,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        block_tables_cpu=block_tables,
+        prefix_lens_cpu=prefix_lens,
+    )
+
+
 class SharedPrefixAttention:
     """An `AttentionBackend` that runs cascade attention on steps where prefix sharing pays, and
     delegates every other step (and every CUDA-graph step) to a plain paged backend.
@@ -527,20 +561,9 @@ class SharedPrefixAttention:
         ("shared_graph", groups) the "shared_prefix" graph (offered only when `shared_graph`:
         the runner has one for the step's batch; the step must also fit its buffers);
         ("eager", groups) the shared path without a graph. Host only, no counters."""
-        empty = torch.empty(0, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=empty,
-            query_start_loc=empty,
-            seq_lens=empty,
-            block_tables=empty,
-            block_size=block_size,
-            max_query_len=1,
-            max_seq_len=max(seq_lens, default=0),
-            query_start_loc_cpu=list(range(len(seq_lens) + 1)),
-            seq_lens_cpu=seq_lens,
-            block_tables_cpu=block_tables,
+        meta = _host_metadata(
+            [1] * len(seq_lens), seq_lens, block_tables, block_size, prefix_lens=prefix_lens
         )
-        meta.prefix_lens_cpu = prefix_lens  # type: ignore[attr-defined]
         sp = self.plan(meta)
         if sp is None:
             return "graph", None
@@ -595,33 +618,18 @@ class SharedPrefixAttention:
         p = prefix_blocks * bs
         chunk = max(32, self.prefill_min_query_len)  # also loads `prefill_backend`'s kernel
         tables = [prefix + [block_id]] * 16 + [[block_id]] + [[block_id] * -(-chunk // bs)]
-        seq_lens = [p + 1] * 16 + [1, chunk]
-        q_lens = [1] * 17 + [chunk]
-        qsl = [0, *itertools.accumulate(q_lens)]
-        dev = kv_cache.device
-        empty = torch.empty(0, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=empty,
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=empty,
-            block_size=bs,
-            max_query_len=chunk,
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            block_tables_cpu=tables,
-            prefix_lens_cpu=[p] * 16 + [0, 0],
-        )
-        query = torch.randn(qsl[-1], num_heads, head_dim, device=dev).to(dtype or kv_cache.dtype)
+        meta = _host_metadata(
+            [1] * 17 + [chunk], [p + 1] * 16 + [1, chunk], tables, bs, device=kv_cache.device,
+            prefix_lens=[p] * 16 + [0, 0],
+        )  # fmt: skip
+        num_tokens = meta.query_start_loc_cpu[-1]
+        query = torch.randn(num_tokens, num_heads, head_dim, device=kv_cache.device)
+        counters = self._counters()
         self.begin_step(meta)
         if self._sp is not None:
-            self.forward(query, kv_cache, meta, scale)
-            self.num_shared_steps -= 1  # not a step of the workload
-            self.num_saved_kv_tokens -= self._sp.saved_kv_tokens
-        else:
-            self.num_plain_steps -= 1
+            self.forward(query.to(dtype or kv_cache.dtype), kv_cache, meta, scale)
         self.end_step()
+        self._set_counters(counters)  # not a step of the workload
 
     def begin_step(
         self,
@@ -720,16 +728,24 @@ class SharedPrefixAttention:
             "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
         }
 
+    _COUNTERS = ("num_shared_steps", "num_plain_steps", "num_graph_steps",
+                 "num_shared_graph_steps", "num_prefill_split_steps", "num_saved_kv_tokens")  # fmt: skip
+
+    def _counters(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self._COUNTERS)
+
+    def _set_counters(self, values: tuple[int, ...]) -> None:
+        for name, value in zip(self._COUNTERS, values, strict=True):
+            setattr(self, name, value)
+
     def reset_stats(self) -> None:
         """Zero the counters of `stats()` (e.g. after CUDA-graph captures and warm-up steps)."""
-        self.num_shared_steps = self.num_plain_steps = self.num_graph_steps = 0
-        self.num_shared_graph_steps = self.num_prefill_split_steps = 0
-        self.num_saved_kv_tokens = 0
+        self._set_counters((0,) * len(self._COUNTERS))
 
     def _plan_prefill_split(
         self, meta: AttentionMetadata, sp: SharedPrefixMetadata
     ) -> tuple[np.ndarray, Any, AttentionMetadata] | None:
-        """(exclude mask [B], token slice or index list, sub-step metadata) for the step's long
+        """(exclude mask [B], token slice or index tensor, sub-step metadata) for the step's long
         ungrouped prefill chunks, planned on `prefill_backend`; None when there are none."""
         qsl, bs = meta.query_start_loc_cpu, meta.block_size
         seqs = [
@@ -741,31 +757,17 @@ class SharedPrefixAttention:
         tables = meta.block_tables_cpu
         if tables is None:
             tables = meta.block_tables.tolist()
-        sub_qsl = [0, *itertools.accumulate(qsl[b + 1] - qsl[b] for b in seqs)]
         seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
-        sub_tables = [tables[b][: -(-meta.seq_lens_cpu[b] // bs)] for b in seqs]
+        sub = _host_metadata(
+            [qsl[b + 1] - qsl[b] for b in seqs], seq_lens,
+            [tables[b][: -(-n // bs)] for b, n in zip(seqs, seq_lens)], bs, device="cpu",
+            padded_tables=getattr(self.prefill_backend, "needs_block_tables", True),
+        )  # fmt: skip
         if all(qsl[a + 1] == qsl[b] for a, b in zip(seqs, seqs[1:])):
             index: Any = slice(qsl[seqs[0]], qsl[seqs[-1] + 1])
-        else:
-            index = [t for b in seqs for t in range(qsl[b], qsl[b + 1])]
-        i32 = dict(dtype=torch.int32)
-        if getattr(self.prefill_backend, "needs_block_tables", True):
-            width = max(map(len, sub_tables))
-            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in sub_tables], **i32)
-        else:
-            block_tables = torch.empty(0, **i32)
-        sub = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64),
-            query_start_loc=torch.tensor(sub_qsl, **i32),
-            seq_lens=torch.tensor(seq_lens, **i32),
-            block_tables=block_tables,
-            block_size=bs,
-            max_query_len=max(b - a for a, b in zip(sub_qsl, sub_qsl[1:])),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=sub_qsl,
-            seq_lens_cpu=seq_lens,
-            block_tables_cpu=sub_tables,
-        )
+        else:  # the chunks' token indices, uploaded once for the step's layers
+            tokens = np.concatenate([np.arange(qsl[b], qsl[b + 1]) for b in seqs])
+            index = to_device(tokens, meta.query_start_loc.device)
         begin = getattr(self.prefill_backend, "begin_step", None)
         if begin is not None:
             begin(sub)
@@ -778,7 +780,7 @@ class SharedPrefixAttention:
     ) -> None:
         """Write the split-off prefill chunks' attention into `out` (in place when the chunks'
         tokens are contiguous and the backend takes `out`, else gathered and scattered)."""
-        exclude, index, sub = self._split
+        _, index, sub = self._split
         prefill = self.prefill_backend
         if isinstance(index, slice):
             dst = out[index]
@@ -787,9 +789,6 @@ class SharedPrefixAttention:
             else:
                 dst.copy_(prefill.forward(query[index], kv_cache, sub, scale))
             return
-        if isinstance(index, list):  # first layer of the step: upload the token indices once
-            index = to_device(np.array(index, dtype=np.int64), query.device)
-            self._split = (exclude, index, sub)
         out.index_copy_(0, index, prefill.forward(query.index_select(0, index), kv_cache, sub,
                                                   scale))  # fmt: skip
 

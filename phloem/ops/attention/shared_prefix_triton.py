@@ -659,8 +659,6 @@ class DecodeGraphPlan:
         batch = attn_meta.num_seqs
         if batch > self.max_batch or attn_meta.query_start_loc_cpu[-1] != batch:
             raise ValueError(f"a graph step needs <= {self.max_batch} decode sequences (q_len 1)")
-        if sum(map(len, sp.group_block_ids)) + sum(map(len, sp.suffix_block_ids)) > self.max_blocks:
-            raise ValueError(f"the step's block ids exceed the graph buffer ({self.max_blocks})")
         host = _plan_host(
             attn_meta, sp, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.device,
             self.block_m, self.block_n, None, self.num_heads * (self.head_dim + 1) * 4,
@@ -668,6 +666,8 @@ class DecodeGraphPlan:
         )  # fmt: skip
         if len(host.narrow) != batch or len(host.wide) > batch:
             raise ValueError("not a decode step: tiles do not match the graph's grid")
+        if len(host.blocks) > self.max_blocks:
+            raise ValueError(f"the step's block ids exceed the graph buffer ({self.max_blocks})")
         off = self._off
         data = np.zeros(off["blocks"] + len(host.blocks), dtype=np.int32)
         data[off["wide"] : off["wide"] + host.wide.size] = host.wide.ravel()
