@@ -468,7 +468,7 @@ class SharedPrefixAttention:
             planned for just those sequences, and our kernel computes the rest. Prefill chunks
             are compute-bound, where a library kernel tuned per GPU beats our portable tiles
             (FlashInfer's Hopper "fa3" kernels: 399 vs 259 TFLOP/s on an H200,
-            benchmarks/results/2026-11-23-h200/prefill-attention.json);
+            benchmarks/results/2026-11-23-h200-b/prefill-attention.json);
             `get_attention_backend` sets it on Hopper GPUs.
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     """
