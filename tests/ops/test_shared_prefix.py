@@ -416,8 +416,9 @@ def test_gpu_triton_and_flashinfer_read_an_fp8_cache():
     scale = 128**-0.5
     want = ReferenceAttention().forward(q.float(), kv8.float(), meta, scale)
     sp = build_shared_prefix_metadata(meta, prefix_lens)
-    got = shared_prefix_attention_triton(q, kv8, meta, sp, scale)
-    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
+    for fp8_math in ("f16", "q"):
+        got = shared_prefix_attention_triton(q, kv8, meta, sp, scale, fp8_math=fp8_math)
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2)
     pytest.importorskip("flashinfer")
     from phloem.ops.attention import get_attention_backend
 
@@ -771,18 +772,26 @@ def test_prefill_chunks_split_to_another_backend(triton_kernel, min_query_len):
     assert backend.stats()["prefill_split_steps"] == 1
 
 
-def test_triton_reads_an_fp8_cache(triton_kernel):
-    """float8_e4m3fn KV (NaN kept in unowned slots) with float16 queries: our kernel converts on
-    load and matches the float64 math on the dequantized cache."""
+@pytest.mark.parametrize(
+    "q_dtype,fp8_math,atol",
+    [(torch.float16, "f16", 5e-3), (torch.bfloat16, "f16", 2e-2), (torch.float16, "q", 5e-3)],
+)
+def test_triton_reads_an_fp8_cache(triton_kernel, q_dtype, fp8_math, atol):
+    """float8_e4m3fn KV (NaN kept in unowned slots) with 16-bit queries: our kernel converts on
+    load (to float16 with the pre-scaled query, or to the query's dtype) and matches the float64
+    math on the dequantized cache (tolerance: the output dtype's rounding). The interpreter
+    cannot convert FP8 to bfloat16, so the "q" mode runs float16 queries here; the GPU tests
+    cover bfloat16."""
     rng = random.Random(7)
     groups = [(32, random_members(rng, 4, max_own=20)), (16, [(1, 2), (2, 5)])]
     q, kv, meta, prefix_lens = make_shared_step(groups, [(1, 9), (5, 5)], 4, 2, 16,
                                                 torch.float32, seed=3)  # fmt: skip
     kv8 = kv.clamp(-448, 448).to(torch.float8_e4m3fn)
-    q16 = q.to(torch.float16)
+    q16 = (q * 4).to(q_dtype)  # |q| up to ~16: the scores span a wide softmax range
     sp = build_shared_prefix_metadata(meta, prefix_lens)
     dev = device()
-    out = shared_prefix_attention_triton(q16.to(dev), kv8.to(dev), meta, sp, 0.4, block_n=16)
-    assert out.dtype == torch.float16
+    out = shared_prefix_attention_triton(q16.to(dev), kv8.to(dev), meta, sp, 0.4, block_n=16,
+                                         fp8_math=fp8_math)  # fmt: skip
+    assert out.dtype == q_dtype
     want = paged_attention_reference(q16.double(), kv8.double(), meta, 0.4)
-    torch.testing.assert_close(out.cpu().double(), want, rtol=0, atol=2e-3)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=0, atol=atol)

@@ -24,6 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from phloem.ops.attention.interface import AttentionMetadata
 from phloem.ops.attention.shared_prefix import SharedPrefixMetadata
+from phloem.ops.kv_store import FP8_KV_DTYPE
 from phloem.ops.staging import pinned, to_device
 
 _LOG2E = 1.4426950408889634
@@ -94,7 +95,8 @@ def kv_step(
     kv_mask = j_ok[:, None] & d_ok[None, :]
     k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(kv_ptr + s_kkv + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache is read at half the bytes, computed in q's
+    # an FP8 cache is read at half the bytes and computed in q's dtype (float16 under F16_MATH)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
     keep = j_ok[None, :] & ((pos0 + j)[None, :] <= qpos[:, None])
     s = tl.where(keep, s, float("-inf"))
@@ -115,7 +117,7 @@ def tile_kernel(
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, F16_MATH: tl.constexpr,
 ):  # fmt: skip
     desc = tiles_ptr + tl.program_id(0) * 8
     kvh = tl.program_id(1)
@@ -139,6 +141,11 @@ def tile_kernel(
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # fmt: skip
+    if F16_MATH:  # FP8 cache: e4m3 -> float16 is one exact conversion (bf16 is not)
+        q = (q.to(tl.float32) * scale_log2).to(tl.float16)  # pre-scaled: |q| far below 65504
+        s_mul = 1.0
+    else:
+        s_mul = scale_log2
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -151,14 +158,14 @@ def tile_kernel(
         while start < kv_end:
             m_i, l_i, acc = kv_step(
                 q, m_i, l_i, acc, start, kv_end, pos0, qpos, kv_ptr, blk_ptr, blk_off, kvh,
-                scale_log2, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in range(kv_begin, kv_end, BLOCK_N):
             m_i, l_i, acc = kv_step(
                 q, m_i, l_i, acc, start, kv_end, pos0, qpos, kv_ptr, blk_ptr, blk_off, kvh,
-                scale_log2, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
             )  # fmt: skip
     has = l_i > 0
     l_use = tl.where(has, l_i, 1.0)
@@ -427,14 +434,24 @@ def _launch(
     narrow_num_warps: int | None,
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
+    fp8_math: str = "f16",
 ) -> None:
     """The step's tile launches, then the merge (when it has rows to merge). The narrow launch
-    (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count."""
+    (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count.
+    `fp8_math` (FP8 cache, 16-bit queries): "f16" converts K/V and the pre-scaled query to
+    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     opart, lpart = plan.opart, plan.lpart
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
+    if fp8_math not in ("f16", "q"):
+        raise ValueError(f"fp8_math must be 'f16' or 'q', got {fp8_math!r}")
+    f16_math = (
+        fp8_math == "f16"
+        and kv_cache.dtype == FP8_KV_DTYPE
+        and query.dtype in (torch.bfloat16, torch.float16)
+    )
     for tiles, tile_m, narrow in plan.launches:
         warps, stages, block_n = num_warps, num_stages, plan.block_n
         if narrow:
@@ -451,7 +468,7 @@ def _launch(
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
             GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
             BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
-            INTERPRET=_interpreting(),
+            INTERPRET=_interpreting(), F16_MATH=f16_math,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     if plan.merge_grid:
@@ -480,6 +497,7 @@ def shared_prefix_attention(
     narrow_num_warps: int | None = None,
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
+    fp8_math: str = "f16",
     exclude: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
@@ -506,6 +524,9 @@ def shared_prefix_attention(
             (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
             default `num_warps`; `narrow_block_n` and `narrow_num_stages`, default `block_n`
             and `num_stages`) instead of being padded to the wide tiles' BLOCK_M.
+        fp8_math: with an FP8 cache and 16-bit queries, "f16" (default) computes in float16:
+            K/V convert exactly and the query is pre-multiplied by the softmax scale (so its
+            range fits float16); "q" converts K/V to the query's dtype (slower for bfloat16).
         exclude: bool [B] or None: ungrouped sequences computed elsewhere (their output rows are
             left unwritten for the caller); fixed for the step (the plan is cached per step).
     Returns:
@@ -545,7 +566,7 @@ def shared_prefix_attention(
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
     _launch(plan, query, kv_cache, out, scale, attn_meta.block_size, num_warps, num_stages,
-            narrow_num_warps, narrow_block_n, narrow_num_stages)  # fmt: skip
+            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math)  # fmt: skip
     return out
 
 
