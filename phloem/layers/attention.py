@@ -1,10 +1,14 @@
 """The attention layer: writes this step's K/V into its layer's paged cache, then calls the backend.
 
 It reads everything step-specific from `phloem.forward_context.get_forward_context()`: the metadata,
-`kv_caches[layer_idx]` and the backend. It owns no kernel and imports no kernel library.
+`kv_caches[layer_idx]` and the backend. It owns no kernel: given the model's RotaryEmbedding, it
+rotates q and k itself, on CUDA with the fused RoPE + KV-write Triton kernel
+(`phloem.ops.rope_kv`, imported lazily), elsewhere with the module and `write_kv`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -33,13 +37,22 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: nn.Module | None = None,
+    ) -> torch.Tensor:
         """Attention over the step's packed tokens.
 
         Args:
             q: [T, num_heads * head_dim] (or [T, num_heads, head_dim]); k, v: [T, num_kv_heads *
-                head_dim] (or 3-D). k and v are written to the cache at `attn_metadata.slot_mapping`
-                (mutates `kv_caches[layer_idx]`).
+                head_dim] (or 3-D); views with a contiguous last dim are fine. k and v are written
+                to the cache at `attn_metadata.slot_mapping` (mutates `kv_caches[layer_idx]`).
+            positions: int64 [T] and rotary_emb (a `RotaryEmbedding`): when given, q and k are
+                rotated first (RoPE), fused with the KV write on CUDA.
         Returns:
             [T, num_heads * head_dim] in q's dtype.
         Raises:
@@ -49,10 +62,17 @@ class Attention(nn.Module):
         meta = ctx.attn_metadata
         kv_cache = ctx.kv_caches[self.layer_idx]
         num_tokens = q.shape[0]
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # views for the QKV split
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        fused = _rope_kv_kernel(q) if rotary_emb is not None else None
+        if fused is not None:
+            q = fused(positions, q, k, v, rotary_emb.cos, rotary_emb.sin, kv_cache,
+                      meta.slot_mapping)  # fmt: skip
+        else:
+            if rotary_emb is not None:
+                q, k = rotary_emb(positions, q, k)
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         out = ctx.backend.forward(q, kv_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
@@ -61,3 +81,19 @@ class Attention(nn.Module):
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"layer={self.layer_idx}"
         )
+
+
+def _rope_kv_kernel(q: torch.Tensor):
+    """The fused RoPE + KV-write kernel for q's device: on CUDA where Triton imports, else None
+    (tests swap this to run the kernel under the interpreter)."""
+    return _fused_rope_kv() if q.is_cuda else None
+
+
+@functools.cache
+def _fused_rope_kv():
+    """The Triton RoPE + KV-write kernel, or None where Triton does not import."""
+    try:
+        from phloem.ops.rope_kv import rope_and_write_kv
+    except ImportError:
+        return None
+    return rope_and_write_kv

@@ -118,8 +118,7 @@ class LlamaAttention(nn.Module):
             num_tokens = hidden.shape[0]
             q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):

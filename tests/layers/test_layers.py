@@ -178,3 +178,44 @@ def test_attention_layer_writes_cache_and_attends() -> None:
     assert torch.count_nonzero(caches[0]) == 0  # other layers untouched
     expected = paged_attention_reference(q.view(5, heads, head_dim), caches[1], meta, 0.3)
     torch.testing.assert_close(out.double(), expected.reshape(5, -1), atol=1e-6, rtol=1e-6)
+
+
+def test_attention_layer_rope_paths_agree(monkeypatch) -> None:
+    """With a RotaryEmbedding, the layer's fused RoPE + KV-write kernel (CUDA; forced here under
+    the Triton interpreter) and its torch path (the module, then write_kv) give the same output
+    and the same cache, from strided q/k/v views of one QKV tensor as the model passes them."""
+    pytest.importorskip("triton")
+    import phloem.layers.attention as attention_layer
+    from phloem.ops.rope_kv import _rope_kv_kernel, rope_and_write_kv
+
+    if not torch.cuda.is_available() and "Interpreted" not in type(_rope_kv_kernel).__name__:
+        pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
+    torch.manual_seed(5)
+    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    rope = RotaryEmbedding(head_dim, head_dim, 64, {"rope_theta": 100.0, "rope_type": "default"})
+    layer = Attention(heads, kv_heads, head_dim, 0.3, layer_idx=0)
+    slots = torch.tensor([12, 13, 14, 15, 0])
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        block_tables=torch.tensor([[3, 0]], dtype=torch.int32),
+        block_size=block_size,
+        max_query_len=5,
+        max_seq_len=5,
+        query_start_loc_cpu=[0, 5],
+        seq_lens_cpu=[5],
+    )
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.tensor([7, 3, 40, 0, 63])
+    results = []
+    for kernel in (None, rope_and_write_kv):
+        monkeypatch.setattr(attention_layer, "_rope_kv_kernel", lambda q, kernel=kernel: kernel)
+        cache = torch.zeros(6, 2, block_size, kv_heads, head_dim)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        with forward_context(ForwardContext(meta, [cache], ReferenceAttention())):
+            results.append((layer(q, k, v, positions, rope), cache))
+    (want, want_cache), (got, got_cache) = results
+    assert torch.count_nonzero(want_cache) == 5 * 2 * kv_heads * head_dim
+    torch.testing.assert_close(got_cache, want_cache, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,160 @@
+"""RoPE on q and k plus the KV-cache write as one Triton kernel, imported lazily.
+
+Between the QKV GEMM and attention, each layer rotates q and k (RoPE) and scatters k and v into
+the paged cache. As separate steps (inductor's fused RoPE, then `index_copy_` for K and V) that
+was about 200 us per layer in 8K-token steps of Llama-3.1-8B on an H200 (the kernel table of
+benchmarks/results/2026-11-23-h200-b/README.md), for ~200 MB of traffic that takes ~50 us at HBM
+bandwidth. This kernel reads q, k, v once (strided views of the QKV output are fine), writes the
+rotated q to a new tensor and the rotated k and v straight into their cache slots: one launch,
+no intermediate k, no host sync for padding slots (slot -1 is skipped in the kernel).
+
+Math as `phloem.layers.rotary.RotaryEmbedding` (neox / `rotate_half` layout, rotation in float32
+from the float32 cos/sin table, the first `rotary_dim` of each head rotated, the rest passed
+through) and `phloem.ops.kv_store.write_kv` (cast to the cache dtype; FP8 clamped to +-448).
+
+Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from phloem.ops.kv_store import FP8_KV_DTYPE
+
+
+@triton.jit
+def _rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cos,
+    s_cb, s_ckv, s_cs, s_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_REST: tl.constexpr, BLOCK_REST: tl.constexpr, PAGE: tl.constexpr, CLAMP: tl.constexpr,
+):  # fmt: skip
+    """One program per token: its q heads rotated into q_out; its k heads rotated and its v
+    heads copied into the cache slot (nothing written for a negative slot)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_HALF)
+    c_ok = offs < HALF
+    cos = tl.load(cos_ptr + pos * s_cos + offs, mask=c_ok, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * s_cos + offs, mask=c_ok, other=0.0)[None, :]
+    heads = tl.arange(0, BLOCK_H)
+    rest = 2 * HALF + tl.arange(0, BLOCK_REST)  # the pass-through tail of each head
+    r_ok = rest < HEAD_DIM
+
+    q_ok = heads < NUM_HEADS
+    qm = q_ok[:, None] & c_ok[None, :]
+    q_src = q_ptr + t * s_qt + heads[:, None] * s_qh
+    q_dst = q_out_ptr + t * s_ot + heads[:, None] * s_oh
+    x1 = tl.load(q_src + offs[None, :], mask=qm, other=0.0).to(tl.float32)
+    x2 = tl.load(q_src + HALF + offs[None, :], mask=qm, other=0.0).to(tl.float32)
+    q_ty = q_out_ptr.dtype.element_ty
+    tl.store(q_dst + offs[None, :], (x1 * cos - x2 * sin).to(q_ty), mask=qm)
+    tl.store(q_dst + HALF + offs[None, :], (x2 * cos + x1 * sin).to(q_ty), mask=qm)
+    if HAS_REST:
+        qr = q_ok[:, None] & r_ok[None, :]
+        tl.store(q_dst + rest[None, :], tl.load(q_src + rest[None, :], mask=qr), mask=qr)
+
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        # K of a slot lives at [block, 0, offset], its V at [block, 1, offset]
+        k_dst = cache_ptr + (slot // PAGE) * s_cb + (slot % PAGE) * s_cs + heads[:, None] * s_ch
+        v_dst = k_dst + s_ckv
+        kv_ok = heads < NUM_KV_HEADS
+        km = kv_ok[:, None] & c_ok[None, :]
+        k_src = k_ptr + t * s_kt + heads[:, None] * s_kh
+        v_src = v_ptr + t * s_vt + heads[:, None] * s_vh
+        x1 = tl.load(k_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
+        x2 = tl.load(k_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
+        k1 = x1 * cos - x2 * sin
+        k2 = x2 * cos + x1 * sin
+        v1 = tl.load(v_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
+        v2 = tl.load(v_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
+        if CLAMP:  # FP8 cache: +-448 is e4m3's largest finite value
+            k1 = tl.minimum(tl.maximum(k1, -448.0), 448.0)
+            k2 = tl.minimum(tl.maximum(k2, -448.0), 448.0)
+            v1 = tl.minimum(tl.maximum(v1, -448.0), 448.0)
+            v2 = tl.minimum(tl.maximum(v2, -448.0), 448.0)
+        c_ty = cache_ptr.dtype.element_ty
+        tl.store(k_dst + offs[None, :], k1.to(c_ty), mask=km)
+        tl.store(k_dst + HALF + offs[None, :], k2.to(c_ty), mask=km)
+        tl.store(v_dst + offs[None, :], v1.to(c_ty), mask=km)
+        tl.store(v_dst + HALF + offs[None, :], v2.to(c_ty), mask=km)
+        if HAS_REST:
+            rm = kv_ok[:, None] & r_ok[None, :]
+            kr = tl.load(k_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
+            vr = tl.load(v_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
+            if CLAMP:
+                kr = tl.minimum(tl.maximum(kr, -448.0), 448.0)
+                vr = tl.minimum(tl.maximum(vr, -448.0), 448.0)
+            tl.store(k_dst + rest[None, :], kr.to(c_ty), mask=rm)
+            tl.store(v_dst + rest[None, :], vr.to(c_ty), mask=rm)
+
+
+def rope_and_write_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k by position (RoPE) and write the rotated k and v into the paged cache.
+
+    Args:
+        positions: int64 [T], each in [0, cos.shape[0]).
+        query: [T, H, D]; key, value: [T, H_kv, D] (any strides with a contiguous last dim,
+            e.g. views of the fused QKV output).
+        cos, sin: float32 [max_position, rotary_dim / 2] (`RotaryEmbedding.cos` / `.sin`);
+            the first rotary_dim of each head rotate, the rest pass through.
+        kv_cache: [num_blocks, 2, block_size, H_kv, D], contiguous, query's dtype or
+            float8_e4m3fn (values clamped to +-448); mutated at the slots.
+        slot_mapping: int64 [T]: the cache slot of each token (block * block_size + offset);
+            negative slots are not written.
+    Returns:
+        The rotated query, a new [T, H, D] tensor in query's dtype.
+    Raises:
+        ValueError: for mismatched shapes, a non-contiguous cache or last dimension.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, two, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    half = cos.shape[1]
+    expected = (num_tokens, num_kv_heads, head_dim)
+    if (
+        two != 2
+        or cache_dim != head_dim
+        or tuple(key.shape) != expected
+        or tuple(value.shape) != expected
+        or slot_mapping.shape[0] != num_tokens
+        or 2 * half > head_dim
+        or tuple(sin.shape) != tuple(cos.shape)
+    ):
+        raise ValueError(
+            f"shape mismatch: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)}, kv_cache {tuple(kv_cache.shape)}, cos {tuple(cos.shape)}, "
+            f"slot_mapping {tuple(slot_mapping.shape)}"
+        )
+    if not kv_cache.is_contiguous() or any(x.stride(-1) != 1 for x in (query, key, value, cos)):
+        raise ValueError("kv_cache must be contiguous and q/k/v/cos need a contiguous last dim")
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    rest = head_dim - 2 * half
+    cache = kv_cache
+    _rope_kv_kernel[(num_tokens,)](
+        query, key, value, positions, cos, sin, slot_mapping, cache, out,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        HAS_REST=rest > 0, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
+        PAGE=block_size, CLAMP=kv_cache.dtype == FP8_KV_DTYPE, num_warps=4,
+    )  # fmt: skip
+    return out
