@@ -88,6 +88,39 @@ def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, bool]:
     return args.model, False
 
 
+class GCPauses:
+    """Time the host spends in Python's cyclic garbage collector (gc.callbacks), by generation,
+    while installed (`with GCPauses() as gc_pauses:`). Full collections walk every live container,
+    e.g. every queued prompt's token list: long pauses here stall the step loop."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self.longest_s = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        spent = time.perf_counter() - self._start
+        generation = info.get("generation", 2)
+        self.seconds[generation] += spent
+        self.collections[generation] += 1
+        self.longest_s = max(self.longest_s, spent)
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def to_dict(self) -> dict:
+        return {"pause_s": sum(self.seconds), "pause_s_by_generation": self.seconds,
+                "collections": self.collections, "longest_pause_s": self.longest_s}  # fmt: skip
+
+
 def _generate(llm, workload) -> tuple[float, list]:
     from phloem import SamplingParams
 
@@ -423,7 +456,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     trace = None
     if args.trace_steps or window:
         trace = StepTrace(llm.llm_engine, window, args.profile)
-    elapsed, outputs = _generate(llm, workload)
+    with GCPauses() as gc_pauses:
+        elapsed, outputs = _generate(llm, workload)
     num_in = workload.num_input_tokens
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     result: dict = {
@@ -447,6 +481,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "engine": _engine_info(llm),
         "attention": _attention_stats(llm),
         "steps": trace.summary() if trace is not None else None,
+        "gc": gc_pauses.to_dict(),
         "versions": _versions(),
         "command": "phloem " + " ".join(sys.argv[1:]),
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -530,6 +565,12 @@ def _report(r: dict) -> None:
                 f"p99 {p['p99'] * 1e3:.1f}"
             )
     lines.append(f"  prefix tokens reused: {r['prefix_tokens_reused']:.1%}")
+    if r.get("gc"):
+        g = r["gc"]
+        lines.append(
+            f"  host gc: {g['pause_s']:.2f} s in {sum(g['collections'])} collections (gen 2: "
+            f"{g['collections'][2]}, longest {g['longest_pause_s'] * 1e3:.0f} ms)"
+        )
     for kind, t in (r.get("steps") or {}).items():
         device = "" if t["device_ms"] is None else f", device {t['device_ms']:.1f}"
         lines.append(

@@ -46,3 +46,20 @@ def test_bench_json_on_cpu(tmp_path):
         assert key in r, key
     assert r["num_requests"] == 3 and r["engine"]["attention_backend"] == "reference"
     assert r["output_tokens"] == 15 and r["total_tokens_per_s"] > 0
+    assert set(r["gc"]) == {"pause_s", "pause_s_by_generation", "collections", "longest_pause_s"}
+
+
+def test_gc_pauses_counts_collections():
+    import gc
+
+    from phloem.entrypoints.bench import GCPauses
+
+    with GCPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    assert pauses.collections[2] >= 1 and pauses.collections[0] >= 1
+    assert pauses.seconds[2] > 0 and pauses.longest_s >= pauses.seconds[2] / pauses.collections[2]
+    assert pauses._callback not in gc.callbacks  # removed on exit
+    before = list(pauses.collections)
+    gc.collect()
+    assert pauses.collections == before
