@@ -191,27 +191,29 @@ def test_attention_layer_rope_paths_agree(monkeypatch) -> None:
     if not torch.cuda.is_available() and "Interpreted" not in type(_rope_kv_kernel).__name__:
         pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
     torch.manual_seed(5)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
     rope = RotaryEmbedding(head_dim, head_dim, 64, {"rope_theta": 100.0, "rope_type": "default"})
+    rope = rope.to(dev)
     layer = Attention(heads, kv_heads, head_dim, 0.3, layer_idx=0)
     slots = torch.tensor([12, 13, 14, 15, 0])
     meta = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
-        seq_lens=torch.tensor([5], dtype=torch.int32),
-        block_tables=torch.tensor([[3, 0]], dtype=torch.int32),
+        slot_mapping=slots.to(dev),
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([5], dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([[3, 0]], dtype=torch.int32, device=dev),
         block_size=block_size,
         max_query_len=5,
         max_seq_len=5,
         query_start_loc_cpu=[0, 5],
         seq_lens_cpu=[5],
     )
-    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim)
-    positions = torch.tensor([7, 3, 40, 0, 63])
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, device=dev)
+    positions = torch.tensor([7, 3, 40, 0, 63], device=dev)
     results = []
     for kernel in (None, rope_and_write_kv):
         monkeypatch.setattr(attention_layer, "_rope_kv_kernel", lambda q, kernel=kernel: kernel)
-        cache = torch.zeros(6, 2, block_size, kv_heads, head_dim)
+        cache = torch.zeros(6, 2, block_size, kv_heads, head_dim, device=dev)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         with forward_context(ForwardContext(meta, [cache], ReferenceAttention())):
             results.append((layer(q, k, v, positions, rope), cache))

@@ -708,7 +708,7 @@ def test_warmup_with_a_prefill_split_counts_nothing(triton_kernel):
     backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", min_saved_kv_tokens=16,
                                     partial_cost_tokens=1, prefill_backend=ReferenceAttention(),
                                     block_n=16)  # fmt: skip
-    backend.warmup(torch.randn(3, 2, 16, 2, 8), num_heads=4, block_id=2, scale=0.3)
+    backend.warmup(torch.randn(3, 2, 16, 2, 8, device=device()), num_heads=4, block_id=2, scale=0.3)
     assert backend.last_path == "shared_prefix"
     assert set(backend.stats().values()) == {0, "shared_prefix"}
 

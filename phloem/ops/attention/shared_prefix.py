@@ -789,6 +789,9 @@ class SharedPrefixAttention:
             else:
                 dst.copy_(prefill.forward(query[index], kv_cache, sub, scale))
             return
+        if index.device != query.device:  # metadata built on another device (tests): once
+            index = index.to(query.device)
+            self._split = (self._split[0], index, sub)
         out.index_copy_(0, index, prefill.forward(query.index_select(0, index), kv_cache, sub,
                                                   scale))  # fmt: skip
 
