@@ -84,7 +84,7 @@ class _TritonPlan:
 def kv_step(
     q, m_i, l_i, acc, start, kv_end, pos0, qpos, kv_ptr, blk_ptr, blk_off, kvh,
     scale_log2, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N slice of KV indices [start, start + BLOCK_N) into the online softmax
     (log2 units: scores are pre-multiplied by scale * log2(e), exp2 throughout)."""
@@ -92,10 +92,7 @@ def kv_step(
     j_ok = j < kv_end
     bid = tl.load(blk_ptr + blk_off + j // PAGE, mask=j_ok, other=0).to(tl.int64)
     kv_off = bid * s_kb + (j % PAGE) * s_ks + kvh * s_kh
-    if EVEN_D:  # a row-constant mask: loads stay vectorized along D
-        kv_mask = j_ok[:, None]
-    else:
-        kv_mask = j_ok[:, None] & d_ok[None, :]
+    kv_mask = j_ok[:, None] & d_ok[None, :]
     k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(kv_ptr + s_kkv + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     # an FP8 cache is read at half the bytes and computed in q's dtype (float16 under F16_MATH)
@@ -121,7 +118,6 @@ def tile_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, F16_MATH: tl.constexpr,
-    EVEN_D: tl.constexpr,
 ):  # fmt: skip
     desc = tiles_ptr + tl.program_id(0) * 8
     kvh = tl.program_id(1)
@@ -162,14 +158,14 @@ def tile_kernel(
         while start < kv_end:
             m_i, l_i, acc = kv_step(
                 q, m_i, l_i, acc, start, kv_end, pos0, qpos, kv_ptr, blk_ptr, blk_off, kvh,
-                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION, EVEN_D,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in range(kv_begin, kv_end, BLOCK_N):
             m_i, l_i, acc = kv_step(
                 q, m_i, l_i, acc, start, kv_end, pos0, qpos, kv_ptr, blk_ptr, blk_off, kvh,
-                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION, EVEN_D,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
             )  # fmt: skip
     has = l_i > 0
     l_use = tl.where(has, l_i, 1.0)
@@ -439,13 +435,11 @@ def _launch(
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
     fp8_math: str = "f16",
-    even_d: bool = True,
 ) -> None:
     """The step's tile launches, then the merge (when it has rows to merge). The narrow launch
     (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count.
     `fp8_math` (FP8 cache, 16-bit queries): "f16" converts K/V and the pre-scaled query to
-    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype. `even_d` (when the head
-    dim is a power of 2) masks KV loads by row only."""
+    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     opart, lpart = plan.opart, plan.lpart
@@ -475,7 +469,6 @@ def _launch(
             GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
             BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
             INTERPRET=_interpreting(), F16_MATH=f16_math,
-            EVEN_D=even_d and block_d == head_dim,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     if plan.merge_grid:
@@ -505,7 +498,6 @@ def shared_prefix_attention(
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
     fp8_math: str = "f16",
-    even_d: bool = True,
     exclude: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
@@ -535,8 +527,6 @@ def shared_prefix_attention(
         fp8_math: with an FP8 cache and 16-bit queries, "f16" (default) computes in float16:
             K/V convert exactly and the query is pre-multiplied by the softmax scale (so its
             range fits float16); "q" converts K/V to the query's dtype (slower for bfloat16).
-        even_d: mask KV loads by row only when head_dim is a power of 2 (False: by row and
-            column, the older form, for comparisons).
         exclude: bool [B] or None: ungrouped sequences computed elsewhere (their output rows are
             left unwritten for the caller); fixed for the step (the plan is cached per step).
     Returns:
@@ -576,7 +566,7 @@ def shared_prefix_attention(
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
     _launch(plan, query, kv_cache, out, scale, attn_meta.block_size, num_warps, num_stages,
-            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math, even_d)  # fmt: skip
+            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math)  # fmt: skip
     return out
 
 
