@@ -34,11 +34,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
@@ -47,6 +43,13 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
+
+
+_FINISHED_STATUSES = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+)
 
 
 @dataclass(eq=False)
@@ -78,7 +81,9 @@ class Request:
 
     Attributes:
         request_id: unique id.
-        prompt_token_ids: the prompt [tokens].
+        prompt_token_ids: the prompt [tokens]; never changed after construction.
+        num_prompt_tokens: len(prompt_token_ids), stored (the scheduler reads it for every
+            request every step) [tokens].
         sampling_params: how to sample; `max_tokens` None means up to the context length.
         eos_token_id: the model's end-of-sequence token (None: no EOS rule).
         arrival_time: seconds (time.monotonic) when the request was added.
@@ -105,10 +110,10 @@ class Request:
     num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    num_prompt_tokens: int = field(init=False, repr=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -117,16 +122,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Known plus pending tokens: what the scheduler may compute."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_known_tokens(self) -> int:
         """Prompt plus appended output tokens (their ids are on the host)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED_STATUSES
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output (known tokens only)."""
