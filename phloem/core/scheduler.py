@@ -31,7 +31,7 @@ from phloem.core.request import Request, RequestStatus
 from phloem.core.stop_checker import check_stop
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
@@ -133,18 +133,39 @@ class Scheduler:
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
 
+        # The running requests, in admission order. This loop visits every running request
+        # every step, so it reads each property once, asks the KV manager to allocate only
+        # when the block table is short (a decode token mostly fits the last block), and
+        # builds ScheduledRequest inline.
+        kv = self.kv
+        block_size = kv.block_size
+        running = self.running  # preemption removes from this same list
+        chosen = output.scheduled
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(running) and budget > 0:
+            request = running[index]
             index += 1
             if request.num_pending_tokens and self._will_finish_by_length(request):
                 continue  # its pending token ends it: computing another would be waste
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = request.num_tokens
+            num_computed = request.num_computed_tokens
+            num_new = num_tokens - num_computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue
-            if not self._allocate_or_preempt(request, num_new, output):
-                break  # the request itself was preempted: nothing later can fit either
-            self._add(output, request, num_new)
+            block_ids = kv.block_ids(request.request_id)
+            if len(block_ids) * block_size < num_computed + num_new:
+                if not kv.allocate_slots(request, num_new) and not self._preempt_until_allocated(
+                    request, num_new, output
+                ):
+                    break  # the request itself was preempted: nothing later can fit either
+                block_ids = kv.block_ids(request.request_id)  # a first block creates the table
+            chosen.append(
+                ScheduledRequest(
+                    request, num_computed, num_new, block_ids, num_computed + num_new == num_tokens
+                )
+            )
             budget -= num_new
 
         if not output.preempted_request_ids:
@@ -167,14 +188,20 @@ class Scheduler:
             return True
         return request.num_tokens >= self.config.max_model_len
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self.kv.allocate_slots(request, num_new):
+    def _preempt_until_allocated(
+        self, request: Request, num_new: int, out: SchedulerOutput
+    ) -> bool:
+        """`allocate_slots(request, num_new)` just failed: preempt the most recently admitted
+        running requests, retrying after each, until it succeeds. Returns False (allocating
+        nothing) when `request` itself had to be preempted."""
+        while True:
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted_request_ids.append(victim.request_id)
             if victim is request:
                 return False
-        return True
+            if self.kv.allocate_slots(request, num_new):
+                return True
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in queue order while the budget, the sequence limit and KV
@@ -224,7 +251,27 @@ class Scheduler:
         return max(0, cdiv(end, self.kv.block_size) - len(self.kv.block_ids(request.request_id)))
 
     def _reserved_blocks(self) -> int:
-        return sum(self._blocks_to_finish(r) for r in self.running)
+        """Σ `_blocks_to_finish` over the running requests [blocks].
+
+        The same rule as `_blocks_to_finish`, inlined: this runs over every running request in
+        every step that has requests waiting, and a call per request doubled its cost.
+        """
+        block_size = self.kv.block_size
+        max_model_len = self.config.max_model_len
+        block_ids = self.kv.block_ids
+        total = 0
+        for request in self.running:
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is None:
+                end = request.num_tokens + block_size
+            else:
+                end = request.num_prompt_tokens + max_tokens
+            if end > max_model_len:
+                end = max_model_len
+            need = -(-end // block_size) - len(block_ids(request.request_id))
+            if need > 0:
+                total += need
+        return total
 
     def _attach_prefix(self, request: Request) -> bool:
         """Start a fresh request from reusable KV: its group's held prefix, else the radix
@@ -266,13 +313,14 @@ class Scheduler:
         return released
 
     def _add(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        num_computed = request.num_computed_tokens
         output.scheduled.append(
             ScheduledRequest(
-                request=request,
-                num_computed_tokens=request.num_computed_tokens,
-                num_tokens=num_new,
-                block_ids=self.kv.block_ids(request.request_id),
-                sample=request.num_computed_tokens + num_new == request.num_tokens,
+                request,
+                num_computed,
+                num_new,
+                self.kv.block_ids(request.request_id),
+                num_computed + num_new == request.num_tokens,
             )
         )
 
@@ -303,13 +351,14 @@ class Scheduler:
         """
         updated = []
         advance = not self.config.async_scheduling  # async: schedule() advanced it already
+        max_model_len = self.config.max_model_len
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.is_finished:  # aborted (or stopped, async) while the step ran
+            running = request.status is RequestStatus.RUNNING  # async: may be preempted since
+            if not running and request.is_finished:  # aborted (or stopped, async) meanwhile
                 continue
             if advance:
                 request.num_computed_tokens += scheduled.num_tokens
-            running = request.status is RequestStatus.RUNNING  # async: may be preempted since
             group = request.shared_prefix
             if (
                 running
@@ -324,7 +373,7 @@ class Scheduler:
             if not scheduled.sample:
                 continue
             request.append_output_token(sampled_token_ids[request.request_id])
-            status = check_stop(request, self.config.max_model_len)
+            status = check_stop(request, max_model_len)
             if status is not None:
                 self._finish(request, status)
             updated.append(request)

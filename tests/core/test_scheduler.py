@@ -222,6 +222,31 @@ def test_prompt_too_long_rejected():
         s.add_request(req("a", 16))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_reserved_blocks_agree_with_blocks_to_finish(seed):
+    """`_reserved_blocks` spells out `_blocks_to_finish` for every running request (it runs
+    every step); the two agree in every step: max_tokens set or None, capped by the context,
+    prefix-cache hits, preemption (admission by the next chunk only)."""
+    rng = random.Random(seed)
+    s = make_scheduler(
+        num_blocks=24, block_size=4, budget=12, max_seqs=5, max_len=48,
+        memory_centric=bool(seed % 2), prefix_cache=True,
+    )  # fmt: skip
+    for i in range(12):
+        max_tokens = None if i % 3 == 0 else rng.randint(1, 40)
+        s.add_request(req(f"r{i}", rng.randint(1, 30), max_tokens=max_tokens, seed_token=i % 4))
+
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        s.update_from_output(
+            out,
+            {x.request.request_id: fake_next_token(x.request) for x in out.scheduled if x.sample},
+        )
+        s.check_integrity()
+        assert s._reserved_blocks() == sum(s._blocks_to_finish(r) for r in s.running)
+    assert s.num_preemptions > 0 or seed % 2
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
