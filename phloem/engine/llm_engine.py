@@ -283,43 +283,69 @@ class LLMEngine:
     def _process_outputs(
         self, sched: SchedulerOutput, updated, runner_output
     ) -> list[RequestOutput]:
+        """Text, log-probs, stop strings and metrics for the requests that got a token; returns
+        the outputs of the prompts that finished (all touched ones with `stream_outputs`), in
+        the order their first sequence appears in `updated`.
+
+        Runs for every sampled token, so the per-token work is kept to the bare loop: a prompt
+        can only finish in a step in which one of its sequences finished, so only those are
+        checked for being done.
+        """
         now = time.monotonic()
         self._count_prompt_tokens(sched)
+        sequences, prompts = self._sequences, self._prompts
         touched: dict[str, _Prompt] = {}
+        maybe_done: set[str] = set()  # prompts with a sequence that finished this step
         for request in updated:
-            seq = self._sequences[request.request_id]
-            entry = self._prompts[seq.prompt_id]
+            seq = sequences[request.request_id]
+            entry = prompts[seq.prompt_id]
             token_id = request.output_token_ids[-1]
-            self._record_logprobs(seq, runner_output, token_id)
+            if seq.logprobs is not None or seq.cumulative_logprob is not None:
+                self._record_logprobs(seq, runner_output, token_id)
             stop = seq.detokenizer.add_token(token_id)
-            if stop is None and request.is_finished:
+            finished = request.is_finished
+            if stop is None and finished:
                 stop = seq.detokenizer.flush()
             if stop is not None:
                 self.scheduler.finish_request(
                     request.request_id, RequestStatus.FINISHED_STOPPED, stop
                 )
+                finished = True
             metrics = entry.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             touched[entry.request_id] = entry
+            if finished:
+                maybe_done.add(entry.request_id)
         outputs = []
         for entry in touched.values():
-            if all(s.request.is_finished for s in entry.sequences):
+            if entry.request_id in maybe_done and all(
+                s.request.is_finished for s in entry.sequences
+            ):
                 entry.finished = True
                 entry.metrics.finished_time = now
-                del self._prompts[entry.request_id]
+                del prompts[entry.request_id]
                 for seq in entry.sequences:
-                    self._sequences.pop(seq.request.request_id, None)
+                    sequences.pop(seq.request.request_id, None)
             if entry.finished or self.stream_outputs:
                 outputs.append(entry.to_output())
         return outputs
 
     def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
+        """Add the step's prompt tokens to `num_computed_prompt_tokens`; stamp
+        `first_scheduled_time` on prompts scheduled for the first time.
+
+        Only prompt chunks matter: a sequence's first step always computes at least one prompt
+        token (a shared or cached prefix leaves one to compute), so decode entries are skipped.
+        """
         now = time.monotonic()
         for s in sched.scheduled:
             request = s.request
-            end = min(s.num_computed_tokens + s.num_tokens, request.num_prompt_tokens)
-            self.num_computed_prompt_tokens += max(0, end - s.num_computed_tokens)
+            num_prompt = request.num_prompt_tokens
+            if s.num_computed_tokens >= num_prompt:
+                continue
+            end = min(s.num_computed_tokens + s.num_tokens, num_prompt)
+            self.num_computed_prompt_tokens += end - s.num_computed_tokens
             seq = self._sequences.get(request.request_id)
             entry = self._prompts.get(seq.prompt_id) if seq is not None else None
             if entry is not None and entry.metrics.first_scheduled_time is None:
