@@ -150,13 +150,17 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         shared_prefix: SharedPrefix | None = None,
+        *,
+        validated: bool = False,
     ) -> str:
-        """Queue one prompt; returns its request id.
+        """Queue one prompt; returns its request id. The engine keeps its own copy of
+        `prompt_token_ids` (the caller may reuse the list).
 
         `shared_prefix` makes the request a member of a planned prefix group (its first
         `prefix_len` tokens are computed once for the whole group); the caller sets the group's
         `num_unfinished` to its member count. With n > 1 the n sequences share their prompt's
-        full blocks instead (the group is ignored).
+        full blocks instead (the group is ignored). `validated`: the caller already ran
+        `validate_prompt` on these ids (skips a second pass over them).
 
         Raises:
             ValueError: if the prompt is empty, holds ids outside the vocabulary, or does not
@@ -165,7 +169,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._prompts:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids)
+        if not validated:
+            self.validate_prompt(prompt_token_ids)
         now = arrival_time if arrival_time is not None else time.monotonic()
         entry = _Prompt(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
         n = sampling_params.n

@@ -1,0 +1,196 @@
+"""The offline batch path's setup (`LLM.generate`: encode, validate, plan, queue) and its
+garbage-collection handling: bad prompts get the same ValueErrors naming their index, the
+engine keeps its own copy of every queued prompt, collection is paused while a batch is built
+and the batch frozen out of collection while it runs, and the process's gc state comes back
+as it was (also after errors)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from phloem import LLM, SamplingParams
+from tests.engine.tiny_models import VOCAB, tiny_model_dir
+
+PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, embedded_tokenizer_dir):
+    path = tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_batch", 4)
+    return LLM(str(path), block_size=4, max_num_batched_tokens=32)
+
+
+def prompts(num: int = 4) -> list[dict]:
+    return [{"prompt_token_ids": [3 + i, 40, 41, 42, 43, 44, 45, 7 * i + 5]} for i in range(num)]
+
+
+def abort_all(llm: LLM) -> None:
+    llm.llm_engine.abort_request(list(llm.llm_engine._prompts))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def run_like_a_job(llm: LLM) -> list:
+    """The JSONL jobs' path: `add_requests`, then `iter_outputs`."""
+    batch = [llm.encode_prompt(p) for p in prompts()]
+    return list(llm.iter_outputs(llm.add_requests(batch, [PARAMS] * len(batch)), use_tqdm=False))
+
+
+@pytest.fixture
+def gc_state():
+    """Restore the gc state a test changes; fail if a test left objects frozen."""
+    enabled = gc.isenabled()
+    yield
+    (gc.enable if enabled else gc.disable)()
+    assert gc.get_freeze_count() == 0, "objects left frozen"
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            {"prompt_token_ids": [5, True]},
+            "prompts[2]: prompt_token_ids must be a list of integers",
+        ),
+        ({"prompt_token_ids": [5, 6.0]}, "prompts[2]: prompt_token_ids must be a list of integers"),
+        ({"prompt_token_ids": (5, 6)}, "prompts[2]: prompt_token_ids must be a list of integers"),
+        ({"prompt_token_ids": []}, "prompts[2]: prompt must contain at least one token"),
+        (
+            {"prompt_token_ids": [5, VOCAB, -1, 7]},
+            f"prompts[2]: prompt_token_ids holds ids outside the vocabulary [0, {VOCAB}): "
+            f"[{VOCAB}, -1]",
+        ),
+        ({"prompt_token_ids": [5] * 512}, "prompts[2]: prompt has 512 tokens but max_model_len"),
+        ({"prompt": 5}, "prompts[2]: each prompt must be a string"),
+    ],
+)
+def test_bad_prompt_named_by_index_and_nothing_queued(llm, gc_state, bad, message):
+    batch = prompts(2) + [bad] + prompts(1)
+    with pytest.raises(ValueError) as info:
+        llm.generate(batch, PARAMS, use_tqdm=False)
+    assert str(info.value).startswith(message)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert gc.isenabled()
+
+
+def test_first_bad_prompt_is_reported(llm, gc_state):
+    """Encoding and validation errors are raised in input order (validation of prompt 1 before
+    the malformed prompt 2)."""
+    batch = [prompts(1)[0], {"prompt_token_ids": [VOCAB + 1]}, {"prompt_token_ids": "x"}]
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt_token_ids holds ids outside"):
+        llm.generate(batch, PARAMS, use_tqdm=False)
+
+
+def test_sampling_params_count_checked_after_prompts(llm, gc_state):
+    with pytest.raises(ValueError, match="^sampling_params has 1 entries for 3 prompts$"):
+        llm.generate(prompts(3), [PARAMS], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]"):
+        llm.generate([{"prompt_token_ids": []}] + prompts(2), [PARAMS], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_errors_name_the_conversation(llm, gc_state):
+    with pytest.raises(ValueError, match=r"^conversations\[1\]: messages must be a list of"):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}]], PARAMS)
+
+
+def test_add_requests_still_validates_by_default(llm, gc_state):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_requests([(None, [5, 6]), (None, [VOCAB + 3, 9])], [PARAMS, PARAMS])
+    abort_all(llm)  # the first one was queued
+
+
+def test_engine_keeps_its_own_copy_of_each_prompt(llm, gc_state):
+    """`encode_prompt` hands back the caller's list (no copy); the engine copies what it
+    queues, so changing the list after `add_requests` changes no request."""
+    batch = prompts(3)
+    ids = batch[1]["prompt_token_ids"]
+    assert llm.encode_prompt(batch[1])[1] is ids
+    expected = llm.generate(batch, PARAMS, use_tqdm=False)
+    original = list(ids)
+    request_ids = llm.add_requests(
+        [llm.encode_prompt(p) for p in batch], [PARAMS] * 3, validated=True
+    )
+    ids[:] = [VOCAB - 1] * len(ids)
+    ids.append(9)
+    outputs = llm.run_engine(request_ids, use_tqdm=False)
+    assert outputs[1].prompt_token_ids == original
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_gc_paused_while_building_and_frozen_while_running(llm, gc_state, monkeypatch):
+    seen = {"encode": [], "step": []}
+    encode, step = llm.encode_prompt, llm.llm_engine.step
+
+    def encode_spy(prompt):
+        seen["encode"].append(gc.isenabled())
+        return encode(prompt)
+
+    def step_spy():
+        seen["step"].append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return step()
+
+    monkeypatch.setattr(llm, "encode_prompt", encode_spy)
+    monkeypatch.setattr(llm.llm_engine, "step", step_spy)
+    outputs = llm.generate(prompts(), PARAMS, use_tqdm=False)
+    assert len(outputs) == 4 and all(o.finished for o in outputs)
+    assert seen["encode"] == [False] * 4
+    assert seen["step"] and all(s == (True, True) for s in seen["step"])
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_gc_left_off_when_it_was_off(llm, gc_state, monkeypatch):
+    freezes = []
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
+    gc.disable()
+    llm.generate(prompts(), PARAMS, use_tqdm=False)
+    run_like_a_job(llm)
+    assert not gc.isenabled() and not freezes
+
+
+def test_gc_restored_after_an_error_in_a_step(llm, gc_state, monkeypatch):
+    def broken_step():
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.llm_engine, "step", broken_step)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(prompts(), PARAMS, use_tqdm=False)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    monkeypatch.undo()
+    abort_all(llm)
+
+
+def test_objects_frozen_by_the_process_stay_frozen(llm, gc_state, monkeypatch):
+    """A process that froze its own objects (e.g. after start-up, as vLLM does) keeps them
+    frozen: the batch is neither frozen with them nor unfrozen with them."""
+    gc.freeze()
+    try:
+        calls = []
+        monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+        llm.generate(prompts(), PARAMS, use_tqdm=False)
+        run_like_a_job(llm)
+        assert calls == [] and gc.get_freeze_count() > 0
+    finally:
+        monkeypatch.undo()
+        gc.unfreeze()
+
+
+def test_iter_outputs_freezes_until_the_iteration_ends(llm, gc_state):
+    """`add_requests` + `iter_outputs` (the JSONL jobs' path): frozen while iterating, unfrozen
+    when the iteration ends, also when the consumer stops early."""
+    for stop_early in (False, True):
+        batch = [llm.encode_prompt(p) for p in prompts()]
+        request_ids = llm.add_requests(batch, [PARAMS] * 4, validated=True)
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        outputs = llm.iter_outputs(request_ids, use_tqdm=False)
+        next(outputs)
+        assert gc.get_freeze_count() > 0
+        if stop_early:
+            outputs.close()
+            llm.llm_engine.abort_request(request_ids)
+        else:
+            assert len(list(outputs)) == 3
+        assert gc.get_freeze_count() == 0
