@@ -65,8 +65,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunks", default="", help="also time each M split into chunks of these")
     p.add_argument("--sustained-s", type=float, default=0.0)
     p.add_argument("--overlap", action="store_true")
+    p.add_argument("--overlap-m", type=int, default=8192, help="GEMM rows in the overlap test")
+    p.add_argument("--overlap-copy-mib", type=int, default=1024)
+    p.add_argument("--carveouts", default="0", help="SMs the GEMMs leave free (comma list)")
+    p.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                   help="torch.backends.cuda.preferred_blas_library")  # fmt: skip
     args = p.parse_args(argv)
     dev = torch.device("cuda")
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     config = json.loads((model_config_dir(args.model) / "config.json").read_text())
     shapes = layer_shapes(config)
     ceilings = measure_ceilings(dev)
@@ -140,9 +147,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{last:.0f} TFLOP/s over {len(tf)} steps; ceiling after {after / 1e12:.0f}"
         )
     if args.overlap:
+        # A decode step's attention (memory-bound) against its GEMMs (compute-bound): a copy on a
+        # second stream stands in for attention; the GEMMs may leave SMs free for it
+        # (torch._C._set_sm_carveout_experimental: cuBLASLt's SM count target).
         k, n = shapes["gate_up"]
-        x = torch.randn(8192, k, **bf16)
-        src = torch.empty(1 << 29, **bf16)  # 1 GiB
+        x = torch.randn(args.overlap_m, k, **bf16)
+        src = torch.empty(args.overlap_copy_mib << 19, **bf16)
         dst = torch.empty_like(src)
         side = torch.cuda.Stream()
 
@@ -154,8 +164,6 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(4):
                 dst.copy_(src)
 
-        t_gemm, t_copy = time_op(gemms, 5), time_op(copies, 5)
-
         def both():
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -163,12 +171,17 @@ def main(argv: list[str] | None = None) -> None:
             gemms()
             torch.cuda.current_stream().wait_stream(side)
 
-        t_both = time_op(both, 5)
-        result["overlap"] = {"gemm_s": t_gemm, "copy_s": t_copy, "both_s": t_both}
-        print(
-            f"overlap: gemm {t_gemm * 1e3:.2f} ms, copy {t_copy * 1e3:.2f} ms, sum "
-            f"{(t_gemm + t_copy) * 1e3:.2f} ms, concurrent {t_both * 1e3:.2f} ms"
-        )
+        t_copy = time_op(copies, 5)
+        result["overlap"] = []
+        for carveout in [int(c) for c in args.carveouts.split(",")]:
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            t_gemm, t_both = time_op(gemms, 5), time_op(both, 5)
+            result["overlap"].append({"m": args.overlap_m, "carveout_sms": carveout,
+                                      "gemm_s": t_gemm, "copy_s": t_copy, "both_s": t_both})  # fmt: skip
+            print(f"overlap M={args.overlap_m} carveout {carveout:3d} SMs: gemm {t_gemm * 1e3:.2f} "
+                  f"ms, copy {t_copy * 1e3:.2f} ms, sum {(t_gemm + t_copy) * 1e3:.2f} ms, "
+                  f"concurrent {t_both * 1e3:.2f} ms")  # fmt: skip
+        torch._C._set_sm_carveout_experimental(None)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gemm_shapes.json").write_text(json.dumps(result, indent=1))
 
