@@ -145,9 +145,9 @@ class KVManager:
             return
         tokens = request.prompt_token_ids[: num_full * self.block_size]
         blocks = self.block_ids(request.request_id)[:num_full]
-        self.allocator.incref(blocks)
-        duplicates = set(cache.insert(tokens, blocks))
-        self.allocator.decref([b for b in blocks if b in duplicates])
+        # the cache already had the leading blocks it hands back; it keeps the rest
+        num_duplicates = len(cache.insert(tokens, blocks))
+        self.allocator.incref(blocks[num_duplicates:])
         node = cache.match_prefix(tokens).last_node
         cache.lock(node)
         old = self._locked_nodes.get(request.request_id)
@@ -190,9 +190,10 @@ class KVManager:
             num_full = min(computed // self.block_size, len(table))
             if num_full:
                 tokens = request.token_ids(0, num_full * self.block_size)
-                duplicates = set(self.prefix_cache.insert(tokens, table[:num_full]))
-                # the cache took over one reference to each new block: keep that one
-                table = [b for i, b in enumerate(table) if i >= num_full or b in duplicates]
+                num_duplicates = len(self.prefix_cache.insert(tokens, table[:num_full]))
+                # the cache took over the request's reference to each new block (those after
+                # the leading duplicates it handed back); drop the others
+                table = table[:num_duplicates] + table[num_full:]
         if node is not None:
             self.prefix_cache.unlock(node)  # type: ignore[union-attr]
         if table:

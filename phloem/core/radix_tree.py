@@ -167,7 +167,8 @@ class RadixCache:
 
         Returns:
             The block ids from `block_ids` at positions that were already cached (whether
-            computed twice or obtained from `match_prefix`), in order. Reference contract:
+            computed twice or obtained from `match_prefix`), in order: always a prefix,
+            `block_ids[:k]` for the k leading blocks already cached. Reference contract:
             insert consumes one caller reference per passed block. The tree keeps that
             reference for every block it newly stores; for the returned ones it keeps its
             existing block, so the caller must drop its own reference to each returned id.
