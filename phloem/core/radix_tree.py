@@ -110,6 +110,9 @@ class RadixCache:
         self.root = RadixNode((), [], None, 0, 0)
         self._cached_block_ids: set[int] = set()
         self._num_evictable_blocks = 0
+        # Nodes without children, the root excluded (evict's candidates): kept up to date so
+        # that an eviction looks at the leaves only, not at the whole tree.
+        self._leaves: set[RadixNode] = set()
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -213,6 +216,8 @@ class RadixCache:
             leaf = RadixNode(tokens[pos:], new_block_ids, node, self._clock, self._next_node_id)
             self._next_node_id += 1
             node.children[tokens[pos : pos + bs]] = leaf
+            self._leaves.discard(node)
+            self._leaves.add(leaf)
             self._cached_block_ids.update(new_block_ids)
             self._num_evictable_blocks += len(new_block_ids)
         return list(block_ids[:first_new])
@@ -269,15 +274,14 @@ class RadixCache:
             drops the tree's reference to each.
 
         Mutates: removes/trims unlocked nodes; never touches locked ones or access times.
-        Cost: O(nodes) to collect the leaves plus O(log nodes) per leaf freed.
+        Cost: O(leaves) to collect the unlocked ones plus O(log leaves) per leaf freed.
         """
         evicted: list[int] = []
         if num_blocks <= 0:
             return evicted
+        # (last_access, node_id) is unique per node, so the pop order depends on the keys only
         heap = [
-            (node.last_access, node.node_id, node)
-            for node in self._iter_nodes()
-            if not node.children and node.lock_ref == 0 and node is not self.root
+            (node.last_access, node.node_id, node) for node in self._leaves if not node.lock_ref
         ]
         heapq.heapify(heap)
         while heap and len(evicted) < num_blocks:
@@ -295,8 +299,11 @@ class RadixCache:
             assert parent is not None
             del parent.children[leaf.key[: self.block_size]]
             leaf.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+            self._leaves.discard(leaf)
+            if parent is not self.root and not parent.children:
+                self._leaves.add(parent)
+                if parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return evicted
 
     # ---------------------------------------------------------------------------- integrity
@@ -306,7 +313,8 @@ class RadixCache:
         Checks: edge lengths are non-empty multiples of block_size with one block id per block;
         each child is filed under its first block and points back to its parent; lock_ref ==
         direct locks + Σ children's lock_ref; a parent is never older than its children; no
-        block id appears twice; the cached-block and evictable counters match the tree.
+        block id appears twice; the cached-block and evictable counters and the leaf set match
+        the tree.
         """
         bs = self.block_size
         seen: set[int] = set()
@@ -333,6 +341,8 @@ class RadixCache:
             if node.lock_ref == 0:
                 num_evictable += len(node.block_ids)
         _require(seen == self._cached_block_ids, "cached block set out of sync")
+        leaves = {n for n in self._iter_nodes() if not n.children and n is not self.root}
+        _require(leaves == self._leaves, "leaf set out of sync")
         _require(num_evictable == self._num_evictable_blocks, "evictable count out of sync")
 
     # ----------------------------------------------------------------------------- helpers
