@@ -11,6 +11,7 @@ import gc
 import pytest
 
 from phloem import LLM, SamplingParams
+from phloem.engine.llm import _YOUNG_GC_THRESHOLD
 from tests.engine.tiny_models import VOCAB, tiny_model_dir
 
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -129,15 +130,18 @@ def test_gc_paused_while_building_and_frozen_while_running(llm, gc_state, monkey
 
     def step_spy():
         seen["step"].append((gc.isenabled(), gc.get_freeze_count() > 0))
+        seen.setdefault("threshold", []).append(gc.get_threshold()[0])
         return step()
 
     monkeypatch.setattr(llm, "encode_prompt", encode_spy)
     monkeypatch.setattr(llm.llm_engine, "step", step_spy)
+    before = gc.get_threshold()
     outputs = llm.generate(prompts(), PARAMS, use_tqdm=False)
     assert len(outputs) == 4 and all(o.finished for o in outputs)
     assert seen["encode"] == [False] * 4
     assert seen["step"] and all(s == (True, True) for s in seen["step"])
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert set(seen["threshold"]) == {max(before[0], _YOUNG_GC_THRESHOLD)}
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and gc.get_threshold() == before
 
 
 def test_gc_left_off_when_it_was_off(llm, gc_state, monkeypatch):
