@@ -17,7 +17,7 @@ the shared prefix (q_len = S; longer than 16 tokens, so they stay out of the gro
 whole KV). `--triton-configs` adds Triton variants as paths `triton:NAME`, each a comma list of
 options of `shared_prefix_triton.shared_prefix_attention` (bm=block_m, bn=block_n, w=num_warps,
 s=num_stages, nm=narrow_block_m, nw=narrow_num_warps, nbn=narrow_block_n, ns=narrow_num_stages,
-ps=prefix_splits, fm=fp8_math: f16|q, cl=concurrent_launches: 0|1),
+ps=prefix_splits, fm=fp8_math: f16|q),
 configs separated by ';'.
 
 Self-checking: before timing, every path's output is compared with the plain path (and, where it
@@ -85,8 +85,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown paths {sorted(unknown)}")
     keys = {"bm": "block_m", "bn": "block_n", "w": "num_warps", "s": "num_stages",
             "nm": "narrow_block_m", "nw": "narrow_num_warps", "nbn": "narrow_block_n",
-            "ns": "narrow_num_stages", "ps": "prefix_splits", "fm": "fp8_math",
-            "cl": "concurrent_launches"}  # fmt: skip
+            "ns": "narrow_num_stages", "ps": "prefix_splits", "fm": "fp8_math"}  # fmt: skip
     args.triton_options = {"triton": {}}
     for cfg in filter(None, args.triton_configs.split(";")):
         opts = dict(kv.split("=") for kv in cfg.split(","))

@@ -14,7 +14,6 @@ decorator reads it); tensors may then live on the CPU.
 from __future__ import annotations
 
 import itertools
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -423,46 +422,6 @@ def _upload(
     )
 
 
-def _launch_tiles(
-    query, kv_cache, out, opart, lpart, plan, tiles, tile_m, narrow, scale, block_size, block_d,
-    precision, f16_math, num_warps, num_stages, narrow_num_warps, narrow_block_n,
-    narrow_num_stages,
-) -> None:  # fmt: skip
-    """One tile launch of `_launch` (the wide or the narrow table)."""
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    warps, stages, block_n = num_warps, num_stages, plan.block_n
-    if narrow:
-        warps = narrow_num_warps or num_warps
-        stages = narrow_num_stages or num_stages
-        block_n = narrow_block_n or plan.block_n
-    tile_kernel[(tiles.shape[0], num_kv_heads)](
-        query, kv_cache, out, opart, lpart,
-        tiles, plan.tokens, plan.qpos, plan.blocks,
-        scale * _LOG2E,
-        query.stride(0), query.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        out.stride(0), out.stride(1),
-        opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-        GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
-        BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
-        INTERPRET=_interpreting(), F16_MATH=f16_math,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the wide tile launch runs on (one per device, made on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
 def _launch(
     plan: _TritonPlan,
     query: torch.Tensor,
@@ -476,19 +435,13 @@ def _launch(
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
     fp8_math: str = "f16",
-    concurrent: bool = True,
 ) -> None:
     """The step's tile launches, then the merge (when it has rows to merge). The narrow launch
     (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count.
     `fp8_math` (FP8 cache, 16-bit queries): "f16" converts K/V and the pre-scaled query to
-    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype.
-
-    With `concurrent` on CUDA, the wide launch runs on a side stream beside the narrow one (they
-    write disjoint rows and slots; the merge waits for both): a decode step's wide launch is a
-    few hundred long prefix tiles at 2 programs per SM (209 registers, 82 KB of shared memory:
-    49% of DRAM bandwidth alone, Nsight Compute on an H200), which leaves most of the GPU to
-    the narrow tiles when both run at once."""
+    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype."""
     num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
     opart, lpart = plan.opart, plan.lpart
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     precision = "ieee" if query.dtype in (torch.float32, torch.float64) else "tf32"
@@ -499,18 +452,25 @@ def _launch(
         and kv_cache.dtype == FP8_KV_DTYPE
         and query.dtype in (torch.bfloat16, torch.float16)
     )
-    main = side = None
-    if concurrent and query.is_cuda and len(plan.launches) == 2:
-        main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
-        side.wait_stream(main)
     for tiles, tile_m, narrow in plan.launches:
-        ctx = torch.cuda.stream(side) if side is not None and not narrow else nullcontext()
-        with ctx:
-            _launch_tiles(query, kv_cache, out, opart, lpart, plan, tiles, tile_m, narrow,
-                          scale, block_size, block_d, precision, f16_math, num_warps,
-                          num_stages, narrow_num_warps, narrow_block_n, narrow_num_stages)  # fmt: skip
-    if side is not None:
-        main.wait_stream(side)
+        warps, stages, block_n = num_warps, num_stages, plan.block_n
+        if narrow:
+            warps = narrow_num_warps or num_warps
+            stages = narrow_num_stages or num_stages
+            block_n = narrow_block_n or plan.block_n
+        tile_kernel[(tiles.shape[0], num_kv_heads)](
+            query, kv_cache, out, opart, lpart,
+            tiles, plan.tokens, plan.qpos, plan.blocks,
+            scale * _LOG2E,
+            query.stride(0), query.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            out.stride(0), out.stride(1),
+            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
+            GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
+            BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
+            INTERPRET=_interpreting(), F16_MATH=f16_math,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     if plan.merge_grid:
         merge_kernel[(plan.merge_grid,)](
             out, opart, lpart, plan.tokens, plan.count,
@@ -538,7 +498,6 @@ def shared_prefix_attention(
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
     fp8_math: str = "f16",
-    concurrent_launches: bool = True,
     exclude: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
@@ -568,8 +527,6 @@ def shared_prefix_attention(
         fp8_math: with an FP8 cache and 16-bit queries, "f16" (default) computes in float16:
             K/V convert exactly and the query is pre-multiplied by the softmax scale (so its
             range fits float16); "q" converts K/V to the query's dtype (slower for bfloat16).
-        concurrent_launches: on CUDA, run the wide launch on a side stream beside the narrow
-            one (see `_launch`).
         exclude: bool [B] or None: ungrouped sequences computed elsewhere (their output rows are
             left unwritten for the caller); fixed for the step (the plan is cached per step).
     Returns:
@@ -609,8 +566,7 @@ def shared_prefix_attention(
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
     _launch(plan, query, kv_cache, out, scale, attn_meta.block_size, num_warps, num_stages,
-            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math,
-            concurrent_launches)  # fmt: skip
+            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math)  # fmt: skip
     return out
 
 
