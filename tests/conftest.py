@@ -31,3 +31,18 @@ def embedded_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def require_kernel():
+    """`require_kernel(jit_fn)` skips the test unless that Triton kernel can run here: compiled
+    on a GPU, or interpreted on the CPU (TRITON_INTERPRET, set above, must have been read when
+    its module was imported)."""
+
+    def check(jit_fn) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not torch.cuda.is_available() and not isinstance(jit_fn, InterpretedFunction):
+            pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
+
+    return check

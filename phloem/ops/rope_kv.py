@@ -25,6 +25,15 @@ from phloem.ops.kv_store import FP8_KV_DTYPE
 
 
 @triton.jit
+def _rotated_halves(src, offs, mask, cos, sin, HALF: tl.constexpr):
+    """RoPE of the first 2 * HALF dims of a [heads, ...] tile at `src`: the two rotated halves,
+    float32 [heads, BLOCK_HALF] each (neox layout: x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1 = tl.load(src + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cos,
@@ -49,11 +58,10 @@ def _rope_kv_kernel(
     qm = q_ok[:, None] & c_ok[None, :]
     q_src = q_ptr + t * s_qt + heads[:, None] * s_qh
     q_dst = q_out_ptr + t * s_ot + heads[:, None] * s_oh
-    x1 = tl.load(q_src + offs[None, :], mask=qm, other=0.0).to(tl.float32)
-    x2 = tl.load(q_src + HALF + offs[None, :], mask=qm, other=0.0).to(tl.float32)
+    q1, q2 = _rotated_halves(q_src, offs, qm, cos, sin, HALF)
     q_ty = q_out_ptr.dtype.element_ty
-    tl.store(q_dst + offs[None, :], (x1 * cos - x2 * sin).to(q_ty), mask=qm)
-    tl.store(q_dst + HALF + offs[None, :], (x2 * cos + x1 * sin).to(q_ty), mask=qm)
+    tl.store(q_dst + offs[None, :], q1.to(q_ty), mask=qm)
+    tl.store(q_dst + HALF + offs[None, :], q2.to(q_ty), mask=qm)
     if HAS_REST:
         qr = q_ok[:, None] & r_ok[None, :]
         tl.store(q_dst + rest[None, :], tl.load(q_src + rest[None, :], mask=qr), mask=qr)
@@ -67,10 +75,7 @@ def _rope_kv_kernel(
         km = kv_ok[:, None] & c_ok[None, :]
         k_src = k_ptr + t * s_kt + heads[:, None] * s_kh
         v_src = v_ptr + t * s_vt + heads[:, None] * s_vh
-        x1 = tl.load(k_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
-        x2 = tl.load(k_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
-        k1 = x1 * cos - x2 * sin
-        k2 = x2 * cos + x1 * sin
+        k1, k2 = _rotated_halves(k_src, offs, km, cos, sin, HALF)
         v1 = tl.load(v_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
         if CLAMP:  # FP8 cache: +-448 is e4m3's largest finite value

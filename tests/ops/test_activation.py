@@ -6,15 +6,12 @@ import torch.nn.functional as F
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernel(require_kernel):
     """The kernel; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
     pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
     from phloem.ops.activation import _silu_and_mul_kernel, silu_and_mul
 
-    if not torch.cuda.is_available() and not isinstance(_silu_and_mul_kernel, InterpretedFunction):
-        pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
+    require_kernel(_silu_and_mul_kernel)
     return silu_and_mul
 
 

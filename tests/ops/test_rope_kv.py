@@ -9,15 +9,12 @@ from phloem.ops.kv_store import write_kv
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernel(require_kernel):
     """The kernel; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
     pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
     from phloem.ops.rope_kv import _rope_kv_kernel, rope_and_write_kv
 
-    if not torch.cuda.is_available() and not isinstance(_rope_kv_kernel, InterpretedFunction):
-        pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
+    require_kernel(_rope_kv_kernel)
     return rope_and_write_kv
 
 
