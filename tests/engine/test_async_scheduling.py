@@ -113,3 +113,39 @@ def test_async_runs_one_step_ahead(tiny_llama):
     assert filled and all(n == 3 for n in filled)  # three decoding requests per step
     # max_tokens is known: no step computes a token past the last one (no wasted work)
     assert engine.num_computed_prompt_tokens == sum(len(p) for p in prompts(1, 3))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_string_on_the_last_allowed_token(tiny_llama, async_scheduling):
+    """A stop string completed by the max_tokens-th token: the request finished by length in the
+    same update; the stop string still wins (text cut, finish reason "stop") and nothing fails
+    on the request the scheduler already freed."""
+    _, plain = run(tiny_llama, async_scheduling, SamplingParams(temperature=0, max_tokens=8))
+    text = next(o[0][1] for o in plain if len(o[0][1]) >= 4 and o[0][1][-2:] not in o[0][1][:-1])
+    stop = text[-2:]  # appears only where the 8th token completes it
+    params = SamplingParams(temperature=0, max_tokens=8, stop=[stop])
+    llm, outs = run(tiny_llama, async_scheduling, params)
+    hit = [o[0] for o in outs if o[0][1] == text[:-2]]
+    assert hit and all(c[2] == "stop" for c in hit)
+
+
+def test_stop_string_revealed_by_flush_after_a_length_finish(tiny_llama, monkeypatch):
+    """Text held back at the end (an incomplete character) is emitted by flush() when the
+    request ends by length; a stop string found there is recorded (finish reason "stop"),
+    not looked up again in the scheduler, which freed the request already."""
+    from phloem.engine.detokenizer import IncrementalDetokenizer
+
+    flush = IncrementalDetokenizer.flush
+
+    def flush_finding_a_stop(self):
+        flush(self)
+        self.text = self.text[:1]
+        return "<held back>"
+
+    monkeypatch.setattr(IncrementalDetokenizer, "flush", flush_finding_a_stop)
+    params = SamplingParams(temperature=0, max_tokens=3, stop=["never in the text"])
+    llm = LLM(str(tiny_llama), block_size=4, max_num_batched_tokens=32)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    assert all(c.finish_reason == "stop" and c.stop_reason == "<held back>"
+               for o in outs for c in o.outputs)  # fmt: skip
+    llm.llm_engine.scheduler.check_integrity()
