@@ -117,6 +117,7 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
     request_ids = llm.add_requests(
         [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo],
         [parsed[i].sampling_params for i in todo],
+        validated=True,  # parse_line ran validate_prompt on every good line
     )
     line_of = dict(zip(request_ids, todo))
     outputs = []

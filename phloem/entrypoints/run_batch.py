@@ -199,7 +199,8 @@ def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm:
                 encoded.append((text, ids))
                 params.append(b.prep.params[i])
                 owners.append((b, i))
-        request_ids = llm.add_requests(encoded, params)
+        # every prompt passed validate_prompt in the server's prepare_* functions
+        request_ids = llm.add_requests(encoded, params, validated=True)
         owner_of = dict(zip(request_ids, owners))
         for output in llm.iter_outputs(request_ids, use_tqdm):
             b, i = owner_of[output.request_id]
