@@ -17,62 +17,12 @@ from tqdm.auto import tqdm
 from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.request import SharedPrefix
+from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.engine.llm_engine import LLMEngine
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
-
-
-_YOUNG_GC_THRESHOLD = 50_000  # allocations between young-generation collections while a batch runs
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[bool]:
-    """Pause automatic garbage collection in the block; yields whether it was on, and restores
-    that state on exit (also on errors).
-
-    Encoding, planning and queueing a batch allocate objects holding millions of token ids,
-    all of which survive; every automatic collection meanwhile would traverse all of them
-    again (at 6,400 prompts of 2,300 tokens that was more time than the work itself).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield enabled
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def _gc_frozen() -> Iterator[None]:
-    """`gc.freeze()` every object alive now (the queued batch above all) for the block, and
-    collect the young generation less often, so that collections while a batch runs are few and
-    only traverse objects made since; without it each full
-    collection re-traverses every queued prompt (0.2-0.5 s stalls between steps at 6,400 prompts
-    of 2,300 tokens). Frozen objects are still freed by reference count; only cyclic garbage
-    among them waits for the unfreeze.
-
-    On exit `gc.unfreeze()` returns them to collection, unless the process held frozen objects
-    before (an import or its own start-up froze them, as vLLM does; on a GPU machine a library
-    freezes a few hundred at import): unfreezing would release theirs too, so the batch stays
-    in the permanent generation with them (it is still freed by reference count).
-    """
-    owner = gc.get_freeze_count() == 0
-    gc.freeze()
-    thresholds = gc.get_threshold()
-    # Young collections: eager GPU steps allocate thousands of short-lived objects, nearly all
-    # freed by reference count; at the default 700 allocations a 6,400-request run collected
-    # ~2,000 times (1 s of pauses). One young collection per _YOUNG_GC_THRESHOLD allocations
-    # finds the same garbage at a fraction of the count.
-    gc.set_threshold(max(thresholds[0], _YOUNG_GC_THRESHOLD), *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        if owner:
-            gc.unfreeze()
 
 
 def render_chat(
@@ -262,9 +212,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Encode and validate every input (a ValueError names `name[i]`), queue the batch and
         step it to the end. Collection is paused while the batch is built, and the batch is
-        frozen out of collection while it runs (`_gc_paused`, `_gc_frozen`)."""
+        frozen out of collection while it runs (`gc_paused`, `gc_frozen`)."""
         with contextlib.ExitStack() as frozen:
-            with _gc_paused() as gc_enabled:
+            with gc_paused() as gc_enabled:
                 encoded = []
                 for i, item in enumerate(inputs):
                     try:
@@ -286,7 +236,7 @@ class LLM:
                         )
                 request_ids = self.add_requests(encoded, params_list, validated=True)
                 if gc_enabled:  # frozen before collection resumes: never traversed at all
-                    frozen.enter_context(_gc_frozen())
+                    frozen.enter_context(gc_frozen())
             results = {o.request_id: o for o in self._iter_outputs(request_ids, use_tqdm)}
         return [results[r] for r in request_ids]
 
@@ -304,7 +254,7 @@ class LLM:
         Returns:
             the `PrefixPlan` (`describe()` prints it; `planned_reuse_ratio` is its saving).
         """
-        with _gc_paused():
+        with gc_paused():
             # token-id lists as they are: the planner reads them and keeps none
             prompt_token_ids = [
                 p if isinstance(p, list) else self.encode_prompt(p)[1] for p in prompts
@@ -333,11 +283,11 @@ class LLM:
 
         `validated`: every prompt already passed `LLMEngine.validate_prompt` (as `generate`
         checks them while encoding), so `add_request` skips a second pass over its tokens.
-        Collection is paused meanwhile (see `_gc_paused`).
+        Collection is paused meanwhile (see `gc_paused`).
         """
         engine = self.llm_engine
         self.last_plan = None
-        with _gc_paused():
+        with gc_paused():
             order = range(len(encoded))
             groups: dict[int, SharedPrefix] = {}
             if engine.config.cache.enable_prefix_caching and len(encoded) > 1:
@@ -369,8 +319,8 @@ class LLM:
         finishes (so a job can persist results one by one). The progress bar shows prompts
         done, input/output tokens/s and the prefix reuse ratio. Objects alive at the start
         (the queued batch) are frozen out of garbage collection until the iteration ends
-        (`_gc_frozen`)."""
-        with _gc_frozen() if gc.isenabled() else contextlib.nullcontext():
+        (`gc_frozen`)."""
+        with gc_frozen() if gc.isenabled() else contextlib.nullcontext():
             yield from self._iter_outputs(request_ids, use_tqdm)
 
     def _iter_outputs(self, request_ids: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:

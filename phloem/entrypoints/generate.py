@@ -14,6 +14,7 @@ and sampling defaults; a partial file of another job is discarded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.sampling_params import SamplingParams
 
 _LINE_KEYS = {"id", "prompt", "messages"}
@@ -106,29 +108,33 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
     start = time.monotonic()
     with open(input_path, encoding="utf-8") as f:
         lines = [line for line in f.read().splitlines() if line.strip()]
-    parsed = [parse_line(llm, raw, i + 1, defaults) for i, raw in enumerate(lines)]
-    good = [p for p in parsed if p.error is None]
     engine = llm.llm_engine
     computed_before = engine.num_computed_prompt_tokens
-    log, done = _open_partial(output_path + ".partial", lines, parsed, defaults)
-    todo = [i for i, p in enumerate(parsed) if p.error is None and i not in done]
-    if len(done) > 1:
-        logger.info("resuming: %d lines already done, %d to run", len(done) - 1, len(todo))
-    request_ids = llm.add_requests(
-        [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo],
-        [parsed[i].sampling_params for i in todo],
-        validated=True,  # parse_line ran validate_prompt on every good line
-    )
-    line_of = dict(zip(request_ids, todo))
     outputs = []
-    try:
-        for output in llm.iter_outputs(request_ids, use_tqdm=use_tqdm):
-            i = line_of[output.request_id]
-            done[i] = {"line": i, "record": output_record(parsed[i], output)}
-            log.append(done[i])
-            outputs.append(output)
-    finally:
-        log.close()
+    with contextlib.ExitStack() as frozen:
+        with gc_paused() as gc_enabled:  # building the batch: see phloem/engine/gc_control.py
+            parsed = [parse_line(llm, raw, i + 1, defaults) for i, raw in enumerate(lines)]
+            good = [p for p in parsed if p.error is None]
+            log, done = _open_partial(output_path + ".partial", lines, parsed, defaults)
+            todo = [i for i, p in enumerate(parsed) if p.error is None and i not in done]
+            if len(done) > 1:
+                logger.info("resuming: %d lines already done, %d to run", len(done) - 1, len(todo))
+            request_ids = llm.add_requests(
+                [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo],
+                [parsed[i].sampling_params for i in todo],
+                validated=True,  # parse_line ran validate_prompt on every good line
+            )
+            if gc_enabled:  # frozen before collection resumes, for the whole run
+                frozen.enter_context(gc_frozen())
+        line_of = dict(zip(request_ids, todo))
+        try:
+            for output in llm.iter_outputs(request_ids, use_tqdm=use_tqdm):
+                i = line_of[output.request_id]
+                done[i] = {"line": i, "record": output_record(parsed[i], output)}
+                log.append(done[i])
+                outputs.append(output)
+        finally:
+            log.close()
     write_atomically(
         output_path,
         [

@@ -23,12 +23,15 @@ knows what is done (together with `custom_id`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from phloem.engine.gc_control import gc_frozen, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -184,31 +187,37 @@ def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm:
         custom_id = expected[record_id(n)]
         if custom_id is not None:
             first_line.setdefault(custom_id, n)
-    todo = [
-        parse_batch_line(front, raw, n, first_line) for n, raw in lines if record_id(n) not in done
-    ]
-    failed = [b for b in todo if b.error is not None]
-    good = [b for b in todo if b.error is None]
-    created = int(time.time())
-    try:
-        for b in failed:
-            log.append(error_record(b))
-        encoded, params, owners = [], [], []
-        for b in good:
-            for i, (text, ids) in enumerate(b.prep.prompts):
-                encoded.append((text, ids))
-                params.append(b.prep.params[i])
-                owners.append((b, i))
-        # every prompt passed validate_prompt in the server's prepare_* functions
-        request_ids = llm.add_requests(encoded, params, validated=True)
-        owner_of = dict(zip(request_ids, owners))
-        for output in llm.iter_outputs(request_ids, use_tqdm):
-            b, i = owner_of[output.request_id]
-            b.outputs[i] = output
-            if len(b.outputs) == len(b.prep.prompts):
-                log.append(success_record(front, b, created))
-    finally:
-        log.close()
+    with contextlib.ExitStack() as frozen:
+        with gc_paused() as gc_enabled:  # building the batch: see phloem/engine/gc_control.py
+            todo = [
+                parse_batch_line(front, raw, n, first_line)
+                for n, raw in lines
+                if record_id(n) not in done
+            ]
+            failed = [b for b in todo if b.error is not None]
+            good = [b for b in todo if b.error is None]
+            encoded, params, owners = [], [], []
+            for b in good:
+                for i, (text, ids) in enumerate(b.prep.prompts):
+                    encoded.append((text, ids))
+                    params.append(b.prep.params[i])
+                    owners.append((b, i))
+            # every prompt passed validate_prompt in the server's prepare_* functions
+            request_ids = llm.add_requests(encoded, params, validated=True)
+            if gc_enabled:  # frozen before collection resumes, for the whole run
+                frozen.enter_context(gc_frozen())
+        created = int(time.time())
+        try:
+            for b in failed:
+                log.append(error_record(b))
+            owner_of = dict(zip(request_ids, owners))
+            for output in llm.iter_outputs(request_ids, use_tqdm):
+                b, i = owner_of[output.request_id]
+                b.outputs[i] = output
+                if len(b.outputs) == len(b.prep.prompts):
+                    log.append(success_record(front, b, created))
+        finally:
+            log.close()
     return {
         "num_lines": len(lines),
         "num_resumed": len(done),

@@ -7,11 +7,12 @@ as it was (also after errors)."""
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 
 from phloem import LLM, SamplingParams
-from phloem.engine.llm import _YOUNG_GC_THRESHOLD
+from phloem.engine.gc_control import YOUNG_GC_THRESHOLD
 from tests.engine.tiny_models import VOCAB, tiny_model_dir
 
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -140,7 +141,7 @@ def test_gc_paused_while_building_and_frozen_while_running(llm, gc_state, monkey
     assert len(outputs) == 4 and all(o.finished for o in outputs)
     assert seen["encode"] == [False] * 4
     assert seen["step"] and all(s == (True, True) for s in seen["step"])
-    assert set(seen["threshold"]) == {max(before[0], _YOUNG_GC_THRESHOLD)}
+    assert set(seen["threshold"]) == {max(before[0], YOUNG_GC_THRESHOLD)}
     assert gc.isenabled() and gc.get_freeze_count() == 0 and gc.get_threshold() == before
 
 
@@ -200,3 +201,44 @@ def test_iter_outputs_freezes_until_the_iteration_ends(llm, gc_state):
         else:
             assert len(list(outputs)) == 3
         assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("job", ["generate", "run-batch"])
+def test_jsonl_jobs_pause_gc_while_building_and_freeze_while_running(
+    llm, gc_state, monkeypatch, tmp_path, job
+):
+    """`phloem generate` and `phloem run-batch` build their batch (parsing, tokenizing,
+    planning) with collection paused and run it frozen, as `LLM.generate` does."""
+    import phloem.entrypoints.generate as generate_job
+    import phloem.entrypoints.run_batch as batch_job
+
+    seen = {"parse": [], "step": []}
+    module, name = (generate_job, "parse_line") if job == "generate" else (
+        batch_job, "parse_batch_line")  # fmt: skip
+    parse, step = getattr(module, name), llm.llm_engine.step
+
+    def parse_spy(*args, **kwargs):
+        seen["parse"].append(gc.isenabled())
+        return parse(*args, **kwargs)
+
+    def step_spy():
+        seen["step"].append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return step()
+
+    monkeypatch.setattr(module, name, parse_spy)
+    monkeypatch.setattr(llm.llm_engine, "step", step_spy)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    if job == "generate":
+        src.write_text("\n".join(json.dumps({"id": f"p{i}", "prompt": f"count {i}"})
+                                 for i in range(3)))  # fmt: skip
+        generate_job.run_generate(llm, str(src), str(out), {"max_tokens": 2}, use_tqdm=False)
+    else:
+        body = {"model": "m", "prompt": "count", "max_tokens": 2}
+        src.write_text("\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
+                                             "url": "/v1/completions", "body": body})
+                                 for i in range(3)))  # fmt: skip
+        batch_job.run_batch(llm, str(src), str(out), "m", use_tqdm=False)
+    assert len(out.read_text().splitlines()) == 3
+    assert seen["parse"] == [False] * 3
+    assert seen["step"] and all(s == (True, True) for s in seen["step"])
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -1,0 +1,65 @@
+"""Python's garbage collector around big offline batches (`LLM.generate`, the JSONL jobs).
+
+Building a batch of thousands of prompts allocates objects holding millions of token ids, all of
+which survive; every automatic collection would traverse them again, while the batch is built
+(setup of 6,400 prompts of 2,300 tokens took 3x longer) and while it runs (full collections
+stalled the step loop for 0.2-0.5 s each). So: collection is paused while a batch is built
+(`gc_paused`), and the built batch is frozen out of collection while it runs (`gc_frozen`),
+entered before collection resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+YOUNG_GC_THRESHOLD = 50_000  # allocations between young-generation collections while a batch runs
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[bool]:
+    """Pause automatic garbage collection in the block; yields whether it was on, and restores
+    that state on exit (also on errors).
+
+    Encoding, planning and queueing a batch allocate objects holding millions of token ids,
+    all of which survive; every automatic collection meanwhile would traverse all of them
+    again (at 6,400 prompts of 2,300 tokens that was more time than the work itself).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield enabled
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """`gc.freeze()` every object alive now (the queued batch above all) for the block, and
+    collect the young generation less often, so that collections while a batch runs are few and
+    only traverse objects made since; without it each full
+    collection re-traverses every queued prompt (0.2-0.5 s stalls between steps at 6,400 prompts
+    of 2,300 tokens). Frozen objects are still freed by reference count; only cyclic garbage
+    among them waits for the unfreeze.
+
+    On exit `gc.unfreeze()` returns them to collection, unless the process held frozen objects
+    before (an import or its own start-up froze them, as vLLM does; on a GPU machine a library
+    freezes a few hundred at import): unfreezing would release theirs too, so the batch stays
+    in the permanent generation with them (it is still freed by reference count).
+    """
+    owner = gc.get_freeze_count() == 0
+    gc.freeze()
+    thresholds = gc.get_threshold()
+    # Young collections: eager GPU steps allocate thousands of short-lived objects, nearly all
+    # freed by reference count; at the default 700 allocations a 6,400-request run collected
+    # ~2,000 times (1 s of pauses). One young collection per YOUNG_GC_THRESHOLD allocations
+    # finds the same garbage at a fraction of the count.
+    gc.set_threshold(max(thresholds[0], YOUNG_GC_THRESHOLD), *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if owner:
+            gc.unfreeze()
