@@ -1,7 +1,8 @@
 """Fusing the elementwise layers between the GEMMs with torch.compile (inductor), on CUDA.
 
 Eagerly, one decoder layer of batch-1 decode launches about 40 small kernels (RMSNorm with the
-residual add, RoPE's slicing and float casts, SiLU * up) next to its 4 GEMMs; each costs a launch
+residual add, RoPE's slicing and float casts, SiLU * up) next to its 4 GEMMs (RoPE and SiLU * up
+now have Triton kernels of their own on CUDA, so only RMSNorm is compiled there); each costs a launch
 slot of 1-3 us even inside a CUDA graph, about 2.5 ms per Llama-8B step on an H100, where the
 weights take 5.5 ms to read. Compiling just these layers fuses each into one or two Triton kernels
 (measured: 9.8 -> 7.7 ms per token) without tracing attention, KV writes or the model's loops.
@@ -24,20 +25,24 @@ logger = logging.getLogger(__name__)
 
 
 def compile_elementwise_layers(model: nn.Module) -> int:
-    """Replace the forward of each RMSNorm and RotaryEmbedding instance of `model` (and
-    SiluAndMul where its Triton kernel is unavailable) with a compiled version (mutates the
+    """Replace the forward of each RMSNorm instance of `model` (and of RotaryEmbedding and
+    SiluAndMul where their Triton kernels are unavailable) with a compiled version (mutates the
     instances; compiles lazily on first call). Returns how many instances were wrapped; 0 when
     PHLOEM_TORCH_COMPILE=0."""
     if os.environ.get("PHLOEM_TORCH_COMPILE", "1") == "0":
         return 0
     from phloem.layers.activation import SiluAndMul, _fused
+    from phloem.layers.attention import _fused_rope_kv
     from phloem.layers.norm import RMSNorm
     from phloem.layers.rotary import RotaryEmbedding
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    # SiluAndMul has a hand-written Triton kernel on CUDA (phloem/ops/activation.py: inductor's
-    # ran at ~1/3 of HBM bandwidth in 8K-token steps); compile it only where that is missing.
-    classes = (RMSNorm, RotaryEmbedding) + ((SiluAndMul,) if _fused() is None else ())
+    # SiLU-and-mul and RoPE (fused with the KV write) have hand-written Triton kernels on CUDA
+    # (phloem/ops/activation.py, phloem/ops/rope_kv.py: inductor's ran at a fraction of HBM
+    # bandwidth in 8K-token steps); compile those layers only where the kernels are missing.
+    classes = (RMSNorm,)
+    classes += (RotaryEmbedding,) if _fused_rope_kv() is None else ()
+    classes += (SiluAndMul,) if _fused() is None else ()
     compiled = {cls: torch.compile(cls.forward, dynamic=True) for cls in classes}
     count = 0
     for module in model.modules():
