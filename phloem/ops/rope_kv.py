@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phloem.ops.kv_store import FP8_KV_DTYPE
+from phloem.ops.kv_store import FP8_KV_DTYPE, FP8_MAX
 
 
 @triton.jit
@@ -35,6 +35,15 @@ def _rotated_halves(src, offs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def _store_cache(dst, x, mask, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
+    """Store float32 `x` in the cache's dtype; an FP8 cache clamps it to +-LIMIT first (as
+    `write_kv` does)."""
+    if CLAMP:
+        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cos,
@@ -42,6 +51,7 @@ def _rope_kv_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     HAS_REST: tl.constexpr, BLOCK_REST: tl.constexpr, PAGE: tl.constexpr, CLAMP: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):  # fmt: skip
     """One program per token: its q heads rotated into q_out; its k heads rotated and its v
     heads copied into the cache slot (nothing written for a negative slot)."""
@@ -79,25 +89,16 @@ def _rope_kv_kernel(
         k1, k2 = _rotated_halves(k_src, offs, km, cos, sin, HALF)
         v1 = tl.load(v_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
-        if CLAMP:  # FP8 cache: +-448 is e4m3's largest finite value
-            k1 = tl.minimum(tl.maximum(k1, -448.0), 448.0)
-            k2 = tl.minimum(tl.maximum(k2, -448.0), 448.0)
-            v1 = tl.minimum(tl.maximum(v1, -448.0), 448.0)
-            v2 = tl.minimum(tl.maximum(v2, -448.0), 448.0)
-        c_ty = cache_ptr.dtype.element_ty
-        tl.store(k_dst + offs[None, :], k1.to(c_ty), mask=km)
-        tl.store(k_dst + HALF + offs[None, :], k2.to(c_ty), mask=km)
-        tl.store(v_dst + offs[None, :], v1.to(c_ty), mask=km)
-        tl.store(v_dst + HALF + offs[None, :], v2.to(c_ty), mask=km)
+        _store_cache(k_dst + offs[None, :], k1, km, CLAMP, LIMIT)
+        _store_cache(k_dst + HALF + offs[None, :], k2, km, CLAMP, LIMIT)
+        _store_cache(v_dst + offs[None, :], v1, km, CLAMP, LIMIT)
+        _store_cache(v_dst + HALF + offs[None, :], v2, km, CLAMP, LIMIT)
         if HAS_REST:
             rm = kv_ok[:, None] & r_ok[None, :]
             kr = tl.load(k_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
             vr = tl.load(v_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
-            if CLAMP:
-                kr = tl.minimum(tl.maximum(kr, -448.0), 448.0)
-                vr = tl.minimum(tl.maximum(vr, -448.0), 448.0)
-            tl.store(k_dst + rest[None, :], kr.to(c_ty), mask=rm)
-            tl.store(v_dst + rest[None, :], vr.to(c_ty), mask=rm)
+            _store_cache(k_dst + rest[None, :], kr, rm, CLAMP, LIMIT)
+            _store_cache(v_dst + rest[None, :], vr, rm, CLAMP, LIMIT)
 
 
 def rope_and_write_kv(
@@ -151,16 +152,15 @@ def rope_and_write_kv(
     if num_tokens == 0:
         return out
     rest = head_dim - 2 * half
-    cache = kv_cache
     _rope_kv_kernel[(num_tokens,)](
-        query, key, value, positions, cos, sin, slot_mapping, cache, out,
+        query, key, value, positions, cos, sin, slot_mapping, kv_cache, out,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
         BLOCK_HALF=triton.next_power_of_2(half),
         HAS_REST=rest > 0, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
-        PAGE=block_size, CLAMP=kv_cache.dtype == FP8_KV_DTYPE, num_warps=4,
+        PAGE=block_size, CLAMP=kv_cache.dtype == FP8_KV_DTYPE, LIMIT=FP8_MAX, num_warps=4,
     )  # fmt: skip
     return out
