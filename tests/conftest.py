@@ -1,5 +1,6 @@
 """Test-wide settings: no network, no spinning OpenMP threads, shared tiny-model fixtures."""
 
+import importlib
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -34,15 +35,19 @@ def embedded_tokenizer_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def require_kernel():
-    """`require_kernel(jit_fn)` skips the test unless that Triton kernel can run here: compiled
-    on a GPU, or interpreted on the CPU (TRITON_INTERPRET, set above, must have been read when
-    its module was imported)."""
+def triton_kernels():
+    """`triton_kernels(module_name, jit_name)`: the imported module when its Triton kernel
+    `jit_name` can run here (compiled on a GPU, or interpreted on the CPU: TRITON_INTERPRET, set
+    above, must have been read when the module was imported); skips the test otherwise."""
 
-    def check(jit_fn) -> None:
+    def load(module_name: str, jit_name: str):
+        pytest.importorskip("triton")
         from triton.runtime.interpreter import InterpretedFunction
 
-        if not torch.cuda.is_available() and not isinstance(jit_fn, InterpretedFunction):
+        module = importlib.import_module(module_name)
+        interpreted = isinstance(getattr(module, jit_name), InterpretedFunction)
+        if not torch.cuda.is_available() and not interpreted:
             pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
+        return module
 
-    return check
+    return load

@@ -180,16 +180,13 @@ def test_attention_layer_writes_cache_and_attends() -> None:
     torch.testing.assert_close(out.double(), expected.reshape(5, -1), atol=1e-6, rtol=1e-6)
 
 
-def test_attention_layer_rope_paths_agree(monkeypatch) -> None:
+def test_attention_layer_rope_paths_agree(monkeypatch, triton_kernels) -> None:
     """With a RotaryEmbedding, the layer's fused RoPE + KV-write kernel (CUDA; forced here under
     the Triton interpreter) and its torch path (the module, then write_kv) give the same output
     and the same cache, from strided q/k/v views of one QKV tensor as the model passes them."""
-    pytest.importorskip("triton")
     import phloem.layers.attention as attention_layer
-    from phloem.ops.rope_kv import _rope_kv_kernel, rope_and_write_kv
 
-    if not torch.cuda.is_available() and "Interpreted" not in type(_rope_kv_kernel).__name__:
-        pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
+    rope_and_write_kv = triton_kernels("phloem.ops.rope_kv", "_rope_kv_kernel").rope_and_write_kv
     torch.manual_seed(5)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, kv_heads, head_dim, block_size = 4, 2, 8, 4

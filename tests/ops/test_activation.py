@@ -6,13 +6,9 @@ import torch.nn.functional as F
 
 
 @pytest.fixture(scope="module")
-def kernel(require_kernel):
+def kernel(triton_kernels):
     """The kernel; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
-    pytest.importorskip("triton")
-    from phloem.ops.activation import _silu_and_mul_kernel, silu_and_mul
-
-    require_kernel(_silu_and_mul_kernel)
-    return silu_and_mul
+    return triton_kernels("phloem.ops.activation", "_silu_and_mul_kernel").silu_and_mul
 
 
 def device() -> torch.device:

@@ -9,13 +9,9 @@ from phloem.ops.kv_store import write_kv
 
 
 @pytest.fixture(scope="module")
-def kernel(require_kernel):
+def kernel(triton_kernels):
     """The kernel; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
-    pytest.importorskip("triton")
-    from phloem.ops.rope_kv import _rope_kv_kernel, rope_and_write_kv
-
-    require_kernel(_rope_kv_kernel)
-    return rope_and_write_kv
+    return triton_kernels("phloem.ops.rope_kv", "_rope_kv_kernel").rope_and_write_kv
 
 
 def device() -> torch.device:

@@ -295,14 +295,9 @@ def test_backend_cost_rule_counters_and_exactness():
 
 
 @pytest.fixture(scope="module")
-def triton_kernel():
+def triton_kernel(triton_kernels):
     """The Triton module; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
-    pytest.importorskip("triton")
-    from phloem.ops.attention import shared_prefix_triton
-
-    if not torch.cuda.is_available() and not shared_prefix_triton._interpreting():
-        pytest.skip("triton kernels are compiled, not interpreted, and there is no GPU")
-    return shared_prefix_triton
+    return triton_kernels("phloem.ops.attention.shared_prefix_triton", "tile_kernel")
 
 
 def device() -> torch.device:
