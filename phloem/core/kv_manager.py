@@ -80,12 +80,8 @@ class KVManager:
         (appends fresh blocks). Returns False, allocating nothing, when even eviction cannot
         free enough blocks.
         """
-        # num_blocks_needed, inlined: a decode step asks this of every running request and
-        # nearly always gets 0 back
-        table = self._block_tables.get(request.request_id)
-        num_total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        needed = num_total - (len(table) if table is not None else 0)
-        if needed <= 0:
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed == 0:
             return True
         if needed > self.num_reclaimable_blocks:
             return False
@@ -98,8 +94,7 @@ class KVManager:
             self.allocator.decref(cache.evict(max(short, self.evict_batch_blocks)))
         if needed > self.allocator.num_free_blocks:
             return False
-        if table is None:
-            table = self._block_tables[request.request_id] = []
+        table = self._block_tables.setdefault(request.request_id, [])
         table.extend(self.allocator.allocate(needed))
         return True
 
