@@ -23,10 +23,11 @@ after, which its update skips.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from phloem.config import SchedulerConfig
-from phloem.core.kv_manager import KVManager, cdiv
+from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus
 from phloem.core.stop_checker import check_stop
 
@@ -242,25 +243,22 @@ class Scheduler:
 
     def _blocks_to_finish(self, request: Request) -> int:
         """Blocks the request still needs to reach its end (prompt + max_tokens) [blocks]."""
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:  # no declared budget: plan for the prompt and one block
-            end = request.num_tokens + self.kv.block_size
-        else:
-            end = request.num_prompt_tokens + max_tokens
-        end = min(end, self.config.max_model_len)
-        return max(0, cdiv(end, self.kv.block_size) - len(self.kv.block_ids(request.request_id)))
+        return self._blocks_to_finish_all((request,))
 
     def _reserved_blocks(self) -> int:
-        """Σ `_blocks_to_finish` over the running requests [blocks].
+        """Σ `_blocks_to_finish` over the running requests [blocks]."""
+        return self._blocks_to_finish_all(self.running)
 
-        The same rule as `_blocks_to_finish`, inlined: this runs over every running request in
-        every step that has requests waiting, and a call per request doubled its cost.
-        """
+    def _blocks_to_finish_all(self, requests: Iterable[Request]) -> int:
+        """Σ over `requests` of the blocks each still needs to reach its end: prompt +
+        max_tokens, or without a declared budget its tokens plus one block; capped at the
+        context [blocks]. One loop, no call per request: `_reserved_blocks` runs it over every
+        running request in every step that has requests waiting."""
         block_size = self.kv.block_size
         max_model_len = self.config.max_model_len
         block_ids = self.kv.block_ids
         total = 0
-        for request in self.running:
+        for request in requests:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is None:
                 end = request.num_tokens + block_size
