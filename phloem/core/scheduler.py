@@ -377,12 +377,15 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
-        """Finish a request for a reason decided outside (a stop string). Frees its blocks."""
-        request = self.requests[request_id]
+    def finish_request(self, request: Request, status: RequestStatus, stop_reason=None) -> None:
+        """Finish a request for a reason decided outside (a stop string). Frees its blocks. A
+        request that already finished by length or EOS in the same update (its blocks freed
+        already) takes the outside reason instead; an aborted one stays aborted."""
         if not request.is_finished:
             request.stop_reason = stop_reason
             self._finish(request, status)
+        elif request.status is not RequestStatus.FINISHED_ABORTED:
+            request.status, request.stop_reason = status, stop_reason
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -311,15 +311,8 @@ class LLMEngine:
             finished = request.is_finished
             if stop is None and finished:
                 stop = seq.detokenizer.flush()
-            if stop is not None:
-                if finished:  # by length or EOS in this very update (already freed): the stop
-                    # string, completed by the last token or found in flushed text, still wins
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    request.stop_reason = stop
-                else:
-                    self.scheduler.finish_request(
-                        request.request_id, RequestStatus.FINISHED_STOPPED, stop
-                    )
+            if stop is not None:  # wins over a length or EOS finish in this same update
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
                 finished = True
             metrics = entry.metrics
             metrics.first_token_time = metrics.first_token_time or now
