@@ -110,6 +110,24 @@ def test_greedy_is_argmax():
     assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_plain_greedy_on_half_logits_equals_float32_path(dtype):
+    """The all-greedy fast path takes argmax in the logits' own dtype: same ids as the float32
+    path (first index among ties, which half precision makes common), and the same logprobs
+    when one row asks for them (that step goes the float32 way)."""
+    logits = (torch.randn(32, 300, generator=gen(2)) * 4).to(dtype)
+    logits[3, 7] = logits[3, 250] = logits[3].max() + 1  # a tie: the first index wins
+    greedy = [row(SamplingParams(temperature=0.0)) for _ in range(32)]
+    out = Sampler()(logits, greedy)
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.token_ids[3] == 7 and out.logprobs == [None] * 32
+    with_lp = greedy[:-1] + [row(SamplingParams(temperature=0.0, logprobs=2))]
+    out_lp = Sampler()(logits, with_lp)
+    assert out_lp.token_ids == out.token_ids
+    expected = torch.log_softmax(logits[-1].float(), dim=-1)[out.token_ids[-1]].item()
+    assert out_lp.logprobs[-1] == pytest.approx(expected, abs=1e-5)
+
+
 def test_greedy_rows_consume_no_randomness():
     greedy = SamplingParams(temperature=0.0)
     sampled = SamplingParams(temperature=1.0)
