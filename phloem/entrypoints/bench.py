@@ -419,7 +419,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     """The `bench throughput` subcommand; prints a summary and writes --json / --plot."""
     import torch
 
-    from phloem.bench.roofline import ModelShape, measure_ceilings, workload_roofline
+    from phloem.bench.roofline import ModelShape, measure_ceilings
     from phloem.bench.workloads import make_workload
     from phloem.models.loader import load_hf_config, resolve_model
 
@@ -488,16 +488,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     }
     if ceilings is not None:
         kv_dtype = llm.llm_engine.executor.worker.kv_dtype
-        roof = workload_roofline(
-            ModelShape.from_hf(hf_config, torch.tensor([], dtype=kv_dtype).element_size()),
-            workload,
-            ceilings["flops_per_s"],
-            ceilings["bytes_per_s"],
-        )
-        result["ceilings"] = ceilings
-        result["roofline"] = roof.to_dict()
-        result["bound_total_tokens_per_s"] = (num_in + num_out) / roof.bound_time_s
-        result["roofline_ratio"] = roof.bound_time_s / elapsed
+        shape = ModelShape.from_hf(hf_config, torch.tensor([], dtype=kv_dtype).element_size())
+        after = measure_ceilings()  # right after the run: the GPU as the run left it
+        result.update(roofline_fields(shape, workload, ceilings, after, elapsed, num_in + num_out))
     if on_cuda:
         stats = torch.cuda.memory_stats()
         result["cuda_allocator"] = {
@@ -515,6 +508,31 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(result, args.plot)
     return 0
+
+
+def roofline_fields(
+    shape, workload, ceilings: dict, ceilings_after: dict, elapsed_s: float, total_tokens: int
+) -> dict:
+    """The JSON's roofline fields. `ceilings` (measured before the model loads, on a cool GPU) give
+    the roofline ratio of shared/docs/ROOFLINE.md; `ceilings_after` (measured again right after the
+    run, on the GPU the run heated) give `roofline_ratio_after_run_ceilings`, for context only: a
+    power-capped GPU runs a long matmul load at lower clocks than a short burst (an H200 at its
+    700 W cap: 1.41-1.50 GHz instead of 1.98, benchmarks/results/2026-11-23-h200-c), so the
+    second ratio shows how much of the gap to 1.0 is the clock. Units: FLOP/s, bytes/s, seconds."""
+    from phloem.bench.roofline import workload_roofline
+
+    def bound(c: dict):
+        return workload_roofline(shape, workload, c["flops_per_s"], c["bytes_per_s"])
+
+    roof, roof_after = bound(ceilings), bound(ceilings_after)
+    return {
+        "ceilings": ceilings,
+        "roofline": roof.to_dict(),
+        "bound_total_tokens_per_s": total_tokens / roof.bound_time_s,
+        "roofline_ratio": roof.bound_time_s / elapsed_s,
+        "ceilings_after_run": ceilings_after,
+        "roofline_ratio_after_run_ceilings": roof_after.bound_time_s / elapsed_s,
+    }
 
 
 def _run_peer(llm, hf_config, workload, result: dict) -> dict:
@@ -586,6 +604,13 @@ def _report(r: dict) -> None:
             f"bound {roof['bound_time_s']:.2f} s ({roof['limiter']}) = "
             f"{r['bound_total_tokens_per_s']:.0f} total tok/s; roofline ratio {r['roofline_ratio']:.3f}"
         )
+        after = r.get("ceilings_after_run")
+        if after:
+            lines.append(
+                f"  ceilings after the run: {after['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                f"{after['bytes_per_s'] / 1e12:.2f} TB/s; ratio against them "
+                f"{r['roofline_ratio_after_run_ceilings']:.3f} (context; the ratio above is ROOFLINE.md's)"
+            )
     print("\n".join(lines))
 
 

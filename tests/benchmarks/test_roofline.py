@@ -52,3 +52,23 @@ def test_bound_is_the_larger_time_and_sequential_sums():
     two = workload_roofline(LLAMA, seq, 1e15, 3e12)
     assert two.bytes == pytest.approx(2 * roof.bytes)
     assert workload_roofline(LLAMA, batched, 1e15, 3e12).bytes < two.bytes  # weights read once
+
+
+def test_bench_ratio_after_run_uses_the_second_ceilings():
+    """`bench`'s JSON: the roofline ratio uses the ceilings measured before the run; the
+    after-run ratio (context) uses the second measurement, so a GPU whose matmul ceiling fell
+    by a quarter while it ran reads a ratio 4/3 as high against it."""
+    from phloem.entrypoints.bench import roofline_fields
+
+    w = Workload("w", "t", [[1] * 100, [1] * 100], [10, 10], [(96, [0, 1])])
+    before = {"flops_per_s": 800e12, "bytes_per_s": 1e18}  # compute-bound
+    after = {"flops_per_s": 600e12, "bytes_per_s": 1e18}
+    r = roofline_fields(LLAMA, w, before, after, elapsed_s=1.0, total_tokens=220)
+    flops, nbytes = batch_work(LLAMA, [(96, [(100, 10), (100, 10)])])
+    bound = max(flops / 800e12, nbytes / 1e18)
+    assert r["roofline_ratio"] == pytest.approx(bound)
+    assert r["bound_total_tokens_per_s"] == pytest.approx(220 / bound)
+    assert r["ceilings_after_run"] is after
+    bound_after = max(flops / 600e12, nbytes / 1e18)
+    assert r["roofline_ratio_after_run_ceilings"] == pytest.approx(bound_after)
+    assert bound_after == pytest.approx(bound * 4 / 3)
