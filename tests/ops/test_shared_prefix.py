@@ -345,6 +345,25 @@ def test_triton_matches_reference(
     assert [n for _, _, n in plan.launches] == ([False, True] if narrow else [False])
 
 
+@pytest.mark.parametrize("block_size,block_n", [(8, 16), (32, 16), (64, 32)])
+def test_triton_other_block_sizes(triton_kernel, block_size, block_n):
+    """KV blocks smaller and larger than the kernel's KV tile (`--block-size` is a user choice):
+    the tile's rows map to (block, offset) per row either way."""
+    p = 2 * block_size
+    groups = [(p, [(1, 1), (1, block_size + 3), (4, 9), (2, 2 * block_size + 1)])]
+    groups.append((block_size, [(1, 2), (3, 5)]))
+    q, kv, meta, prefix_lens = make_shared_step(
+        groups, [(1, 3 * block_size - 1), (5, 5)], 4, 2, 8, torch.float32, seed=block_size,
+        leaders=[(0, 3, p + 2)], block_size=block_size,
+    )  # fmt: skip
+    sp = build_shared_prefix_metadata(meta, prefix_lens)
+    assert sp.num_groups == 2
+    oracle = paged_attention_reference(q, kv, meta, 0.4)
+    dev = device()
+    out = shared_prefix_attention_triton(q.to(dev), kv.to(dev), meta, sp, 0.4, block_n=block_n)
+    torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
+
+
 def test_triton_half_precision_and_head_dim_padding(triton_kernel):
     groups = [(32, [(1, 1), (2, 3), (1, 17)])]
     q, kv, meta, prefix_lens = make_shared_step(groups, [(1, 5)], 4, 2, 12, torch.float16, 11)
