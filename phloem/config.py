@@ -59,6 +59,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_LAYOUTS = ("NHD", "HND")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,12 @@ class CacheConfig:
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3, scale 1, values clamped
             to +-448: half the bytes per token, so twice the tokens in the same memory and half
             the KV reads of decode attention; lossy).
+        kv_layout: the physical order of a block's tokens and KV heads: "NHD" (token-major:
+            [num_blocks, 2, block_size, H_kv, D], FlashInfer's default) or "HND" (head-major:
+            [num_blocks, 2, H_kv, block_size, D], so one head's block_size x D slice of a block is
+            contiguous, block_size * D * bytes instead of D * bytes per run of a gather). Kernels
+            always see the [num_blocks, 2, block_size, H_kv, D] shape (an HND cache is a strided
+            view of it); only the memory access pattern differs.
     """
 
     block_size: int = 16
@@ -85,6 +92,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    kv_layout: str = "NHD"
 
     def validate(self) -> None:
         _positive("block_size", self.block_size)
@@ -92,6 +100,8 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {list(KV_LAYOUTS)}, got {self.kv_layout!r}")
         _positive("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

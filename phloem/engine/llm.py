@@ -82,6 +82,7 @@ class LLM:
             device (host work overlaps device work); False runs steps one after the other.
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3 KV cache; see
             `CacheConfig`).
+        kv_layout: "NHD" (token-major blocks) or "HND" (head-major blocks; see `CacheConfig`).
     Raises:
         ValueError: naming the argument, for invalid values.
     """
@@ -108,6 +109,7 @@ class LLM:
         memory_centric_admission: bool = True,
         async_scheduling: bool = True,
         kv_cache_dtype: str = "auto",
+        kv_layout: str = "NHD",
     ) -> None:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
@@ -122,6 +124,7 @@ class LLM:
                 gpu_memory_utilization,
                 enable_prefix_caching,
                 kv_cache_dtype,
+                kv_layout,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -311,6 +311,7 @@ def _engine_info(llm) -> dict:
         "compiled_layers": getattr(worker, "compiled_layers", 0),
         "num_kv_blocks": worker.num_blocks,
         "block_size": llm.llm_engine.config.cache.block_size,
+        "kv_layout": llm.llm_engine.config.cache.kv_layout,
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "async_scheduling": sched.async_scheduling,

@@ -54,6 +54,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "fp8"],
         help="fp8: KV cache in float8 e4m3 (scale 1): twice the tokens, half the reads; lossy",
     )
+    g.add_argument(
+        "--kv-layout",
+        default="NHD",
+        choices=["NHD", "HND"],
+        help="KV block layout: NHD token-major, HND head-major (contiguous per head and block)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +115,7 @@ def build_llm(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_layout=args.kv_layout,
     )
 
 

@@ -3,6 +3,11 @@
 kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 slot = block_id * block_size + offset_in_block;  slot -1 = padding, not written.
 
+That shape is what every kernel sees. In memory a block is either token-major ("NHD", the
+contiguous tensor) or head-major ("HND": stored as [num_blocks, 2, num_kv_heads, block_size,
+head_dim] and handed out as its transposed view); `allocate_kv_cache` makes either and
+`kv_layout` tells them apart by strides. Writers and readers index through the strides.
+
 An FP8 cache (`torch.float8_e4m3fn`, `kv_cache_dtype="fp8"`) stores K and V with a scale of 1
 (as vLLM's uncalibrated "fp8" KV cache): values are clamped to +-448, the format's largest finite
 value, and rounded to nearest; readers convert back to the query dtype.
@@ -23,13 +28,52 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def index_copy_rows(flat: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """flat[rows] = src cast to flat's dtype (`index_copy_`; FP8 through a byte view, which every
-    device supports)."""
-    src = to_cache_dtype(src, flat.dtype)
-    if flat.dtype == FP8_KV_DTYPE:
-        flat, src = flat.view(torch.uint8), src.view(torch.uint8)
-    flat.index_copy_(0, rows, src)
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    layout: str = "NHD",
+) -> torch.Tensor:
+    """A zeroed cache of shape [num_blocks, 2, block_size, num_kv_heads, head_dim] in `layout`
+    ("NHD": contiguous; "HND": a transposed view of a contiguous [num_blocks, 2, num_kv_heads,
+    block_size, head_dim] tensor). Raises ValueError for another layout."""
+    if layout == "NHD":
+        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if layout == "HND":
+        shape = (num_blocks, 2, num_kv_heads, block_size, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device).transpose(2, 3)
+    raise ValueError(f"kv layout must be 'NHD' or 'HND', got {layout!r}")
+
+
+def kv_layout(kv_cache: torch.Tensor) -> str:
+    """ "NHD" or "HND": which of `allocate_kv_cache`'s layouts a cache has (by its strides).
+    Raises ValueError for any other memory layout."""
+    if kv_cache.is_contiguous():
+        return "NHD"
+    if kv_cache.transpose(2, 3).is_contiguous():
+        return "HND"
+    raise ValueError(f"KV cache strides {kv_cache.stride()} are neither NHD nor HND")
+
+
+def write_kv_slots(
+    kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """kv_cache[slot's block, 0/1, slot's offset] = key/value row by row, cast to the cache
+    dtype (FP8: clamped; written through a byte view, which every device supports). slots:
+    int64 [T], all >= 0 (no host sync here); any layout of `allocate_kv_cache`."""
+    block_size = kv_cache.shape[2]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    key, value = to_cache_dtype(key, kv_cache.dtype), to_cache_dtype(value, kv_cache.dtype)
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        kv_cache = kv_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    kv_cache[blocks, 0, offsets] = key
+    kv_cache[blocks, 1, offsets] = value
 
 
 def write_kv(
@@ -41,18 +85,17 @@ def write_kv(
     """Scatter each token's K and V into its slot of the paged cache (in place, no Python loop).
 
     Args:
-        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim], contiguous; mutated.
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] in either layout of
+            `allocate_kv_cache`; mutated.
         key, value: [T, num_kv_heads, head_dim]; cast to the cache dtype on write (FP8: clamped).
         slot_mapping: int64 [T]; the slot of each token, -1 to skip the token (padding).
 
     Raises:
-        ValueError: for mismatched shapes or a non-contiguous cache (it is written through a view).
+        ValueError: for mismatched shapes.
 
-    Each slot must appear at most once among the non-negative entries (index_copy_ with duplicate
-    indices leaves an unspecified winner). On GPU the -1 filter costs one host sync.
+    Each slot must appear at most once among the non-negative entries (duplicate indices leave
+    an unspecified winner). On GPU the -1 filter costs one host sync.
     """
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous (it is written through a flat view)")
     num_blocks, two, block_size, num_kv_heads, head_dim = kv_cache.shape
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if two != 2 or tuple(key.shape) != expected or tuple(value.shape) != expected:
@@ -64,11 +107,4 @@ def write_kv(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    # Row r of the flat view [num_blocks * 2 * block_size, H, D] is (block, kv, offset) with
-    # r = (block * 2 + kv) * block_size + offset, so K of a slot is at block*2*bs + offset and its
-    # V one block_size further.
-    k_rows = torch.div(slots, block_size, rounding_mode="floor") * (2 * block_size)
-    k_rows += slots % block_size
-    flat = kv_cache.view(num_blocks * 2 * block_size, num_kv_heads, head_dim)
-    index_copy_rows(flat, k_rows, key)
-    index_copy_rows(flat, k_rows + block_size, value)
+    write_kv_slots(kv_cache, slots, key, value)

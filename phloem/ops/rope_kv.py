@@ -119,14 +119,15 @@ def rope_and_write_kv(
             e.g. views of the fused QKV output).
         cos, sin: float32 [max_position, rotary_dim / 2] (`RotaryEmbedding.cos` / `.sin`);
             the first rotary_dim of each head rotate, the rest pass through.
-        kv_cache: [num_blocks, 2, block_size, H_kv, D], contiguous, query's dtype or
-            float8_e4m3fn (values clamped to +-448); mutated at the slots.
+        kv_cache: [num_blocks, 2, block_size, H_kv, D] with a contiguous last dim (either layout
+            of `kv_store.allocate_kv_cache`), query's dtype or float8_e4m3fn (values clamped to
+            +-448); mutated at the slots.
         slot_mapping: int64 [T]: the cache slot of each token (block * block_size + offset);
             negative slots are not written.
     Returns:
         The rotated query, a new [T, H, D] tensor in query's dtype.
     Raises:
-        ValueError: for mismatched shapes, a non-contiguous cache or last dimension.
+        ValueError: for mismatched shapes or a non-contiguous last dimension.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, two, block_size, num_kv_heads, cache_dim = kv_cache.shape
@@ -146,8 +147,8 @@ def rope_and_write_kv(
             f"{tuple(value.shape)}, kv_cache {tuple(kv_cache.shape)}, cos {tuple(cos.shape)}, "
             f"slot_mapping {tuple(slot_mapping.shape)}"
         )
-    if not kv_cache.is_contiguous() or any(x.stride(-1) != 1 for x in (query, key, value, cos)):
-        raise ValueError("kv_cache must be contiguous and q/k/v/cos need a contiguous last dim")
+    if any(x.stride(-1) != 1 for x in (query, key, value, cos, kv_cache)):
+        raise ValueError("q/k/v, cos and kv_cache need a contiguous last dim")
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out

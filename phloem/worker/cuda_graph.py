@@ -32,7 +32,7 @@ from torch import nn
 
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
-from phloem.ops.kv_store import index_copy_rows
+from phloem.ops.kv_store import write_kv_slots
 from phloem.ops.staging import pinned
 
 logger = logging.getLogger(__name__)
@@ -51,12 +51,7 @@ def write_kv_no_sync(
 ) -> None:
     """`phloem.ops.kv_store.write_kv` for slot mappings without -1 entries, with no host sync
     (a sync cannot be captured). Padding rows of a graph step write into the scratch block."""
-    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    k_rows = torch.div(slot_mapping, block_size, rounding_mode="floor") * (2 * block_size)
-    k_rows += slot_mapping % block_size
-    flat = kv_cache.view(num_blocks * 2 * block_size, num_kv_heads, head_dim)
-    index_copy_rows(flat, k_rows, key)
-    index_copy_rows(flat, k_rows + block_size, value)
+    write_kv_slots(kv_cache, slot_mapping, key, value)
 
 
 @contextlib.contextmanager

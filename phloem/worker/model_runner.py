@@ -21,6 +21,7 @@ from phloem.core.scheduler import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.worker.cuda_graph import CUDAGraphRunner, sync_free_kv_writes
 
@@ -154,6 +155,7 @@ class ModelRunner:
             allocated as the scratch block that padding rows of CUDA-graph steps write to.
         block_size: tokens per block.
         kv_dtype: dtype of the KV cache; device: where everything lives.
+        kv_layout: "NHD" or "HND" (`CacheConfig.kv_layout`, `kv_store.allocate_kv_cache`).
         backend: the attention backend; seed: the sampler's seed for unseeded requests.
         eos_token_id: banned while a request has fewer than `min_tokens` outputs.
     """
@@ -168,8 +170,10 @@ class ModelRunner:
         backend: AttentionBackend,
         seed: int = 0,
         eos_token_id: int | None = None,
+        kv_layout: str = "NHD",
     ) -> None:
         self.model = model
+        self.kv_layout = kv_layout
         self.block_size = block_size
         self.device = device
         self.backend = backend
@@ -191,9 +195,9 @@ class ModelRunner:
         (id num_blocks). Drops any captured CUDA graphs (they point at the old caches)."""
         self.graph_runner = None
         self.kv_caches = []
-        shape = (num_blocks + 1, 2, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        geometry = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            allocate_kv_cache(*geometry, self.kv_dtype, self.device, self.kv_layout)
             for _ in range(self.model.num_layers)
         ]
         self.num_blocks = num_blocks

@@ -97,6 +97,7 @@ class Worker:
                 -max(sched.max_model_len, _max_positions(hf_config)) // block_size
             ),
             max_num_seqs=sched.max_num_seqs,
+            kv_layout=cache_config.kv_layout,
         )
         logger.info("attention backend: %s", backend.name)
         profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
@@ -109,6 +110,7 @@ class Worker:
             backend=backend,
             seed=seed,
             eos_token_id=eos_token_id,
+            kv_layout=cache_config.kv_layout,
         )
         activation_peak = 0
         if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:

@@ -1,6 +1,7 @@
-"""kv_cache_dtype="fp8": the KV pool is float8 e4m3 (a quarter of float32's bytes per token, so
-4x the blocks for the same byte budget), every step writes and reads it, and greedy outputs stay
-close to the full-precision cache's (FP8 rounds K and V: ~6% relative error per element)."""
+"""The KV cache's storage options end to end. kv_cache_dtype="fp8": the KV pool is float8 e4m3 (a
+quarter of float32's bytes per token, so 4x the blocks for the same byte budget), every step
+writes and reads it, and greedy outputs stay close to the full-precision cache's (FP8 rounds K and
+V: ~6% relative error per element). kv_layout="HND": head-major blocks, identical outputs."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
     return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_fp8kv", 5)
 
 
-def run(path, kv_cache_dtype: str):
+def run(path, kv_cache_dtype: str, kv_layout: str = "NHD"):
     llm = LLM(str(path), block_size=4, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20,
-              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+              kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout)  # fmt: skip
     rng = random.Random(0)
     shared = [rng.randrange(3, VOCAB) for _ in range(20)]
     batch = [
@@ -51,3 +52,18 @@ def test_fp8_kv_cache_end_to_end(tiny_llama):
 def test_kv_cache_dtype_is_validated(tiny_llama):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(tiny_llama), kv_cache_dtype="int4")
+
+
+def test_head_major_kv_layout_gives_identical_outputs(tiny_llama):
+    from phloem.ops.kv_store import kv_layout
+
+    nhd_worker, nhd = run(tiny_llama, "auto")
+    hnd_worker, hnd = run(tiny_llama, "auto", "HND")
+    caches = hnd_worker.model_runner.kv_caches
+    assert (
+        kv_layout(caches[0]) == "HND" and kv_layout(nhd_worker.model_runner.kv_caches[0]) == "NHD"
+    )
+    assert hnd_worker.num_blocks == nhd_worker.num_blocks
+    assert hnd == nhd and all(len(t) == 8 for t in hnd)
+    with pytest.raises(ValueError, match="kv_layout"):
+        LLM(str(tiny_llama), kv_layout="NDH")

@@ -109,6 +109,32 @@ def test_flashinfer_matches_reference(head_dim, block_size, heads, kind):
     assert err <= 1e-2, f"seed {seed}: rel err {err:.2e} for {seqs}"
 
 
+@pytest.mark.parametrize("kernel_backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_flashinfer_reads_a_head_major_cache(kernel_backend, kind):
+    """kv_layout="HND": the cache as kv_store.allocate_kv_cache makes it (a transposed view of
+    a head-major tensor), same values as NHD, for both kernel families."""
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+    from phloem.ops.attention.reference import paged_attention_reference
+    from phloem.ops.kv_store import allocate_kv_cache
+
+    if kernel_backend == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 needs Hopper")
+    seed = RUN_SEED + hash((kernel_backend, kind)) % 10_000
+    seqs = _mixed(random.Random(seed), kind, max_len=700)
+    query, kv, meta = _step(seqs, 16, 32, 8, 128, seed)
+    hnd = allocate_kv_cache(kv.shape[0], 16, 8, 128, kv.dtype, "cuda", "HND")
+    hnd.copy_(kv)
+    backend = FlashInferAttention(
+        32, 8, 128, torch.bfloat16, "cuda", kernel_backend=kernel_backend, kv_layout="HND"
+    )
+    backend.begin_step(meta)
+    out = backend.forward(query, hnd, meta, 128**-0.5)
+    ref = paged_attention_reference(query, kv, meta, 128**-0.5, compute_dtype=torch.float32)
+    err = _rel_err(out, ref)
+    assert err <= 1e-2, f"seed {seed}: rel err {err:.2e} for {seqs}"
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_padding_rows_are_zero(head_dim):
     """Query rows past query_start_loc[-1] (step padding) come back as zeros, not garbage."""

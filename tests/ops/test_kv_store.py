@@ -1,9 +1,10 @@
-"""write_kv against a per-token loop, including skipped (-1) slots and untouched slots."""
+"""write_kv against a per-token loop, including skipped (-1) slots and untouched slots, in both
+cache layouts (token-major NHD, head-major HND)."""
 
 import pytest
 import torch
 
-from phloem.ops.kv_store import write_kv
+from phloem.ops.kv_store import allocate_kv_cache, kv_layout, write_kv
 
 torch.set_num_threads(1)
 
@@ -39,13 +40,6 @@ def test_write_kv_rejects_bad_shapes() -> None:
         write_kv(
             cache, torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), torch.zeros(3, dtype=torch.long)
         )
-    with pytest.raises(ValueError, match="contiguous"):
-        write_kv(
-            cache.transpose(0, 2),
-            torch.zeros(3, 2, 8),
-            torch.zeros(3, 2, 8),
-            torch.zeros(3, dtype=torch.long),
-        )
 
 
 def test_write_kv_fp8_clamps_and_rounds() -> None:
@@ -70,3 +64,31 @@ def test_write_kv_fp8_clamps_and_rounds() -> None:
     written = torch.zeros(16, dtype=torch.bool)
     written[[0, 7, 9, 15]] = True
     assert (cache.float().permute(0, 2, 1, 3, 4).reshape(16, -1)[~written] == 0).all()
+
+
+def test_allocate_layouts() -> None:
+    nhd = allocate_kv_cache(5, 4, 3, 8, torch.float32, "cpu", "NHD")
+    hnd = allocate_kv_cache(5, 4, 3, 8, torch.float32, "cpu", "HND")
+    assert nhd.shape == hnd.shape == (5, 2, 4, 3, 8) and not hnd.any()
+    assert kv_layout(nhd) == "NHD" and kv_layout(hnd) == "HND"
+    # head-major: one head's block_size x head_dim slice of a block is contiguous
+    assert hnd.stride() == (2 * 3 * 4 * 8, 3 * 4 * 8, 8, 4 * 8, 1)
+    with pytest.raises(ValueError, match="layout"):
+        allocate_kv_cache(5, 4, 3, 8, torch.float32, "cpu", "NHWC")
+    with pytest.raises(ValueError, match="neither"):
+        kv_layout(nhd.transpose(0, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_write_kv_hnd_equals_nhd(dtype) -> None:
+    """The same writes land at the same logical [block, kv, offset, head] places either way."""
+    gen = torch.Generator().manual_seed(7)
+    key = torch.randn(9, 3, 8, generator=gen) * 10
+    value = torch.randn(9, 3, 8, generator=gen)
+    slots = torch.tensor([0, 3, 4, 9, -1, 13, 18, 19, 6])
+    caches = [allocate_kv_cache(5, 4, 3, 8, dtype, "cpu", layout) for layout in ("NHD", "HND")]
+    for cache in caches:
+        write_kv(cache, key, value, slots)
+    assert caches[1].float().any()
+    assert torch.equal(caches[0].float(), caches[1].float())
+    assert kv_layout(caches[1]) == "HND"  # written in place, still the view of its storage

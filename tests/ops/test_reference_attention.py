@@ -105,6 +105,20 @@ def test_reference_matches_naive_float64(block_size: int, group: int, head_dim: 
     torch.testing.assert_close(out64, expected, atol=1e-12, rtol=1e-12)
 
 
+def test_reference_reads_a_head_major_cache() -> None:
+    """An HND cache (same logical contents, head-major memory) gives bit-identical outputs."""
+    from phloem.ops.kv_store import allocate_kv_cache
+
+    seqs = random_seqs(random.Random(11))
+    query, kv_cache, key, value, meta = make_step(seqs, 4, 6, 16, torch.float32, seed=11)
+    write_kv(kv_cache, key, value, meta.slot_mapping)
+    hnd = allocate_kv_cache(kv_cache.shape[0], 4, NUM_KV_HEADS, 16, torch.float32, "cpu", "HND")
+    hnd.copy_(kv_cache)
+    assert not hnd.is_contiguous()
+    out = ReferenceAttention().forward(query, kv_cache, meta, 0.25)
+    assert torch.equal(ReferenceAttention().forward(query, hnd, meta, 0.25), out)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reference_half_precision(dtype: torch.dtype) -> None:
     seqs = random_seqs(random.Random(7))

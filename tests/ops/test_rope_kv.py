@@ -68,6 +68,25 @@ def test_matches_rotary_then_write_kv(kernel, num_tokens, heads, kv_heads, head_
     torch.testing.assert_close(cache.cpu(), want_cache, **tol, equal_nan=True)
 
 
+def test_head_major_cache_gets_the_same_values(kernel):
+    """An HND cache (kv_store.allocate_kv_cache): same logical contents as write_kv's."""
+    from phloem.ops.kv_store import allocate_kv_cache, kv_layout
+
+    rotary, qkv, positions, slots, cache_shape = make_step(8, 4, 2, 16, 16, torch.float32, 3, 1)
+    q, k, v = split(qkv, 4, 2, 16)
+    _, want_k = rotary(positions, q, k)
+    want = allocate_kv_cache(*cache_shape[:1], *cache_shape[2:], torch.float32, "cpu", "HND")
+    write_kv(want.fill_(float("nan")), want_k, v, slots)
+    dev = device()
+    cache = allocate_kv_cache(*cache_shape[:1], *cache_shape[2:], torch.float32, dev, "HND")
+    cache.fill_(float("nan"))
+    q_d, k_d, v_d = split(qkv.to(dev), 4, 2, 16)
+    rotary = rotary.to(dev)
+    kernel(positions.to(dev), q_d, k_d, v_d, rotary.cos, rotary.sin, cache, slots.to(dev))
+    assert kv_layout(cache) == "HND"
+    torch.testing.assert_close(cache.cpu(), want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 def test_empty_step_writes_nothing(kernel):
     rotary, qkv, positions, slots, cache_shape = make_step(0, 4, 2, 16, 16, torch.float32, seed=0)
     cache = torch.zeros(cache_shape, device=device())

@@ -28,6 +28,7 @@ from phloem.ops.attention.shared_prefix import (
     shared_prefix_attention_triton,
     shared_prefix_partials_reference,
 )
+from phloem.ops.kv_store import allocate_kv_cache
 
 torch.set_num_threads(1)
 
@@ -345,10 +346,13 @@ def test_triton_matches_reference(
     assert [n for _, _, n in plan.launches] == ([False, True] if narrow else [False])
 
 
-@pytest.mark.parametrize("block_size,block_n", [(8, 16), (32, 16), (64, 32)])
-def test_triton_other_block_sizes(triton_kernel, block_size, block_n):
+@pytest.mark.parametrize(
+    "block_size,block_n,layout", [(8, 16, "NHD"), (32, 16, "HND"), (64, 32, "NHD"), (16, 16, "HND")]
+)
+def test_triton_other_block_sizes_and_layouts(triton_kernel, block_size, block_n, layout):
     """KV blocks smaller and larger than the kernel's KV tile (`--block-size` is a user choice):
-    the tile's rows map to (block, offset) per row either way."""
+    the tile's rows map to (block, offset) per row either way; and a head-major (HND) cache,
+    read through its strides."""
     p = 2 * block_size
     groups = [(p, [(1, 1), (1, block_size + 3), (4, 9), (2, 2 * block_size + 1)])]
     groups.append((block_size, [(1, 2), (3, 5)]))
@@ -360,7 +364,9 @@ def test_triton_other_block_sizes(triton_kernel, block_size, block_n):
     assert sp.num_groups == 2
     oracle = paged_attention_reference(q, kv, meta, 0.4)
     dev = device()
-    out = shared_prefix_attention_triton(q.to(dev), kv.to(dev), meta, sp, 0.4, block_n=block_n)
+    cache = allocate_kv_cache(kv.shape[0], block_size, 2, 8, kv.dtype, dev, layout)
+    cache.copy_(kv)
+    out = shared_prefix_attention_triton(q.to(dev), cache, meta, sp, 0.4, block_n=block_n)
     torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
 
 
@@ -446,17 +452,21 @@ def test_gpu_triton_and_flashinfer_read_an_fp8_cache():
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("impl", ["triton", "flashinfer"])
-def test_gpu_backend_paths(impl):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_gpu_backend_paths(impl, layout):
     if impl == "flashinfer":
         pytest.importorskip("flashinfer")
     pytest.importorskip("triton")
     from phloem.ops.attention import get_attention_backend
 
     q, kv, meta, _ = gpu_step()
+    if layout == "HND":
+        hnd = allocate_kv_cache(kv.shape[0], kv.shape[2], 8, 128, kv.dtype, kv.device, "HND")
+        kv = hnd.copy_(kv)
     scale = 128**-0.5
     fallback = get_attention_backend(
         "auto", num_heads=32, num_kv_heads=8, head_dim=128, scale=scale, dtype=q.dtype,
-        device=q.device,
+        device=q.device, kv_layout=layout,
     )  # fmt: skip
     backend = SharedPrefixAttention(fallback, impl=impl)
     backend.begin_step(meta)

@@ -10,8 +10,9 @@ split-KV decisions); every layer's `forward` then only launches the kernel. A de
 in a CUDA graph uses a wrapper of its own per batch size, planned into fixed buffers
 (`cuda_graph=True`), so the replayed kernel reads the new step's page table.
 
-KV layout: FlashInfer's "NHD" paged layout is phloem's (`[num_blocks, 2, block_size, H_kv, D]`),
-so the cache is passed as is. For sequence b the page table is its first ceil(L_b / block_size)
+KV layout: phloem's cache tensor is FlashInfer's "NHD" paged layout (`[num_blocks, 2, block_size,
+H_kv, D]`), passed as is; an "HND" cache (`kv_store.allocate_kv_cache`) is a transposed view of a
+contiguous `[num_blocks, 2, H_kv, block_size, D]` tensor, FlashInfer's "HND", passed transposed back. For sequence b the page table is its first ceil(L_b / block_size)
 block ids and the last page holds L_b - (n_pages - 1) * block_size tokens:
 
     |-- page 0 --|-- page 1 --| ... |-- last page (last_page_len tokens) --|
@@ -84,6 +85,9 @@ class FlashInferAttention:
         kernel_backend: FlashInfer's prefill kernel family for eager steps, "fa2" (default:
             any GPU, one module per head dim) or "fa3" (Hopper only; JIT-built on first use);
             graph steps always use "fa2".
+        kv_layout: "NHD" or "HND", the layout of the caches `forward` will get (see above).
+    Raises:
+        ValueError: for an unknown kv_layout or num_heads not a multiple of num_kv_heads.
     """
 
     name = "flashinfer"
@@ -101,10 +105,14 @@ class FlashInferAttention:
         max_num_blocks_per_seq: int = 8192,
         max_num_seqs: int = 256,
         kernel_backend: str = "fa2",
+        kv_layout: str = "NHD",
     ) -> None:
         import flashinfer
 
         self._flashinfer = flashinfer
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        self.kv_layout = kv_layout
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -119,7 +127,7 @@ class FlashInferAttention:
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._graph_kv_indices: torch.Tensor | None = None  # shared by the graph wrappers
         self._eager = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", backend=kernel_backend
+            self._workspace, kv_layout, backend=kernel_backend
         )
         self._graph_wrappers: dict[int, object] = {}
         self._active = None
@@ -139,7 +147,7 @@ class FlashInferAttention:
                 self._graph_kv_indices = torch.zeros(need, **i32)
             wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace,
-                "NHD",
+                self.kv_layout,
                 use_cuda_graph=True,
                 qo_indptr_buf=torch.arange(batch_size + 1, **i32),
                 paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
@@ -202,6 +210,8 @@ class FlashInferAttention:
             raise ValueError(f"scale {scale} differs from the planned softmax scale {self.scale}")
         if self._active is None:
             self.begin_step(meta)
+        if self.kv_layout == "HND":
+            kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         num_tokens = self._num_query_tokens
         if num_tokens == query.shape[0]:
             return self._active.run(query, kv_cache, out=out)

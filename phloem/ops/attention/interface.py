@@ -118,7 +118,8 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             num_heads, num_kv_heads, head_dim, scale, dtype (of q), kv_dtype (of the KV cache,
             default dtype), device,
             max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
-            max_num_seqs (largest batch of a step, sizes FlashInfer's workspace).
+            max_num_seqs (largest batch of a step, sizes FlashInfer's workspace),
+            kv_layout ("NHD" or "HND", the cache's memory layout, `kv_store.allocate_kv_cache`).
     Raises:
         ValueError: for an unknown backend name.
         ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.

@@ -61,17 +61,13 @@ def _gather_kv(
     Positions at or past a sequence's length read its position len - 1 (always written, so
     finite, unlike unwritten slots that may hold NaN); callers mask them out of the softmax.
     """
-    num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    block_size = kv_cache.shape[2]
     pos = torch.arange(max_len, device=kv_cache.device)
     clamped = torch.minimum(pos[None, :], lens[:, None] - 1)  # [B, L]
     block_ids = torch.gather(tables, 1, clamped // block_size)
-    # Row of K in the flat [num_blocks * 2 * block_size, H_kv * D] view; V is block_size further.
-    k_rows = (block_ids * (2 * block_size) + clamped % block_size).flatten()
-    flat = kv_cache.reshape(num_blocks * 2 * block_size, num_kv_heads * head_dim)
-    shape = (tables.shape[0], max_len, num_kv_heads, head_dim)
-    k = flat.index_select(0, k_rows).view(shape).to(dtype)
-    v = flat.index_select(0, k_rows + block_size).view(shape).to(dtype)
-    return k, v
+    offsets = clamped % block_size
+    # Advanced indexing through the strides: either layout of kv_store.allocate_kv_cache.
+    return kv_cache[block_ids, 0, offsets].to(dtype), kv_cache[block_ids, 1, offsets].to(dtype)
 
 
 class ReferenceAttention:

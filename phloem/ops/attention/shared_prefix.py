@@ -47,6 +47,7 @@ import torch
 
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
 from phloem.ops.attention.reference import _gather_kv
+from phloem.ops.kv_store import kv_layout
 from phloem.ops.staging import to_device
 
 # -- per-step group structure ------------------------------------------------------------------
@@ -830,12 +831,18 @@ class SharedPrefixAttention:
         if kv_cache.dtype != query.dtype:
             raise ValueError("the FlashInfer cascade baseline needs a KV cache of the query dtype")
         cascade = self._cascade
-        if cascade is None or cascade.scale != scale or cascade.dtype != query.dtype:
+        layout = kv_layout(kv_cache)
+        if (
+            cascade is None
+            or cascade.scale != scale
+            or cascade.dtype != query.dtype
+            or cascade.kv_layout != layout
+        ):
             from phloem.ops.attention.shared_prefix_flashinfer import FlashInferCascade
 
             num_heads, head_dim = query.shape[1:]
             cascade = FlashInferCascade(
-                num_heads, kv_cache.shape[3], head_dim, query.dtype, query.device, scale
+                num_heads, kv_cache.shape[3], head_dim, query.dtype, query.device, scale, layout
             )
             self._cascade, self._cascade_step = cascade, None
         if self._cascade_step is not self._sp:

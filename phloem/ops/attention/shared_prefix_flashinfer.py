@@ -44,7 +44,8 @@ class FlashInferCascade:
 
     Args:
         num_heads, num_kv_heads, head_dim: attention geometry; dtype: of q and the KV cache;
-        device: the CUDA device; scale: softmax scale.
+        device: the CUDA device; scale: softmax scale; kv_layout: "NHD" or "HND", the layout of
+        the caches `run` gets (`kv_store.allocate_kv_cache`).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class FlashInferCascade:
         dtype: torch.dtype,
         device: torch.device | str,
         scale: float,
+        kv_layout: str = "NHD",
     ) -> None:
         import flashinfer
 
@@ -64,8 +66,9 @@ class FlashInferCascade:
         self._ws_prefix = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._ws_suffix = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper
-        self._prefix = wrapper(self._ws_prefix, "NHD", backend="fa2")
-        self._suffix = wrapper(self._ws_suffix, "NHD", backend="fa2")
+        self.kv_layout = kv_layout
+        self._prefix = wrapper(self._ws_prefix, kv_layout, backend="fa2")
+        self._suffix = wrapper(self._ws_suffix, kv_layout, backend="fa2")
         self._grouped: torch.Tensor | None = None
         self._num_tokens = 0
 
@@ -89,6 +92,8 @@ class FlashInferCascade:
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """[T, H, D] output of the planned step (zeros past query_start_loc[-1])."""
         n = self._num_tokens
+        if self.kv_layout == "HND":
+            kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         o_suf, lse_suf = self._suffix.run(query[:n], kv_cache, return_lse=True)
         if self._grouped is not None and self._grouped.numel():
             idx = self._grouped
