@@ -50,6 +50,7 @@ import torch
 from phloem.ops.attention import AttentionMetadata, get_attention_backend
 from phloem.ops.attention.reference import ReferenceAttention
 from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+from phloem.ops.kv_store import allocate_kv_cache
 
 PATHS = ("plain", "triton", "flashinfer_cascade", "no_prefix")
 
@@ -68,6 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--kv-fp8", action="store_true", help="float8_e4m3fn KV cache (queries --dtype)")
+    p.add_argument("--kv-layout", choices=["NHD", "HND"], default="NHD", help="KV block layout")
     p.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -146,6 +148,9 @@ def make_step(args, groups: int, prefix_len: int, with_prefix: bool = True):
     shape = (num_blocks, 2, bs, args.num_kv_heads, args.head_dim)
     kv = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32)
     kv = kv.to(torch.float8_e4m3fn if args.kv_fp8 else args.dtype)
+    if args.kv_layout == "HND":  # same values, head-major memory (kv_store.allocate_kv_cache)
+        kv = allocate_kv_cache(num_blocks, bs, args.num_kv_heads, args.head_dim, kv.dtype, dev,
+                               "HND").copy_(kv)  # fmt: skip
     q = torch.randn(qsl[-1], args.num_heads, args.head_dim, generator=gen, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
     slots = [t[p // bs] * bs + p % bs
@@ -209,6 +214,7 @@ def plain_backend(args, scale: float):
         kv_dtype=torch.float8_e4m3fn if args.kv_fp8 else args.dtype,
         device=args.device,
         max_num_blocks_per_seq=(max(args.prefix_lens) + args.suffix_len + 1) // args.block_size + 1,
+        kv_layout=args.kv_layout,
     )
 
 
