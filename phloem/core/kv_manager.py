@@ -40,7 +40,8 @@ class KVManager:
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = RadixCache(block_size) if enable_prefix_cache else None
         self._block_tables: dict[str, list[int]] = {}
-        self._locked_nodes: dict[str, RadixNode] = {}
+        # request -> (the radix node it holds locked, tokens on that node's root path)
+        self._locked_nodes: dict[str, tuple[RadixNode, int]] = {}
         self._num_cached_prompt_blocks: dict[str, int] = {}
         self._held_prefixes: dict[int, SharedPrefix] = {}
         # One eviction scans the whole tree (O(nodes)); when the pool runs dry in steady state
@@ -123,7 +124,7 @@ class KVManager:
         if match.num_tokens == 0:
             return
         self.prefix_cache.lock(match.last_node)
-        self._locked_nodes[request.request_id] = match.last_node
+        self._locked_nodes[request.request_id] = (match.last_node, match.num_tokens)
         self.attach_blocks(request, match.block_ids, match.num_tokens)
         self.num_prefix_cache_hits += match.num_tokens
 
@@ -147,8 +148,8 @@ class KVManager:
         cache.lock(node)
         old = self._locked_nodes.get(request.request_id)
         if old is not None:
-            cache.unlock(old)
-        self._locked_nodes[request.request_id] = node
+            cache.unlock(old[0])
+        self._locked_nodes[request.request_id] = (node, len(tokens))
         self._num_cached_prompt_blocks[request.request_id] = num_full
 
     def hold_shared_prefix(self, group: SharedPrefix, leader: Request) -> None:
@@ -174,23 +175,35 @@ class KVManager:
         """Drop the request's references to all its blocks (blocks shared with others survive).
 
         With `cache` and a radix cache, the request's full computed blocks are first offered to
-        the cache, which keeps one reference to those it did not have yet.
+        the cache, which keeps one reference to those it did not have yet. The blocks up to the
+        node the request holds locked are in the cache already, so the insertion starts there:
+        its cost is the request's blocks past that node (its own suffix and outputs, for a
+        member of a shared-prefix group), not its whole sequence.
         """
         table = self._block_tables.pop(request.request_id, None)
-        node = self._locked_nodes.pop(request.request_id, None)
+        locked = self._locked_nodes.pop(request.request_id, None)
         self._num_cached_prompt_blocks.pop(request.request_id, None)
+        bs = self.block_size
         if table and cache and self.prefix_cache is not None:
             # async scheduling: computed positions may hold tokens not yet known on the host
             computed = min(request.num_computed_tokens, request.num_known_tokens)
-            num_full = min(computed // self.block_size, len(table))
+            num_full = min(computed // bs, len(table))
+            # |-- root path of the locked node (cached) --|-- offered now --|-- not full --|
+            # 0                                      locked_len       num_full * bs
+            after, locked_len = locked if locked is not None else (None, 0)
+            if locked_len > num_full * bs:  # not expected (the lock covers computed blocks)
+                after, locked_len = None, 0  # the root is always a correct start
             if num_full:
-                tokens = request.token_ids(0, num_full * self.block_size)
-                num_duplicates = len(self.prefix_cache.insert(tokens, table[:num_full]))
+                tokens = request.token_ids(locked_len, num_full * bs)
+                new = table[locked_len // bs : num_full]
+                num_duplicates = locked_len // bs + len(
+                    self.prefix_cache.insert(tokens, new, after=after)
+                )
                 # the cache took over the request's reference to each new block (those after
                 # the leading duplicates it handed back); drop the others
                 table = table[:num_duplicates] + table[num_full:]
-        if node is not None:
-            self.prefix_cache.unlock(node)  # type: ignore[union-attr]
+        if locked is not None:
+            self.prefix_cache.unlock(locked[0])  # type: ignore[union-attr]
         if table:
             self.allocator.decref(reversed(table))
 

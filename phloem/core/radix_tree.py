@@ -160,13 +160,25 @@ class RadixCache:
         return PrefixMatch(block_ids=block_ids, num_tokens=pos, last_node=node)
 
     # ---------------------------------------------------------------------------- insertion
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[int]:
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        after: RadixNode | None = None,
+    ) -> list[int]:
         """Cache the full blocks of a prefilled sequence; return the passed ids it did not take.
 
         Args:
             token_ids: the sequence's tokens; only the first len(block_ids) * block_size count
                 (a trailing partial block is ignored).
             block_ids: the KV block holding each full block of `token_ids`, in order.
+            after: a node of the tree (e.g. one a request holds locked) whose root path spells
+                the tokens that come *before* `token_ids`: the sequence is then that path
+                followed by `token_ids`, and the tree is left exactly as inserting the whole
+                sequence from the root would leave it, without reading the known part again.
+                The caller's blocks for the known part are not passed (each was already
+                cached, so the caller drops its reference to them as to returned ones).
+                None (the default) is the root.
 
         Returns:
             The block ids from `block_ids` at positions that were already cached (whether
@@ -177,12 +189,15 @@ class RadixCache:
             existing block, so the caller must drop its own reference to each returned id.
 
         Mutates: may split one node on a block boundary; adds at most one leaf holding the new
-        blocks (unlocked); stamps the whole path with a new access time.
+        blocks (unlocked); stamps the whole path from the root with a new access time.
+
+        Cost: O(len(token_ids)) plus O(nodes on the root path of `after`).
 
         Raises:
             ValueError: if len(block_ids) != len(token_ids) // block_size, if `block_ids`
-                repeats an id, or if a block to be stored is already cached elsewhere in the
-                tree. Nothing is stored then (a split may have happened; it changes no content).
+                repeats an id, if a block to be stored is already cached elsewhere in the
+                tree, or if `after` is not in the tree (evicted). Nothing is stored then (a
+                split or access stamps may have happened; they change no content).
         """
         bs = self.block_size
         if len(block_ids) != len(token_ids) // bs:
@@ -194,8 +209,15 @@ class RadixCache:
             raise ValueError(f"block_ids repeats a block id: {list(block_ids)}")
         self._clock += 1
         tokens = tuple(token_ids[: len(block_ids) * bs])
-        node = self.root
-        node.last_access = self._clock
+        node = self.root if after is None else after
+        # the known part is whole nodes: nothing to split there, only the root path to stamp
+        ancestor = node
+        while ancestor.parent is not None:
+            ancestor.last_access = self._clock
+            ancestor = ancestor.parent
+        if ancestor is not self.root:
+            raise ValueError(f"insert after a node that is not in the tree: {after!r}")
+        ancestor.last_access = self._clock
         pos = 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos : pos + bs])

@@ -98,6 +98,68 @@ def test_insert_rejects_bad_block_ids_and_stores_nothing(
     cache.check_integrity()
 
 
+def snapshot(cache: RadixCache) -> tuple:
+    """Everything `insert` may change: structure, blocks, locks, access times, node ids."""
+
+    def node_state(node: RadixNode) -> tuple:
+        children = sorted(node.children.items())
+        return (node.key, tuple(node.block_ids), node.lock_ref, node.last_access, node.node_id,
+                tuple((k, node_state(c)) for k, c in children))  # fmt: skip
+
+    return (node_state(cache.root), cache._clock, cache.num_evictable_blocks,
+            cache.num_cached_blocks, sorted(n.node_id for n in cache._leaves))  # fmt: skip
+
+
+def twin_caches() -> tuple[RadixCache, RadixCache, RadixNode, RadixNode]:
+    """Two identical caches with [1 2 3] -> {[4], [5 6]} cached and [1 2 3] locked in each, its
+    node split since (a match of [1 2] after the lock): the locked handle keeps naming all of
+    [1 2 3] though its own edge is [3] now."""
+    nodes = []
+    caches = []
+    for _ in range(2):
+        cache = RadixCache(4)
+        cache.insert(seq(1, 2, 3, 4), [10, 11, 12, 14])
+        cache.insert(seq(1, 2, 3, 5, 6), [10, 11, 12, 15, 16])
+        node = cache.match_prefix(seq(1, 2, 3)).last_node
+        cache.lock(node)
+        cache.match_prefix(seq(1, 2, 9))  # splits the locked node after block 2
+        caches.append(cache)
+        nodes.append(node)
+    return caches[0], caches[1], nodes[0], nodes[1]
+
+
+@pytest.mark.parametrize(
+    "rest, rest_blocks",
+    [
+        ([], []),  # nothing past the node: only the path's access times change
+        (seq(4), [44]),  # fully cached below: returned, nothing stored
+        (seq(4, 7), [44, 47]),  # new leaf under the cached [4]
+        (seq(5, 7), [45, 47]),  # splits [5 6] below the node, then a new leaf
+        (seq(8, 9), [48, 49]),  # a new child of the node itself
+    ],
+)
+def test_insert_after_node_equals_insert_from_root(rest, rest_blocks) -> None:
+    from_root, from_node, _, node = twin_caches()
+    known = from_root.match_prefix(seq(1, 2, 3)).block_ids  # ticks both clocks alike
+    from_node.match_prefix(seq(1, 2, 3))
+    returned = from_root.insert(seq(1, 2, 3) + rest, known + rest_blocks)
+    returned_after = from_node.insert(rest, rest_blocks, after=node)
+    assert returned == known + returned_after
+    assert snapshot(from_root) == snapshot(from_node)
+    from_node.check_integrity()
+
+
+def test_insert_after_an_evicted_node_raises() -> None:
+    cache = RadixCache(4)
+    cache.insert(seq(1, 2), [10, 11])
+    node = cache.match_prefix(seq(1, 2)).last_node
+    assert cache.evict(2) == [11, 10]
+    with pytest.raises(ValueError, match="not in the tree"):
+        cache.insert(seq(3), [13], after=node)
+    assert cache.num_cached_blocks == 0
+    cache.check_integrity()
+
+
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RadixCache(0)
@@ -277,6 +339,23 @@ class RadixCacheModel(RuleBasedStateMachine):
         for p, b in zip(prefixes, block_ids):
             self.cached.setdefault(p, b)
             self.tick[p] = self.clock
+
+    @precondition(lambda self: bool(self.locks))
+    @rule(data=st.data(), rest=token_seqs)
+    def insert_after_locked(self, data: st.DataObject, rest: list[int]) -> None:
+        """`insert(rest, after=node)` behaves as inserting the node's prefix + rest."""
+        node, prefix = self.locks[data.draw(st.integers(0, len(self.locks) - 1))]
+        tokens = list(prefix) + rest
+        prefixes = self._blocks(tokens)[len(prefix) // BLOCK :]
+        block_ids = list(range(self.next_block_id, self.next_block_id + len(prefixes)))
+        self.next_block_id += len(prefixes)
+        returned = self.cache.insert(rest, block_ids, after=node)
+        self.clock += 1
+        assert returned == [b for p, b in zip(prefixes, block_ids) if p in self.cached]
+        for p in self._blocks(tokens):
+            self.tick[p] = self.clock
+        for p, b in zip(prefixes, block_ids):
+            self.cached.setdefault(p, b)
 
     @rule(num_blocks=st.integers(0, 8))
     def evict(self, num_blocks: int) -> None:
