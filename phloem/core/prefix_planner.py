@@ -13,7 +13,8 @@ Before anything runs, the planner sees every tokenized prompt of the batch and d
 Construction (§4.1): one compact token-level radix tree over all prompts, built from the
 prompts sorted lexicographically and the longest common prefix (LCP) of sorted neighbours, so
 each node costs O(1) Python objects however long its edge is. Prompts are encoded as fixed-width
-bytes: sorting and LCPs then run in C (memcmp / big-int xor), not per token in Python.
+bytes: sorting and LCPs then run in C (memcmp / big-int xor), not per token in Python; each
+prompt's bytes become a big int once, when the sorted pass reaches it.
 
 First-level enlargement (§4.2): walking down from the root with a current group head h (the
 root at first), a node x whose subtree holds k requests becomes a new head when lifting it out
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 _TOKEN_TYPECODE = "I"  # fixed-width token encoding: C unsigned int, 4 bytes on our platforms
 _TOKEN_BYTES = array(_TOKEN_TYPECODE).itemsize
+_TOKEN_BITS = 8 * _TOKEN_BYTES
 
 
 @dataclass(frozen=True)
@@ -255,11 +257,11 @@ class _PrefixTree:
         sorted_ids = sorted(range(len(prompts)), key=encoded.__getitem__)
         tree = cls()
         stack = [0]  # rightmost root path, by increasing depth
-        prev = b""
+        prev, prev_len = 0, 0  # the previous prompt as a big int (see _common_prefix_tokens)
         for i in sorted_ids:
-            cur = encoded[i]
-            lcp = _common_prefix_tokens(prev, cur)
-            prev = cur
+            cur = int.from_bytes(encoded[i], "big")
+            lcp = _common_prefix_tokens(prev, prev_len, cur, lengths[i])
+            prev, prev_len = cur, lengths[i]
             last = -1
             while tree.depth[stack[-1]] > lcp:
                 last = stack.pop()
@@ -319,11 +321,14 @@ def _encode(tokens: Sequence[int], index: int) -> bytes:
         raise ValueError(f"prompt_token_ids[{index}] has a token id outside [0, 2**32): {e}") from e
 
 
-def _common_prefix_tokens(a: bytes, b: bytes) -> int:
-    """Length in tokens of the longest common prefix of two encoded prompts."""
-    m = min(len(a), len(b))
-    diff = int.from_bytes(a[:m], "big") ^ int.from_bytes(b[:m], "big")
+def _common_prefix_tokens(a: int, a_len: int, b: int, b_len: int) -> int:
+    """Length in tokens of the longest common prefix of two prompts of `a_len` and `b_len`
+    tokens, each given as the big-endian int of its `_encode` bytes (its first token in the
+    most significant _TOKEN_BITS bits). Shifting the longer one right by the length difference
+    keeps its first min(a_len, b_len) tokens, so no prompt is sliced or converted again."""
+    m = min(a_len, b_len)
+    diff = (a >> (a_len - m) * _TOKEN_BITS) ^ (b >> (b_len - m) * _TOKEN_BITS)
     if diff == 0:
-        return m // _TOKEN_BYTES
-    first_diff_byte = m - 1 - (diff.bit_length() - 1) // 8
-    return first_diff_byte // _TOKEN_BYTES
+        return m
+    # the highest differing bit lies in token m - 1 - (bit // _TOKEN_BITS) from the start
+    return m - 1 - (diff.bit_length() - 1) // _TOKEN_BITS

@@ -10,7 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
+from phloem.core.prefix_planner import (
+    PrefixPlan,
+    _common_prefix_tokens,
+    _encode,
+    plan_prefix_groups,
+)
 
 _next_token = iter(range(1_000_000, 2**31))
 
@@ -195,6 +200,21 @@ def test_random_plans_keep_every_promise(
     max_tokens = [m for _, _, m in picks]
     plan = plan_prefix_groups(prompts, max_tokens, block_size)
     check_plan(plan, prompts, max_tokens)
+
+
+@given(
+    head=st.lists(st.integers(0, 2**32 - 1), max_size=20),
+    a_tail=st.lists(st.sampled_from([0, 1, 2**31, 2**32 - 1]), max_size=6),
+    b_tail=st.lists(st.sampled_from([0, 1, 2**31, 2**32 - 1]), max_size=6),
+)
+def test_common_prefix_tokens_of_encoded_prompts(
+    head: list[int], a_tail: list[int], b_tail: list[int]
+) -> None:
+    a, b = head + a_tail, head + b_tail
+    expected = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    a_int, b_int = (int.from_bytes(_encode(p, 0), "big") for p in (a, b))
+    assert _common_prefix_tokens(a_int, len(a), b_int, len(b)) == expected
+    assert _common_prefix_tokens(b_int, len(b), a_int, len(a)) == expected
 
 
 # ------------------------------------------------------------------------------- exact counts
