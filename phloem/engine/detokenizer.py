@@ -23,8 +23,9 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens from the text.
         stop: stop strings; the text is cut before the first one found.
         incremental: keep `text` up to date after every token (needed for streaming). Without
-            it and without stop strings, tokens are only collected and the text is decoded once
-            by `flush()` (same text, one decode call instead of two per token).
+            it and without stop strings, tokens are only collected and `flush()` decodes the
+            text once (same text; two decode calls per sequence, context + outputs and the
+            context alone, instead of two per token).
     """
 
     def __init__(
@@ -55,10 +56,17 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str | None:
-        """Emit text still held back (the sequence has ended); returns a stop string hit."""
+        """Emit text still held back (the sequence has ended); returns a stop string hit.
+
+        Mutates `text`. Decodes nothing when the last `add_token` emitted all its tokens'
+        text (nothing is held back: `_advance` would decode the same window twice and find no
+        new text).
+        """
         if not self.incremental:  # one decode of context + outputs, minus the context's text
             context = self._decode(self._token_ids[: self._read_offset])
             self.text = self._decode(self._token_ids)[len(context) :]
+            return None
+        if self._read_offset == len(self._token_ids):
             return None
         return self._advance(final=True)
 
