@@ -215,18 +215,18 @@ class Scheduler:
         reserved = self._reserved_blocks() if self.config.memory_centric_admission else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
+            admissible = self._held_prefix_admissible(request, budget, reserved)
+            if admissible is False:
+                self.waiting.appendleft(request)  # not attached: nothing to undo
+                break
             if not self._attach_prefix(request):
                 skipped.append(request)  # its shared prefix is being computed: wait for it
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                self._detach(request)
-                self.waiting.appendleft(request)
-                break
-            num_new = min(num_new, budget)
-            need = self._blocks_to_finish(request) if self.config.memory_centric_admission else 0
-            fits = not self.running or need + reserved <= self.kv.num_reclaimable_blocks
-            if not fits or not self.kv.allocate_slots(request, num_new):
+            num_computed = request.num_computed_tokens
+            if admissible is None:
+                admissible = self._admissible(request, budget, reserved, num_computed)
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not admissible or not self.kv.allocate_slots(request, num_new):
                 self._detach(request)
                 self.waiting.appendleft(request)
                 break
@@ -240,6 +240,44 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _admissible(
+        self,
+        request: Request,
+        budget: int,
+        reserved: int,
+        num_computed: int,
+        num_blocks_to_attach: int = 0,
+    ) -> bool:
+        """Whether a waiting `request` with `num_computed` tokens of KV (held, or about to be
+        attached as `num_blocks_to_attach` shared blocks) may be admitted beside running
+        requests that still need `reserved` blocks [blocks]: with chunked prefill off its
+        remaining tokens must fit `budget` [tokens]; with memory-centric admission the blocks
+        it needs to finish must fit the reclaimable ones (the first running request always
+        fits). Allocates nothing."""
+        if not self.config.enable_chunked_prefill and request.num_tokens - num_computed > budget:
+            return False
+        if not self.config.memory_centric_admission or not self.running:
+            return True
+        need = self._blocks_to_finish(request) - num_blocks_to_attach
+        return need + reserved <= self.kv.num_reclaimable_blocks
+
+    def _held_prefix_admissible(self, request: Request, budget: int, reserved: int) -> bool | None:
+        """`_admissible` before attaching, for a fresh request whose group holds its prefix;
+        None for any other request (its start comes from the radix cache, whose match also
+        stamps the tree, so it is attached first and checked after).
+
+        Attaching a held prefix only adds references: it changes neither the free nor the
+        evictable blocks, and from an empty block table the blocks to finish drop by exactly
+        the prefix's blocks (every member ends past its prefix). So the answer is the one after
+        attaching, and a queue head that does not fit a full pool is no longer attached and
+        detached again in every step.
+        """
+        group = request.shared_prefix
+        if request.num_computed_tokens or group is None or group.block_ids is None:
+            return None
+        num_blocks = len(group.block_ids)
+        return self._admissible(request, budget, reserved, group.prefix_len, num_blocks)
 
     def _blocks_to_finish(self, request: Request) -> int:
         """Blocks the request still needs to reach its end (prompt + max_tokens) [blocks]."""

@@ -8,9 +8,13 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phloem.config import SchedulerConfig
+from phloem.core.kv_manager import KVManager
 from phloem.core.prefix_planner import plan_prefix_groups
 from phloem.core.request import Request, SharedPrefix
+from phloem.core.scheduler import Scheduler
 from phloem.sampling_params import SamplingParams
+from tests.core.test_radix_tree import snapshot
 from tests.core.test_scheduler import fake_next_token, make_scheduler, reference_outputs
 
 
@@ -192,3 +196,98 @@ def test_radix_cache_shares_blocks_of_running_requests():
     assert b.num_cached_tokens == 24 and [x.num_tokens for x in out.scheduled] == [1, 2]
     assert s.kv.block_ids("b")[:6] == s.kv.block_ids("a")[:6]
     s.check_integrity()
+
+
+class AttachFirstScheduler(Scheduler):
+    """The reference: every waiting request is attached before its fit is checked (and
+    detached again when it does not fit), as admission did before the held-prefix check."""
+
+    def _held_prefix_admissible(self, request, budget, reserved):
+        return None  # "not a held-prefix start": attach, then check
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(16, 48),
+    budget=st.integers(4, 32),
+    chunked=st.booleans(),
+    memory_centric=st.booleans(),
+    prefix_cache=st.booleans(),
+)
+def test_fit_checked_before_attaching_a_held_prefix_schedules_the_same(
+    seed, num_blocks, budget, chunked, memory_centric, prefix_cache
+):
+    """Step by step, the same scheduled tokens and block ids, preemptions, free list, ref
+    counts, radix tree and queue head as attaching every head first."""
+    rng = random.Random(seed)
+    prompts, max_tokens = grouped_workload(
+        rng.randint(1, 4), rng.randint(2, 6), rng.randint(4, 24), rng.randint(1, 5), 0, seed
+    )
+    max_tokens = [min(rng.randint(1, 12), num_blocks * 2 - len(p)) for p in prompts]
+    config = SchedulerConfig(
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=budget if chunked else num_blocks * 2,
+        max_model_len=num_blocks * 2,
+        enable_chunked_prefill=chunked,
+        memory_centric_admission=memory_centric,
+    )
+    schedulers = []
+    for cls in (Scheduler, AttachFirstScheduler):
+        scheduler = cls(config, KVManager(num_blocks, 2, enable_prefix_cache=prefix_cache))
+        for r in planned_requests(prompts, max_tokens, block_size=2)[1]:
+            scheduler.add_request(r)
+        schedulers.append(scheduler)
+    # a bounded run: without memory-centric admission an idle group's held prefix can starve
+    # the one running request (it preempts itself forever); both schedulers then loop alike
+    for _ in range(1_000):
+        if not schedulers[0].has_unfinished_requests():
+            break
+        states = []
+        for scheduler in schedulers:
+            out = scheduler.schedule()
+            head = scheduler.waiting[0] if scheduler.waiting else None
+            kv = scheduler.kv
+            states.append((
+                [(s.request.request_id, s.num_computed_tokens, s.num_tokens, tuple(s.block_ids))
+                 for s in out.scheduled],
+                out.preempted_request_ids, list(kv.allocator._free), list(kv.allocator._ref_counts),
+                snapshot(kv.prefix_cache) if kv.prefix_cache else None,
+                head and (head.request_id, head.num_computed_tokens, kv.block_ids(head.request_id)),
+            ))  # fmt: skip
+            sampled = {s.request.request_id: fake_next_token(s.request) for s in out.scheduled
+                       if s.sample}  # fmt: skip
+            scheduler.update_from_output(out, sampled)
+            scheduler.check_integrity()
+        assert states[0] == states[1]
+    assert schedulers[0].has_unfinished_requests() == schedulers[1].has_unfinished_requests()
+
+
+def test_a_head_that_does_not_fit_is_not_attached_every_step(monkeypatch):
+    """Group members wait behind a full pool: the queue head, whose group holds its prefix, is
+    attached once, when it is admitted, not in every step it waits."""
+    prompts, max_tokens = grouped_workload(
+        num_groups=1, degree=4, prefix_len=16, suffix_len=4, max_tokens=12
+    )
+    _, requests = planned_requests(prompts, max_tokens, block_size=4)
+    # each needs 8 blocks to finish, 4 of them the group's prefix: 14 blocks run two at once
+    s = make_scheduler(num_blocks=14, block_size=4, budget=64, max_seqs=8)
+    attached = []
+    attach_blocks = s.kv.attach_blocks
+
+    def spy(request, block_ids, num_tokens):
+        attached.append(request.request_id)
+        attach_blocks(request, block_ids, num_tokens)
+
+    monkeypatch.setattr(s.kv, "attach_blocks", spy)
+    waited = []
+
+    def check(scheduler, reqs):
+        head = scheduler.waiting[0] if scheduler.waiting else None
+        if head is not None and head.shared_prefix.block_ids is not None:
+            waited.append(head.request_id)
+            assert head.num_computed_tokens == 0 and not scheduler.kv.block_ids(head.request_id)
+
+    run(s, requests, check)
+    assert len(waited) > len(set(waited))  # some member waited several steps for room
+    assert sorted(attached) == sorted(r.request_id for r in requests[1:])  # each member once
