@@ -6,7 +6,8 @@ reference count, never copied), and drops a request's references when it finishe
 or is preempted. Reuse comes from:
 
 - shared prefixes (`SharedPrefix`: BatchLLM groups and n > 1 siblings), whose blocks the group
-  holds for exactly as long as it has unfinished members;
+  holds while it has unfinished members (the scheduler releases an idle group's hold earlier
+  when KV runs short);
 - the online radix prefix cache (`RadixCache`, SGLang RadixAttention), which keeps finished
   requests' full blocks and hands them to later requests by longest-prefix match, evicting
   least-recently-used unlocked leaves only when the pool runs dry.

@@ -59,8 +59,10 @@ class SharedPrefix:
 
     The first member to run (`leader`) computes the prefix as part of its own prompt; when its
     KV is complete, the group takes one reference to its blocks (`block_ids`) and every other
-    member starts from them. The group's reference lives exactly as long as the group: it is
-    dropped when the last member finishes (BatchLLM's group lifetime, no LRU guesswork).
+    member starts from them. The group's reference lives as long as the group: it is dropped
+    when the last member finishes (BatchLLM's group lifetime, no LRU guesswork), or earlier if
+    the group is idle (no member running) when KV runs short; a later member then recomputes
+    the prefix as the new leader (the scheduler's `_release_idle_prefixes*`).
 
     Attributes:
         prefix_len: shared tokens, a multiple of the block size [tokens].

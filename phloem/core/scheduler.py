@@ -5,9 +5,10 @@ One loop, no prefill or decode phases (vLLM v1's contract): every request has
 `max_num_batched_tokens` of them, running requests first (decode tokens and the rest of their
 prompt chunks), then waiting requests in arrival order (continuous batching: Yu et al., Orca,
 OSDI 2022; chunked prefill mixed with decode: Agrawal et al., Sarathi-Serve, arXiv 2308.16369).
-When blocks run out, the most recently admitted running request is preempted: its blocks are
-freed and it recomputes from scratch later, with its outputs kept (recompute preemption,
-PagedAttention §4.5).
+When blocks run out, idle groups' held prefixes are released first (a `SharedPrefix` with no
+running member: recomputed later), then the most recently admitted running request is
+preempted: its blocks are freed and it recomputes from scratch later, with its outputs kept
+(recompute preemption, PagedAttention §4.5).
 
 Async scheduling (`SchedulerConfig.async_scheduling`): `schedule()` is called for step N+1 before
 `update_from_output` of step N, so it advances `num_computed_tokens` itself and counts each
@@ -192,10 +193,19 @@ class Scheduler:
     def _preempt_until_allocated(
         self, request: Request, num_new: int, out: SchedulerOutput
     ) -> bool:
-        """`allocate_slots(request, num_new)` just failed: preempt the most recently admitted
-        running requests, retrying after each, until it succeeds. Returns False (allocating
-        nothing) when `request` itself had to be preempted."""
+        """`allocate_slots(request, num_new)` just failed: release idle groups' held prefixes,
+        then preempt the most recently admitted running requests, retrying after each, until it
+        succeeds. A preempted request's group may become idle, so its prefix goes before the
+        next victim. Returns False (allocating nothing) when `request` itself had to be
+        preempted.
+
+        Idle prefixes go first because they are only an optimization: they can be recomputed,
+        while holding them could leave the only running request short of blocks forever (it
+        would preempt itself, be readmitted onto its group's prefix and run short again).
+        """
         while True:
+            if self._release_idle_prefixes_until_allocated(request, num_new):
+                return True
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted_request_ids.append(victim.request_id)
@@ -337,9 +347,36 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_cached_tokens = 0
 
+    def _release_idle_prefixes_until_allocated(self, request: Request, num_new: int) -> bool:
+        """Drop held prefixes of groups with no running member, the group whose next member
+        waits furthest back in the queue first, until `allocate_slots(request, num_new)`
+        succeeds. Returns True if it did (some prefixes may be released even when not)."""
+        held = self.kv.held_shared_prefixes()
+        if not held:
+            return False
+        busy = {id(r.shared_prefix) for r in self.running if r.shared_prefix is not None}
+        idle = {id(group): group for group in held if id(group) not in busy}
+        if not idle:
+            return False
+        needed_at: dict[int, int] = {}  # group -> queue position of its first waiting member
+        for position, waiting in enumerate(self.waiting):
+            group = waiting.shared_prefix
+            if group is not None and id(group) in idle and id(group) not in needed_at:
+                needed_at[id(group)] = position
+                if len(needed_at) == len(idle):
+                    break
+        # every idle group has a waiting member (unfinished ones, none running); the default
+        # is only a guard
+        for key in sorted(idle, key=lambda k: needed_at.get(k, len(self.waiting)), reverse=True):
+            self.kv.release_shared_prefix(idle[key])
+            if self.kv.allocate_slots(request, num_new):
+                return True
+        return False
+
     def _release_idle_prefixes(self) -> bool:
-        """When nothing can run, drop held prefixes of groups with no running member (they are
-        recomputed later) so the head of the queue can be admitted. Returns True if any."""
+        """When nothing can run, drop all held prefixes of groups with no running member (they
+        are recomputed later) so the head of the queue can be admitted. Returns True if any.
+        (A running request short of blocks uses `_release_idle_prefixes_until_allocated`.)"""
         busy = {id(r.shared_prefix) for r in self.running if r.shared_prefix is not None}
         released = False
         for group in self.kv.held_shared_prefixes():
