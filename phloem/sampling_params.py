@@ -82,6 +82,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """True if any of the repetition, frequency or presence penalties is active."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
     def validate(self) -> None:
         """Check types and ranges. Raises ValueError naming the field and its limit."""
         for name in _INT_FIELDS:

@@ -323,11 +323,7 @@ class ModelRunner:
     def needs_token_history(sched: SchedulerOutput) -> bool:
         """True if sampling this step reads earlier output tokens (penalties), so a step in
         flight must be collected (its tokens appended) before this one is launched."""
-        for s in sched.scheduled:
-            p = s.request.sampling_params
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-                return True
-        return False
+        return any(s.request.sampling_params.has_penalties for s in sched.scheduled)
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
         """input_ids[index] = the token the last launched step sampled for the request."""
