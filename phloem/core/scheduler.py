@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from phloem.config import SchedulerConfig
 from phloem.core.kv_manager import KVManager
-from phloem.core.request import Request, RequestStatus
+from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.stop_checker import check_stop
 
 
@@ -351,11 +351,7 @@ class Scheduler:
         """Drop held prefixes of groups with no running member, the group whose next member
         waits furthest back in the queue first, until `allocate_slots(request, num_new)`
         succeeds. Returns True if it did (some prefixes may be released even when not)."""
-        held = self.kv.held_shared_prefixes()
-        if not held:
-            return False
-        busy = {id(r.shared_prefix) for r in self.running if r.shared_prefix is not None}
-        idle = {id(group): group for group in held if id(group) not in busy}
+        idle = {id(group): group for group in self._idle_held_prefixes()}
         if not idle:
             return False
         needed_at: dict[int, int] = {}  # group -> queue position of its first waiting member
@@ -377,13 +373,18 @@ class Scheduler:
         """When nothing can run, drop all held prefixes of groups with no running member (they
         are recomputed later) so the head of the queue can be admitted. Returns True if any.
         (A running request short of blocks uses `_release_idle_prefixes_until_allocated`.)"""
+        idle = self._idle_held_prefixes()
+        for group in idle:
+            self.kv.release_shared_prefix(group)
+        return bool(idle)
+
+    def _idle_held_prefixes(self) -> list[SharedPrefix]:
+        """Held prefixes of groups with no running member, in the KV manager's order."""
+        held = self.kv.held_shared_prefixes()
+        if not held:
+            return []
         busy = {id(r.shared_prefix) for r in self.running if r.shared_prefix is not None}
-        released = False
-        for group in self.kv.held_shared_prefixes():
-            if id(group) not in busy:
-                self.kv.release_shared_prefix(group)
-                released = True
-        return released
+        return [group for group in held if id(group) not in busy]
 
     def _add(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         num_computed = request.num_computed_tokens
