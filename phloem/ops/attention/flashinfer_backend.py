@@ -12,8 +12,9 @@ in a CUDA graph uses a wrapper of its own per batch size, planned into fixed buf
 
 KV layout: phloem's cache tensor is FlashInfer's "NHD" paged layout (`[num_blocks, 2, block_size,
 H_kv, D]`), passed as is; an "HND" cache (`kv_store.allocate_kv_cache`) is a transposed view of a
-contiguous `[num_blocks, 2, H_kv, block_size, D]` tensor, FlashInfer's "HND", passed transposed back. For sequence b the page table is its first ceil(L_b / block_size)
-block ids and the last page holds L_b - (n_pages - 1) * block_size tokens:
+contiguous `[num_blocks, 2, H_kv, block_size, D]` tensor, FlashInfer's "HND", passed transposed
+back. For sequence b the page table is its first ceil(L_b / block_size) block ids and the last
+page holds L_b - (n_pages - 1) * block_size tokens:
 
     |-- page 0 --|-- page 1 --| ... |-- last page (last_page_len tokens) --|
 """
@@ -25,6 +26,7 @@ import itertools
 import numpy as np
 import torch
 
+from phloem.config import KV_LAYOUTS
 from phloem.ops.attention.interface import AttentionMetadata
 from phloem.ops.staging import pinned
 
@@ -110,8 +112,8 @@ class FlashInferAttention:
         import flashinfer
 
         self._flashinfer = flashinfer
-        if kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
         self.kv_layout = kv_layout
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
