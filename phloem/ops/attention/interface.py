@@ -2,7 +2,9 @@
 
 KV cache layout (one tensor per layer, FlashInfer's "NHD" paged layout):
     kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
-A token's *slot* is `block_id * block_size + offset_in_block`.
+A token's *slot* is `block_id * block_size + offset_in_block`. Kernels always see that shape; its
+memory may be head-major instead (`CacheConfig.kv_layout="HND"`: a strided view, see
+`ops/kv_store.py`), so they index through the strides.
 
 The tokens of one step are packed: the step holds B sequences, sequence b contributes the query
 tokens `query_start_loc[b] : query_start_loc[b+1]`, which are its *last* q_len_b tokens, so
