@@ -10,6 +10,10 @@ the new token]. Per (G, P), one layer's attention is timed for:
   flashinfer_cascade  SharedPrefixAttention(impl="flashinfer"): the library cascade baseline
   no_prefix           the plain backend on B sequences of S + 1 tokens (no prefix at all): the
                       issue's goal is shared-path time <= 1.5x this
+  graph               the shared path as decode steps run it, replayed from a CUDA graph
+                      (`DecodeGraphPlan`: fixed-capacity tables; persistent wide launch)
+  graph_rows          the same graph with one wide program per table row (no-op rows past the
+                      step's prefix tiles), the launch before the persistent one
 
 `--mixed L,M` adds prefill chunks to the step, as in a BatchLLM mixed step: L leaders computing a
 fresh P-token prefix (q_len = P) and M group members computing their own S-token prompts after
@@ -49,10 +53,10 @@ import torch
 
 from phloem.ops.attention import AttentionMetadata, get_attention_backend
 from phloem.ops.attention.reference import ReferenceAttention
-from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+from phloem.ops.attention.shared_prefix import SharedPrefixAttention, build_shared_prefix_metadata
 from phloem.ops.kv_store import allocate_kv_cache
 
-PATHS = ("plain", "triton", "flashinfer_cascade", "no_prefix")
+PATHS = ("plain", "triton", "flashinfer_cascade", "no_prefix", "graph", "graph_rows")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -249,6 +253,14 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
         begin(fallback, meta0)
         fn = lambda: fallback.forward(q0, kv0, meta0, scale)  # noqa: E731
         res["ok"] = True
+    elif path.startswith("graph"):
+        if args.mixed != (0, 0) or args.device.type != "cuda":
+            return {"ok": None, "skipped": "graph paths take decode-only steps on CUDA"}
+        fn, out = graph_replay(args, step, scale, persistent=path == "graph")
+        res["max_abs_diff_vs_plain"] = (out.float() - base.float()).abs().max().item()
+        res["ok"] = bool(res["max_abs_diff_vs_plain"] <= args.atol)
+        if not res["ok"]:
+            return res
     else:
         impl = "triton" if path.startswith("triton") else "flashinfer"
         missing = unavailable(impl)
@@ -273,6 +285,30 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
     return res
 
 
+def graph_replay(args, step, scale: float, persistent: bool):
+    """(replay, output) of the step's shared-prefix attention captured in a CUDA graph, as a
+    decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch."""
+    from phloem.ops.attention.shared_prefix_triton import DecodeGraphPlan
+
+    q, kv, meta = step
+    sp = build_shared_prefix_metadata(meta, meta.prefix_lens_cpu)
+    blocks = sum(map(len, sp.group_block_ids)) + sum(map(len, sp.suffix_block_ids))
+    plan = DecodeGraphPlan(meta.num_seqs, args.num_heads, args.num_kv_heads, args.head_dim,
+                           args.device, max_blocks=blocks + 16, persistent_wide=persistent)  # fmt: skip
+    plan.prepare(meta, sp)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        plan.forward(q, kv, scale, args.block_size)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan.forward(q, kv, scale, args.block_size)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay, out
+
+
 def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> dict:
     """All paths on one (G, P); each path's dict has ms, GB/s of KV read, agreement."""
     q, kv, meta = make_step(args, groups, prefix_len)
@@ -284,7 +320,7 @@ def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> di
         "flashinfer_cascade": shared_tokens,
         "no_prefix": num_seqs * own,
     }
-    kv_tokens.update((p, shared_tokens) for p in args.paths if p.startswith("triton"))
+    kv_tokens.update((p, shared_tokens) for p in args.paths if p.startswith(("triton", "graph")))
     rec = {"groups": groups, "degree": args.degree, "prefix_len": prefix_len,
            "suffix_len": args.suffix_len, "num_seqs": num_seqs, "mixed": list(args.mixed),
            "paths": {}}  # fmt: skip
@@ -309,7 +345,8 @@ def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> di
             res["kv_gb_per_s"] = kv_tokens[path] * token_bytes / res["ms"] / 1e6
         rec["paths"][path] = res
     paths = rec["paths"]
-    for name in [p for p in args.paths if p.startswith("triton")] + ["flashinfer_cascade"]:
+    shared_paths = [p for p in args.paths if p.startswith(("triton", "graph"))]
+    for name in shared_paths + ["flashinfer_cascade"]:
         if "ms" in paths.get(name, {}):
             if "ms" in paths.get("plain", {}):
                 paths[name]["speedup_vs_plain"] = paths["plain"]["ms"] / paths[name]["ms"]

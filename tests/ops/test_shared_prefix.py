@@ -343,7 +343,8 @@ def test_triton_matches_reference(
         assert out[meta.query_start_loc_cpu[-1] :].abs().sum() == 0
     assert len(sp.plan_cache) == 1
     plan = next(iter(sp.plan_cache.values()))
-    assert [n for _, _, n in plan.launches] == ([False, True] if narrow else [False])
+    assert [launch.narrow for launch in plan.launches] == ([False, True] if narrow else [False])
+    assert all(launch.programs is None for launch in plan.launches)  # eager: a program a tile
 
 
 @pytest.mark.parametrize(
@@ -672,15 +673,21 @@ def _decode_step(groups, singles, num_pad, seed, num_heads=4, num_kv_heads=2):
     return q[order], kv, meta_of(n), meta_of(n - num_pad), real_prefix_lens
 
 
-def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch):
-    """Shared-prefix graph steps (fixed-capacity tile tables, no-op tiles, device-side merge
-    count, fixed suffix slot) on two different steps through one set of buffers: the second has
-    fewer groups, splits and sequences, so stale tiles, LSE slots or rows would show."""
+@pytest.mark.parametrize("wide_programs", ["default", 1, 3, "off"])
+def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch, wide_programs):
+    """Shared-prefix graph steps (fixed-capacity tile tables, device-side tile and merge counts,
+    fixed suffix slot) on two different steps through one set of buffers: the second has fewer
+    groups, splits and sequences, so stale tiles, LSE slots or rows would show. The wide launch
+    is persistent (one program striding over every tile, three, or the default count) or has a
+    program per table row, the rows past the step's tiles no-ops ("off")."""
     monkeypatch.setattr(triton_kernel, "_num_sms", lambda device: 64)  # small shares: splits
     monkeypatch.setattr(triton_kernel, "_MIN_SPLIT_KV", 16)
     backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", num_heads=4,
                                     num_kv_heads=2, head_dim=8, device=device(),
                                     block_n=16)  # fmt: skip
+    options = {"off": dict(persistent_wide=False), "default": {}}.get(
+        wide_programs, dict(wide_programs=wide_programs)
+    )
     rng = random.Random(5)
     steps = [
         ([(64, [(1, rng.randint(1, 30)) for _ in range(5)]), (32, [(1, 3), (1, 17)])],
@@ -692,6 +699,10 @@ def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch):
         q, kv, meta, real, real_prefix_lens = _decode_step(groups, singles, num_pad, seed=i)
         sp = build_shared_prefix_metadata(real, real_prefix_lens)
         assert sp.num_groups == len(groups)
+        if i == 0:  # the plan the first capture would make, with this test's wide launch
+            backend._graph_plan = triton_kernel.DecodeGraphPlan(
+                meta.num_seqs, 4, 2, 8, dev, max_blocks=64 * meta.num_seqs, block_n=16, **options
+            )
         backend.begin_step(meta, cuda_graph=True, graph_variant="shared_prefix", shared=sp)
         out = backend.forward(q.to(dev), kv.to(dev), meta, 0.45)
         oracle = paged_attention_reference(q, kv, meta, 0.45)
@@ -699,8 +710,16 @@ def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch):
         graph = backend._graph_plan
         if i == 0:
             assert graph.max_batch == meta.num_seqs
-            wide = graph.plan_for(meta.num_seqs).launches[0][0].cpu()
-            assert (wide[:, 7] > 0).any(), "the first step should split a prefix"
+            launch = graph.plan_for(meta.num_seqs).launches[0]
+            assert (launch.tiles.cpu()[:, 7] > 0).any(), "the first step should split a prefix"
+            tiles = int(launch.count.item()) if launch.count is not None else None
+            if wide_programs == "off":
+                assert launch.programs is None
+            else:
+                assert tiles is not None and tiles > 3, "several tiles per program"
+                assert launch.programs == {"default": meta.num_seqs}.get(
+                    wide_programs, wide_programs
+                )
         monkeypatch.undo()  # the second step: no splits
     assert backend.stats()["shared_prefix_graph_steps"] == 2
     assert backend.last_path == "shared_prefix"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -60,11 +61,23 @@ class _HostPlan:
     num_slots: int  # prefix splits + 1 (the suffix slot is the last)
 
 
+class _Launch(NamedTuple):
+    """One tile-kernel launch: its table (int32 [tiles, 8]), BLOCK_M and whether it is the narrow
+    (decode) launch. With `programs`, a persistent launch of that many programs per KV head over
+    the first `count[0]` rows of the table (CUDA graphs: `count` is written per step)."""
+
+    tiles: torch.Tensor
+    block_m: int
+    narrow: bool
+    programs: int | None = None
+    count: torch.Tensor | None = None
+
+
 @dataclass
 class _TritonPlan:
     """Device tensors of one step's launch (built once per step, reused by every layer)."""
 
-    launches: list[tuple[torch.Tensor, int, bool]]  # (tile table int32 [tiles, 8], BLOCK_M, narrow)
+    launches: list[_Launch]
     tokens: torch.Tensor  # int32 [R + ungrouped tokens]
     blocks: torch.Tensor  # int32 [prefix blocks + suffix blocks]
     qpos: torch.Tensor  # int32 [T] position of each query token (-1 past query_start_loc[-1])
@@ -110,8 +123,8 @@ def kv_step(
 
 
 @triton.jit
-def tile_kernel(
-    q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
+def run_tile(
+    t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
     tiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
     scale_log2,
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
@@ -119,8 +132,9 @@ def tile_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, F16_MATH: tl.constexpr,
 ):  # fmt: skip
-    desc = tiles_ptr + tl.program_id(0) * 8
-    kvh = tl.program_id(1)
+    """Tile `t` of the table for KV head `kvh`: its online softmax over its KV range, then its
+    output (a sequence without a group) or partial (O, LSE) (see the tile table above)."""
+    desc = tiles_ptr + t * 8
     tok_off = tl.load(desc)
     row0 = tl.load(desc + 1)
     n_rows = tl.load(desc + 2)
@@ -180,6 +194,50 @@ def tile_kernel(
         part_dst = opart_ptr + slot * s_ps + prow[:, None] * s_pt + head[:, None] * s_ph
         tl.store(part_dst + offs_d[None, :], o, mask=q_mask)
         tl.store(lpart_ptr + slot * s_ls + prow * s_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def tile_kernel(
+    q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
+    tiles_ptr, ntiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
+    scale_log2,
+    s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, F16_MATH: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    # One program per tile (grid axis 0 = the table's rows), or with PERSISTENT a fixed grid
+    # whose programs stride over the first ntiles_ptr[0] rows: a CUDA graph's launch sized for
+    # the machine instead of its largest possible table (no no-op programs to schedule).
+    kvh = tl.program_id(1)
+    if PERSISTENT:
+        n_tiles = tl.load(ntiles_ptr)
+        if INTERPRET:
+            t = tl.program_id(0)
+            while t < n_tiles:
+                run_tile(
+                    t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr, tok_ptr,
+                    qpos_ptr, blk_ptr, scale_log2, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
+                    s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    BLOCK_N, PAGE, PRECISION, INTERPRET, F16_MATH,
+                )  # fmt: skip
+                t += tl.num_programs(0)
+        else:
+            for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                run_tile(
+                    t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr, tok_ptr,
+                    qpos_ptr, blk_ptr, scale_log2, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
+                    s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M,
+                    BLOCK_N, PAGE, PRECISION, INTERPRET, F16_MATH,
+                )  # fmt: skip
+    else:
+        run_tile(
+            tl.program_id(0), kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr,
+            tok_ptr, qpos_ptr, blk_ptr, scale_log2, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
+            s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE,
+            PRECISION, INTERPRET, F16_MATH,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -406,9 +464,9 @@ def _upload(
     def dev(t: np.ndarray) -> torch.Tensor:
         return to_device(t.astype(np.int32), device)
 
-    launches = [(dev(host.wide), host.block_m, False)] if len(host.wide) else []
+    launches = [_Launch(dev(host.wide), host.block_m, False)] if len(host.wide) else []
     if len(host.narrow):
-        launches.append((dev(host.narrow), narrow_block_m, True))
+        launches.append(_Launch(dev(host.narrow), narrow_block_m, True))
     return _TritonPlan(
         launches,
         dev(host.tokens),
@@ -452,23 +510,26 @@ def _launch(
         and kv_cache.dtype == FP8_KV_DTYPE
         and query.dtype in (torch.bfloat16, torch.float16)
     )
-    for tiles, tile_m, narrow in plan.launches:
+    for launch in plan.launches:
         warps, stages, block_n = num_warps, num_stages, plan.block_n
-        if narrow:
+        if launch.narrow:
             warps = narrow_num_warps or num_warps
             stages = narrow_num_stages or num_stages
             block_n = narrow_block_n or plan.block_n
-        tile_kernel[(tiles.shape[0], num_kv_heads)](
+        persistent = launch.programs is not None
+        programs = launch.programs if persistent else launch.tiles.shape[0]
+        tile_kernel[(programs, num_kv_heads)](
             query, kv_cache, out, opart, lpart,
-            tiles, plan.tokens, plan.qpos, plan.blocks,
+            launch.tiles, launch.count if persistent else plan.count, plan.tokens, plan.qpos,
+            plan.blocks,
             scale * _LOG2E,
             query.stride(0), query.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             out.stride(0), out.stride(1),
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=tile_m,
-            BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
-            INTERPRET=_interpreting(), F16_MATH=f16_math,
+            GQA=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=launch.block_m, BLOCK_N=block_n, PAGE=block_size, PRECISION=precision,
+            INTERPRET=_interpreting(), F16_MATH=f16_math, PERSISTENT=persistent,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     if plan.merge_grid:
@@ -576,9 +637,14 @@ class DecodeGraphPlan:
 
     A graph captured for a batch of B decode sequences (q_len 1, padded with dummy sequences)
     launches per layer, with grids fixed at capture:
-      * the wide launch over B rows of the prefix-tile table: a step's prefix tiles (at most B:
-        with one KV split a group of m members has ceil(m * GQA / BLOCK_M) <= m row tiles), the
-        rows past them zero, i.e. no-op tiles (n_rows = 0 and an empty KV range);
+      * the wide launch over the prefix-tile table of B rows: a step's prefix tiles (at most B:
+        with one KV split a group of m members has ceil(m * GQA / BLOCK_M) <= m row tiles). By
+        default it is persistent: min(B, `wide_programs`) programs per KV head stride over the
+        step's tiles, their number read from the device; otherwise one program per row, the
+        rows past the step's tiles zero, i.e. no-op tiles (n_rows = 0 and an empty KV range).
+        The no-op programs are not free: the wide tiles' registers and shared memory leave room
+        for 2 programs per SM, so B = 1,024 with 64 prefix tiles queued 7,680 empty programs
+        (x 8 KV heads) behind and between the real ones;
       * the narrow launch over B rows, one suffix tile per sequence (a decode token's GQA rows
         fit one narrow tile);
       * the merge over B programs, of which the first `count[0]` (the grouped tokens) work.
@@ -587,8 +653,9 @@ class DecodeGraphPlan:
     -inf each step (a slot no tile of this step writes must not keep an older step's LSE).
 
     `prepare(meta, sp)` plans a step on the host and uploads every table in one pinned copy into
-    one int32 buffer laid out as [wide | narrow | tokens | qpos | count | blocks], each region
-    sized for `max_batch`; graphs of smaller batches read prefixes of the regions.
+    one int32 buffer laid out as [wide | narrow | tokens | qpos | counts | blocks], each region
+    sized for `max_batch` (counts: the grouped tokens the merge reduces, the wide tiles); graphs
+    of smaller batches read prefixes of the regions.
 
     Args:
         max_batch: the largest captured batch B.
@@ -599,6 +666,9 @@ class DecodeGraphPlan:
             `fits(sp)` tells whether a step fits.
         block_m, narrow_block_m, block_n, max_splits, num_warps, num_stages: kernel options as in
             `shared_prefix_attention`.
+        wide_programs: programs per KV head of the persistent wide launch (default: enough for
+            two per SM over all KV heads, the residency of the wide tiles); None with
+            `persistent_wide=False`, one program per table row.
     Memory: (max_splits + 1) * max_batch * num_heads * (head_dim + 1) * 4 bytes of float32
         partial states (168 MiB for B = 2048, 32 heads of 128, 4 splits) plus the tables.
     Raises:
@@ -619,6 +689,8 @@ class DecodeGraphPlan:
         max_splits: int = 4,
         num_warps: int = 4,
         num_stages: int = 3,
+        persistent_wide: bool = True,
+        wide_programs: int | None = None,
     ) -> None:
         gqa = num_heads // num_kv_heads
         if gqa > narrow_block_m:
@@ -629,10 +701,14 @@ class DecodeGraphPlan:
         self.block_m, self.narrow_block_m, self.max_splits = block_m, narrow_block_m, max_splits
         self.block_n = block_n or (64 if head_dim <= 128 else 32)
         self.num_warps, self.num_stages = num_warps, num_stages
+        if persistent_wide and wide_programs is None:
+            wide_programs = _cdiv(2 * _num_sms(self.device), num_kv_heads)
+        self.wide_programs = wide_programs if persistent_wide else None
         m = max_batch
         # region offsets in the int32 buffer
         self._off = dict(wide=0, narrow=8 * m, tokens=16 * m, qpos=17 * m, count=18 * m)
-        self._off["blocks"] = 18 * m + 1
+        self._off["wide_count"] = 18 * m + 1
+        self._off["blocks"] = 18 * m + 2
         self._buf = torch.zeros(self._off["blocks"] + max_blocks, dtype=torch.int32, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         self.opart = torch.zeros(max_splits + 1, m, num_heads, head_dim, **f32)
@@ -653,9 +729,13 @@ class DecodeGraphPlan:
         """The launch description a graph of `batch` sequences captures (views of the buffers)."""
         plan = self._plans.get(batch)
         if plan is None:
+            programs = None if self.wide_programs is None else min(batch, self.wide_programs)
+            wide = _Launch(self._view("wide", 8 * batch).view(batch, 8), self.block_m, False,
+                           programs, self._view("wide_count", 1))  # fmt: skip
+            narrow = _Launch(self._view("narrow", 8 * batch).view(batch, 8), self.narrow_block_m,
+                             True)  # fmt: skip
             plan = _TritonPlan(
-                [(self._view("wide", 8 * batch).view(batch, 8), self.block_m, False),
-                 (self._view("narrow", 8 * batch).view(batch, 8), self.narrow_block_m, True)],
+                [wide, narrow],
                 self._view("tokens", batch),
                 self._buf[self._off["blocks"] :],
                 self._view("qpos", batch),
@@ -696,6 +776,7 @@ class DecodeGraphPlan:
         data[off["tokens"] : off["tokens"] + batch] = host.tokens
         data[off["qpos"] : off["qpos"] + batch] = host.qpos
         data[off["count"]] = host.num_grouped
+        data[off["wide_count"]] = len(host.wide)
         data[off["blocks"] :] = host.blocks
         self._buf[: len(data)].copy_(pinned(data), non_blocking=True)
         self.lpart[:, :batch].fill_(float("-inf"))
