@@ -287,7 +287,9 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
 
 def graph_replay(args, step, scale: float, persistent: bool):
     """(replay, output) of the step's shared-prefix attention captured in a CUDA graph, as a
-    decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch."""
+    decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch. The
+    replay closure keeps the plan alive: a graph does not own the tensors it reads, and freed
+    tile tables get reused by the allocator (replays then read garbage block ids)."""
     from phloem.ops.attention.shared_prefix_triton import DecodeGraphPlan
 
     q, kv, meta = step
@@ -306,7 +308,12 @@ def graph_replay(args, step, scale: float, persistent: bool):
         out = plan.forward(q, kv, scale, args.block_size)
     graph.replay()
     torch.cuda.synchronize()
-    return graph.replay, out
+
+    def replay() -> None:  # the graph holds no references: keep the plan's buffers alive
+        graph.replay()
+        assert plan.device.type == "cuda"
+
+    return replay, out
 
 
 def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> dict:
