@@ -7,6 +7,8 @@
 # weights and per-step host/device timing (--trace-steps). PROFILE_WINDOW=START:COUNT profiles
 # those steps of each run (torch.profiler tables next to the JSON). TESTS=1 first runs the GPU
 # tests (TEST_PATHS, default: the GPU, kernel and layer tests) into OUT_DIR/gpu-tests.txt.
+# PACK=1 ends by packing OUT_DIR into OUT_DIR.tgz (and removing it): the device tool returns at
+# most 8 files per call, so more runs than that lose their JSON files otherwise.
 # Needs the carried .whl/ and .fiaot/ (see device_setup.sh).
 set -uo pipefail
 OUT=${1:-/tmp/phloem_out}
@@ -40,3 +42,6 @@ for run in $RUNS; do
         $ENGINE_ARGS $extra $window --json "$OUT/$name.json" 2>&1 | grep -v -i warn | tail -10
 done
 echo "=== done $(date +%T)"
+if [ "${PACK:-0}" = 1 ]; then
+    tar -czf "$OUT.tgz" -C "$OUT" . && rm -r "$OUT" && echo "packed $OUT.tgz"
+fi
