@@ -346,19 +346,21 @@ class RadixCache:
         for node in self._iter_nodes():
             child_locks = 0
             for first_block, child in node.children.items():
-                _require(child.parent is node, f"{child!r} has a wrong parent")
-                _require(first_block == child.key[:bs], f"{child!r} filed under {first_block}")
-                _require(len(first_block) == bs, f"{child!r} filed under a short key")
-                _require(child.last_access <= node.last_access, f"{child!r} newer than parent")
+                _require(child.parent is node, "{!r} has a wrong parent", child)
+                _require(first_block == child.key[:bs], "{!r} filed under {}", child, first_block)
+                _require(len(first_block) == bs, "{!r} filed under a short key", child)
+                _require(child.last_access <= node.last_access, "{!r} newer than parent", child)
                 child_locks += child.lock_ref
             if node is self.root:
                 continue
-            _require(len(node.key) > 0 and len(node.key) % bs == 0, f"{node!r} key not aligned")
-            _require(len(node.block_ids) == len(node.key) // bs, f"{node!r} block count")
-            _require(node.num_direct_locks >= 0, f"{node!r} negative direct locks")
-            _require(node.lock_ref == node.num_direct_locks + child_locks, f"{node!r} lock_ref sum")
+            _require(len(node.key) > 0 and len(node.key) % bs == 0, "{!r} key not aligned", node)
+            _require(len(node.block_ids) == len(node.key) // bs, "{!r} block count", node)
+            _require(node.num_direct_locks >= 0, "{!r} negative direct locks", node)
+            _require(
+                node.lock_ref == node.num_direct_locks + child_locks, "{!r} lock_ref sum", node
+            )
             for block_id in node.block_ids:
-                _require(block_id not in seen, f"block {block_id} cached twice")
+                _require(block_id not in seen, "block {} cached twice", block_id)
                 seen.add(block_id)
             if node.lock_ref == 0:
                 num_evictable += len(node.block_ids)
@@ -418,6 +420,8 @@ class RadixCache:
         return nodes
 
 
-def _require(condition: bool, message: str) -> None:
+def _require(condition: bool, message: str, *args: object) -> None:
+    """Raise AssertionError if not condition; `message.format(*args)` is built only then (the
+    integrity check runs over every node of big trees in tests)."""
     if not condition:
-        raise AssertionError(f"RadixCache integrity: {message}")
+        raise AssertionError(f"RadixCache integrity: {message.format(*args)}")

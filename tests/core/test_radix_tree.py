@@ -24,6 +24,22 @@ def test_empty_cache_matches_nothing() -> None:
     cache.check_integrity()
 
 
+def test_integrity_check_names_the_broken_invariant() -> None:
+    """A corrupted tree fails the check with a message naming the node and the invariant."""
+    cache = RadixCache(4)
+    cache.insert(seq(1, 2), [10, 11])
+    cache.insert(seq(1, 3), [10, 12])
+    node = cache.match_prefix(seq(1, 3)).last_node
+    node.block_ids.append(99)  # two blocks' ids on a one-block edge
+    with pytest.raises(AssertionError, match=r"RadixNode\(id=.*blocks=\[12, 99\].*block count"):
+        cache.check_integrity()
+    node.block_ids[1:] = []
+    cache.check_integrity()
+    node.block_ids[0] = 11  # the sibling's block: cached twice
+    with pytest.raises(AssertionError, match="block 11 cached twice"):
+        cache.check_integrity()
+
+
 def test_insert_then_match_full_and_partial_blocks() -> None:
     cache = RadixCache(4)
     assert cache.insert(seq(1, 2, 3), [10, 11, 12]) == []
