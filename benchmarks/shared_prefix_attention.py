@@ -256,7 +256,8 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
     elif path.startswith("graph"):
         if args.mixed != (0, 0) or args.device.type != "cuda":
             return {"ok": None, "skipped": "graph paths take decode-only steps on CUDA"}
-        fn, out = graph_replay(args, step, scale, persistent=path == "graph")
+        graph, plan, out = graph_replay(args, step, scale, persistent=path == "graph")
+        fn = graph.replay  # `plan` (its buffers) lives in this frame until the timing is done
         res["max_abs_diff_vs_plain"] = (out.float() - base.float()).abs().max().item()
         res["ok"] = bool(res["max_abs_diff_vs_plain"] <= args.atol)
         if not res["ok"]:
@@ -286,9 +287,9 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
 
 
 def graph_replay(args, step, scale: float, persistent: bool):
-    """(replay, output) of the step's shared-prefix attention captured in a CUDA graph, as a
-    decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch. The
-    replay closure keeps the plan alive: a graph does not own the tensors it reads, and freed
+    """(graph, plan, output) of the step's shared-prefix attention captured in a CUDA graph, as
+    a decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch. Keep
+    the plan alive while the graph replays: a graph does not own the tensors it reads, and freed
     tile tables get reused by the allocator (replays then read garbage block ids)."""
     from phloem.ops.attention.shared_prefix_triton import DecodeGraphPlan
 
@@ -308,12 +309,7 @@ def graph_replay(args, step, scale: float, persistent: bool):
         out = plan.forward(q, kv, scale, args.block_size)
     graph.replay()
     torch.cuda.synchronize()
-
-    def replay() -> None:  # the graph holds no references: keep the plan's buffers alive
-        graph.replay()
-        assert plan.device.type == "cuda"
-
-    return replay, out
+    return graph, plan, out
 
 
 def run_config(args, groups: int, prefix_len: int, fallback, scale: float) -> dict:
