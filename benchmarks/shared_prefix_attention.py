@@ -22,7 +22,8 @@ whole KV). `--triton-configs` adds Triton variants as paths `triton:NAME`, each 
 options of `shared_prefix_triton.shared_prefix_attention` (bm=block_m, bn=block_n, w=num_warps,
 s=num_stages, nm=narrow_block_m, nw=narrow_num_warps, nbn=narrow_block_n, ns=narrow_num_stages,
 ps=prefix_splits, fm=fp8_math: f16|q),
-configs separated by ';'.
+configs separated by ';'. `--graph-configs` does the same for the graph path (`graph:NAME`; bn,
+w, s, ps = the graph's max_splits), e.g. to time the old tiling against the default in one run.
 
 Self-checking: before timing, every path's output is compared with the plain path (and, where it
 fits in memory, with the float32 reference); a path that disagrees is reported with ok=false and
@@ -81,12 +82,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mixed", default=None, help="L,M: prefill chunks of L leaders, M members")
     p.add_argument("--triton-configs", default="", help="Triton variants (see the docstring)")
+    p.add_argument("--graph-configs", default="", help="graph-path variants (see the docstring)")
     p.add_argument(
         "--smoke", action="store_true", help="tiny CPU-sized run (checks the script, not speed)"
     )
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
-    unknown = set(args.paths) - set(PATHS)
+    unknown = set(args.paths) - set(PATHS)  # (variants are added below, after this check)
     if unknown:
         p.error(f"unknown paths {sorted(unknown)}")
     keys = {"bm": "block_m", "bn": "block_n", "w": "num_warps", "s": "num_stages",
@@ -99,6 +101,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             keys[k]: v if k == "fm" else int(v) for k, v in opts.items()
         }
         args.paths.append(f"triton:{cfg}")
+    graph_keys = {"bn": "block_n", "w": "num_warps", "s": "num_stages", "ps": "max_splits"}
+    args.graph_options = {"graph": {}, "graph_rows": {}}
+    for cfg in filter(None, args.graph_configs.split(";")):
+        opts = dict(kv.split("=") for kv in cfg.split(","))
+        args.graph_options[f"graph:{cfg}"] = {graph_keys[k]: int(v) for k, v in opts.items()}
+        args.paths.append(f"graph:{cfg}")
     args.mixed = tuple(int(x) for x in args.mixed.split(",")) if args.mixed else (0, 0)
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
@@ -256,7 +264,8 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
     elif path.startswith("graph"):
         if args.mixed != (0, 0) or args.device.type != "cuda":
             return {"ok": None, "skipped": "graph paths take decode-only steps on CUDA"}
-        graph, plan, out = graph_replay(args, step, scale, persistent=path == "graph")
+        graph, plan, out = graph_replay(args, step, scale, persistent=path != "graph_rows",
+                                        **args.graph_options[path])  # fmt: skip
         fn = graph.replay  # `plan` (its buffers) lives in this frame until the timing is done
         res["max_abs_diff_vs_plain"] = (out.float() - base.float()).abs().max().item()
         res["ok"] = bool(res["max_abs_diff_vs_plain"] <= args.atol)
@@ -286,7 +295,7 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
     return res
 
 
-def graph_replay(args, step, scale: float, persistent: bool):
+def graph_replay(args, step, scale: float, persistent: bool, **options):
     """(graph, plan, output) of the step's shared-prefix attention captured in a CUDA graph, as
     a decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch. Keep
     the plan alive while the graph replays: a graph does not own the tensors it reads, and freed
@@ -297,7 +306,8 @@ def graph_replay(args, step, scale: float, persistent: bool):
     sp = build_shared_prefix_metadata(meta, meta.prefix_lens_cpu)
     blocks = sum(map(len, sp.group_block_ids)) + sum(map(len, sp.suffix_block_ids))
     plan = DecodeGraphPlan(meta.num_seqs, args.num_heads, args.num_kv_heads, args.head_dim,
-                           args.device, max_blocks=blocks + 16, persistent_wide=persistent)  # fmt: skip
+                           args.device, max_blocks=blocks + 16, persistent_wide=persistent,
+                           **options)  # fmt: skip
     plan.prepare(meta, sp)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -46,5 +46,8 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, embedding_dim] -> logits [N, vocab] float32 (matmul in the weight dtype)."""
-        return F.linear(hidden, self.weight).float()
+        """hidden [N, embedding_dim] -> logits [N, vocab] in the weight dtype. Not upcast here:
+        the sampler's greedy path takes argmax of these as they are (upcasting is exact and
+        monotone) and its other paths upcast to float32 themselves; a float32 copy of a
+        2,048-row step's 128K-vocab logits is ~1 GiB of traffic."""
+        return F.linear(hidden, self.weight)

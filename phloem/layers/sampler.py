@@ -245,7 +245,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row.
 
-        logits: [B, V] float (float32 expected), B == len(rows); not modified.
+        logits: [B, V] in any float dtype (the model's; upcast to float32 here unless every row
+            is plain greedy), B == len(rows); not modified.
         Advances each random row's generator (or the sampler's) by one draw; greedy rows advance
         nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
         """
