@@ -281,19 +281,6 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-def default_tiling(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, num_stages) of the tile launches when not given. The KV loads of a tile are
-    gathered through its block ids (an indirect load, which takes a pipeline stage of its own),
-    so num_stages = 5 keeps three BLOCK_N = 32 K/V buffers in flight per program where the
-    earlier (64, 3) kept two of twice the size, i.e. one ahead of the one computed: decode
-    attention of 100 groups x 16 (prefix 2,000, 250 own tokens) on an H200 ran 7% faster
-    (0.738 -> 0.682 ms per layer, eager; 2.04 -> 1.90 with prefill chunks in the step;
-    benchmarks/results/2026-11-24-h200/decode-attention-sweep*.json). Shared memory per wide
-    program (BLOCK_M 64) stays ~82 KB, two per SM as before; above head_dim 128 the buffers
-    double, so those keep (32, 3)."""
-    return (32, 5) if head_dim <= 128 else (32, 3)
-
-
 _MIN_SPLIT_KV = 512  # fewest prefix KV tokens worth a split of their own
 _MAX_SPLITS = 16
 _MAX_PARTIAL_BYTES = 512 << 20  # bound on the float32 partial-state buffer of one call
@@ -557,7 +544,7 @@ def shared_prefix_attention(
     block_n: int | None = None,
     prefix_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int | None = None,
+    num_stages: int = 3,
     narrow_block_m: int | None = 16,
     narrow_num_warps: int | None = None,
     narrow_block_n: int | None = None,
@@ -581,11 +568,10 @@ def shared_prefix_attention(
             query's dtype on load); attn_meta / sp_meta: the step and its groups;
         scale: softmax scale.
         block_m: query rows per tile (power of 2, >= 16; default from the widest segment);
-        block_n: KV tokens per inner iteration (power of 2, >= 16; default `default_tiling`);
+        block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
         prefix_splits: KV splits of every prefix (default: per group, see `_prefix_splits`);
-        num_warps / num_stages: Triton launch options (num_warps 4 measured on an H100,
-            benchmarks/results/2026-11-23-h100/attention-sweep-*.json; num_stages default
-            `default_tiling`).
+        num_warps / num_stages: Triton launch options (defaults measured on an H100,
+            benchmarks/results/2026-11-23-h100/attention-sweep-*.json).
         narrow_block_m: if set (power of 2, >= 16; default 16), suffix segments of at most this many rows
             (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
             default `num_warps`; `narrow_block_n` and `narrow_num_stages`, default `block_n`
@@ -612,9 +598,8 @@ def shared_prefix_attention(
             "the Triton kernel takes float32/16 and bfloat16 (float64: use the reference)"
         )
     gqa = num_heads // num_kv_heads
-    default_block_n, default_stages = default_tiling(head_dim)
-    block_n = block_n or default_block_n
-    num_stages = num_stages or default_stages
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
     dev = query.device
     key = ("triton", num_heads, num_kv_heads, head_dim, block_m, block_n, prefix_splits,
            narrow_block_m, dev, exclude is not None)  # fmt: skip
@@ -694,7 +679,7 @@ class DecodeGraphPlan:
         block_n: int | None = None,
         max_splits: int = 4,
         num_warps: int = 4,
-        num_stages: int | None = None,
+        num_stages: int = 3,
         persistent_wide: bool = True,
         wide_programs: int | None = None,
     ) -> None:
@@ -705,9 +690,8 @@ class DecodeGraphPlan:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self.block_m, self.narrow_block_m, self.max_splits = block_m, narrow_block_m, max_splits
-        default_block_n, default_stages = default_tiling(head_dim)
-        self.block_n = block_n or default_block_n
-        self.num_warps, self.num_stages = num_warps, num_stages or default_stages
+        self.block_n = block_n or (64 if head_dim <= 128 else 32)
+        self.num_warps, self.num_stages = num_warps, num_stages
         if persistent_wide and wide_programs is None:
             wide_programs = _cdiv(2 * _num_sms(self.device), num_kv_heads)
         self.wide_programs = wide_programs if persistent_wide else None
