@@ -5,7 +5,7 @@ does, in the same run (bf16, CUDA events, median of `--repeats`).
     with the residual add fused in ("add+norm": reads the GEMM output and the residual, writes
     the new residual and the normalized tensor). The alternative ("addmm+norm") puts the add in
     cuBLAS's epilogue (`torch.addmm(residual, x, W^T)`, beta = 1) so the norm reads and writes
-    one tensor each. Measured on an H200 (benchmarks/results/2026-11-24-h200): the beta = 1
+    one tensor each. Measured on an H200 (benchmarks/results/2026-11-25-h200): the beta = 1
     GEMM costs more than the norm saves (o_proj at M = 8192: +84 us in the GEMM), so phloem
     keeps add+norm.
   * The LM head of `--rows` sampled rows and the greedy argmax: logits upcast to float32 first
