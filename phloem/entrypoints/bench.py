@@ -12,6 +12,7 @@ a peer's throughput on the identical workload and weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -420,6 +421,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     """The `bench throughput` subcommand; prints a summary and writes --json / --plot."""
     import torch
 
+    from phloem.bench.power import sample_power
     from phloem.bench.roofline import ModelShape, measure_ceilings
     from phloem.bench.workloads import make_workload
     from phloem.models.loader import load_hf_config, resolve_model
@@ -457,7 +459,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     trace = None
     if args.trace_steps or window:
         trace = StepTrace(llm.llm_engine, window, args.profile)
-    with GCPauses() as gc_pauses:
+    power = sample_power() if on_cuda else None
+    with GCPauses() as gc_pauses, power or contextlib.nullcontext():
         elapsed, outputs = _generate(llm, workload)
     num_in = workload.num_input_tokens
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -483,6 +486,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "attention": _attention_stats(llm),
         "steps": trace.summary() if trace is not None else None,
         "gc": gc_pauses.to_dict(),
+        "power": power.summary() if power is not None else None,
         "versions": _versions(),
         "command": "phloem " + " ".join(sys.argv[1:]),
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -589,6 +593,17 @@ def _report(r: dict) -> None:
         lines.append(
             f"  host gc: {g['pause_s']:.2f} s in {sum(g['collections'])} collections (gen 2: "
             f"{g['collections'][2]}, longest {g['longest_pause_s'] * 1e3:.0f} ms)"
+        )
+    power = r.get("power")
+    if power and power.get("samples"):
+        limit, capped = power["power_limit_w"], power["capped_fraction"]
+        at_limit = "" if capped is None else (
+            f" (limit {limit:.0f} W; within 5% of it in {capped:.0%} of {power['samples']} samples)"
+        )  # fmt: skip
+        clock = power["sm_clock_mhz"]
+        lines.append(
+            f"  power: {power['power_w']['p50']:.0f} W median{at_limit}, SM clock "
+            f"{clock['p50']:.0f} MHz median ({clock['min']:.0f}-{clock['max']:.0f})"
         )
     for kind, t in (r.get("steps") or {}).items():
         device = "" if t["device_ms"] is None else f", device {t['device_ms']:.1f}"

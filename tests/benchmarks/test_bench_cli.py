@@ -47,6 +47,7 @@ def test_bench_json_on_cpu(tmp_path):
     assert r["num_requests"] == 3 and r["engine"]["attention_backend"] == "reference"
     assert r["output_tokens"] == 15 and r["total_tokens_per_s"] > 0
     assert set(r["gc"]) == {"pause_s", "pause_s_by_generation", "collections", "longest_pause_s"}
+    assert r["power"] is None  # NVML is read on CUDA runs only
 
 
 def test_gc_pauses_counts_collections():
