@@ -21,28 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from phloem.bench.roofline import cuda_time_s
 from phloem.layers.norm import RMSNorm
 from phloem.model_configs import model_config_dir
 
 
 def _time_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_s(fn, repeats) * 1e3
 
 
 def _compare(weight, x, residual, norm, compiled, fused_add_norm, repeats: int) -> dict:

@@ -3,8 +3,9 @@
 The ceilings (shared/docs/ROOFLINE.md) are measured in a ~15 ms burst, at the clock an idle GPU
 boosts to; a long run of large batches may instead sit at the board's power limit, with the SM
 clock well below that (an H200 at 700 W: ~1.5 GHz against 1.98, benchmarks/results/2026-11-25-h200).
-Then a kernel that only hides latency better buys nothing, and only less work or traffic does:
-every GPU result should say which regime it ran in. `PowerSampler` polls in a daemon thread
+There, a kernel that only hides latency better bought nothing end to end (a same-run A/B in that
+results folder), while less work or traffic would: every GPU result should say which regime it
+ran in. `PowerSampler` polls in a daemon thread
 (NVML through torch.cuda.power_draw / clock_rate, which need nvidia-ml-py) and summarizes.
 """
 

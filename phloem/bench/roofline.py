@@ -145,27 +145,32 @@ def workload_roofline(
     return Roofline(flops, nbytes, flops_per_s, bytes_per_s)
 
 
+def cuda_time_s(fn, repeats: int = 10, warmup: int = 3) -> float:
+    """Median [s] of `repeats` timed calls of `fn` (CUDA events around each, after `warmup`
+    untimed calls; the upper median for an even count)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int = 2 << 30) -> dict:
     """Matmul FLOP/s (bf16 n^3, ten timed repeats after warm-up, random data) and copy bandwidth
     (device-to-device copy of copy_bytes, counting bytes read + written), timed with CUDA events;
     medians of the repeats."""
     import torch
 
-    def timed(fn, repeats: int = 10) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]
-
-    t_mm = _time_matmul(timed, matmul_n, device)
-    t_copy = _time_copy(timed, copy_bytes, device)
+    t_mm = _time_matmul(cuda_time_s, matmul_n, device)
+    t_copy = _time_copy(cuda_time_s, copy_bytes, device)
     torch.cuda.empty_cache()
     return {
         "flops_per_s": 2 * matmul_n**3 / t_mm,
