@@ -5,8 +5,8 @@ boosts to; a long run of large batches may instead sit at the board's power limi
 clock well below that (an H200 at 700 W: ~1.5 GHz against 1.98, benchmarks/results/2026-11-25-h200).
 There, a kernel that only hides latency better bought nothing end to end (a same-run A/B in that
 results folder), while less work or traffic would: every GPU result should say which regime it
-ran in. `PowerSampler` polls in a daemon thread
-(NVML through torch.cuda.power_draw / clock_rate, which need nvidia-ml-py) and summarizes.
+ran in. `PowerSampler` polls in a daemon thread (NVML through torch.cuda.power_draw / clock_rate,
+which need nvidia-ml-py) and summarizes.
 """
 
 from __future__ import annotations

@@ -169,8 +169,8 @@ def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int
     medians of the repeats."""
     import torch
 
-    t_mm = _time_matmul(cuda_time_s, matmul_n, device)
-    t_copy = _time_copy(cuda_time_s, copy_bytes, device)
+    t_mm = _time_matmul(matmul_n, device)
+    t_copy = _time_copy(copy_bytes, device)
     torch.cuda.empty_cache()
     return {
         "flops_per_s": 2 * matmul_n**3 / t_mm,
@@ -180,17 +180,17 @@ def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int
     }
 
 
-def _time_matmul(timed, n: int, device) -> float:
+def _time_matmul(n: int, device) -> float:
     import torch
 
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return timed(lambda: torch.mm(a, b))
+    return cuda_time_s(lambda: torch.mm(a, b))
 
 
-def _time_copy(timed, nbytes: int, device) -> float:
+def _time_copy(nbytes: int, device) -> float:
     import torch
 
     src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src))
+    return cuda_time_s(lambda: dst.copy_(src))

@@ -571,6 +571,8 @@ def _write(path: str | None, result: dict) -> None:
 
 
 def _report(r: dict) -> None:
+    from phloem.bench.power import CAPPED_FRACTION_OF_LIMIT
+
     if set(r) == {"peer"}:
         return _report_peer(r["peer"])
     lines = [
@@ -598,7 +600,8 @@ def _report(r: dict) -> None:
     if power and power.get("samples"):
         limit, capped = power["power_limit_w"], power["capped_fraction"]
         at_limit = "" if capped is None else (
-            f" (limit {limit:.0f} W; within 5% of it in {capped:.0%} of {power['samples']} samples)"
+            f" (limit {limit:.0f} W; within {1 - CAPPED_FRACTION_OF_LIMIT:.0%} of it in "
+            f"{capped:.0%} of {power['samples']} samples)"
         )  # fmt: skip
         clock = power["sm_clock_mhz"]
         lines.append(
