@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -75,7 +76,12 @@ def main() -> None:
 
     fused_add_norm = torch.compile(fused_add_norm, dynamic=True)
     shapes = {"o_proj": (d, d), "down_proj": (d, f)}  # (out, in)
-    results: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "gemms": []}
+    results: dict = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(),
+        "command": " ".join(["python", *sys.argv]),
+        "gemms": [],
+    }
     for name, (n_out, n_in) in shapes.items():
         weight = torch.randn(n_out, n_in, device=dev, dtype=bf16) * 0.02
         for m in [int(v) for v in args.m.split(",")]:
