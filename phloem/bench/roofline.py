@@ -164,13 +164,14 @@ def cuda_time_s(fn, repeats: int = 10, warmup: int = 3) -> float:
 
 
 def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int = 2 << 30) -> dict:
-    """Matmul FLOP/s (bf16 n^3, ten timed repeats after warm-up, random data) and copy bandwidth
-    (device-to-device copy of copy_bytes, counting bytes read + written), timed with CUDA events;
-    medians of the repeats."""
+    """The burst ceilings of shared/docs/ROOFLINE.md: matmul FLOP/s (bf16 n^3, ten timed repeats
+    after warm-up, random data) and copy bandwidth (device-to-device copy of copy_bytes, counting
+    bytes read + written), timed with CUDA events; medians of the repeats. The chip at full clock.
+    Returns {"flops_per_s", "bytes_per_s", "matmul_n", "copy_bytes"}."""
     import torch
 
-    t_mm = _time_matmul(matmul_n, device)
-    t_copy = _time_copy(copy_bytes, device)
+    t_mm = cuda_time_s(_matmul_fn(matmul_n, device))
+    t_copy = cuda_time_s(_copy_fn(copy_bytes, device))
     torch.cuda.empty_cache()
     return {
         "flops_per_s": 2 * matmul_n**3 / t_mm,
@@ -180,17 +181,74 @@ def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int
     }
 
 
-def _time_matmul(n: int, device) -> float:
+def measure_sustained_ceilings(
+    device: Any = "cuda",
+    matmul_n: int = 8192,
+    copy_bytes: int = 2 << 30,
+    matmul_s: float = 8.0,
+    copy_s: float = 4.0,
+) -> dict:
+    """The sustained ceilings of shared/docs/ROOFLINE.md: the same matmul back to back for at
+    least `matmul_s` seconds and the same copy for at least `copy_s` seconds, each rate the
+    median over the second half of its calls. Measured right after a workload, on the GPU the run
+    heated, it is what a power-capped board holds for minutes (goals are stated against it).
+    Returns the keys of `measure_ceilings` plus "matmul_s" and "copy_s" [s]."""
+    import torch
+
+    t_mm = sustained_time_s(_matmul_fn(matmul_n, device), matmul_s)
+    t_copy = sustained_time_s(_copy_fn(copy_bytes, device), copy_s)
+    torch.cuda.empty_cache()
+    return {
+        "flops_per_s": 2 * matmul_n**3 / t_mm,
+        "bytes_per_s": 2 * copy_bytes / t_copy,
+        "matmul_n": matmul_n,
+        "copy_bytes": copy_bytes,
+        "matmul_s": matmul_s,
+        "copy_s": copy_s,
+    }
+
+
+def sustained_time_s(fn, min_s: float, chunk: int = 32, time_calls=None) -> float:
+    """Median [s] per call of `fn` over the second half of at least `min_s` seconds of calls
+    issued back to back (the first half is the warm-up: clocks fall as the board reaches its
+    power limit). `time_calls(fn, k)` runs k calls with nothing between them and returns their
+    k durations [s]; by default CUDA events recorded between the calls, one sync per chunk.
+    Raises ValueError if `min_s` is not positive."""
+    if min_s <= 0:
+        raise ValueError(f"min_s must be positive, got {min_s}")
+    time_calls = time_calls or _cuda_back_to_back
+    times: list[float] = []
+    while sum(times) < min_s:
+        times.extend(time_calls(fn, chunk))
+    second_half = sorted(times[len(times) // 2 :])
+    return second_half[len(second_half) // 2]
+
+
+def _cuda_back_to_back(fn, k: int) -> list[float]:
+    """Durations [s] of k calls of `fn` queued back to back, from k + 1 CUDA events."""
+    import torch
+
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(k + 1)]
+    events[0].record()
+    for i in range(k):
+        fn()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+
+
+def _matmul_fn(n: int, device):
     import torch
 
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return cuda_time_s(lambda: torch.mm(a, b))
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    return lambda: torch.mm(a, b, out=out)
 
 
-def _time_copy(nbytes: int, device) -> float:
+def _copy_fn(nbytes: int, device):
     import torch
 
     src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    return cuda_time_s(lambda: dst.copy_(src))
+    return lambda: dst.copy_(src)

@@ -54,21 +54,41 @@ def test_bound_is_the_larger_time_and_sequential_sums():
     assert workload_roofline(LLAMA, batched, 1e15, 3e12).bytes < two.bytes  # weights read once
 
 
-def test_bench_ratio_after_run_uses_the_second_ceilings():
-    """`bench`'s JSON: the roofline ratio uses the ceilings measured before the run; the
-    after-run ratio (context) uses the second measurement, so a GPU whose matmul ceiling fell
-    by a quarter while it ran reads a ratio 4/3 as high against it."""
+def test_bench_sustained_ratio_uses_the_sustained_ceilings():
+    """`bench`'s JSON: `roofline_ratio` uses the burst ceilings measured before the run;
+    `roofline_ratio_sustained` the sustained ones measured after it, so a GPU whose matmul
+    ceiling fell by a quarter under sustained load reads a ratio 4/3 as high against it."""
     from phloem.entrypoints.bench import roofline_fields
 
     w = Workload("w", "t", [[1] * 100, [1] * 100], [10, 10], [(96, [0, 1])])
-    before = {"flops_per_s": 800e12, "bytes_per_s": 1e18}  # compute-bound
-    after = {"flops_per_s": 600e12, "bytes_per_s": 1e18}
-    r = roofline_fields(LLAMA, w, before, after, elapsed_s=1.0, total_tokens=220)
+    burst = {"flops_per_s": 800e12, "bytes_per_s": 1e18}  # compute-bound
+    sustained = {"flops_per_s": 600e12, "bytes_per_s": 1e18}
+    r = roofline_fields(LLAMA, w, burst, sustained, elapsed_s=1.0, total_tokens=220)
     flops, nbytes = batch_work(LLAMA, [(96, [(100, 10), (100, 10)])])
     bound = max(flops / 800e12, nbytes / 1e18)
     assert r["roofline_ratio"] == pytest.approx(bound)
     assert r["bound_total_tokens_per_s"] == pytest.approx(220 / bound)
-    assert r["ceilings_after_run"] is after
-    bound_after = max(flops / 600e12, nbytes / 1e18)
-    assert r["roofline_ratio_after_run_ceilings"] == pytest.approx(bound_after)
-    assert bound_after == pytest.approx(bound * 4 / 3)
+    assert r["ceilings_sustained"] is sustained
+    bound_sustained = max(flops / 600e12, nbytes / 1e18)
+    assert r["roofline_ratio_sustained"] == pytest.approx(bound_sustained)
+    assert bound_sustained == pytest.approx(bound * 4 / 3)
+
+
+def test_sustained_time_is_the_median_of_the_second_half():
+    """A board that starts at full clock and throttles: the sustained time per call is the
+    median over the second half of the calls, and calls continue until min_s is covered."""
+    from phloem.bench.roofline import sustained_time_s
+
+    durations = iter([0.1] * 10 + [0.2] * 6 + [0.3, 0.25, 0.2, 0.25])
+    calls = []
+
+    def time_calls(fn, k):
+        calls.append(k)
+        return [next(durations) for _ in range(k)]
+
+    t = sustained_time_s(lambda: None, min_s=3.0, chunk=4, time_calls=time_calls)
+    # 20 calls cover 1.0 + 1.2 + 1.0 = 3.2 s >= 3.0 s; the second half is the last 10 calls.
+    assert len(calls) == 5
+    assert t == pytest.approx(0.2)  # last 10 sorted: 0.2 x7, 0.25, 0.25, 0.3 -> upper median 0.2
+    with pytest.raises(ValueError, match="min_s"):
+        sustained_time_s(lambda: None, min_s=0, time_calls=time_calls)
