@@ -31,6 +31,10 @@ class ModelConfig:
             where it pays, FlashInfer on the others; else the plain-torch reference),
             "reference", "flashinfer" (never shares) or "shared_prefix" (cascade attention over
             prefix groups, BatchLLM §5, wrapping the plain backend for other steps).
+        cache_dir: root of the converted-checkpoint cache (`models/checkpoint_cache.py`); None
+            takes $PHLOEM_CACHE_DIR, else $XDG_CACHE_HOME/phloem or ~/.cache/phloem.
+        checkpoint_cache: load a GGUF model from its converted HF directory in the cache
+            (written on first use); False parses the GGUF file at every start.
     """
 
     model: str | None = None
@@ -40,6 +44,8 @@ class ModelConfig:
     device: str = "auto"
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    cache_dir: str | None = None
+    checkpoint_cache: bool = True
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,4 +1,5 @@
-"""Test-wide settings: no network, no spinning OpenMP threads, shared tiny-model fixtures."""
+"""Test-wide settings: no network, no spinning OpenMP threads, the checkpoint cache in a session
+temp dir, and shared fixtures (the embedded engine, tiny-model tokenizer files)."""
 
 import importlib
 import os
@@ -18,17 +19,50 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def embedded_tokenizer_dir(tmp_path_factory):
-    """The embedded model's tokenizer saved as plain HF tokenizer files (for tiny test models).
-    Skips where the embedded model's package is not installed (e.g. a GPU machine)."""
+@pytest.fixture(scope="session", autouse=True)
+def phloem_cache_dir(tmp_path_factory):
+    """The converted-checkpoint cache of this session: a fresh temp dir (exported as
+    PHLOEM_CACHE_DIR, so subprocesses share it), never ~/.cache. The first test that loads the
+    embedded model converts it (the first-start path); later loads, in-process or not, reuse it."""
+    from phloem.models.checkpoint_cache import CACHE_DIR_ENV
+
+    path = tmp_path_factory.mktemp("phloem_cache")
+    previous = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = previous
+
+
+def _require_embedded_package() -> None:
     import importlib.util
 
-    from phloem.models.loader import EMBEDDED_PACKAGE, load_tokenizer, resolve_model
+    from phloem.models.loader import EMBEDDED_PACKAGE
 
     if importlib.util.find_spec(EMBEDDED_PACKAGE) is None:  # its data only: never imported
         pytest.skip(f"the embedded model's package {EMBEDDED_PACKAGE} is not installed")
 
+
+@pytest.fixture(scope="session")
+def embedded_llm(phloem_cache_dir):
+    """One engine on the embedded model for the whole session, for tests that only generate with
+    it (never change its settings): `LLM(max_num_batched_tokens=64)`, a small budget so chunked
+    prefill mixes with decode. Tests that need other settings build their own engine."""
+    _require_embedded_package()
+    from phloem import LLM
+
+    return LLM(max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer_dir(tmp_path_factory):
+    """The embedded model's tokenizer saved as plain HF tokenizer files (for tiny test models).
+    Skips where the embedded model's package is not installed (e.g. a GPU machine)."""
+    from phloem.models.loader import load_tokenizer, resolve_model
+
+    _require_embedded_package()
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path

@@ -83,8 +83,12 @@ class LLM:
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3 KV cache; see
             `CacheConfig`).
         kv_layout: "NHD" (token-major blocks) or "HND" (head-major blocks; see `CacheConfig`).
+        cache_dir: root of the converted-checkpoint cache (a GGUF model is converted to an HF
+            directory there on first use); None: $PHLOEM_CACHE_DIR, else ~/.cache/phloem.
+        checkpoint_cache: False loads a GGUF file directly at every start (no cache).
     Raises:
-        ValueError: naming the argument, for invalid values.
+        ValueError: naming the argument, for invalid values; naming the file, for a truncated
+            GGUF or safetensors file.
     """
 
     def __init__(
@@ -110,12 +114,23 @@ class LLM:
         async_scheduling: bool = True,
         kv_cache_dtype: str = "auto",
         kv_layout: str = "NHD",
+        cache_dir: str | None = None,
+        checkpoint_cache: bool = True,
     ) -> None:
+        start = time.perf_counter()
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
         config = EngineConfig(
             model=ModelConfig(
-                model, dtype, max_model_len, load_format, device, enforce_eager, attention_backend
+                model,
+                dtype,
+                max_model_len,
+                load_format,
+                device,
+                enforce_eager,
+                attention_backend,
+                cache_dir,
+                checkpoint_cache,
             ),
             cache=CacheConfig(
                 block_size,
@@ -137,6 +152,7 @@ class LLM:
             seed=seed,
         )
         self.llm_engine = LLMEngine(config)
+        self.load_s = time.perf_counter() - start  # start-up time [s]: imports, model, KV pool
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

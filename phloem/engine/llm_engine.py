@@ -87,11 +87,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         from phloem.engine.executor import UniProcExecutor
-        from phloem.models.loader import load_hf_config, load_tokenizer, resolve_model
+        from phloem.models.loader import (
+            load_hf_config,
+            load_tokenizer,
+            resolve_model,
+            startup_source,
+        )
         from phloem.worker.worker import Worker
 
         config.validate()
-        source = resolve_model(config.model.model)
+        source = startup_source(resolve_model(config.model.model), config.model)
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
         self.eos_token_id = self.tokenizer.eos_token_id

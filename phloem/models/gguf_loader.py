@@ -1,7 +1,8 @@
 """GGUF checkpoints (llama.cpp format): config from the metadata, tensors dequantized to float.
 
-Tensors are read with `gguf.GGUFReader` and dequantized with `gguf.quants.dequantize` (vectorized
-numpy), renamed from llama.cpp names to HF names, and for the "llama" architecture the q/k rows
+The file is parsed once per process (`read_gguf`: metadata, tokenizer arrays and the tensor table;
+tensor data stays memory-mapped). Tensors are dequantized in torch for Q4_0/Q4_1/Q8_0 and with
+`gguf.quants.dequantize` (vectorized numpy) for other types, renamed from llama.cpp names to HF names, and for the "llama" architecture the q/k rows
 are un-permuted. GGUF shapes are listed innermost-first ([576, 49152] in GGUF is a torch
 [49152, 576]); the reader's numpy arrays are already in torch order.
 
@@ -20,8 +21,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,19 +58,186 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+# GGUF metadata value types of fixed width (struct format); 8 is a string, 9 an array.
+_KV_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+              11: "<q", 12: "<d"}  # fmt: skip
+# string arrays kept in full (the tokenizer's); other string arrays are read as their length
+_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+_GGUF_VERSIONS = (2, 3)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its name, torch-order shape, ggml type and raw bytes.
+
+    Attributes:
+        name: the llama.cpp name ("blk.0.attn_q.weight").
+        shape: torch order (outermost first; GGUF lists dims innermost first).
+        tensor_type: the `gguf.GGMLQuantizationType`.
+        data: a read-only numpy view into the mapped file: float values for F32/F16/BF16
+            ([*shape], BF16 as int16 bits), else uint8 blocks [rows, bytes per row].
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: its metadata and tensors (data memory-mapped, not read).
+
+    Attributes:
+        path: the file.
+        fields: metadata key -> value (ints, floats, strings, lists; string arrays other than
+            the tokenizer's tokens and merges are given as their length).
+        tensors: in file order.
+    """
+
+    path: str
+    fields: dict[str, Any]
+    tensors: tuple[GGUFTensor, ...]
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a mapped file; a read past the end raises ValueError
+    naming the file (a truncated download)."""
+
+    def __init__(self, path: str, buf: Any) -> None:
+        self.path, self.buf, self.pos = path, buf, 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ValueError(
+                f"{self.path} is truncated: its header ends at byte {len(self.buf)} "
+                f"(reading offset {self.pos}); download it again"
+            )
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        end = self.pos + length
+        if end > len(self.buf):
+            self.take(f"<{length}s")  # raises the truncation error
+        text = bytes(self.buf[self.pos : end]).decode("utf-8", errors="replace")
+        self.pos = end
+        return text
+
+    def value(self, value_type: int, keep_strings: bool) -> Any:
+        if value_type in _KV_FORMAT:
+            return self.take(_KV_FORMAT[value_type])
+        if value_type == 8:
+            return self.string()
+        if value_type != 9:
+            raise ValueError(f"{self.path}: unknown GGUF metadata value type {value_type}")
+        element_type, count = self.take("<IQ")
+        if element_type in _KV_FORMAT:
+            fmt = _KV_FORMAT[element_type]
+            return list(self.take(f"<{count}{fmt[1]}")) if count else []
+        if element_type == 8 and keep_strings:
+            return [self.string() for _ in range(count)]
+        if element_type == 8:
+            for _ in range(count):
+                self.pos += 8 + self.take("<Q")
+            return count
+        return [self.value(element_type, keep_strings) for _ in range(count)]
+
+
+def _tensor_view(path: str, buf: np.ndarray, start: int, shape: tuple[int, ...], qtype: Any):
+    """The numpy view of one tensor's bytes (see `GGUFTensor.data`). Raises ValueError naming
+    the file when the tensor runs past its end."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    numel = int(np.prod(shape)) if shape else 1
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    nbytes = numel // block_elems * block_bytes
+    if start + nbytes > len(buf):
+        raise ValueError(
+            f"{path} is truncated: a tensor ends at byte {start + nbytes} but the file has "
+            f"{len(buf)} bytes; download it again"
+        )
+    raw = buf[start : start + nbytes]
+    floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    if qtype in floats:
+        return raw.view(floats[qtype]).reshape(shape)
+    if qtype == GGMLQuantizationType.BF16:
+        return raw.view(np.int16).reshape(shape)
+    row_bytes = shape[-1] // block_elems * block_bytes
+    return raw.reshape(-1, row_bytes)
+
+
+def _parse_gguf(path: str) -> GGUFFile:
+    from gguf import GGMLQuantizationType
+
+    if os.path.getsize(path) < 24:
+        raise ValueError(f"{path} is truncated or empty ({os.path.getsize(path)} bytes); not GGUF")
+    buf = np.memmap(path, mode="r", dtype=np.uint8)
+    cur = _Cursor(path, buf)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} does not start with the GGUF magic; not a GGUF file")
+    cur.pos = 4
+    version, num_tensors, num_fields = cur.take("<IQQ")
+    if version not in _GGUF_VERSIONS:
+        raise ValueError(f"{path} is GGUF version {version}; phloem reads versions 2 and 3")
+    fields: dict[str, Any] = {}
+    for _ in range(num_fields):
+        key = cur.string()
+        fields[key] = cur.value(cur.take("<I"), keep_strings=key in _STRING_ARRAYS)
+    infos = []
+    for _ in range(num_tensors):
+        name = cur.string()
+        dims = cur.take(f"<{cur.take('<I')}Q")
+        dims = (dims,) if isinstance(dims, int) else dims
+        qtype, offset = cur.take("<IQ")
+        infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
+    alignment = int(fields.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = tuple(
+        GGUFTensor(name, shape, qtype, _tensor_view(path, buf, data_start + off, shape, qtype))
+        for name, shape, qtype, off in infos
+    )
+    return GGUFFile(path, fields, tensors)
+
+
 @functools.lru_cache(maxsize=2)
-def read_gguf(path: str) -> Any:
-    """A (cached, memory-mapped) `gguf.GGUFReader` for `path`; parsing the header takes ~2 s for
-    a 49k-token vocabulary, so config and weight loading share one reader."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _read_gguf_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return _parse_gguf(path)
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """The value of metadata field `key` (scalar, string or array), or `default` if absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def read_gguf(path: str) -> GGUFFile:
+    """The parsed GGUF file at `path` (metadata, tensor table, memory-mapped data), parsed once
+    per process for a given size and modification time, so config, tokenizer and weight loading
+    share one parse (~0.2 s for a 49k-token vocabulary).
+
+    Raises:
+        ValueError: naming the file, when it is not GGUF, of an unknown version, or truncated
+            (its header or a tensor runs past the end of the file).
+    """
+    stat = os.stat(path)
+    return _read_gguf_cached(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """The value of metadata field `key` (scalar, string or list), or `default` if absent."""
+    return reader.fields.get(key, default)
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The fast tokenizer described by the GGUF file's metadata (vocabulary, merges, special
+    tokens, chat template), built by transformers without loading the model config (which
+    would parse the whole file again)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(
+        os.path.dirname(os.path.abspath(path)),
+        gguf_file=os.path.basename(path),
+        local_files_only=True,
+        trust_remote_code=False,
+    )
 
 
 def hf_config_from_gguf(path: str) -> Any:
@@ -100,7 +270,7 @@ def hf_config_from_gguf(path: str) -> Any:
     head_dim = int(get("attention.key_length", hidden // num_heads))
     vocab = get("vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"])
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1e4))}
     scaling = get("rope.scaling.type", "none")
     if scaling == "linear":
@@ -199,6 +369,9 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
     """
     from gguf.quants import dequantize
 
+    if tensor.tensor_type.name == "BF16":  # int16 bits (see `GGUFTensor.data`)
+        bits = torch.from_numpy(np.array(tensor.data, dtype=np.int16))
+        return bits.view(torch.bfloat16).float()
     fast = _dequantize_torch(tensor.data, tensor.tensor_type.name)
     if fast is not None:
         return fast

@@ -6,6 +6,8 @@ A model is named by `resolve_model(model)`:
     path/to/file.gguf          -> that GGUF file
     path/to/dir                -> an HF checkpoint directory: config.json + *.safetensors + tokenizer
                                   (a directory holding exactly one .gguf and no config.json is GGUF)
+`startup_source` then swaps a GGUF source for its converted HF directory in the checkpoint cache
+(`checkpoint_cache.py`), so only the first start pays for parsing and dequantizing the file.
 Pickled weights (.bin/.pt) are never loaded and `trust_remote_code` is never used.
 """
 
@@ -103,6 +105,37 @@ def resolve_model(model: str | None) -> ModelSource:
     return ModelSource("hf_dir", path)
 
 
+def startup_source(source: ModelSource, model_config: Any) -> ModelSource:
+    """The source the engine loads. For a GGUF file loaded with real weights, unless
+    `model_config.checkpoint_cache` is False: its converted HF directory in the checkpoint cache
+    (under `model_config.cache_dir`; None: `default_cache_dir()`), in the dtype the engine will
+    run, written on first use. Any other source is returned as it is.
+
+    Args:
+        source: from `resolve_model`; model_config: the engine's `ModelConfig`.
+    Raises:
+        ValueError: naming the file, for a truncated or non-GGUF file; OSError if the cache
+            cannot be written.
+    """
+    if source.kind != "gguf" or not model_config.checkpoint_cache:
+        return source
+    if model_config.load_format != "auto":
+        return source
+    from phloem.models.checkpoint_cache import converted_checkpoint
+    from phloem.worker.worker import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(model_config.dtype, resolve_device(model_config.device))
+    path = converted_checkpoint(source.gguf_path, dtype, model_config.cache_dir)
+    return ModelSource("hf_dir", path)
+
+
+def is_converted_checkpoint(source: ModelSource) -> bool:
+    """True for a directory written by the checkpoint cache (it holds the cache's manifest)."""
+    from phloem.models.checkpoint_cache import MANIFEST
+
+    return source.kind == "hf_dir" and os.path.isfile(os.path.join(source.path, MANIFEST))
+
+
 def load_hf_config(source: ModelSource) -> Any:
     """The transformers config of `source`, with `architectures` set.
 
@@ -113,6 +146,10 @@ def load_hf_config(source: ModelSource) -> Any:
         from phloem.models.gguf_loader import hf_config_from_gguf
 
         return hf_config_from_gguf(source.gguf_path)
+    if is_converted_checkpoint(source):
+        from phloem.models.checkpoint_cache import load_cached_config
+
+        return load_cached_config(source.path)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
@@ -122,12 +159,19 @@ def load_hf_config(source: ModelSource) -> Any:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The transformers tokenizer of `source` (from the GGUF metadata for GGUF files)."""
+    """The transformers tokenizer of `source`: from the GGUF metadata for GGUF files, the fast
+    tokenizer (tokenizer.json) for a converted checkpoint, else `AutoTokenizer`."""
+    if source.kind == "gguf":
+        from phloem.models.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source.gguf_path)
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
+    if is_converted_checkpoint(source):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(source.path, **kwargs)
     from transformers import AutoTokenizer
 
-    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
-    if source.kind == "gguf":
-        kwargs["gguf_file"] = source.gguf_file
     return AutoTokenizer.from_pretrained(source.path, **kwargs)
 
 
@@ -150,11 +194,46 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
+def check_safetensors_file(path: str) -> None:
+    """Check that a .safetensors file holds its whole header and every tensor it lists (reads
+    only the header).
+
+    Raises:
+        ValueError: naming the file, when it is shorter than its header says (a truncated
+            download or copy) or its header is not valid JSON.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if header_len < 0 or 8 + header_len > size:
+            raise ValueError(
+                f"{path} is truncated ({size} bytes, shorter than its safetensors header); "
+                "download or copy it again"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            raise ValueError(f"{path} has a corrupt safetensors header (not JSON)") from None
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+    needed = 8 + header_len + max(ends, default=0)
+    if needed > size:
+        raise ValueError(
+            f"{path} is truncated: its tensors need {needed} bytes but the file has {size}; "
+            "download or copy it again"
+        )
+
+
 def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, CPU tensor) for every tensor of the checkpoint directory."""
+    """Yield (HF name, CPU tensor) for every tensor of the checkpoint directory.
+
+    Raises:
+        ValueError: naming the file, for a truncated or corrupt .safetensors file.
+    """
     from safetensors import safe_open
 
     for path in safetensors_files(directory):
+        check_safetensors_file(path)
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)

@@ -21,8 +21,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_num_batched_tokens=64)  # small budget: chunked prefill mixed with decode
+def llm(embedded_llm):
+    return embedded_llm  # the session's engine: max_num_batched_tokens=64 (see conftest)
 
 
 @pytest.fixture(scope="module")

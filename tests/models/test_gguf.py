@@ -81,11 +81,31 @@ _HF_TO_GGUF = {
 _QTYPES = [Q.Q8_0, Q.Q4_1, Q.Q4_0, Q.F16, Q.F32]
 
 
-def write_tiny_gguf(hf: torch.nn.Module, arch: str, path: str) -> None:
+_TOKENIZER_FIELDS = {
+    "tokenizer.ggml.model": "add_tokenizer_model",
+    "tokenizer.ggml.pre": "add_tokenizer_pre",
+    "tokenizer.ggml.tokens": "add_token_list",
+    "tokenizer.ggml.token_type": "add_token_types",
+    "tokenizer.ggml.merges": "add_token_merges",
+    "tokenizer.ggml.bos_token_id": "add_bos_token_id",
+    "tokenizer.ggml.eos_token_id": "add_eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "add_unk_token_id",
+    "tokenizer.ggml.padding_token_id": "add_pad_token_id",
+    "tokenizer.ggml.add_bos_token": "add_add_bos_token",
+    "tokenizer.chat_template": "add_chat_template",
+}
+
+
+def write_tiny_gguf(
+    hf: torch.nn.Module, arch: str, path: str, tokenizer_fields: dict | None = None
+) -> None:
     """Write `hf` as llama.cpp would (permuting q/k for llama), quantizing the 2-D tensors with a
-    mix of types; `hf`'s weights are replaced by their dequantized values so both sides agree."""
+    mix of types; `hf`'s weights are replaced by their dequantized values so both sides agree.
+    `tokenizer_fields`: GGUF tokenizer metadata to include (e.g. the embedded model's)."""
     cfg = hf.config
     writer = GGUFWriter(path, arch)
+    for key, value in (tokenizer_fields or {}).items():
+        getattr(writer, _TOKENIZER_FIELDS[key])(value)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
