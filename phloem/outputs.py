@@ -17,7 +17,8 @@ class CompletionOutput:
         logprobs: per generated token, {token_id: logprob} of the top-k plus the sampled token,
             when `SamplingParams.logprobs` was set; else None.
         finish_reason: "stop" (EOS, stop string or stop token), "length" (max_tokens or the
-            context), "abort", or None while running.
+            context), "abort", "error" (the request failed in the engine; see
+            `RequestOutput.error`), or None while running.
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
     """
 
@@ -53,7 +54,13 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt: its n completions and their bookkeeping."""
+    """The result of one prompt: its n completions and their bookkeeping.
+
+    `error` is None unless the request failed alone in the engine (an exception while setting
+    it up, sampling, detokenizing or applying its stop rules, or non-finite logits): then it
+    holds the reason, `finished` is True and its unfinished completions have finish_reason
+    "error" (their text and tokens are what was generated before the failure).
+    """
 
     request_id: str
     prompt: str | None
@@ -64,6 +71,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_computed_prompt_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def tpot(self) -> float | None:

@@ -3,6 +3,16 @@
 A frozen-after-validation dataclass with no I/O; `validate()` raises `ValueError` naming the field
 and the limit. The sampler (`phloem.layers.sampler`) and the stop rules (`phloem.core.stop_checker`)
 read it; nothing else interprets these fields.
+
+Limits that follow from what the engine can do are checked here, so a request that passes
+`validate()` cannot fail inside a step for its values: integers fit int64 (the engine's tensors),
+floats are finite as float64, `n` is at most `MAX_N`, and seeds lie in `[SEED_MIN, SEED_MAX]`.
+Limits that depend on the model (stop_token_ids within the vocabulary) are checked when the
+engine admits the request (`LLMEngine.validate_params`).
+
+Seeds: any integer in [-2^63, 2^64) (the union of int64 and uint64) is accepted and taken modulo
+2^64 (`generator_seed`): -1 and 2^64 - 1 seed the same generator, as `torch.Generator` does. The
+i-th of n sequences uses `(seed + i) mod 2^64`, so seed + i never leaves the range.
 """
 
 from __future__ import annotations
@@ -12,6 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "seed")
+_OPTIONAL_FIELDS = ("max_tokens", "logprobs", "seed")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens")
+INT64_MAX = 2**63 - 1
+SEED_MIN = -(2**63)  # the smallest seed accepted (int64's minimum)
+SEED_MAX = 2**64 - 1  # the largest seed accepted (uint64's maximum)
+MAX_N = 4096  # most sequences per request: each is a scheduler request with its own state
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -27,16 +43,19 @@ class SamplingParams:
     """How to pick the tokens of one request.
 
     Fields (units in brackets):
-        n: number of completions for the prompt [sequences]; they share the prompt's KV blocks.
+        n: number of completions for the prompt, 1..MAX_N [sequences]; they share the prompt's
+            KV blocks.
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 (or 0) disables it.
         min_p: drop tokens whose probability is below min_p x the top probability; 0 disables.
-        seed: per-request random seed; the same seed gives the same tokens whatever the batch.
+        seed: per-request random seed in [-2^63, 2^64), taken modulo 2^64; the same seed gives
+            the same tokens whatever the batch. Sequence i of n uses seed + i (modulo 2^64).
         max_tokens: most tokens to generate [tokens]; None means up to the context length.
         min_tokens: EOS and stop_token_ids are banned until this many tokens exist [tokens].
-        stop: strings that end generation; they are never included in the output text.
-        stop_token_ids: token ids that end generation (kept in token_ids, not in text).
+        stop: a string or a list of strings that end generation; never included in the text.
+        stop_token_ids: token ids that end generation (kept in token_ids, not in text); the
+            engine checks them against the model's vocabulary when it admits the request.
         ignore_eos: keep generating past the EOS token.
         logprobs: number of top log-probabilities to return per sampled token (None = none).
         presence_penalty, frequency_penalty: OpenAI-style additive penalties in [-2, 2].
@@ -44,7 +63,8 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing.
 
     Raises:
-        ValueError: from `validate()` (called by the constructor), naming the bad field.
+        ValueError: from `validate()` (called by the constructor), naming the bad field and its
+            limit; wrong types (a string for a bool, a float for an int, ...) included.
     """
 
     n: int = 1
@@ -68,8 +88,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
+        for name in _FLOAT_FIELDS:  # ints become floats here (a huge int has no float value)
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                try:
+                    setattr(self, name, float(value))
+                except OverflowError:
+                    raise ValueError(f"{name} must be finite, got {value!r}") from None
         self.validate()
         self._frozen = True
 
@@ -91,22 +130,39 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
+    def generator_seed(self, index: int = 0) -> int | None:
+        """The seed of sequence `index`'s generator: (seed + index) mod 2^64, in [0, 2^64)
+        (what `torch.Generator.manual_seed` takes); None when the request has no seed."""
+        if self.seed is None:
+            return None
+        return (self.seed + index) % 2**64
+
     def validate(self) -> None:
         """Check types and ranges. Raises ValueError naming the field and its limit."""
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if value is None and name in ("max_tokens", "logprobs", "seed"):
+            if value is None and name in _OPTIONAL_FIELDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+            if name != "seed" and not -INT64_MAX <= value <= INT64_MAX:
+                raise ValueError(f"{name} must be at most {INT64_MAX} in magnitude, got {value}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(
+                f"seed must be in [-2^63, 2^64 - 1] = [{SEED_MIN}, {SEED_MAX}], got {self.seed}"
+            )
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {value!r}")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"{name} must be finite, got {value!r}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -135,14 +191,12 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):  # type: ignore[union-attr]
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
             for t in self.stop_token_ids  # type: ignore[union-attr]
         ):
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with `changes` applied (e.g. a per-child seed for n > 1)."""
@@ -153,6 +207,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a JSON-like dict; unknown keys raise ValueError naming the key."""
+        if not isinstance(values, dict):
+            raise ValueError(f"sampling fields must be a dict, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         for key in values:
             if key not in known:

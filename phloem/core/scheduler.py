@@ -19,6 +19,10 @@ sampled token as pending (`Request.num_pending_tokens`) until the update appends
 A request whose pending tokens already reach its `max_tokens` (or the context) is not scheduled
 again; one that stops on a sampled token (EOS, stop ids) gets one wasted token in the step
 after, which its update skips.
+
+Failure isolation: an exception while admitting one waiting request, or while applying the stop
+rules to one request's new token, fails that request alone (FINISHED_ERROR, its blocks freed,
+the message in `failed_requests` for the engine to report); the step goes on for the others.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0  # since start, all requests
+        # request id -> error message of requests failed alone since the engine last took them
+        self.failed_requests: dict[str, str] = {}
 
     # -- queue management -------------------------------------------------------------------
 
@@ -225,31 +231,51 @@ class Scheduler:
         reserved = self._reserved_blocks() if self.config.memory_centric_admission else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            admissible = self._held_prefix_admissible(request, budget, reserved)
-            if admissible is False:
-                self.waiting.appendleft(request)  # not attached: nothing to undo
-                break
-            if not self._attach_prefix(request):
-                skipped.append(request)  # its shared prefix is being computed: wait for it
+            try:
+                admitted = self._admit(output, request, budget, reserved, skipped)
+            except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+                self.fail_request(request, e)
                 continue
-            num_computed = request.num_computed_tokens
-            if admissible is None:
-                admissible = self._admissible(request, budget, reserved, num_computed)
-            num_new = min(request.num_tokens - num_computed, budget)
-            if not admissible or not self.kv.allocate_slots(request, num_new):
-                self._detach(request)
-                self.waiting.appendleft(request)
+            if admitted is None:
                 break
-            if self.config.memory_centric_admission:
-                reserved += self._blocks_to_finish(request)
-            if request.shared_prefix is not None and request.shared_prefix.block_ids is None:
-                request.shared_prefix.leader = request
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add(output, request, num_new)
-            budget -= num_new
+            budget, reserved = admitted
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    def _admit(
+        self,
+        output: SchedulerOutput,
+        request: Request,
+        budget: int,
+        reserved: int,
+        skipped: list[Request],
+    ) -> tuple[int, int] | None:
+        """Admit one request taken from the head of the queue, if it fits: returns the budget
+        and reserved blocks left, or None (the request is back at the head) to stop admitting.
+        A request waiting for its group's prefix goes to `skipped`."""
+        admissible = self._held_prefix_admissible(request, budget, reserved)
+        if admissible is False:
+            self.waiting.appendleft(request)  # not attached: nothing to undo
+            return None
+        if not self._attach_prefix(request):
+            skipped.append(request)  # its shared prefix is being computed: wait for it
+            return budget, reserved
+        num_computed = request.num_computed_tokens
+        if admissible is None:
+            admissible = self._admissible(request, budget, reserved, num_computed)
+        num_new = min(request.num_tokens - num_computed, budget)
+        if not admissible or not self.kv.allocate_slots(request, num_new):
+            self._detach(request)
+            self.waiting.appendleft(request)
+            return None
+        if self.config.memory_centric_admission:
+            reserved += self._blocks_to_finish(request)
+        if request.shared_prefix is not None and request.shared_prefix.block_ids is None:
+            request.shared_prefix.leader = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._add(output, request, num_new)
+        return budget - num_new, reserved
 
     def _admissible(
         self,
@@ -447,7 +473,11 @@ class Scheduler:
             if not scheduled.sample:
                 continue
             request.append_output_token(sampled_token_ids[request.request_id])
-            status = check_stop(request, max_model_len)
+            try:
+                status = check_stop(request, max_model_len)
+            except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+                self.fail_request(request, e)
+                continue
             if status is not None:
                 self._finish(request, status)
             updated.append(request)
@@ -460,8 +490,21 @@ class Scheduler:
         if not request.is_finished:
             request.stop_reason = stop_reason
             self._finish(request, status)
-        elif request.status is not RequestStatus.FINISHED_ABORTED:
+        elif request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             request.status, request.stop_reason = status, stop_reason
+
+    def fail_request(self, request: Request, error: BaseException | str) -> None:
+        """Finish one request as FINISHED_ERROR (freeing its blocks) and record why in
+        `failed_requests`, for a fault of its own: the rest of the step goes on. A request that
+        already finished keeps its blocks freed and takes the error status."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.failed_requests.setdefault(request.request_id, message)
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_ERROR
+            return
+        if request.status is RequestStatus.RUNNING and request not in self.running:
+            request.status = RequestStatus.WAITING  # failed between its status and the list
+        self._finish(request, RequestStatus.FINISHED_ERROR)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -13,11 +13,14 @@ owns the boundary between them:
   slow client costs no memory and loses nothing.
 - A request whose consumer goes away (client disconnect, task cancelled) is aborted: its KV
   blocks return to the pool before the next step; a request still waiting never runs.
-- Non-finite logits in one request's row fail that request only (`RequestFailedError`); the row
-  is replaced before sampling so the batch goes on.
-- An exception out of `step()` kills the loop: every stream and every later call gets
-  `EngineDeadError`, `is_dead` turns True and `on_death` is called (the server then exits
-  non-zero).
+- A request that fails alone fails its stream only (`RequestFailedError`, counted once in
+  `phloem:request_failed_total`): non-finite logits in its row (the row is replaced before
+  sampling so the batch goes on), or an exception in its own admission, sampling setup,
+  detokenization or stop rules (`LLMEngine` turns those into an output with `error` set), or
+  an exception while the engine queues it.
+- An exception out of `step()` (a fault of the whole step: the forward pass, the device) kills
+  the loop: every stream and every later call gets `EngineDeadError`, `is_dead` turns True and
+  `on_death` is called (the server then exits non-zero).
 - Test-only fault injection (`fault_injection=True`): a request submitted with
   `fault="nan"` gets NaN logits; `fault="die"` makes the engine loop raise when it is scheduled.
 """
@@ -38,6 +41,7 @@ from phloem.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 FAULTS = ("nan", "die")
+NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 class EngineDeadError(RuntimeError):
@@ -66,8 +70,8 @@ class _GuardedExecutor:
     wrapped sampler maps its row i to that request. Rows with a NaN/inf logit are replaced by
     zeros on the device (so the sampler does not fail the whole batch); which rows those were is
     copied to the host behind the step's own tokens, so the check adds no device sync (async
-    scheduling keeps its overlap), and their request ids are recorded in `failed` when the step
-    is collected, for the engine loop to fail after the step.
+    scheduling keeps its overlap), and their request ids are added to the collected output's
+    `failed`, for the engine to fail them alone after the step.
     """
 
     def __init__(self, inner, faults: dict[str, str]) -> None:
@@ -75,7 +79,6 @@ class _GuardedExecutor:
         self.num_blocks = inner.num_blocks
         self.faults = faults  # seq/prompt id -> fault name (engine thread only)
         self.scheduled_ids: set[str] = set()  # sequences that have been scheduled at least once
-        self.failed: set[str] = set()
         self.num_preemptions = 0
         self._rows: list[str] = []
         self._checks: dict[int, tuple[list[str], object]] = {}  # id(launched) -> rows, finite
@@ -122,7 +125,7 @@ class _GuardedExecutor:
             rows, finite = check
             for i, ok in enumerate(finite.tolist()):
                 if not ok and i < len(rows):
-                    self.failed.add(rows[i])
+                    out.failed.setdefault(rows[i], NON_FINITE_MESSAGE)
         return out
 
     def _check_logits(self, logits):
@@ -226,8 +229,10 @@ class AsyncLLMEngine:
     # -- the event-loop side ---------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """Raise ValueError when the prompt cannot run (empty, out-of-vocab ids, too long)."""
+        """Raise ValueError when the prompt cannot run (empty, out-of-vocab ids, too long) or
+        the sampling parameters exceed what the model can do (`LLMEngine.validate_params`)."""
         self.engine.validate_prompt(prompt_token_ids)
+        self.engine.validate_params(sampling_params)
 
     async def generate(
         self,
@@ -246,7 +251,8 @@ class AsyncLLMEngine:
         Raises:
             ValueError: the prompt cannot run (raised before anything is queued, or by the
                 engine when it rejects the request).
-            RequestFailedError: the request failed in the engine (non-finite logits).
+            RequestFailedError: the request failed alone in the engine (non-finite logits, or
+                an exception in its own setup, sampling, detokenization or stop rules).
             EngineDeadError: the engine loop is dead or died meanwhile.
             asyncio.CancelledError: `abort(request_id)` was called.
         """
@@ -280,15 +286,24 @@ class AsyncLLMEngine:
                 self._submit(("abort", request_id))
             self._streams.pop(request_id, None)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request from the event loop; its `generate` raises CancelledError."""
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort a request from the event loop; its `generate` raises `error` (default
+        CancelledError)."""
         stream = self._streams.get(request_id)
         if stream is None or stream.finished:
             return
         stream.finished = True
-        stream.error = asyncio.CancelledError(f"request {request_id} aborted")
+        stream.error = error or asyncio.CancelledError(f"request {request_id} aborted")
         stream.event.set()
         self._submit(("abort", request_id))
+
+    def abort_all(self, error: BaseException) -> int:
+        """Abort every unfinished request from the event loop, each `generate` raising
+        `error` (a server ending what is left at its shutdown timeout); returns how many."""
+        request_ids = [rid for rid, stream in self._streams.items() if not stream.finished]
+        for request_id in request_ids:
+            self.abort(request_id, error)
+        return len(request_ids)
 
     def _submit(self, command: tuple) -> None:
         self._commands.append(command)
@@ -338,8 +353,8 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 outputs = engine.step()
-                errors.update(self._fail_bad_rows())
-                outputs = [o for o in outputs if o.request_id not in errors]
+                errors.update(self._failed(outputs))
+                outputs = [o for o in outputs if o.error is None]
                 self._record(outputs)
                 self._post(self._dispatch, outputs, errors)
         except BaseException as e:  # noqa: BLE001 - any escape is engine death
@@ -371,6 +386,15 @@ class AsyncLLMEngine:
                     self._faults.pop(request_id, None)
                     errors[request_id] = e
                     continue
+                except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+                    logger.exception("request %s could not be queued", request_id)
+                    self._faults.pop(request_id, None)
+                    errors[request_id] = RequestFailedError(
+                        f"the request could not be queued: {type(e).__name__}: {e}"
+                    )
+                    if self.metrics is not None:
+                        self.metrics.on_request_failed()
+                    continue
                 self._num_output_tokens[request_id] = 0
                 if self.metrics is not None:
                     self.metrics.on_request_added(len(ids))
@@ -398,20 +422,15 @@ class AsyncLLMEngine:
             [s for s in self._executor.scheduled_ids if s.split("#", 1)[0] == request_id]
         )
 
-    def _fail_bad_rows(self) -> dict[str, BaseException]:
-        failed = self._executor.failed
-        if not failed:
-            return {}
-        request_ids = {seq_id.split("#", 1)[0] for seq_id in failed}
-        failed.clear()
+    def _failed(self, outputs: list[RequestOutput]) -> dict[str, BaseException]:
+        """The step's failed requests (outputs with `error`; the engine reports each once) as
+        stream errors; counts each in the metrics once and forgets it."""
         errors: dict[str, BaseException] = {}
-        for request_id in request_ids:
-            logger.error("request %s failed: non-finite logits", request_id)
-            self.engine.abort_request([request_id])
-            self._forget(request_id)
-            errors[request_id] = RequestFailedError(
-                "the model produced non-finite logits (NaN or inf) for this request"
-            )
+        for output in outputs:
+            if output.error is None:
+                continue
+            errors[output.request_id] = RequestFailedError(output.error)
+            self._forget(output.request_id)
             if self.metrics is not None:
                 self.metrics.on_request_failed()
         return errors

@@ -4,6 +4,15 @@ The engine owns the scheduler (pure Python), the executor (tensors) and, per req
 detokenizer that applies stop strings. A prompt with n > 1 becomes n sequences; children 1..n-1
 share the prompt's full blocks (a `SharedPrefix`), and so do the members of a prefix group that
 the offline planner found (`add_request(..., shared_prefix=...)`).
+
+Failure isolation: an exception that belongs to one request fails that request alone, and the
+step goes on for the others. The scheduler fails a request whose admission or stop rules raise,
+the executor reports per-request failures in `ModelRunnerOutput.failed` (its sampling setup
+raised, or its logits were non-finite under the async engine's guard), and the engine fails a
+sequence whose detokenization or log-probs raise. A failed prompt (all its sequences) finishes
+at the end of the step with `RequestOutput.error` set and finish_reason "error". Only an
+exception outside any one request's work (the forward pass, the batched sampler, the device)
+leaves `step()`; `abort_all()` then resets the engine for later requests.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class _Prompt:
     metrics: RequestMetrics
     finished: bool = False
     extra: dict = field(default_factory=dict)
+    error: str | None = None  # why the request failed, if it did
 
     def to_output(self) -> RequestOutput:
         outputs = []
@@ -73,6 +83,7 @@ class _Prompt:
             num_cached_tokens=sum(s.request.num_cached_tokens for s in self.sequences),
             metrics=self.metrics,
             extra=self.extra,
+            error=self.error,
         )
 
 
@@ -167,15 +178,20 @@ class LLMEngine:
         full blocks instead (the group is ignored). `validated`: the caller already ran
         `validate_prompt` on these ids (skips a second pass over them).
 
+        Sequence i of n > 1 is seeded with `sampling_params.generator_seed(i)` ((seed + i) mod
+        2^64). Nothing is queued when this raises.
+
         Raises:
             ValueError: if the prompt is empty, holds ids outside the vocabulary, or does not
-                leave room for one generated token within `max_model_len`.
+                leave room for one generated token within `max_model_len`; or if the sampling
+                parameters exceed what this model can do (`validate_params`).
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._prompts:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not validated:
             self.validate_prompt(prompt_token_ids)
+        self.validate_params(sampling_params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         entry = _Prompt(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
         n = sampling_params.n
@@ -190,7 +206,7 @@ class LLMEngine:
         for index in range(n):
             params = sampling_params
             if sampling_params.n > 1 and sampling_params.seed is not None:
-                params = sampling_params.clone(seed=sampling_params.seed + index)
+                params = sampling_params.clone(seed=sampling_params.generator_seed(index))
             seq_id = request_id if sampling_params.n == 1 else f"{request_id}#{index}"
             request = Request(
                 seq_id,
@@ -211,9 +227,16 @@ class LLMEngine:
             if params.logprobs is not None:
                 seq.cumulative_logprob, seq.logprobs = 0.0, []
             entry.sequences.append(seq)
+        added: list[str] = []
+        try:
+            for seq in entry.sequences:
+                self.scheduler.add_request(seq.request)
+                added.append(seq.request.request_id)
+        except BaseException:
+            self.scheduler.abort_requests(added)
+            raise
         self._prompts[request_id] = entry
         for seq in entry.sequences:
-            self.scheduler.add_request(seq.request)
             self._sequences[seq.request.request_id] = seq
         return request_id
 
@@ -232,6 +255,26 @@ class LLMEngine:
             raise ValueError(
                 f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
             )
+
+    def validate_params(self, sampling_params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit when sampling parameters that passed
+        `SamplingParams.validate()` exceed what this model can do (stop_token_ids outside the
+        vocabulary)."""
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in sampling_params.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+
+    def abort_all(self) -> None:
+        """Abort every unfinished prompt and forget the step in flight (async scheduling).
+
+        For after an exception out of `step()`, whose state is unknown: frees the KV blocks of
+        every request, so the engine serves later requests from a clean queue."""
+        self._in_flight = None
+        self.abort_request(list(self._prompts))
+        self.scheduler.failed_requests.clear()
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Stop these prompts now and free their KV blocks."""
@@ -268,15 +311,19 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(
                 scheduler_output, runner_output.sampled_token_ids
             )
-            return self._process_outputs(scheduler_output, updated, runner_output)
-        outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
-            outputs = self._finish_in_flight()  # penalties read the tokens of the step before
-        launched = self.executor.launch(scheduler_output)
-        if self._in_flight is not None:
-            outputs = self._finish_in_flight()
-        # an empty step has nothing to update; a step without samples still does (prefix holds)
-        self._in_flight = None if scheduler_output.is_empty else (scheduler_output, launched)
+            outputs = self._process_outputs(scheduler_output, updated, runner_output)
+        else:
+            outputs = []
+            if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
+                outputs = self._finish_in_flight()  # penalties read the step before's tokens
+            launched = self.executor.launch(scheduler_output)
+            if self._in_flight is not None:
+                outputs = self._finish_in_flight()
+            # an empty step has nothing to update; a step without samples still does (prefix
+            # holds)
+            self._in_flight = None if scheduler_output.is_empty else (scheduler_output, launched)
+        if self.scheduler.failed_requests:  # requests that failed alone in this step
+            outputs += self._fail_prompts()
         return outputs
 
     def _finish_in_flight(self) -> list[RequestOutput]:
@@ -304,18 +351,36 @@ class LLMEngine:
         now = time.monotonic()
         self._count_prompt_tokens(sched)
         sequences, prompts = self._sequences, self._prompts
+        scheduler = self.scheduler
+        for seq_id, message in runner_output.failed.items():
+            if seq_id in sequences:
+                scheduler.fail_request(sequences[seq_id].request, message)
+        failed_prompts: set[str] = set()  # prompts failed this step: reported by step()
+        if scheduler.failed_requests:
+            failed_prompts.update(
+                sequences[s].prompt_id for s in scheduler.failed_requests if s in sequences
+            )
         touched: dict[str, _Prompt] = {}
         maybe_done: set[str] = set()  # prompts with a sequence that finished this step
         for request in updated:
             seq = sequences[request.request_id]
+            if failed_prompts and seq.prompt_id in failed_prompts:
+                continue
             entry = prompts[seq.prompt_id]
             token_id = request.output_token_ids[-1]
-            if seq.logprobs is not None or seq.cumulative_logprob is not None:
-                self._record_logprobs(seq, runner_output, token_id)
-            stop = seq.detokenizer.add_token(token_id)
             finished = request.is_finished
-            if stop is None and finished:
-                stop = seq.detokenizer.flush()
+            try:
+                if seq.logprobs is not None or seq.cumulative_logprob is not None:
+                    self._record_logprobs(seq, runner_output, token_id)
+                stop = seq.detokenizer.add_token(token_id)
+                if stop is None and finished:
+                    stop = seq.detokenizer.flush()
+            except Exception as e:  # noqa: BLE001 - this sequence's fault: its prompt fails alone
+                logger.exception("request %s: detokenizing failed", entry.request_id)
+                scheduler.fail_request(request, e)
+                failed_prompts.add(entry.request_id)
+                touched.pop(entry.request_id, None)
+                continue
             if stop is not None:  # wins over a length or EOS finish in this same update
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
                 finished = True
@@ -327,6 +392,8 @@ class LLMEngine:
                 maybe_done.add(entry.request_id)
         outputs = []
         for entry in touched.values():
+            if failed_prompts and entry.request_id in failed_prompts:
+                continue
             if entry.request_id in maybe_done and all(
                 s.request.is_finished for s in entry.sequences
             ):
@@ -337,6 +404,36 @@ class LLMEngine:
                     sequences.pop(seq.request.request_id, None)
             if entry.finished or self.stream_outputs:
                 outputs.append(entry.to_output())
+        return outputs
+
+    def _fail_prompts(self) -> list[RequestOutput]:
+        """Finish the prompts of the sequences in `scheduler.failed_requests` (and clear it):
+        every unfinished sibling of a failed sequence finishes with it (FINISHED_ERROR, blocks
+        freed); returns one final output per prompt, `error` holding the first reason. Ids of
+        prompts already gone (finished, aborted, failed in an earlier step) are ignored."""
+        failures = self.scheduler.failed_requests
+        self.scheduler.failed_requests = {}
+        now = time.monotonic()
+        entries: dict[str, _Prompt] = {}
+        for seq_id, message in failures.items():
+            seq = self._sequences.get(seq_id)
+            entry = self._prompts.get(seq.prompt_id) if seq is not None else None
+            if entry is None:
+                continue
+            if entry.error is None:
+                entry.error = message
+                logger.error("request %s failed: %s", entry.request_id, message)
+            entries[entry.request_id] = entry
+        outputs = []
+        for entry in entries.values():
+            for seq in entry.sequences:
+                if not seq.request.is_finished:
+                    self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ERROR)
+                self._sequences.pop(seq.request.request_id, None)
+            entry.finished = True
+            entry.metrics.finished_time = now
+            del self._prompts[entry.request_id]
+            outputs.append(entry.to_output())
         return outputs
 
     def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:

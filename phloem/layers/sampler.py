@@ -38,6 +38,12 @@ from phloem.sampling_params import SamplingParams
 _GREEDY_TEMPERATURE = 1e-5
 
 
+def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A `torch.Generator` on `device` seeded with `seed` modulo 2^64 (any int is reduced into
+    the range `manual_seed` takes, so no seed overflows; see `SamplingParams.generator_seed`)."""
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
+
+
 def _device_tensor(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype, device=device)` staged through pinned memory, so that
     building it never waits for the device (async scheduling launches the next step's sampling
@@ -239,8 +245,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.generator = seeded_generator(seed, self.device)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row.

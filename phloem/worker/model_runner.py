@@ -5,6 +5,10 @@ tables and the positions whose logits are sampled. The model sees packed tokens 
 and reads its attention metadata from the forward context. Each step calls the backend's
 `begin_step` once (planning backends such as FlashInfer); decode-only steps replay a captured
 CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
+
+A request whose own sampling setup raises (its generator, its row) fails alone: its row is
+sampled greedily so the batch goes on, and its id lands in `ModelRunnerOutput.failed` for the
+engine to fail it (see `phloem.engine.llm_engine`).
 """
 
 from __future__ import annotations
@@ -19,21 +23,27 @@ from torch import nn
 
 from phloem.core.scheduler import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
-from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow
+from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow, seeded_generator
 from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
+from phloem.sampling_params import SamplingParams
 from phloem.worker.cuda_graph import CUDAGraphRunner, sync_free_kv_writes
+
+# the row sampled for a request whose own row failed: greedy, so it draws no randomness
+_PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
 
 
 @dataclass
 class ModelRunnerOutput:
     """Per sampled request (by id): the new token, its log-prob under the model's raw
-    distribution, and the top-k log-probs when the request asked for them."""
+    distribution, and the top-k log-probs when the request asked for them; `failed` maps the
+    requests that failed alone this step to the reason (their token is a placeholder)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float | None] = field(default_factory=dict)
     top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,6 +52,7 @@ class LaunchedStep:
 
     request_ids: list[str]  # the sampled requests, in row order
     sampled: SampledTokens
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed
 
 
 def shared_prefix_len(s) -> int:
@@ -301,10 +312,11 @@ class ModelRunner:
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
         requests = [sched.scheduled[i].request for i in sampled]
-        handle = self.sampler.launch(logits, [self._sampling_row(r) for r in requests])
+        rows, failed = self._sampling_rows(requests)
+        handle = self.sampler.launch(logits, rows)
         request_ids = [r.request_id for r in requests]
         self._last_sampled = (handle.tokens, {rid: k for k, rid in enumerate(request_ids)})
-        return LaunchedStep(request_ids, handle)
+        return LaunchedStep(request_ids, handle, failed)
 
     @staticmethod
     def collect(launched: LaunchedStep | None) -> ModelRunnerOutput:
@@ -313,6 +325,7 @@ class ModelRunner:
         if launched is None:
             return out
         result = launched.sampled.result()
+        out.failed = launched.failed
         for k, request_id in enumerate(launched.request_ids):
             out.sampled_token_ids[request_id] = result.token_ids[k]
             out.logprobs[request_id] = result.logprobs[k]
@@ -423,6 +436,22 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         torch.log_softmax(logits.float(), dim=-1).argmax(dim=-1)
 
+    def _sampling_rows(self, requests: list) -> tuple[list[SamplingRow], dict[str, str]]:
+        """The sampling rows of a step's sampled requests, and {request id: reason} for those
+        whose row could not be built: they get a greedy placeholder row (the batch goes on)
+        and are failed by the engine after the step."""
+        rows: list[SamplingRow] = []
+        failed: dict[str, str] = {}
+        for request in requests:
+            try:
+                rows.append(self._sampling_row(request))
+            except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+                failed[request.request_id] = f"sampling setup failed: {type(e).__name__}: {e}"
+                rows.append(
+                    SamplingRow(_PLACEHOLDER_PARAMS, request.prompt_token_ids, [], generator=None)
+                )
+        return rows, failed
+
     def _sampling_row(self, request) -> SamplingRow:
         cached = self._rows.get(request.request_id)
         if cached is not None and cached[0] is request:
@@ -432,7 +461,7 @@ class ModelRunner:
         if params.seed is not None and not params.greedy:
             generator = self._generators.get(request.request_id)
             if generator is None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                generator = seeded_generator(params.generator_seed(), self.device)
                 self._generators[request.request_id] = generator
         banned: list[int] = []
         # outputs before this sample: appended ones plus those pending from earlier steps (the

@@ -93,7 +93,9 @@ def test_sampling_params_count_checked_after_prompts(llm, gc_state):
 
 
 def test_chat_errors_name_the_conversation(llm, gc_state):
-    with pytest.raises(ValueError, match=r"^conversations\[1\]: messages must be a list of"):
+    with pytest.raises(
+        ValueError, match=r"^conversations\[1\]: messages\[0\]\.content is required"
+    ):
         llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}]], PARAMS)
 
 

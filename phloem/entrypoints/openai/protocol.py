@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from phloem.chat_messages import (
+    CHAT_ROLES,
+    CONTENT_OPTIONAL_ROLES,
+    CONTENT_PART_TYPES,
+    content_text,
+)
 from phloem.sampling_params import SamplingParams
 
 MAX_ERROR_MESSAGE_CHARS = 500
@@ -64,7 +70,8 @@ def bound(message: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and Infinity (which Python's JSON parser accepts) are refused as the field's 400
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -159,21 +166,31 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextContentPart(_Strict):
-    type: Literal["text"]
+    """One content part; its accepted types are `phloem.chat_messages.CONTENT_PART_TYPES`."""
+
+    type: Literal[CONTENT_PART_TYPES]  # type: ignore[valid-type]
     text: str
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """One chat message, as `phloem.chat_messages` defines it for every entry point (the same
+    roles and content parts as `LLM.chat` and `phloem generate` accept)."""
+
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and self.role not in CONTENT_OPTIONAL_ROLES:
+            raise ValueError(f"content is required for role {self.role!r}")
+        return self
+
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        """The content as one string (`chat_messages.content_text`: parts joined, None -> "")."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return content_text(self.content)
 
 
 class ResponseFormat(_Strict):
