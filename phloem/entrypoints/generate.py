@@ -7,24 +7,27 @@ Crash-safe and resumable: each finished line is appended and flushed to `<output
 (`phloem.entrypoints.resumable.ResultLog`) as it finishes; the ordered output file is written
 from those records at the end (atomically) and the partial file removed. Rerunning the same
 command after a crash (even `kill -9` mid-write) drops a torn last record, skips the lines
-already done and runs the rest. The partial file starts with a fingerprint of the input lines
-and sampling defaults; a partial file of another job is discarded.
+already done and runs the rest. Before the model loads, the job checks its paths, locks its
+output and compares its fingerprint (every option that changes outputs, and each input line) with
+the one saved beside the output (`<output>.job.json`): a mismatching rerun refuses, naming what
+changed, or with `--recompute-changed` recomputes the changed lines (see `job_guard`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from phloem.engine.gc_control import gc_frozen, gc_paused
+from phloem.entrypoints.jsonl_input import clean, loads, read_lines, text_problem, value_problem
 from phloem.sampling_params import SamplingParams
 
 _LINE_KEYS = {"id", "prompt", "messages"}
@@ -47,20 +50,28 @@ def parse_line(llm, raw: str, line_number: int, defaults: dict[str, Any]) -> Par
 
     Accepted: {"id"?: str, "prompt": str} or {"id"?: str, "messages": [...]}, plus any
     SamplingParams field (max_tokens, temperature, ...) overriding the job's defaults.
+    `line_number` is the line's physical number in the file (the default id). `raw` is the
+    line as `jsonl_input.read_lines` returns it: undecodable bytes fail the line, naming the
+    byte, with its id kept when the rest of the line parses.
     """
     line_id = str(line_number)
+    byte_problem = text_problem(raw)
     try:
-        record = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ParsedLine(
-            line_id, error=f"line {line_number}: invalid JSON: {e.msg} (column {e.colno})"
-        )
+        record = loads(raw)
+    except ValueError as e:
+        return ParsedLine(line_id, error=clean(f"line {line_number}: {byte_problem or e}"))
     if not isinstance(record, dict):
         return ParsedLine(line_id, error=f"line {line_number}: expected a JSON object")
     if "id" in record:
         if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
             return ParsedLine(line_id, error="field 'id' must be a string")
-        line_id = str(record["id"])
+        try:
+            line_id = clean(str(record["id"]))
+        except ValueError:  # an int beyond the conversion limit
+            return ParsedLine(line_id, error="field 'id' must be a string")
+    problem = byte_problem or value_problem(record)
+    if problem is not None:
+        return ParsedLine(line_id, error=f"line {line_number}: {problem}")
     try:
         has_prompt, has_messages = "prompt" in record, "messages" in record
         if has_prompt == has_messages:
@@ -74,15 +85,19 @@ def parse_line(llm, raw: str, line_number: int, defaults: dict[str, Any]) -> Par
         overrides = {k: v for k, v in record.items() if k not in _LINE_KEYS}
         params = SamplingParams.from_dict({**defaults, **overrides})
         llm.llm_engine.validate_prompt(ids)
+        llm.llm_engine.validate_params(params)
     except ValueError as e:
-        return ParsedLine(line_id, error=str(e))
+        return ParsedLine(line_id, error=clean(str(e)))
     except Exception as e:  # a tokenizer or template failure is this line's problem only
-        return ParsedLine(line_id, error=f"{type(e).__name__}: {e}")
+        return ParsedLine(line_id, error=clean(f"{type(e).__name__}: {e}"))
     return ParsedLine(line_id, text, ids, params)
 
 
 def output_record(parsed: ParsedLine, output) -> dict[str, Any]:
-    """The output line of a finished request (a list under "outputs" when n > 1)."""
+    """The output line of a finished request (a list under "outputs" when n > 1); a request
+    that failed in the engine gets {"id", "error"} like a bad line."""
+    if output.error is not None:
+        return {"id": parsed.id, "error": output.error}
     completions = [
         {
             "text": c.text,
@@ -100,25 +115,82 @@ def output_record(parsed: ParsedLine, output) -> dict[str, Any]:
     return record
 
 
-def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any], use_tqdm=True):
-    """Run the job; returns the summary dict (see `phloem.engine.metrics.summarize`)."""
+@dataclass
+class GenerateJob:
+    """A job opened before the model loads (`open_generate_job`): its input lines, the partial
+    log and the records it already holds ({line number: {"line", "record"}})."""
+
+    lines: list[tuple[int, str]]
+    log: Any  # ResultLog
+    done: dict[int, dict]
+    progress: Any  # JobProgress
+
+
+@contextlib.contextmanager
+def open_generate_job(
+    input_path: str, output_path: str, options: dict[str, Any], recompute_changed: bool = False
+) -> Iterator[GenerateJob]:
+    """Lock the output, check the saved results against this job's fingerprint (`options` and
+    the input lines; see `phloem.entrypoints.job_guard`) and open `<output>.partial`.
+
+    Raises:
+        JobError: the output is locked by another job, or saved results belong to another job
+            (unless `recompute_changed`); inside the block, an interrupt or a full disk.
+    """
+    from phloem.entrypoints.job_guard import Fingerprint, JobProgress, OutputLock, resume_results
+
+    lines = read_lines(input_path)
+    partial = output_path + ".partial"
+    with OutputLock(output_path), JobProgress(partial, len(lines)) as progress:
+        fingerprint = Fingerprint(output_path + ".job.json", options, dict(lines))
+        numbers = {n for n, _ in lines}
+
+        def key_of(record: dict) -> int | None:
+            n, inner = record.get("line"), record.get("record")
+            return n if n in numbers and isinstance(inner, dict) else None
+
+        log, done = resume_results(partial, key_of, str, fingerprint, recompute_changed, False)
+        progress.num_saved = len(done)
+        try:
+            yield GenerateJob(lines, log, done, progress)
+        finally:
+            log.close()
+        fingerprint.remove()
+
+
+def run_generate(
+    llm,
+    input_path: str,
+    output_path: str,
+    defaults: dict[str, Any],
+    use_tqdm=True,
+    job: GenerateJob | None = None,
+):
+    """Run (or resume) the job; returns the summary dict (see `phloem.engine.metrics.summarize`).
+
+    `job`: opened before the model loaded, as `cmd_generate` does; None opens one here whose
+    fingerprint holds the input lines and `defaults` only (not the model).
+    """
+    if job is None:
+        with open_generate_job(input_path, output_path, {"sampling flags": defaults}) as job:
+            return run_generate(llm, input_path, output_path, defaults, use_tqdm, job)
     from phloem.engine.metrics import summarize
     from phloem.entrypoints.resumable import write_atomically
 
     start = time.monotonic()
-    with open(input_path, encoding="utf-8") as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
     engine = llm.llm_engine
     computed_before = engine.num_computed_prompt_tokens
     outputs = []
+    done = job.done
     with contextlib.ExitStack() as frozen:
         with gc_paused() as gc_enabled:  # building the batch: see phloem/engine/gc_control.py
-            parsed = [parse_line(llm, raw, i + 1, defaults) for i, raw in enumerate(lines)]
+            parsed = [parse_line(llm, raw, n, defaults) for n, raw in job.lines]
             good = [p for p in parsed if p.error is None]
-            log, done = _open_partial(output_path + ".partial", lines, parsed, defaults)
-            todo = [i for i, p in enumerate(parsed) if p.error is None and i not in done]
-            if len(done) > 1:
-                logger.info("resuming: %d lines already done, %d to run", len(done) - 1, len(todo))
+            todo = [
+                i for i, p in enumerate(parsed) if p.error is None and job.lines[i][0] not in done
+            ]
+            if done:
+                logger.info("resuming: %d lines already done, %d to run", len(done), len(todo))
             request_ids = llm.add_requests(
                 [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo],
                 [parsed[i].sampling_params for i in todo],
@@ -127,23 +199,24 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
             if gc_enabled:  # frozen before collection resumes, for the whole run
                 frozen.enter_context(gc_frozen())
         line_of = dict(zip(request_ids, todo))
-        try:
-            for output in llm.iter_outputs(request_ids, use_tqdm=use_tqdm):
-                i = line_of[output.request_id]
-                done[i] = {"line": i, "record": output_record(parsed[i], output)}
-                log.append(done[i])
-                outputs.append(output)
-        finally:
-            log.close()
+        for output in llm.iter_outputs(request_ids, use_tqdm=use_tqdm):
+            i = line_of[output.request_id]
+            n = job.lines[i][0]
+            done[n] = {"line": n, "record": output_record(parsed[i], output)}
+            job.log.append(done[n])
+            job.progress.num_saved += 1
+            outputs.append(output)
+    job.log.close()
     write_atomically(
         output_path,
         [
-            json.dumps({"id": p.id, "error": p.error} if p.error else done[i]["record"],
+            json.dumps({"id": p.id, "error": p.error} if p.error else done[n]["record"],
                        ensure_ascii=False)
-            for i, p in enumerate(parsed)
+            for p, (n, _) in zip(parsed, job.lines)
         ],
     )  # fmt: skip
-    os.remove(log.path)
+    with contextlib.suppress(FileNotFoundError):  # absent when no line was good
+        os.remove(job.log.path)
     plan = llm.last_plan
     return summarize(
         outputs,
@@ -151,49 +224,13 @@ def run_generate(llm, input_path: str, output_path: str, defaults: dict[str, Any
         num_failed_requests=len(parsed) - len(good),
         num_computed_prompt_tokens=engine.num_computed_prompt_tokens - computed_before,
         planned_reuse_ratio=plan.planned_reuse_ratio if plan is not None else 0.0,
+        load_s=llm.load_s,
     )
-
-
-def _open_partial(path: str, lines: list[str], parsed: list[ParsedLine], defaults: dict):
-    """The job's partial-results log and its finished records {line index: record} plus the
-    header under the key "header". Discards a partial file of a different job."""
-    from phloem.entrypoints.resumable import ResultLog
-
-    digest = hashlib.sha256(json.dumps([lines, defaults], sort_keys=True).encode()).hexdigest()
-    header = {"phloem_generate_partial": 1, "fingerprint": digest}
-
-    def key_of(record: dict):
-        if record == header:
-            return "header"
-        i, inner = record.get("line"), record.get("record")
-        if isinstance(i, int) and 0 <= i < len(parsed) and isinstance(inner, dict):
-            if parsed[i].error is None and inner.get("id") == parsed[i].id:
-                return i
-        return None
-
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            first = f.readline()
-        try:
-            same_job = json.loads(first) == header
-        except ValueError:
-            same_job = False
-        if not same_job:
-            logger.warning("%s belongs to another job (or is torn at its start): discarded", path)
-            os.remove(path)
-    log = ResultLog(path, key_of)
-    done = log.load()
-    if "header" not in done:
-        log.append(header)
-        done["header"] = header
-    return log, done
 
 
 def run_plan_only(llm, input_path: str, defaults: dict[str, Any]) -> str:
     """The global prefix plan of a job, as text, without running the model."""
-    with open(input_path, encoding="utf-8") as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    parsed = [parse_line(llm, raw, i + 1, defaults) for i, raw in enumerate(lines)]
+    parsed = [parse_line(llm, raw, n, defaults) for n, raw in read_lines(input_path)]
     good = [p for p in parsed if p.error is None]
     plan = llm.plan([p.prompt_token_ids for p in good], [p.sampling_params for p in good])
     failed = (
@@ -216,28 +253,75 @@ def register(subparsers) -> None:
         action="store_true",
         help="print the global prefix-sharing plan and exit without running the model",
     )
+    gen.add_argument(
+        "--recompute-changed",
+        action="store_true",
+        help="resume even though input lines or options changed: recompute the changed lines "
+        "(every line when an option changed) instead of refusing",
+    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from phloem.engine.metrics import format_summary
-    from phloem.entrypoints.cli import build_llm, sampling_defaults
+    """Exit codes: 0 done; 2 the job cannot run as given (nothing written); 74 out of disk
+    space, 75 the output is locked by another job, 130 interrupted (finished lines are kept:
+    rerun the same command to finish). See `phloem.entrypoints.job_guard`."""
+    from phloem.entrypoints.job_guard import JobError, check_paths, job_options
+
+    try:
+        defaults = _checked_sampling_defaults(args)
+        if args.plan_only:
+            check_paths(args.input, None)
+            return _plan_only(args, defaults)
+        written = [args.summary_json] if args.summary_json else []
+        check_paths(args.input, args.output, written)
+        options = job_options(args, **{"sampling flags": defaults})
+        with open_generate_job(args.input, args.output, options, args.recompute_changed) as job:
+            summary = _run(args, defaults, job)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted before the job started: nothing saved", file=sys.stderr)
+        return 130
+    _report(args, summary)
+    return 0
+
+
+def _checked_sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as SamplingParams fields. Raises JobError (exit 2) when invalid."""
+    from phloem.entrypoints.cli import sampling_defaults
+    from phloem.entrypoints.job_guard import EXIT_USAGE, JobError
 
     defaults = sampling_defaults(args)
     try:
         SamplingParams.from_dict(defaults)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise JobError(str(e), EXIT_USAGE) from None
+    return defaults
+
+
+def _plan_only(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
+    from phloem.entrypoints.cli import build_llm
+
+    print(run_plan_only(build_llm(args), args.input, defaults))
+    return 0
+
+
+def _run(args: argparse.Namespace, defaults: dict[str, Any], job: GenerateJob) -> dict:
+    from phloem.entrypoints.cli import build_llm
+
     llm = build_llm(args)
-    if args.plan_only:
-        print(run_plan_only(llm, args.input, defaults))
-        return 0
-    summary = run_generate(llm, args.input, args.output, defaults, use_tqdm=not args.no_progress)
+    use_tqdm = not args.no_progress
+    return run_generate(llm, args.input, args.output, defaults, use_tqdm, job)
+
+
+def _report(args: argparse.Namespace, summary: dict) -> None:
+    from phloem.engine.metrics import format_summary
+
     print(format_summary(summary), file=sys.stderr)
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-    return 0

@@ -15,6 +15,7 @@ anything, so appending can resume at a line boundary.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -84,30 +85,43 @@ class ResultLog:
         os.replace(tmp, self.path)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line and flush it (the line is complete once this returns)."""
+        """Write one record as one line (the line is complete once this returns).
+
+        Unbuffered: a failed write (a full disk) leaves no bytes behind in a buffer to be
+        flushed later; what reached the file is at worst a torn last line, dropped by `load`.
+        """
         if self._file is None:
-            self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-        self._file.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-        self._file.flush()
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        data = memoryview((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        while data:
+            data = data[self._file.write(data) :]
         now = time.monotonic()
         if now - self._last_sync >= self.fsync_interval_s:
             os.fsync(self._file.fileno())
             self._last_sync = now
 
     def close(self) -> None:
+        """fsync and close the file (closed even when the fsync fails)."""
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                os.fsync(file.fileno())
+            finally:
+                file.close()
 
 
 def write_atomically(path: str, lines: list[str]) -> None:
-    """Write `lines` (each without its newline) to `path` via a temporary file and a rename."""
+    """Write `lines` (each without its newline) to `path` via a temporary file and a rename.
+    On failure (e.g. a full disk) the temporary file is removed and `path` is left as it was."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from phloem.engine.gc_control import gc_frozen, gc_paused
+from phloem.entrypoints import jsonl_input
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +74,22 @@ def parse_batch_line(front, raw: str, line_number: int, first_line: dict[str, in
 
     line = BatchLine(line_number, None)
     try:
+        byte_problem = jsonl_input.text_problem(raw)
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise APIError(400, f"line {line_number}: invalid JSON: {e}") from None
+            data = jsonl_input.loads(raw)
+        except ValueError as e:
+            message = jsonl_input.clean(f"line {line_number}: {byte_problem or e}")
+            raise APIError(400, message) from None
         if not isinstance(data, dict):
             raise APIError(400, f"line {line_number}: expected a JSON object")
         custom_id = data.get("custom_id")
         if isinstance(custom_id, str) and custom_id:
-            line.custom_id = custom_id
+            line.custom_id = custom_id = jsonl_input.clean(custom_id)
         else:
             raise APIError(400, "custom_id must be a non-empty string", param="custom_id")
+        problem = byte_problem or jsonl_input.value_problem(data)
+        if problem is not None:
+            raise APIError(400, f"line {line_number}: {problem}")
         if first_line.get(custom_id, line_number) != line_number:
             raise APIError(
                 400,
@@ -116,7 +122,7 @@ def parse_batch_line(front, raw: str, line_number: int, first_line: dict[str, in
     except APIError as e:
         line.error = e
     except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this line's only
-        line.error = APIError(400, f"{type(e).__name__}: {e}")
+        line.error = APIError(400, jsonl_input.clean(f"{type(e).__name__}: {e}"))
     return line
 
 
@@ -134,6 +140,13 @@ def success_record(front, line: BatchLine, created: int) -> dict[str, Any]:
     from phloem.entrypoints.openai.server import chat_response, completion_response
 
     finals = [line.outputs[i] for i in range(len(line.prep.prompts))]
+    failure = next((o.error for o in finals if o.error is not None), None)
+    if failure is not None:  # the request failed alone in the engine: a 500 for this line only
+        from phloem.entrypoints.openai.protocol import APIError
+
+        failed = BatchLine(line.line_number, line.custom_id, line.url)
+        failed.error = APIError(500, failure, code="request_failed")
+        return error_record(failed)
     request_id = line.prep.request_ids[0]
     if line.url == URLS[0]:
         response_id = request_id.rsplit("-", 1)[0] if len(finals) > 1 else request_id
@@ -149,27 +162,46 @@ def success_record(front, line: BatchLine, created: int) -> dict[str, Any]:
 
 
 def read_lines(input_path: str) -> list[tuple[int, str]]:
-    """(line number, text) of the non-blank input lines."""
-    with open(input_path, encoding="utf-8", errors="replace") as f:
-        return [(i + 1, raw) for i, raw in enumerate(f.read().splitlines()) if raw.strip()]
+    """(physical line number, text) of the non-blank input lines; a BOM is dropped and
+    undecodable bytes are kept for `parse_batch_line` to report (`jsonl_input.read_lines`)."""
+    return jsonl_input.read_lines(input_path)
 
 
 def _custom_id_of(raw: str) -> str | None:
+    """The line's custom_id (lone surrogates replaced, so it can be written), or None."""
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
+        data = jsonl_input.loads(raw)
+    except ValueError:
         return None
     value = data.get("custom_id") if isinstance(data, dict) else None
-    return value if isinstance(value, str) and value else None
+    return jsonl_input.clean(value) if isinstance(value, str) and value else None
 
 
-def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm: bool = True):
-    """Run (or resume) the job; returns counts {"num_lines", "num_resumed", "num_failed", ...}."""
-    from phloem.entrypoints.openai.server import Frontend
-    from phloem.entrypoints.resumable import ResultLog
+@dataclass
+class BatchJob:
+    """A job opened before the model loads (`open_batch_job`): its input lines, the custom_id
+    each output record must carry, the output log and the records it already holds."""
 
-    engine = llm.llm_engine
-    front = Frontend(llm.get_tokenizer(), engine.max_model_len, engine.validate_prompt, model_name)
+    lines: list[tuple[int, str]]
+    log: Any  # ResultLog
+    done: dict[str, dict]  # record id -> record
+    progress: Any  # JobProgress
+
+
+@contextlib.contextmanager
+def open_batch_job(
+    input_path: str, output_path: str, options: dict[str, Any], recompute_changed: bool = False
+) -> Iterator[BatchJob]:
+    """Lock the output, check its results against this job's fingerprint (`options` and the
+    input lines, kept in `<output>.job.json`; see `phloem.entrypoints.job_guard`) and open it.
+
+    Raises:
+        JobError: the output is locked by another job, holds results of another job or of an
+            earlier input or options (unless `recompute_changed`); inside the block, an
+            interrupt or a full disk.
+    """
+    from phloem.entrypoints.job_guard import Fingerprint, JobProgress, OutputLock, resume_results
+
     lines = read_lines(input_path)
     expected = {record_id(n): _custom_id_of(raw) for n, raw in lines}
 
@@ -179,12 +211,48 @@ def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm:
             return rid
         return None
 
-    log = ResultLog(output_path, key_of)
-    done = log.load()
+    with OutputLock(output_path), JobProgress(output_path, len(lines)) as progress:
+        fingerprint = Fingerprint(output_path + ".job.json", options, dict(lines))
+        log, done = resume_results(
+            output_path, key_of, _line_of_record_id, fingerprint, recompute_changed, True
+        )
+        progress.num_saved = len(done)
+        try:
+            yield BatchJob(lines, log, done, progress)
+        finally:
+            log.close()
+
+
+def _line_of_record_id(rid: str) -> str:
+    return rid.removeprefix("batch_req_")
+
+
+def run_batch(
+    llm,
+    input_path: str,
+    output_path: str,
+    model_name: str,
+    use_tqdm: bool = True,
+    job: BatchJob | None = None,
+):
+    """Run (or resume) the job; returns counts {"num_lines", "num_resumed", "num_failed", ...}.
+
+    `job`: opened before the model loaded, as `cmd_run_batch` does; None opens one here whose
+    fingerprint holds the input lines and `model_name` only (not the model).
+    """
+    if job is None:
+        options = {"--served-model-name": model_name}
+        with open_batch_job(input_path, output_path, options) as job:
+            return run_batch(llm, input_path, output_path, model_name, use_tqdm, job)
+    from phloem.entrypoints.openai.server import Frontend
+
+    engine = llm.llm_engine
+    front = Frontend(llm.get_tokenizer(), engine.max_model_len, engine.validate_prompt, model_name)
+    lines, done, log = job.lines, job.done, job.log
     start = time.monotonic()
     first_line: dict[str, int] = {}
-    for n, _ in lines:
-        custom_id = expected[record_id(n)]
+    for n, raw in lines:
+        custom_id = _custom_id_of(raw)
         if custom_id is not None:
             first_line.setdefault(custom_id, n)
     with contextlib.ExitStack() as frozen:
@@ -207,17 +275,17 @@ def run_batch(llm, input_path: str, output_path: str, model_name: str, use_tqdm:
             if gc_enabled:  # frozen before collection resumes, for the whole run
                 frozen.enter_context(gc_frozen())
         created = int(time.time())
-        try:
-            for b in failed:
-                log.append(error_record(b))
-            owner_of = dict(zip(request_ids, owners))
-            for output in llm.iter_outputs(request_ids, use_tqdm):
-                b, i = owner_of[output.request_id]
-                b.outputs[i] = output
-                if len(b.outputs) == len(b.prep.prompts):
-                    log.append(success_record(front, b, created))
-        finally:
-            log.close()
+        for b in failed:
+            log.append(error_record(b))
+            job.progress.num_saved += 1
+        owner_of = dict(zip(request_ids, owners))
+        for output in llm.iter_outputs(request_ids, use_tqdm):
+            b, i = owner_of[output.request_id]
+            b.outputs[i] = output
+            if len(b.outputs) == len(b.prep.prompts):
+                log.append(success_record(front, b, created))
+                job.progress.num_saved += 1
+    log.close()
     return {
         "num_lines": len(lines),
         "num_resumed": len(done),
@@ -235,20 +303,45 @@ def register(subparsers) -> None:
         "run-batch", help="run an OpenAI Batch API JSONL file (crash-safe, resumable)"
     )
     p.add_argument("--input", "-i", required=True, help="OpenAI batch input JSONL")
-    p.add_argument("--output", "-o", required=True, help="OpenAI batch output JSONL (appended)")
+    p.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        help="OpenAI batch output JSONL: results are appended as they finish; a rerun resumes it",
+    )
     p.add_argument("--served-model-name", default=None, help="model name in response bodies")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--recompute-changed",
+        action="store_true",
+        help="resume even though input lines or options changed: recompute the changed lines "
+        "(every line when an option changed) instead of refusing",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_run_batch)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
+    """Exit codes as `phloem generate`'s: 0 done; 2 the job cannot run as given (nothing
+    written); 74 out of disk space, 75 the output is locked by another job, 130 interrupted
+    (finished lines are kept: rerun the same command to finish)."""
     from phloem.entrypoints.cli import build_llm
+    from phloem.entrypoints.job_guard import JobError, check_paths, job_options
     from phloem.entrypoints.openai.server import default_model_name
 
-    llm = build_llm(args)
-    name = args.served_model_name or default_model_name(args.model)
-    counts = run_batch(llm, args.input, args.output, name, use_tqdm=not args.no_progress)
+    try:
+        check_paths(args.input, args.output)
+        name = args.served_model_name or default_model_name(args.model)
+        options = job_options(args, **{"--served-model-name": name})
+        with open_batch_job(args.input, args.output, options, args.recompute_changed) as job:
+            llm = build_llm(args)
+            counts = run_batch(llm, args.input, args.output, name, not args.no_progress, job)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted before the job started: nothing saved", file=sys.stderr)
+        return 130
     print(
         f"run-batch: {counts['num_lines']} requests: {counts['num_resumed']} already done, "
         f"{counts['num_completed']} completed, {counts['num_failed']} failed "
