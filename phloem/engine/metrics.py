@@ -27,6 +27,7 @@ def summarize(
     num_failed_requests: int = 0,
     num_computed_prompt_tokens: int | None = None,
     planned_reuse_ratio: float = 0.0,
+    load_s: float | None = None,
 ) -> dict:
     """The job summary (keys are the `--summary-json` schema).
 
@@ -35,6 +36,7 @@ def summarize(
         num_computed_prompt_tokens: prompt tokens the model actually ran (recomputation after
             preemption included; shared prefixes excluded); defaults to the logical count.
         planned_reuse_ratio: the prefix planner's predicted (logical - physical) / logical.
+        load_s: the engine's start-up time [s] (`LLM.load_s`), reported when given.
     Reused prompt tokens are those taken from shared KV blocks instead of computed (a group's
     prefix, n > 1 siblings' prompt, radix-cache hits); reuse_ratio = reused / logical.
     """
@@ -44,7 +46,7 @@ def summarize(
     ttfts = [o.metrics.ttft for o in outputs if o.metrics and o.metrics.ttft is not None]
     tpots = [t for o in outputs if (t := o.tpot) is not None]
     wall = max(wall_s, 1e-9)
-    return {
+    summary = {
         "num_requests": len(outputs) + num_failed_requests,
         "num_failed_requests": num_failed_requests,
         "num_prompt_tokens": num_prompt,
@@ -62,6 +64,9 @@ def summarize(
         "ttft_s": percentiles(ttfts),
         "tpot_s": percentiles(tpots),
     }
+    if load_s is not None:
+        summary["load_s"] = load_s
+    return summary
 
 
 def format_summary(summary: dict) -> str:
@@ -84,4 +89,6 @@ def format_summary(summary: dict) -> str:
         f"TTFT p50/p90/p99 (ms): {ms(summary['ttft_s'])}",
         f"TPOT p50/p90/p99 (ms): {ms(summary['tpot_s'])}",
     ]
+    if "load_s" in summary:  # the engine's start-up, before the wall time above
+        lines.insert(4, f"load time (load_s):    {summary['load_s']:.2f} s")
     return "\n".join(lines)

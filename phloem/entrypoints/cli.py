@@ -15,6 +15,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HF checkpoint dir or .gguf (default: embedded SmolLM2-135M-Instruct)",
     )
+    g.add_argument(
+        "--cache-dir",
+        default=None,
+        help="converted-checkpoint cache: a .gguf model is converted to an HF directory here on "
+        "first use (default: $PHLOEM_CACHE_DIR, else $XDG_CACHE_HOME/phloem or ~/.cache/phloem)",
+    )
+    g.add_argument(
+        "--no-checkpoint-cache",
+        action="store_true",
+        help="parse a .gguf model at every start instead of using the converted-checkpoint cache",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--max-model-len", type=int, default=None, help="context length [tokens]")
@@ -116,6 +127,8 @@ def build_llm(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_layout=args.kv_layout,
+        cache_dir=args.cache_dir,
+        checkpoint_cache=not args.no_checkpoint_cache,
     )
 
 

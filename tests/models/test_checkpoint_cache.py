@@ -261,3 +261,23 @@ def test_embedded_greedy_identical_gguf_vs_cache(embedded_llm) -> None:
         assert len(c.outputs[0].token_ids) == 32
     chat = [{"role": "user", "content": "Name a color."}]
     assert embedded_llm.encode_chat(chat) == direct.encode_chat(chat)
+
+
+def test_generate_cli_cache_dir_flag_and_load_s(tiny_gguf, tmp_path, capsys) -> None:
+    """`--cache-dir` puts the conversion there; the summary (stderr and JSON) reports load_s."""
+    from phloem.entrypoints import cli
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Hello"}\n{"prompt": "Bye"}\n')
+    cache = tmp_path / "flag_cache"
+    summary_path = tmp_path / "summary.json"
+    argv = ["generate", "-i", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", tiny_gguf,
+            "--cache-dir", str(cache), "--max-tokens", "3", "--no-progress",
+            "--summary-json", str(summary_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    (converted,) = os.listdir(cache / "checkpoints")
+    assert is_complete(str(cache / "checkpoints" / converted))
+    summary = json.loads(summary_path.read_text())
+    assert 0 < summary["load_s"] < 600
+    assert f"load time (load_s):    {summary['load_s']:.2f} s" in capsys.readouterr().err
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2
