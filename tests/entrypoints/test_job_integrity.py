@@ -15,6 +15,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +29,12 @@ from phloem.entrypoints.job_guard import (
     EXIT_LOCKED,
     EXIT_NO_SPACE,
     EXIT_USAGE,
+    Fingerprint,
     JobError,
     JobProgress,
     OutputLock,
+    job_options,
+    line_digest,
 )
 from phloem.entrypoints.resumable import ResultLog
 from tests.engine.tiny_models import tiny_model_dir
@@ -210,6 +214,24 @@ def test_run_batch_never_rewrites_another_jobs_results(tmp_path, capsys, model):
     assert sorted(os.listdir(tmp_path)) == ["requests.jsonl", "results.jsonl"]
 
 
+def test_model_files_changed_in_place_count_as_another_model(tmp_path, model):
+    copy = tmp_path / "model"
+    shutil.copytree(model, copy)
+    args = cli.build_parser().parse_args(["run-batch", "-i", "x", "-o", "y", "--model", str(copy)])
+    before = job_options(args)
+    weights = next(copy.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    saved = {"options": before, "lines": {"1": line_digest("x")}}
+    with pytest.raises(JobError) as e:
+        Fingerprint("fp", job_options(args), {1: "x"}).stale_keys(saved, "out", False)
+    assert f"the files of --model {copy} changed" in str(e.value)
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    args.model = str(moved)
+    stale = Fingerprint("fp", job_options(args), {1: "x"}).stale_keys(saved, "out", True)
+    assert stale == {"1"}  # every line is recomputed under another model
+
+
 # -- interrupts and full disks ------------------------------------------------------------------
 
 
@@ -235,6 +257,8 @@ def test_sigint_saves_and_says_how_to_finish(tmp_path, capsys, model, command):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "no result appeared"
         time.sleep(0.01)
+    code, err = run(job_argv(command, src, out, model), capsys)  # a second process
+    assert code == EXIT_LOCKED and f"pid {proc.pid}" in one_line_error(err)
     proc.send_signal(signal.SIGINT)
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130, err[-3000:]
