@@ -2,18 +2,28 @@
 
 `generate` hands the whole batch to the engine at once and steps it until every prompt is done,
 returning outputs in input order.
+
+One `LLM` runs one call at a time: calls from several threads are serialized (each waits for the
+one running), and a call made from inside another on the same thread (e.g. `generate` while
+iterating `iter_outputs`) raises RuntimeError instead of deadlocking. A request that fails in
+the engine (its setup, sampling, detokenization or stop rules raised) comes back as an output
+with `error` set and finish_reason "error" while the others finish; if a whole call fails (an
+exception out of the engine loop, an interrupt), its requests are aborted before the exception
+propagates, so the object stays usable for later calls.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from phloem.chat_messages import normalize_messages
 from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.request import SharedPrefix
@@ -23,6 +33,18 @@ from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+ParamsArg = SamplingParams | dict[str, Any]
+
+
+def _as_list(value: Any, name: str, what: str) -> list[Any]:
+    """`value` (a list, tuple or other iterable that is not a string) as a list.
+
+    Raises:
+        TypeError: naming `name` and `what` it must be, for anything else (None included).
+    """
+    if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    return list(value)
 
 
 def render_chat(
@@ -31,17 +53,16 @@ def render_chat(
     """(text, token ids) of one conversation rendered with the tokenizer's chat template; the
     rendered text is tokenized without adding special tokens again (the template has them).
 
+    Messages are validated by `phloem.chat_messages.normalize_messages` (the roles and content
+    parts every entry point accepts); content parts reach the template as one string.
+
     Raises:
-        ValueError: the tokenizer has no chat template, the messages are not a list of
-            {"role": str, "content": str}, or the template rejects them.
+        ValueError: the tokenizer has no chat template, a message breaks the shared definition
+            (naming `messages[i]` and the field), or the template rejects them.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; pass plain prompts")
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
-    ):
-        raise ValueError("messages must be a list of {'role': str, 'content': str}")
+    messages = normalize_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -152,6 +173,8 @@ class LLM:
             seed=seed,
         )
         self.llm_engine = LLMEngine(config)
+        self._lock = threading.Lock()  # one call at a time (see the module docstring)
+        self._owner: int | None = None  # the thread running the current call
         self.load_s = time.perf_counter() - start  # start-up time [s]: imports, model, KV pool
 
     def get_tokenizer(self):
@@ -195,44 +218,59 @@ class LLM:
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg | Sequence[ParamsArg] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts; returns one RequestOutput per prompt, in order.
 
+        `sampling_params`: one for all prompts or one per prompt, each a `SamplingParams` or a
+        dict of its fields (`SamplingParams.from_dict`); None uses the defaults. A request that
+        fails in the engine comes back with `error` set (finish_reason "error").
+
         Raises:
+            TypeError: `prompts` is not a prompt or a list of prompts, or `sampling_params` is
+                not one of the forms above (naming the argument).
             ValueError: for a malformed prompt, a prompt too long for the context (naming its
-                index and the limit), or a sampling_params list of the wrong length.
+                index and the limit), invalid sampling values (naming `sampling_params[i]` and
+                the field), or a sampling_params list of the wrong length.
+            RuntimeError: called from inside another call on this LLM in the same thread.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return self._run(prompts, "prompts", self.encode_prompt, sampling_params, use_tqdm)
+        inputs = _as_list(prompts, "prompts", "a prompt (str or dict) or a list of prompts")
+        return self._run(inputs, "prompts", self.encode_prompt, sampling_params, use_tqdm)
 
     def chat(
         self,
         conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg | Sequence[ParamsArg] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Like `generate`, for conversations rendered with the tokenizer's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self._run(
-            conversations, "conversations", self.encode_chat, sampling_params, use_tqdm
-        )
+        """Like `generate`, for conversations rendered with the tokenizer's chat template (one
+        conversation, or a list of them; messages as `phloem.chat_messages` defines them).
+
+        Raises:
+            TypeError, ValueError, RuntimeError: as `generate`, naming `conversations[i]`.
+        """
+        what = "a conversation (a list of messages) or a list of conversations"
+        inputs = _as_list(conversations, "conversations", what)
+        if inputs and isinstance(inputs[0], dict):
+            inputs = [inputs]
+        return self._run(inputs, "conversations", self.encode_chat, sampling_params, use_tqdm)
 
     def _run(
         self,
         inputs: Sequence[Any],
         name: str,
         encode: Callable[[Any], tuple[str | None, list[int]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        sampling_params: ParamsArg | Sequence[ParamsArg] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
         """Encode and validate every input (a ValueError names `name[i]`), queue the batch and
-        step it to the end. Collection is paused while the batch is built, and the batch is
-        frozen out of collection while it runs (`gc_paused`, `gc_frozen`)."""
-        with contextlib.ExitStack() as frozen:
+        step it to the end, holding the call lock. Collection is paused while the batch is
+        built, and the batch is frozen out of collection while it runs (`gc_paused`,
+        `gc_frozen`)."""
+        with self._exclusive(), contextlib.ExitStack() as frozen:
             with gc_paused() as gc_enabled:
                 encoded = []
                 for i, item in enumerate(inputs):
@@ -242,22 +280,75 @@ class LLM:
                     except ValueError as e:
                         raise ValueError(f"{name}[{i}]: {e}") from None
                     encoded.append((text, ids))
-                if sampling_params is None:
-                    sampling_params = SamplingParams()
-                if isinstance(sampling_params, SamplingParams):
-                    params_list = [sampling_params] * len(encoded)
-                else:
-                    params_list = list(sampling_params)
-                    if len(params_list) != len(encoded):
-                        raise ValueError(
-                            f"sampling_params has {len(params_list)} entries for "
-                            f"{len(encoded)} prompts"
-                        )
-                request_ids = self.add_requests(encoded, params_list, validated=True)
+                params_list = self._params_list(sampling_params, len(encoded))
+                request_ids = self._add_requests(encoded, params_list, validated=True)
                 if gc_enabled:  # frozen before collection resumes: never traversed at all
                     frozen.enter_context(gc_frozen())
             results = {o.request_id: o for o in self._iter_outputs(request_ids, use_tqdm)}
+        missing = [r for r in request_ids if r not in results]
+        if missing:  # a guard: the engine ran out of work before these finished
+            raise RuntimeError(f"the engine stopped before requests {missing[:5]} finished")
         return [results[r] for r in request_ids]
+
+    def _params_list(
+        self, sampling_params: ParamsArg | Sequence[ParamsArg] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        """One validated SamplingParams per prompt (see `generate` for the accepted forms)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            return [self._check_params(sampling_params, "sampling_params")] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(
+                "sampling_params must be a SamplingParams, a dict of its fields, or a list of "
+                f"them, got {type(sampling_params).__name__}"
+            )
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
+            )
+        checked: dict[int, SamplingParams] = {}  # the same object is checked once
+        out = []
+        for i, params in enumerate(sampling_params):
+            key = id(params)
+            if key not in checked:
+                checked[key] = self._check_params(params, f"sampling_params[{i}]")
+            out.append(checked[key])
+        return out
+
+    def _check_params(self, params: ParamsArg, where: str) -> SamplingParams:
+        """`params` as a SamplingParams checked against this model, errors naming `where`."""
+        if isinstance(params, dict):
+            try:
+                params = SamplingParams.from_dict(params)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"{where} must be a SamplingParams or a dict of its fields, "
+                f"got {type(params).__name__}"
+            )
+        try:
+            self.llm_engine.validate_params(params)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return params
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the call lock for one call: waits while another thread's call runs; raises
+        RuntimeError for a call nested in one this thread is running (it would deadlock)."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "this LLM is already running a call in this thread (e.g. generate() inside an "
+                "iter_outputs() loop); finish that call first"
+            )
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def plan(
         self,
@@ -302,8 +393,24 @@ class LLM:
 
         `validated`: every prompt already passed `LLMEngine.validate_prompt` (as `generate`
         checks them while encoding), so `add_request` skips a second pass over its tokens.
-        Collection is paused meanwhile (see `gc_paused`).
+        Collection is paused meanwhile (see `gc_paused`). If any request is rejected, those
+        already queued are aborted before the error propagates (nothing of the batch stays).
+
+        Raises:
+            ValueError: a prompt or its sampling parameters cannot run on this model.
+            RuntimeError: called from inside another call on this LLM in the same thread.
         """
+        with self._exclusive():
+            return self._add_requests(encoded, sampling_params, validated=validated)
+
+    def _add_requests(
+        self,
+        encoded: Sequence[tuple[str | None, list[int]]],
+        sampling_params: Sequence[SamplingParams],
+        *,
+        validated: bool = False,
+    ) -> list[str]:
+        """`add_requests` without the call lock (the caller holds it)."""
         engine = self.llm_engine
         self.last_plan = None
         with gc_paused():
@@ -320,15 +427,21 @@ class LLM:
                     for i in group.request_indices:
                         groups[i] = shared
             request_ids: list[str] = [""] * len(encoded)
-            for i in order:
-                text, ids = encoded[i]
-                request_ids[i] = engine.add_request(
-                    ids,
-                    sampling_params[i],
-                    prompt=text,
-                    shared_prefix=groups.get(i),
-                    validated=validated,
-                )
+            added: list[str] = []
+            try:
+                for i in order:
+                    text, ids = encoded[i]
+                    request_ids[i] = engine.add_request(
+                        ids,
+                        sampling_params[i],
+                        prompt=text,
+                        shared_prefix=groups.get(i),
+                        validated=validated,
+                    )
+                    added.append(request_ids[i])
+            except BaseException:
+                engine.abort_request(added)
+                raise
         return request_ids
 
     def iter_outputs(
@@ -338,8 +451,9 @@ class LLM:
         finishes (so a job can persist results one by one). The progress bar shows prompts
         done, input/output tokens/s and the prefix reuse ratio. Objects alive at the start
         (the queued batch) are frozen out of garbage collection until the iteration ends
-        (`gc_frozen`)."""
-        with gc_frozen() if gc.isenabled() else contextlib.nullcontext():
+        (`gc_frozen`). Holds the call lock until the iteration ends; requests of `request_ids`
+        still unfinished when it ends early (break, exception) are aborted."""
+        with self._exclusive(), gc_frozen() if gc.isenabled() else contextlib.nullcontext():
             yield from self._iter_outputs(request_ids, use_tqdm)
 
     def _iter_outputs(self, request_ids: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
@@ -350,7 +464,12 @@ class LLM:
         num_in = num_out = num_reused = 0
         try:
             while pending and engine.has_unfinished_requests():
-                for output in engine.step():
+                try:
+                    outputs = engine.step()
+                except BaseException:  # the engine's state is unknown: start the next call clean
+                    engine.abort_all()
+                    raise
+                for output in outputs:
                     if not output.finished or output.request_id not in pending:
                         continue
                     pending.discard(output.request_id)
@@ -368,6 +487,8 @@ class LLM:
                     yield output
         finally:
             bar.close()
+            if pending:  # left early: these requests have no one to return to
+                engine.abort_request(list(pending))
 
     def run_engine(self, request_ids: list[str], use_tqdm: bool = True) -> list[RequestOutput]:
         """Step until the given requests finish; returns their outputs in the given order."""
