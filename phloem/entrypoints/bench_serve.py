@@ -11,6 +11,9 @@ the `phloem generate` input format), or random token prompts of `--input-len` to
 optional shared `--prefix-len` prefix and `--output-len` tokens each (EOS ignored).
 
     phloem bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+
+A server it cannot reach, or one that refuses `/v1/models` (a wrong `--api-key`), is one line
+on stderr and exit status 1, before any request is sent. Requests are not logged one by one.
 """
 
 from __future__ import annotations
@@ -18,10 +21,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+
+
+class ServerUnavailableError(Exception):
+    """The server cannot be reached or refuses the benchmark (wrong key, not OpenAI-like)."""
 
 
 @dataclass
@@ -103,11 +111,41 @@ async def _random_workload(client, args) -> list[dict]:
             items.append({"prompt": ids, "max_tokens": args.output_len})
             continue
         r = await client.post("/detokenize", json={"tokens": ids})
-        r.raise_for_status()
+        _check_response(r)
         text = r.json()["prompt"]
         items.append({"messages": [{"role": "user", "content": text}],
                       "max_tokens": args.output_len})  # fmt: skip
     return items
+
+
+def _check_response(r) -> None:
+    """ServerUnavailableError naming the URL, the status and the server's message unless 200."""
+    if r.status_code == 200:
+        return
+    try:
+        message = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:200]
+    raise ServerUnavailableError(f"{r.request.url}: HTTP {r.status_code}: {message}")
+
+
+async def _server_model(client, base_url: str) -> str:
+    """The server's first model id; checks that it is reachable and takes our key."""
+    import httpx
+
+    try:
+        r = await client.get("/v1/models")
+    except httpx.TransportError as e:
+        raise ServerUnavailableError(
+            f"cannot reach {base_url}: {type(e).__name__}: {e or 'no answer'}"
+        ) from None
+    _check_response(r)
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerUnavailableError(
+            f"{base_url}/v1/models: no model in {r.text[:200]!r}"
+        ) from None
 
 
 # -- one request ------------------------------------------------------------------------------------
@@ -163,11 +201,8 @@ async def _run(args) -> tuple[list[RequestResult], float, str]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                                  timeout=args.timeout) as client:  # fmt: skip
-        model = args.model
-        if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+        served = await _server_model(client, args.base_url)  # reachable, and the key is right
+        model = args.model or served
         if args.dataset:
             items = _load_dataset(args.dataset, args.num_prompts, args.output_len)
         else:
@@ -306,7 +341,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         raise ValueError("--prefix-len must be in [0, --input-len]")
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be positive (inf: all at once)")
-    results, duration, model = asyncio.run(_run(args))
+    for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        results, duration, model = asyncio.run(_run(args))
+    except ServerUnavailableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     summary = summarize_serve(results, duration, args, model)
     print(format_serve_result(summary))
     if summary["errors"]:

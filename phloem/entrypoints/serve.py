@@ -1,7 +1,10 @@
 """`phloem serve`: the OpenAI-compatible server (FastAPI + uvicorn) over one engine.
 
-The process exits 0 on a normal shutdown (SIGINT/SIGTERM) and 1 when the engine loop died:
-`/health` answers 503 and in-flight requests get their errors during a short grace period
+Shutdown on SIGTERM or SIGINT: the listening socket closes at once (new connections are
+refused), requests in flight run on for up to `--shutdown-timeout` seconds, streams still open
+then end with an in-band error event and `data: [DONE]` (other requests with a 503), and the
+process exits 0. A second SIGINT (Ctrl-C) quits at once. The process exits 1 when the engine loop
+died: `/health` answers 503 and in-flight requests get their errors during a short grace period
 (`--dead-engine-grace-s`), then uvicorn shuts down.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import signal
 import sys
 
 logger = logging.getLogger(__name__)
@@ -23,7 +27,15 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* endpoints"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /version and "
+        "/metrics",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="with --api-key, put /metrics behind the key too (Prometheus then needs it)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model id in the API (default: --model)"
@@ -40,10 +52,38 @@ def register(subparsers) -> None:
         "(the offline default); off by default when serving: requests are admitted as blocks "
         "allow and preempted (recomputed) when they run out, as in vLLM",
     )
+    add_limit_args(p)
     p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `ServerLimits` field (`--max-n` for `max_n`), its default and help."""
+    from phloem.entrypoints.openai.limits import limit_fields
+
+    g = parser.add_argument_group("limits")
+    for flag, f in limit_fields():
+        g.add_argument(
+            flag,
+            type=type(f.default),
+            default=f.default,
+            help=f"{f.metadata['help']} (default {f.default})",
+        )
+
+
+def server_limits(args: argparse.Namespace):
+    """The validated `ServerLimits` of the parsed flags (ValueError naming the flag)."""
+    from phloem.entrypoints.openai.limits import ServerLimits, limit_fields
+
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for _, f in limit_fields()})
+    try:
+        limits.validate()
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise ValueError(f"--{name.replace('_', '-')}{str(e)[len(name) :]}") from None
+    return limits
 
 
 def build_state(args: argparse.Namespace, on_death=None):
@@ -51,9 +91,11 @@ def build_state(args: argparse.Namespace, on_death=None):
     import phloem
     from phloem.engine.async_engine import AsyncLLMEngine
     from phloem.entrypoints.cli import build_llm
+    from phloem.entrypoints.openai.limits import max_prompt_chars
     from phloem.entrypoints.openai.server import ServerState, default_model_name
     from phloem.metrics_prometheus import EngineMetrics
 
+    limits = server_limits(args)
     llm = build_llm(args)
     engine = llm.llm_engine
     set_admission(engine, args.memory_centric_admission)
@@ -62,13 +104,17 @@ def build_state(args: argparse.Namespace, on_death=None):
     async_engine = AsyncLLMEngine(
         engine, metrics=metrics, fault_injection=args.enable_fault_injection, on_death=on_death
     )
+    tokenizer = copy.deepcopy(engine.tokenizer)
     return ServerState(
         engine=async_engine,
         model_name=name,
-        tokenizer=copy.deepcopy(engine.tokenizer),
+        tokenizer=tokenizer,
         metrics=metrics,
         api_key=args.api_key,
         version=phloem.__version__,
+        limits=limits,
+        max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
+        protect_metrics=args.protect_metrics,
     )
 
 
@@ -89,7 +135,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from phloem.entrypoints.openai.server import build_app
+    from phloem.entrypoints.openai.app import build_app
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the app when a shutdown signal comes (uvicorn itself only
+        stops accepting and waits for connections to close)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            state.request_shutdown()
 
     holder: dict = {}
 
@@ -111,11 +165,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=5,
+        # the app ends what is left at --shutdown-timeout; this backstop is never reached
+        # unless a response hangs after its request was ended
+        timeout_graceful_shutdown=int(state.limits.shutdown_timeout) + 30,
         timeout_keep_alive=30,
         backlog=4096,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     holder["server"] = server
     print(
         f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
@@ -123,6 +179,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # uvicorn re-raises the signal it shut down for once it restores the handlers it found: with
+    # these, a drained shutdown exits 0 instead of dying of the signal (143 / 130).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _after_shutdown)
     server.run()
     if "dead" in holder:
         print(f"error: the engine loop died: {holder['dead']}", file=sys.stderr)
@@ -130,3 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0
+
+
+def _after_shutdown(sig, frame) -> None:
+    """The signal uvicorn re-raises after a graceful shutdown: the drain is done; ignore it."""

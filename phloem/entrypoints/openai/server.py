@@ -1,8 +1,6 @@
-"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, health, metrics, tokenize.
+"""The OpenAI-compatible server's request handling: read, check, generate, answer (OpenAI format).
 
-    POST /v1/completions, /v1/chat/completions   (SSE when "stream": true; `data: [DONE]` ends it)
-    GET  /v1/models, /health, /metrics, /version
-    POST /tokenize, /detokenize
+`app.py` maps the routes to these functions; `limits.py` holds what one request may ask.
 
 Every client mistake is a 4xx in OpenAI's error shape (`protocol.APIError`); a 5xx means the
 server failed (non-finite logits: 500 for that request only; a dead engine loop: 503, and
@@ -10,47 +8,59 @@ server failed (non-finite logits: 500 for that request only; a dead engine loop:
 so its KV blocks return to the pool and, if it was still waiting, it never runs.
 
 Bodies are read and parsed here (not by FastAPI) so that malformed JSON, wrong types and
-unknown fields all get the same bounded 400 naming the field.
+unknown fields all get the same bounded 400 naming the field. Nothing heavy runs on the event
+loop: the body is read there (bounded by `ServerLimits.max_request_body_bytes`, else 413), then
+parsed, validated and tokenized on one worker thread (`ServerState.off_loop`), after the cheap
+checks that need no tokens (`n`, prompt count, prompt characters against `limits.py`'s bound).
+
+Shutdown (SIGTERM/SIGINT, `serve.py`): uvicorn stops accepting; in-flight requests run on for
+`shutdown_timeout` seconds; then those left get `ServerShuttingDownError` (in-band for streams,
+before `data: [DONE]`; 503 otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from phloem.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from phloem.entrypoints.openai.limits import ServerLimits
 from phloem.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     validation_error,
 )
 from phloem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 << 20
 FAULT_PREFIX = "phloem-fault:"  # test-only: `user` = "phloem-fault:nan" | "phloem-fault:die"
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down and its drain timeout has passed; the request was ended."""
+
+
+_ENGINE_ERRORS = (EngineDeadError, RequestFailedError, ServerShuttingDownError, ValueError)
+
+
 @dataclass
 class ServerState:
+    """The server's engine, tokenizer and settings, plus its shutdown state (event loop only)."""
+
     engine: AsyncLLMEngine
     model_name: str
     tokenizer: Any  # the front's own copy: the engine thread decodes with the original
@@ -58,6 +68,13 @@ class ServerState:
     api_key: str | None = None
     version: str = "0"
     created: int = 0
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    max_prompt_chars: int | None = None  # limits.max_prompt_chars; None: no bound
+    protect_metrics: bool = False  # /metrics behind the API key too
+    draining: bool = False  # a shutdown signal came: in-flight requests run on
+    closed: bool = False  # the drain timeout passed: requests left were ended
+    loop: asyncio.AbstractEventLoop | None = None  # the app's loop, set when it starts
+    _prep: ThreadPoolExecutor | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -65,6 +82,48 @@ class ServerState:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         self.engine.engine.validate_prompt(prompt_token_ids)
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the request-preparation thread (parsing, validation, tokenization).
+
+        One thread: the front's tokenizer is never used by two threads at once (HF fast
+        tokenizers raise "Already borrowed" when they are), and it releases the GIL while it
+        encodes, so the event loop keeps serving streams and /health meanwhile.
+        """
+        if self._prep is None:
+            self._prep = ThreadPoolExecutor(1, thread_name_prefix="phloem-prep")
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    def request_shutdown(self) -> None:
+        """Begin the drain from a signal handler or another thread (no-op before start)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.begin_shutdown)
+
+    def begin_shutdown(self) -> None:
+        """A shutdown signal came (on the event loop): uvicorn stops accepting connections;
+        requests in flight get `limits.shutdown_timeout` seconds, then `end_in_flight`."""
+        if self.draining:
+            return
+        self.draining = True
+        timeout = self.limits.shutdown_timeout
+        logger.warning("shutting down: in-flight requests get up to %.0f s to finish", timeout)
+        asyncio.get_running_loop().call_later(timeout, self.end_in_flight)
+
+    def end_in_flight(self) -> None:
+        """End every request still running: each gets `ServerShuttingDownError`."""
+        self.closed = True
+        error = ServerShuttingDownError(
+            f"the server is shutting down and its drain timeout "
+            f"({self.limits.shutdown_timeout:g} s) has passed; the request was ended"
+        )
+        num = self.engine.abort_all(error)
+        if num:
+            logger.warning("ended %d request(s) still running at the drain timeout", num)
+
+    def close(self) -> None:
+        if self._prep is not None:
+            self._prep.shutdown(wait=False, cancel_futures=True)
+            self._prep = None
 
 
 @dataclass
@@ -76,30 +135,53 @@ class Frontend:
     max_model_len: int
     validate_prompt: Any
     model_name: str
+    max_prompt_chars: int | None = None  # limits.max_prompt_chars; None: no bound
 
 
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code)
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
 
-async def read_json(request: Request, model_cls):
-    """Read the body (bounded), parse JSON, validate strictly. Raises APIError(400/413).
+async def read_json(state: ServerState, request: Request, model_cls):
+    """Read the body (bounded, on the loop), then parse and validate it strictly on the
+    preparation thread. Raises APIError(400/413).
 
     The Content-Type is not checked (curl -d sends a form type): the body must be JSON.
     """
+    return await state.off_loop(parse_json, await read_body(state, request), model_cls)
+
+
+async def read_body(state: ServerState, request: Request) -> list[bytes]:
+    """The body's chunks as they arrive; 413 as soon as it passes the server's limit."""
+    limit = state.limits.max_request_body_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise _too_large(limit)
         chunks.append(chunk)
+    return chunks
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes "
+        "(--max-request-body-bytes).",
+        code="request_too_large",
+    )
+
+
+def parse_json(chunks: list[bytes], model_cls):
+    """JSON body -> validated request model (blocking: run it off the event loop)."""
     body = b"".join(chunks)
+    chunks.clear()
     try:
         data = json.loads(body)
     except json.JSONDecodeError as e:
@@ -127,21 +209,64 @@ def check_model(state, model: str | None) -> None:
         )
 
 
-def check_context(front, num_prompt: int, max_tokens: int | None, param: str) -> int:
-    """The max_tokens to use; a 400 when prompt + max_tokens exceeds the context."""
+def check_context(
+    front, num_prompt: int, max_tokens: int | None, prompt_param: str, max_tokens_param: str
+) -> int:
+    """The max_tokens to use. A 400 naming `prompt_param` when the prompt alone leaves no room
+    for a token, or `max_tokens_param` when prompt + max_tokens exceeds the context."""
     limit = front.max_model_len
-    if num_prompt >= limit or (max_tokens is not None and num_prompt + max_tokens > limit):
-        requested = num_prompt + (max_tokens or 0)
+    if num_prompt >= limit:
+        advice = f"Please reduce the length of the {prompt_param}."
+        param = prompt_param
+    elif max_tokens is not None and num_prompt + max_tokens > limit:
+        advice = f"Please reduce {max_tokens_param} to at most {limit - num_prompt}."
+        param = max_tokens_param
+    else:
+        return max_tokens if max_tokens is not None else limit - num_prompt
+    raise APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{num_prompt + (max_tokens or 0)} tokens ({num_prompt} in the {prompt_param}, "
+        f"{max_tokens or 0} in the completion). {advice}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def check_chars(front, num_chars: int, param: str) -> None:
+    """A 400, before tokenizing, when a prompt has more characters than can fit (limits.py)."""
+    bound = front.max_prompt_chars
+    if bound is not None and num_chars > bound:
         raise APIError(
             400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{requested} tokens ({num_prompt} in the {param}, {max_tokens or 0} in the "
-            "completion). Please reduce the length of the "
-            f"{param} or completion.",
+            f"The {param} has {num_chars} characters; no prompt of more than {bound} characters "
+            f"fits in this model's maximum context length of {front.max_model_len} tokens. "
+            f"Please reduce the length of the {param}.",
             param=param,
             code="context_length_exceeded",
         )
-    return max_tokens if max_tokens is not None else limit - num_prompt
+
+
+def check_request_limits(state: ServerState, n: int, num_prompts: int) -> None:
+    """400s naming `n` or `prompt` past the server's limits (checked before any tokenizing)."""
+    limits = state.limits
+    if n > limits.max_n:
+        raise APIError(
+            400, f"n must be at most {limits.max_n} on this server (--max-n), got {n}", param="n"
+        )
+    if num_prompts > limits.max_prompts_per_request:
+        raise APIError(
+            400,
+            f"prompt holds {num_prompts} prompts; this server takes at most "
+            f"{limits.max_prompts_per_request} per request (--max-prompts-per-request)",
+            param="prompt",
+        )
+
+
+def _num_prompts(prompt) -> int:
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def validate_ids(front, ids: list[int], param: str) -> None:
@@ -162,6 +287,8 @@ def engine_error(error: BaseException) -> APIError:
         return APIError(503, str(error), code="engine_dead")
     if isinstance(error, RequestFailedError):
         return APIError(500, str(error), code="request_failed")
+    if isinstance(error, ServerShuttingDownError):
+        return APIError(503, str(error), code="server_shutting_down")
     if isinstance(error, ValueError):
         return APIError(400, str(error), param="prompt")
     return APIError(500, f"internal error: {type(error).__name__}")
@@ -307,8 +434,9 @@ def _logprobs_chat(tokenizer, completion, start: int, end: int, top_k: int):
     return {"content": content}
 
 
-def _usage(outputs: list) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+def _usage(prep: _Prepared, outputs: list) -> dict[str, int]:
+    """Token counts of a request so far (`outputs[i]`: prompt i's latest output, or None)."""
+    prompt = sum(len(ids) for _, ids in prep.prompts)
     completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
     return {
         "prompt_tokens": prompt,
@@ -384,6 +512,9 @@ def prepare_completion(state, req: CompletionRequest) -> _Prepared:
         raw = [prompt]
     else:
         raw = list(prompt)
+    for item in raw:
+        if isinstance(item, str):
+            check_chars(state, len(item), "prompt")
     prompts = []
     for item in raw:
         if isinstance(item, str):
@@ -394,17 +525,24 @@ def prepare_completion(state, req: CompletionRequest) -> _Prepared:
     base = f"cmpl-{uuid.uuid4().hex}"
     params = []
     for _, ids in prompts:
-        max_tokens = check_context(state, len(ids), req.max_tokens, "prompt")
+        max_tokens = check_context(state, len(ids), req.max_tokens, "prompt", "max_tokens")
         validate_ids(state, ids, "prompt")
         params.append(req.sampling_params(max_tokens))
     ids_list = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
     return _Prepared(ids_list, prompts, params, req.logprobs)
 
 
+def _check_open(state: ServerState) -> None:
+    if state.closed:
+        raise engine_error(ServerShuttingDownError("the server is shutting down"))
+
+
 async def create_completion(state: ServerState, request: Request):
-    req = await read_json(request, CompletionRequest)
+    req = await read_json(state, request, CompletionRequest)
     check_model(state, req.model)
-    prep = prepare_completion(state, req)
+    check_request_limits(state, req.n, _num_prompts(req.prompt))
+    prep = await state.off_loop(prepare_completion, state, req)
+    _check_open(state)
     arrival = time.monotonic()
     fault = fault_of(state, req.user)
     created = int(time.time())
@@ -413,14 +551,14 @@ async def create_completion(state: ServerState, request: Request):
     )
     n = req.n
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = _stream_usage(req)
         chunks = _in_band_errors(
-            _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage)
+            _completion_chunks(state, prep, fault, arrival, response_id, created, n, usage)
         )
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
         finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
-    except (EngineDeadError, RequestFailedError, ValueError) as e:
+    except _ENGINE_ERRORS as e:
         raise engine_error(e) from None
     if finals is None:
         return Response(status_code=499)
@@ -451,15 +589,25 @@ def completion_response(front, prep: _Prepared, finals: list, response_id: str, 
         "created": created,
         "model": front.model_name,
         "choices": choices,
-        "usage": _usage(finals),
+        "usage": _usage(prep, finals),
         "system_fingerprint": None,
     }
 
 
-def _chunk_maker(state, object_name: str, response_id: str, created: int, include_usage: bool):
-    """A function (choices, usage=None) -> one SSE frame of a streamed response."""
+def _stream_usage(req) -> str | None:
+    """Usage in a stream: None; "final" (`include_usage`: a last chunk with no choices), or
+    "every" (with `continuous_usage_stats` too, as vLLM: the counts so far in every chunk)."""
+    options = req.stream_options
+    if options is None or not options.include_usage:
+        return None
+    return "every" if options.continuous_usage_stats else "final"
 
-    def chunk(choice_list, usage=None):
+
+def _chunk_maker(state, object_name: str, response_id: str, created: int, usage_mode, usage_now):
+    """A function (choices, final=False) -> one SSE frame of a streamed response; `usage_now()`
+    gives the token counts so far (see `_stream_usage` for `usage_mode`)."""
+
+    def chunk(choice_list, final: bool = False):
         data = {
             "id": response_id,
             "object": object_name,
@@ -467,8 +615,8 @@ def _chunk_maker(state, object_name: str, response_id: str, created: int, includ
             "model": state.model_name,
             "choices": choice_list,
         }
-        if include_usage:
-            data["usage"] = usage
+        if usage_mode is not None:
+            data["usage"] = usage_now() if final or usage_mode == "every" else None
         return sse(data)
 
     return chunk
@@ -501,7 +649,7 @@ async def _in_band_errors(frames):
             yield frame
     except asyncio.CancelledError:
         raise
-    except (EngineDeadError, RequestFailedError, ValueError) as e:
+    except _ENGINE_ERRORS as e:
         yield sse(engine_error(e).body())
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
         logger.exception("stream failed")
@@ -509,9 +657,11 @@ async def _in_band_errors(frames):
     yield sse("[DONE]")
 
 
-async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, include_usage):
-    chunk = _chunk_maker(state, "text_completion", response_id, created, include_usage)
+async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, usage_mode):
     finals: list = [None] * len(prep.request_ids)
+    chunk = _chunk_maker(
+        state, "text_completion", response_id, created, usage_mode, lambda: _usage(prep, finals)
+    )
     async for index, c, delta, done, t0, t1, offset in _choice_deltas(
         state, prep, fault, arrival, finals
     ):
@@ -525,8 +675,8 @@ async def _completion_chunks(state, prep, fault, arrival, response_id, created, 
         if prep.top_k is not None:
             item["logprobs"] = _logprobs_completion(state.tokenizer, c, t0, t1, prep.top_k, offset)
         yield chunk([item])
-    if include_usage:
-        yield chunk([], _usage(finals))
+    if usage_mode is not None:
+        yield chunk([], final=True)
 
 
 # -- chat -----------------------------------------------------------------------------------------
@@ -534,14 +684,10 @@ async def _completion_chunks(state, prep, fault, arrival, response_id, created, 
 
 def prepare_chat(front, req: ChatCompletionRequest) -> _Prepared:
     """Render, tokenize and validate a chat request (400s naming the field)."""
+    check_chars(front, sum(len(m.text()) for m in req.messages), "messages")
     text, ids = render_chat(front, req.messages, req.add_generation_prompt)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    try:
-        max_tokens = check_context(front, len(ids), req.requested_max_tokens(), "messages")
-    except APIError as e:
-        if req.requested_max_tokens() is not None and len(ids) < front.max_model_len:
-            e.param = param
-        raise
+    max_tokens = check_context(front, len(ids), req.requested_max_tokens(), "messages", param)
     validate_ids(front, ids, "messages")
     params = req.sampling_params(max_tokens)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -560,19 +706,21 @@ def render_chat(state, messages, add_generation_prompt: bool = True) -> tuple[st
 
 
 async def create_chat_completion(state: ServerState, request: Request):
-    req = await read_json(request, ChatCompletionRequest)
+    req = await read_json(state, request, ChatCompletionRequest)
     check_model(state, req.model)
-    prep = prepare_chat(state, req)
+    check_request_limits(state, req.n, 1)
+    prep = await state.off_loop(prepare_chat, state, req)
+    _check_open(state)
     arrival = time.monotonic()
     fault = fault_of(state, req.user)
     created = int(time.time())
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _in_band_errors(_chat_chunks(state, prep, fault, arrival, created, include_usage))
+        usage = _stream_usage(req)
+        chunks = _in_band_errors(_chat_chunks(state, prep, fault, arrival, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
         finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
-    except (EngineDeadError, RequestFailedError, ValueError) as e:
+    except _ENGINE_ERRORS as e:
         raise engine_error(e) from None
     if finals is None:
         return Response(status_code=499)
@@ -602,19 +750,24 @@ def chat_response(front, prep: _Prepared, finals: list, created: int):
         "created": created,
         "model": front.model_name,
         "choices": choices,
-        "usage": _usage(finals),
+        "usage": _usage(prep, finals),
         "system_fingerprint": None,
     }
 
 
-async def _chat_chunks(state, prep, fault, arrival, created, include_usage):
+async def _chat_chunks(state, prep, fault, arrival, created, usage_mode):
+    finals: list = [None]
     chunk = _chunk_maker(
-        state, "chat.completion.chunk", prep.request_ids[0], created, include_usage
+        state,
+        "chat.completion.chunk",
+        prep.request_ids[0],
+        created,
+        usage_mode,
+        lambda: _usage(prep, finals),
     )
     for i in range(prep.params[0].n):
         first = {"index": i, "delta": {"role": "assistant", "content": ""}}
         yield chunk([{**first, "logprobs": None, "finish_reason": None}])
-    finals: list = [None]
     async for _, c, delta, done, t0, t1, _ in _choice_deltas(state, prep, fault, arrival, finals):
         item = {
             "index": c.index,
@@ -627,136 +780,8 @@ async def _chat_chunks(state, prep, fault, arrival, created, include_usage):
         if prep.top_k is not None:
             item["logprobs"] = _logprobs_chat(state.tokenizer, c, t0, t1, prep.top_k)
         yield chunk([item])
-    if include_usage:
-        yield chunk([], _usage(finals))
-
-
-# -- the app --------------------------------------------------------------------------------------
-
-
-class APIKeyMiddleware:
-    """Pure ASGI middleware (no body buffering, disconnects pass through): `Authorization:
-    Bearer KEY` on /v1/*, /tokenize and /detokenize; constant-time comparison."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] != "OPTIONS":
-            path = scope.get("path", "")
-            if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
-                given = dict(scope.get("headers") or []).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
-                    error = APIError(
-                        401,
-                        "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.",
-                        code="invalid_api_key",
-                    )
-                    await error_response(error)(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
-
-
-def build_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over a (not yet started) AsyncLLMEngine; the engine starts with the app."""
-
-    @asynccontextmanager
-    async def lifespan(app):
-        state.engine.start()
-        yield
-        state.engine.shutdown(timeout=5.0)
-
-    app = FastAPI(title="phloem", version=state.version, lifespan=lifespan, openapi_url=None)
-    app.state.phloem = state
-    state.created = int(time.time())
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail)))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await create_completion(state, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await create_chat_completion(state, request)
-
-    @app.get("/v1/models")
-    async def models():
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "phloem",
-            "root": state.model_name,
-            "parent": None,
-            "max_model_len": state.engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        check_model(state, model_id)
-        return (await models())["data"][0]
-
-    @app.get("/health")
-    async def health():
-        if state.engine.is_dead:
-            return error_response(APIError(503, "the engine loop has died", code="engine_dead"))
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics():
-        from phloem.metrics_prometheus import CONTENT_TYPE
-
-        if state.metrics is None:
-            return Response(b"", media_type=CONTENT_TYPE)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/version")
-    async def version():
-        return {"version": state.version}
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        req = await read_json(request, TokenizeRequest)
-        check_model(state, req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "pass exactly one of 'prompt' or 'messages'", param="prompt")
-        if req.prompt is not None:
-            ids = state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            _, ids = render_chat(state, req.messages, req.add_generation_prompt)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        req = await read_json(request, DetokenizeRequest)
-        check_model(state, req.model)
-        vocab = len(state.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(
-                400,
-                f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                param="tokens",
-            )
-        return {"prompt": state.tokenizer.decode(req.tokens)}
-
-    if state.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=state.api_key)
-    return app
+    if usage_mode is not None:
+        yield chunk([], final=True)
 
 
 def default_model_name(model: str | None) -> str:
