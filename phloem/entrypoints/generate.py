@@ -24,11 +24,15 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.entrypoints.jsonl_input import clean, loads, read_lines, text_problem, value_problem
 from phloem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from phloem.entrypoints.job_guard import JobProgress
+    from phloem.entrypoints.resumable import ResultLog
 
 _LINE_KEYS = {"id", "prompt", "messages"}
 logger = logging.getLogger(__name__)
@@ -121,9 +125,9 @@ class GenerateJob:
     log and the records it already holds ({line number: {"line", "record"}})."""
 
     lines: list[tuple[int, str]]
-    log: Any  # ResultLog
+    log: ResultLog
     done: dict[int, dict]
-    progress: Any  # JobProgress
+    progress: JobProgress
 
 
 @contextlib.contextmanager

@@ -17,7 +17,11 @@ the engine at once (`LLM.add_requests`, planned for prefix sharing). Results are
 flushed as they finish; rerunning the same command after a crash (even `kill -9` mid-write)
 drops a torn last line, skips the lines already answered and runs the rest, so every input line
 ends with exactly one output line. `id` carries the input line number, which is how a rerun
-knows what is done (together with `custom_id`).
+knows what is done (together with `custom_id`). Before the model loads, the job checks its
+paths, locks the output and compares its fingerprint (every option that changes outputs, and
+each input line) with the one kept beside the output (`<output>.job.json`, left there when the
+job ends so that a rerun is a no-op): a rerun that differs, or an output no fingerprint vouches
+for, refuses; `--recompute-changed` recomputes the changed lines (see `job_guard`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.entrypoints import jsonl_input
+
+if TYPE_CHECKING:
+    from phloem.entrypoints.job_guard import JobProgress
+    from phloem.entrypoints.resumable import ResultLog
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +64,20 @@ def record_id(line_number: int) -> str:
     return f"batch_req_{line_number}"
 
 
-def parse_batch_line(front, raw: str, line_number: int, first_line: dict[str, int]) -> BatchLine:
+def parse_batch_line(
+    front,
+    raw: str,
+    line_number: int,
+    first_line: dict[str, int],
+    check_params: Callable[[Any], None] | None = None,
+) -> BatchLine:
     """Validate one line (never raises: errors land in `BatchLine.error` as a 400).
 
     `first_line` maps each custom_id to the first input line holding it; later lines with the
     same custom_id fail as duplicates (decided over the whole file, so resuming agrees).
+    `check_params` (the engine's `validate_params`) checks each prompt's sampling parameters
+    against the model; its ValueError fails the line. `raw` is the line as
+    `jsonl_input.read_lines` returns it: undecodable bytes fail the line, naming the byte.
     """
     from pydantic import ValidationError  # lazy: `phloem` runs without the server extras
 
@@ -119,6 +136,12 @@ def parse_batch_line(front, raw: str, line_number: int, first_line: dict[str, in
             line.prep = prepare_completion(front, request)
         else:
             line.prep = prepare_chat(front, request)
+        if check_params is not None:
+            for params in line.prep.params:
+                try:
+                    check_params(params)
+                except ValueError as e:
+                    raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
     except APIError as e:
         line.error = e
     except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this line's only
@@ -180,12 +203,13 @@ def _custom_id_of(raw: str) -> str | None:
 @dataclass
 class BatchJob:
     """A job opened before the model loads (`open_batch_job`): its input lines, the custom_id
-    each output record must carry, the output log and the records it already holds."""
+    of each (None where the line has none), the output log and the records it already holds."""
 
     lines: list[tuple[int, str]]
-    log: Any  # ResultLog
+    custom_ids: dict[int, str | None]  # line number -> custom_id
+    log: ResultLog
     done: dict[str, dict]  # record id -> record
-    progress: Any  # JobProgress
+    progress: JobProgress
 
 
 @contextlib.contextmanager
@@ -203,7 +227,8 @@ def open_batch_job(
     from phloem.entrypoints.job_guard import Fingerprint, JobProgress, OutputLock, resume_results
 
     lines = read_lines(input_path)
-    expected = {record_id(n): _custom_id_of(raw) for n, raw in lines}
+    custom_ids = {n: _custom_id_of(raw) for n, raw in lines}
+    expected = {record_id(n): custom_id for n, custom_id in custom_ids.items()}
 
     def key_of(record: dict):
         rid = record.get("id")
@@ -218,7 +243,7 @@ def open_batch_job(
         )
         progress.num_saved = len(done)
         try:
-            yield BatchJob(lines, log, done, progress)
+            yield BatchJob(lines, custom_ids, log, done, progress)
         finally:
             log.close()
 
@@ -251,14 +276,13 @@ def run_batch(
     lines, done, log = job.lines, job.done, job.log
     start = time.monotonic()
     first_line: dict[str, int] = {}
-    for n, raw in lines:
-        custom_id = _custom_id_of(raw)
+    for n, custom_id in job.custom_ids.items():
         if custom_id is not None:
             first_line.setdefault(custom_id, n)
     with contextlib.ExitStack() as frozen:
         with gc_paused() as gc_enabled:  # building the batch: see phloem/engine/gc_control.py
             todo = [
-                parse_batch_line(front, raw, n, first_line)
+                parse_batch_line(front, raw, n, first_line, engine.validate_params)
                 for n, raw in lines
                 if record_id(n) not in done
             ]
