@@ -246,8 +246,11 @@ def run_plan_only(llm, input_path: str, defaults: dict[str, Any]) -> str:
 def register(subparsers) -> None:
     """Add `phloem generate` to the CLI."""
     from phloem.entrypoints.cli import add_engine_args, add_sampling_args
+    from phloem.entrypoints.job_guard import EXIT_CODES_HELP
 
-    gen = subparsers.add_parser("generate", help="run an offline JSONL batch job")
+    gen = subparsers.add_parser(
+        "generate", help="run an offline JSONL batch job", epilog=EXIT_CODES_HELP
+    )
     gen.add_argument("--input", "-i", required=True, help="JSONL: {id?, prompt | messages, ...}")
     gen.add_argument("--output", "-o", required=True, help="JSONL, one line per input line")
     gen.add_argument("--summary-json", default=None, help="write the job summary here")

@@ -33,6 +33,11 @@ EXIT_USAGE = 2  # the job cannot run as given (paths, options, fingerprint): not
 EXIT_NO_SPACE = 74  # a write failed for lack of space (EX_IOERR); finished lines are kept
 EXIT_LOCKED = 75  # another process holds the output's lock (EX_TEMPFAIL); try again later
 EXIT_INTERRUPTED = 130  # SIGINT (128 + 2); finished lines are kept
+EXIT_CODES_HELP = (
+    "exit codes: 0 done; 2 cannot run as given (bad paths or options, or saved results of "
+    "another input or options: nothing written); 74 out of disk space, 130 interrupted (finished "
+    "lines are kept: rerun the same command to finish); 75 another job holds the output's lock"
+)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file size limit (ulimit -f)
 _MODEL_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -322,9 +322,12 @@ def run_batch(
 def register(subparsers) -> None:
     """Add `phloem run-batch` to the CLI."""
     from phloem.entrypoints.cli import add_engine_args
+    from phloem.entrypoints.job_guard import EXIT_CODES_HELP
 
     p = subparsers.add_parser(
-        "run-batch", help="run an OpenAI Batch API JSONL file (crash-safe, resumable)"
+        "run-batch",
+        help="run an OpenAI Batch API JSONL file (crash-safe, resumable)",
+        epilog=EXIT_CODES_HELP,
     )
     p.add_argument("--input", "-i", required=True, help="OpenAI batch input JSONL")
     p.add_argument(
