@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from phloem.engine.gc_control import gc_frozen, gc_paused
-from phloem.entrypoints.jsonl_input import clean, loads, read_lines, text_problem, value_problem
+from phloem.entrypoints.jsonl_input import (
+    clean,
+    loads,
+    read_lines,
+    text_problem,
+    top_level,
+    value_problem,
+)
 from phloem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,16 +70,16 @@ def parse_line(llm, raw: str, line_number: int, defaults: dict[str, Any]) -> Par
     try:
         record = loads(raw)
     except ValueError as e:
+        shallow = top_level(raw)  # a line nested too deeply to parse still has its id
+        if isinstance(shallow, dict):
+            line_id = _line_id(shallow, line_id) or line_id
         return ParsedLine(line_id, error=clean(f"line {line_number}: {byte_problem or e}"))
     if not isinstance(record, dict):
         return ParsedLine(line_id, error=f"line {line_number}: expected a JSON object")
-    if "id" in record:
-        if not isinstance(record["id"], (str, int)) or isinstance(record["id"], bool):
-            return ParsedLine(line_id, error="field 'id' must be a string")
-        try:
-            line_id = clean(str(record["id"]))
-        except ValueError:  # an int beyond the conversion limit
-            return ParsedLine(line_id, error="field 'id' must be a string")
+    parsed_id = _line_id(record, line_id)
+    if parsed_id is None:
+        return ParsedLine(line_id, error="field 'id' must be a string")
+    line_id = parsed_id
     problem = byte_problem or value_problem(record)
     if problem is not None:
         return ParsedLine(line_id, error=f"line {line_number}: {problem}")
@@ -95,6 +102,18 @@ def parse_line(llm, raw: str, line_number: int, defaults: dict[str, Any]) -> Par
     except Exception as e:  # a tokenizer or template failure is this line's problem only
         return ParsedLine(line_id, error=clean(f"{type(e).__name__}: {e}"))
     return ParsedLine(line_id, text, ids, params)
+
+
+def _line_id(record: dict, default: str) -> str | None:
+    """The record's id as output text (a string, or an int written as one; lone surrogates
+    replaced), `default` without one, None when it is of another type."""
+    value = record.get("id", default)
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        return None
+    try:
+        return clean(str(value))
+    except ValueError:  # an int beyond the conversion limit
+        return None
 
 
 def output_record(parsed: ParsedLine, output) -> dict[str, Any]:

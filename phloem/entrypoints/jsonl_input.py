@@ -85,6 +85,45 @@ def loads(text: str) -> Any:
         raise ValueError(f"invalid JSON: {e}") from None
 
 
+def top_level(text: str, max_depth: int = 16) -> Any:
+    """The line's JSON value with everything nested deeper than `max_depth` replaced by null,
+    or None when even that does not parse: how a line that `loads` refused as nested too deeply
+    still yields its id / custom_id. Walks the text once in Python: for failed lines only."""
+    out: list[str] = []
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if depth <= max_depth:
+                out.append(ch)
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+            if depth <= max_depth:
+                out.append(ch)
+        elif ch in "[{":
+            depth += 1
+            if depth <= max_depth:
+                out.append(ch)
+            elif depth == max_depth + 1:
+                out.append("null")
+        elif ch in "]}":
+            if depth <= max_depth:
+                out.append(ch)
+            depth -= 1
+        elif depth <= max_depth:
+            out.append(ch)
+    try:
+        return json.loads("".join(out))
+    except (ValueError, RecursionError):
+        return None
+
+
 def clean(text: str) -> str:
     """`text` with every lone surrogate replaced by U+FFFD, so it can be written as UTF-8."""
     return _SURROGATE.sub("\ufffd", text)

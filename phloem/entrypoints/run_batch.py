@@ -95,6 +95,7 @@ def parse_batch_line(
         try:
             data = jsonl_input.loads(raw)
         except ValueError as e:
+            line.custom_id = _custom_id_of(raw)  # kept even when nested too deeply to parse
             message = jsonl_input.clean(f"line {line_number}: {byte_problem or e}")
             raise APIError(400, message) from None
         if not isinstance(data, dict):
@@ -195,7 +196,7 @@ def _custom_id_of(raw: str) -> str | None:
     try:
         data = jsonl_input.loads(raw)
     except ValueError:
-        return None
+        data = jsonl_input.top_level(raw)  # nested too deeply: the top level still parses
     value = data.get("custom_id") if isinstance(data, dict) else None
     return jsonl_input.clean(value) if isinstance(value, str) and value else None
 
