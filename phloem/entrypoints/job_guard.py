@@ -4,7 +4,7 @@ whether results saved by an earlier run belong to this job.
 
 Order, so that a job that cannot run fails at once and writes nothing:
 
-    check_paths -> job_options (model files) -> OutputLock -> Fingerprint.check -> load model -> run
+    check_paths -> job_options (model files) -> OutputLock -> resume_results -> load model -> run
 
 The fingerprint (`<output>.job.json`, written atomically) holds every option that changes outputs
 (model path and files, load format, dtype, device, KV cache dtype, seeds, max_model_len, sampling
@@ -241,8 +241,8 @@ def resume_results(
     Raises:
         JobError (EXIT_USAGE) when saved results are not this job's (see `Fingerprint`).
     Mutates: drops stale, torn and foreign lines from the log; writes the fingerprint. The log is
-    rewritten before the fingerprint, so a crash between the two leaves a log that the old
-    fingerprint would also accept, minus lines that are then recomputed.
+    rewritten before the fingerprint, so a crash between the two never leaves stale results
+    under a fingerprint that vouches for them (the rerun with the flag finishes the job).
     """
     from phloem.entrypoints.resumable import ResultLog
 
@@ -271,10 +271,9 @@ def resume_results(
 
     log = ResultLog(path, fresh_key_of)
     done = log.load()
-    if (
-        saved is None
-        or saved.get("options") != fingerprint.options
-        or (saved.get("lines") != fingerprint.digests)
+    if saved is None or (saved["options"], saved["lines"]) != (
+        fingerprint.options,
+        fingerprint.digests,
     ):
         fingerprint.save()
     return log, done
