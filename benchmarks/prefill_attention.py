@@ -28,7 +28,7 @@ import traceback
 import torch
 
 from phloem.ops.attention import AttentionMetadata
-from phloem.ops.attention.shared_prefix import build_shared_prefix_metadata
+from phloem.ops.attention.prefix_groups import build_shared_prefix_metadata
 
 
 def parse_args(argv=None):

@@ -53,8 +53,10 @@ from pathlib import Path
 import torch
 
 from phloem.ops.attention import AttentionMetadata, get_attention_backend
+from phloem.ops.attention.prefix_groups import build_shared_prefix_metadata
 from phloem.ops.attention.reference import ReferenceAttention
-from phloem.ops.attention.shared_prefix import SharedPrefixAttention, build_shared_prefix_metadata
+from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+from phloem.ops.attention.sharing_rule import SharingRule
 from phloem.ops.kv_store import allocate_kv_cache
 
 PATHS = ("plain", "triton", "flashinfer_cascade", "no_prefix", "graph", "graph_rows")
@@ -232,9 +234,7 @@ def plain_backend(args, scale: float):
 
 def begin(backend, meta: AttentionMetadata) -> None:
     """Plan the step on a planning backend (FlashInfer); the reference has nothing to plan."""
-    begin_step = getattr(backend, "begin_step", None)
-    if begin_step is not None:
-        begin_step(meta)
+    backend.begin_step(meta)
 
 
 def unavailable(lib: str) -> str | None:
@@ -278,7 +278,10 @@ def measure(args, path: str, step, fallback, scale: float, base: torch.Tensor) -
             return {"ok": None, "skipped": missing}
         options = args.triton_options.get(path, {})
         backend = SharedPrefixAttention(
-            fallback, impl=impl, min_saved_kv_tokens=0, partial_cost_tokens=0, **options
+            fallback,
+            impl=impl,
+            rule=SharingRule(min_saved_kv_tokens=0, partial_cost_tokens=0),
+            **options,
         )
         res["compile_and_first_call_ms"] = host_ms(lambda: backend.forward(q, kv, meta, scale))
         res["host_plan_ms"] = host_ms(lambda: backend.begin_step(meta))  # builder + cost rule
@@ -300,7 +303,7 @@ def graph_replay(args, step, scale: float, persistent: bool, **options):
     a decode step replays it: planned into `DecodeGraphPlan` buffers sized for this batch. Keep
     the plan alive while the graph replays: a graph does not own the tensors it reads, and freed
     tile tables get reused by the allocator (replays then read garbage block ids)."""
-    from phloem.ops.attention.shared_prefix_triton import DecodeGraphPlan
+    from phloem.ops.attention.decode_graph_plan import DecodeGraphPlan
 
     q, kv, meta = step
     sp = build_shared_prefix_metadata(meta, meta.prefix_lens_cpu)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.attention.interface import AttentionBackend
+from phloem.ops.attention.metadata import AttentionMetadata
 
 
 @dataclass
@@ -24,11 +25,18 @@ class ForwardContext:
         kv_caches: one [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor per layer,
             indexed by the attention layer's `layer_idx`.
         backend: the attention backend to call.
+        valid_slots: True when every entry of `attn_metadata.slot_mapping` is a real slot
+            (>= 0): the layers then write K/V with no filter and no host sync (which stream
+            capture forbids and which would stall the GPU once per layer). The model runner's
+            and the graph runner's steps always are (graph padding rows write to the scratch
+            block). False (hand-built steps, tests): -1 slots are skipped, at the cost of one
+            host sync per layer on a GPU (`kv_store.write_kv`).
     """
 
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
+    valid_slots: bool = False
 
 
 _current: ForwardContext | None = None

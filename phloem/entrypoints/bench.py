@@ -295,9 +295,9 @@ def _sync() -> None:
 
 
 def _attention_stats(llm) -> dict | None:
-    """Which attention path each step took (the shared-prefix backend counts them)."""
-    stats = getattr(llm.llm_engine.executor.worker.model_runner.backend, "stats", None)
-    return stats() if stats is not None else None
+    """Which attention path each step took (the shared-prefix backend counts them); None for a
+    backend that keeps no counters."""
+    return llm.llm_engine.executor.worker.model_runner.backend.stats() or None
 
 
 def _engine_info(llm) -> dict:

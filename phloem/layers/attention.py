@@ -3,7 +3,9 @@
 It reads everything step-specific from `phloem.forward_context.get_forward_context()`: the metadata,
 `kv_caches[layer_idx]` and the backend. It owns no kernel: given the model's RotaryEmbedding, it
 rotates q and k itself, on CUDA with the fused RoPE + KV-write Triton kernel
-(`phloem.ops.rope_kv`, imported lazily), elsewhere with the module and `write_kv`.
+(`phloem.ops.rope_kv`, imported lazily; it skips negative slots on the device), elsewhere with the
+module and a KV write: sync-free `write_kv_slots` when the context says every slot is valid
+(`ForwardContext.valid_slots`, the model runner's steps), else `write_kv`, which skips -1 slots.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from phloem.forward_context import get_forward_context
-from phloem.ops.kv_store import write_kv
+from phloem.ops.kv_store import write_kv, write_kv_slots
 
 
 class Attention(nn.Module):
@@ -72,7 +74,10 @@ class Attention(nn.Module):
         else:
             if rotary_emb is not None:
                 q, k = rotary_emb(positions, q, k)
-            write_kv(kv_cache, k, v, meta.slot_mapping)
+            if ctx.valid_slots:
+                write_kv_slots(kv_cache, meta.slot_mapping, k, v)
+            else:
+                write_kv(kv_cache, k, v, meta.slot_mapping)
         out = ctx.backend.forward(q, kv_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 

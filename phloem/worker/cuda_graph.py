@@ -8,10 +8,12 @@ bucket:
     dummy: token 0 at position 0, one KV token in the scratch block (never a real request's)
 
 The attention backend plans the padded step into the fixed buffers of that bucket's wrapper
-(`begin_step(meta, cuda_graph=True)`) before the replay, so only integers change between replays.
-A backend may offer several graph variants (`graph_variants()`: name -> smallest batch captured),
-e.g. the shared-prefix backend's "shared_prefix" graphs next to the "plain" ones; each is captured
-for its buckets and planned with `begin_step(meta, cuda_graph=True, graph_variant=name)`.
+(`prepare_replay(meta, variant, groups)`) before the capture and before each replay, so only
+integers change between replays. A backend may offer several graph variants (`graph_variants()`:
+name -> smallest batch captured), e.g. the shared-prefix backend's "shared_prefix" graphs next to
+the "plain" ones; each is captured for its buckets. The step's K/V writes are sync-free (a sync
+cannot be captured): the forward context says every slot is valid (`ForwardContext.valid_slots`;
+dummy rows write to the scratch block).
 The graph covers the model's forward pass (hidden states out); logits and sampling run eagerly on
 the B real rows.
 
@@ -22,17 +24,16 @@ memory pool (largest bucket first, so the smaller ones reuse its blocks).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from phloem.forward_context import ForwardContext, forward_context
-from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
-from phloem.ops.kv_store import write_kv_slots
+from phloem.ops.attention.interface import AttentionBackend
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
 
 logger = logging.getLogger(__name__)
@@ -46,41 +47,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
-def write_kv_no_sync(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """`phloem.ops.kv_store.write_kv` for slot mappings without -1 entries, with no host sync
-    (a sync cannot be captured). Padding rows of a graph step write into the scratch block."""
-    write_kv_slots(kv_cache, slot_mapping, key, value)
-
-
-@contextlib.contextmanager
-def sync_free_kv_writes() -> Iterator[None]:
-    """Route the attention layer's KV write through `write_kv_no_sync` for the duration.
-
-    `write_kv` filters -1 slots with a host sync, which stream capture forbids and which stalls
-    the GPU once per layer in eager steps. The model runner's steps never carry -1 slots (graph
-    dummies write to the scratch block), and a replay runs no Python, so swapping the function
-    while a GPU forward is traced or captured is enough.
-    TODO: drop once the attention layer asks the backend (or a sync-free kv_store) for the write.
-    """
-    import phloem.layers.attention as attention_layer
-
-    original = attention_layer.write_kv
-    attention_layer.write_kv = write_kv_no_sync
-    try:
-        yield
-    finally:
-        attention_layer.write_kv = original
-
-
 class CUDAGraphRunner:
     """Captures and replays decode steps (see the module docstring).
 
     Args:
         model: the phloem model (forward(input_ids, positions) -> hidden).
         kv_caches: the per-layer caches the graphs will read and write (fixed addresses).
-        backend: an attention backend with `begin_step(meta, cuda_graph=True)`.
+        backend: an attention backend that `supports_cuda_graphs`.
         block_size: tokens per block; scratch_block: a block id no request ever owns.
         max_num_seqs: the largest decode batch; device: the CUDA device.
     """
@@ -95,7 +68,7 @@ class CUDAGraphRunner:
         max_num_seqs: int,
         device: torch.device,
     ) -> None:
-        if not hasattr(backend, "begin_step"):
+        if not backend.supports_cuda_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot plan CUDA-graph steps")
         self.model = model
         self.kv_caches = kv_caches
@@ -108,8 +81,7 @@ class CUDAGraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         # rows: input ids, positions, slots (int64 [3, max_batch])
         self._static_inputs = torch.zeros(3, self.max_batch_size, dtype=torch.int64, device=device)
-        variants = getattr(backend, "graph_variants", None)
-        self.variants: dict[str, int] = variants() if variants is not None else {"plain": 1}
+        self.variants: dict[str, int] = backend.graph_variants()
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[str, int], torch.Tensor] = {}
         self._pool = None
@@ -154,15 +126,14 @@ class CUDAGraphRunner:
         self._static_inputs.zero_()
         self._static_inputs[2].fill_(self.scratch_slot)
         for variant, min_batch in self.variants.items():
-            kwargs = {} if variant == "plain" else {"graph_variant": variant}
             for batch in reversed(self.batch_sizes):
                 if batch < min_batch:
                     continue
                 meta = self._metadata(batch, [], [])
                 ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
-                ctx = ForwardContext(meta, self.kv_caches, self.backend)
-                self.backend.begin_step(meta, cuda_graph=True, **kwargs)
-                with forward_context(ctx), sync_free_kv_writes():
+                ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
+                self.backend.prepare_replay(meta, variant)
+                with forward_context(ctx):
                     self.model(ids, positions)  # warm-up: lazy inits, compiles, cuBLAS
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
@@ -173,9 +144,7 @@ class CUDAGraphRunner:
                 self._graphs[variant, batch] = graph
                 self._outputs[variant, batch] = out
         torch.cuda.synchronize(self.device)
-        reset = getattr(self.backend, "reset_stats", None)
-        if reset is not None:  # step counters count the workload's steps, not the captures
-            reset()
+        self.backend.reset_stats()  # step counters count the workload's steps, not the captures
         logger.info(
             "captured %d CUDA graphs (variants %s; decode batch sizes %d..%d) in %.1f s",
             len(self._graphs),
@@ -194,13 +163,13 @@ class CUDAGraphRunner:
         block_tables: list[list[int]],
         fill_inputs=None,
         variant: str = "plain",
-        shared=None,
+        groups: SharedPrefixMetadata | None = None,
     ) -> torch.Tensor:
         """Replay the `variant` graph of the step's bucket; returns hidden [B, hidden_size] of
         the B real rows (a view of the graph's output: valid until the next replay).
         `fill_inputs`, if given, is called with the static input-id buffer after the host ids
-        are copied in (it writes pending token ids on the device). `shared` (the step's prefix
-        groups, from the backend's `plan_decode`) is passed to the "shared_prefix" variant's plan.
+        are copied in (it writes pending token ids on the device). `groups` (the step's prefix
+        groups, from the backend's `plan_decode`) is passed to the variant's plan.
 
         Raises:
             ValueError: if no graph of `variant` holds B sequences.
@@ -222,9 +191,6 @@ class CUDAGraphRunner:
         if fill_inputs is not None:
             fill_inputs(self._static_inputs[0, :num_seqs])
         meta = self._metadata(batch, seq_lens, block_tables)
-        if variant == "plain":
-            self.backend.begin_step(meta, cuda_graph=True)
-        else:
-            self.backend.begin_step(meta, cuda_graph=True, graph_variant=variant, shared=shared)
+        self.backend.prepare_replay(meta, variant, groups)
         self._graphs[variant, batch].replay()
         return self._outputs[variant, batch][:num_seqs]

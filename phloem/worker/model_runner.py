@@ -13,7 +13,6 @@ engine to fail it (see `phloem.engine.llm_engine`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -24,11 +23,12 @@ from torch import nn
 from phloem.core.scheduler import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow, seeded_generator
-from phloem.ops.attention.interface import AttentionBackend, AttentionMetadata
+from phloem.ops.attention.interface import AttentionBackend, DecodePath
+from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.sampling_params import SamplingParams
-from phloem.worker.cuda_graph import CUDAGraphRunner, sync_free_kv_writes
+from phloem.worker.cuda_graph import CUDAGraphRunner
 
 # the row sampled for a request whose own row failed: greedy, so it draws no randomness
 _PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
@@ -214,14 +214,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def warmup_attention(self, num_heads: int) -> None:
-        """Compile the attention backend's kernels for common shapes now (backends with a
-        `warmup`, e.g. the shared-prefix Triton kernels), reading only the scratch block."""
-        warmup = getattr(self.backend, "warmup", None)
-        if warmup is None or not self.kv_caches:
+        """Compile the attention backend's kernels for common shapes now (`warmup`: e.g. the
+        shared-prefix Triton kernels; a no-op for most backends), reading only the scratch block."""
+        if not self.kv_caches:
             return
         with torch.inference_mode():
             dtype = next(self.model.parameters()).dtype
-            warmup(self.kv_caches[0], num_heads, self.num_blocks, self.model.head_dim**-0.5, dtype)
+            scale = self.model.head_dim**-0.5
+            self.backend.warmup(self.kv_caches[0], num_heads, self.num_blocks, scale, dtype)
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (CUDA only)."""
@@ -242,13 +242,13 @@ class ModelRunner:
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """Build the step's tensors from the scheduler output (host arrays, then one copy each
         to the device). The 0-padded device block table is built only for backends that read
-        it (`needs_block_tables`, true unless a backend says otherwise)."""
+        it (`needs_block_tables`)."""
         backend = self.backend
-        host = _HostStep.build(sched, self.block_size, hasattr(backend, "plan_decode"))
+        host = _HostStep.build(sched, self.block_size, backend.reads_prefix_lens)
         dev = self.device
         max_seq_len = max(host.seq_lens)
         qsl = host.query_start_loc
-        if getattr(backend, "needs_block_tables", True):
+        if backend.needs_block_tables:
             width = max(len(t) for t in host.block_tables)
             padded = np.zeros((len(host.block_tables), width), dtype=np.int32)
             for row, table in zip(padded, host.block_tables):
@@ -356,11 +356,9 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """One eager forward pass: plan the attention step once, then run every layer."""
-        begin_step = getattr(self.backend, "begin_step", None)
-        if begin_step is not None:
-            begin_step(meta)
-        writes = sync_free_kv_writes() if self.device.type == "cuda" else contextlib.nullcontext()
-        with forward_context(ForwardContext(meta, self.kv_caches, self.backend)), writes:
+        self.backend.begin_step(meta)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
+        with forward_context(ctx):  # the runner's steps carry no -1 slots: sync-free KV writes
             return self.model(input_ids, positions)
 
     def _run_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
@@ -386,22 +384,21 @@ class ModelRunner:
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
             tables.append(s.block_ids)
-        shared = None
-        plan_decode = getattr(self.backend, "plan_decode", None)
-        if plan_decode is not None:
+        path, groups = DecodePath.GRAPH, None
+        if self.backend.reads_prefix_lens:
             prefix_lens = [shared_prefix_len(s) for s in scheduled]
             if any(prefix_lens):
                 in_graph = runner.has_graph(len(scheduled), "shared_prefix")
-                path, shared = plan_decode(seq_lens, tables, prefix_lens, bs, in_graph)
-                if path == "eager":
+                path, groups = self.backend.plan_decode(seq_lens, tables, prefix_lens, bs, in_graph)
+                if path is DecodePath.EAGER:
                     return None, []  # prefix sharing pays this step: the cascade path, eagerly
         fill = None
         if pending:
             fill = lambda input_ids: self._fill_pending(input_ids, pending)  # noqa: E731
-        variant = "plain" if shared is None else "shared_prefix"
+        variant = "shared_prefix" if path is DecodePath.SHARED_GRAPH else "plain"
         hidden = runner.run(
             ids, positions, slots, seq_lens, tables, fill_inputs=fill, variant=variant,
-            shared=shared,
+            groups=groups,
         )  # fmt: skip
         return hidden, list(range(len(scheduled)))
 

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
-from phloem.ops.attention.interface import get_attention_backend
+from phloem.ops.attention import get_attention_backend
 from phloem.ops.kv_store import FP8_KV_DTYPE
 from phloem.worker.fusion import compile_elementwise_layers
 from phloem.worker.model_runner import ModelRunner
@@ -154,9 +154,10 @@ class Worker:
         return peak
 
     def _capture(self, max_num_seqs: int) -> bool:
-        if not hasattr(self.model_runner.backend, "begin_step"):
+        if not self.model_runner.backend.supports_cuda_graphs:
             logger.warning(
-                "CUDA graphs off: backend %r does not plan steps", self.model_runner.backend.name
+                "CUDA graphs off: backend %r cannot plan graph steps",
+                self.model_runner.backend.name,
             )
             return False
         try:

@@ -162,7 +162,7 @@ def test_cuda_graph_decode_replays_new_page_tables():
     seqs = [(1, rng.randint(1, 2000)) for _ in range(batch)]
     query, kv, meta = _step(seqs, bs, heads, kv_heads, head_dim, RUN_SEED, num_blocks=1100)
     static_q = query.clone()
-    backend.begin_step(meta, cuda_graph=True)
+    backend.prepare_replay(meta)
     backend.forward(static_q, kv, meta, head_dim**-0.5)  # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -172,7 +172,7 @@ def test_cuda_graph_decode_replays_new_page_tables():
         q2, kv2, meta2 = _step(seqs, bs, heads, kv_heads, head_dim, RUN_SEED + trial + 1, 1100)
         kv.copy_(kv2)  # same address, new contents
         static_q.copy_(q2)
-        backend.begin_step(meta2, cuda_graph=True)
+        backend.prepare_replay(meta2)
         static_out.fill_(float("nan"))
         graph.replay()
         ref = paged_attention_reference(q2, kv, meta2, head_dim**-0.5, torch.float32)

@@ -17,17 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from phloem.ops.attention import AttentionMetadata
-from phloem.ops.attention.interface import _importable
+from phloem.ops.attention import AttentionMetadata, _importable, tile_plan
+from phloem.ops.attention.prefix_groups import build_shared_prefix_metadata, pad_groups
 from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
 from phloem.ops.attention.shared_prefix import (
     SharedPrefixAttention,
-    build_shared_prefix_metadata,
+    shared_prefix_attention_triton,
+)
+from phloem.ops.attention.shared_prefix_reference import (
     merge_attention_states,
     shared_prefix_attention_reference,
-    shared_prefix_attention_triton,
     shared_prefix_partials_reference,
 )
+from phloem.ops.attention.sharing_rule import SharingRule
 from phloem.ops.kv_store import allocate_kv_cache
 
 torch.set_num_threads(1)
@@ -260,17 +262,18 @@ def test_backend_cost_rule_counters_and_exactness():
                                                 torch.float32, seed=5)  # fmt: skip
     plain = ReferenceAttention().forward(q, kv, meta, 0.35)
     # saved = 3 * 64 = 192 KV tokens for 5 grouped query tokens
-    backend = SharedPrefixAttention(ReferenceAttention(), impl="reference", min_saved_kv_tokens=192,
-                                    partial_cost_tokens=192 / 5)  # fmt: skip
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="reference",
+                                    rule=SharingRule(min_saved_kv_tokens=192,
+                                                     partial_cost_tokens=192 / 5))  # fmt: skip
     meta.prefix_lens_cpu = prefix_lens
     backend.begin_step(meta)
     torch.testing.assert_close(backend.forward(q, kv, meta, 0.35), plain, rtol=0, atol=2e-5)
     assert backend.last_path == "shared_prefix"
-    backend.min_saved_kv_tokens = 193  # just under the floor: plain path
+    backend.rule = dataclasses.replace(backend.rule, min_saved_kv_tokens=193)  # plain path
     backend.begin_step(meta)
     torch.testing.assert_close(backend.forward(q, kv, meta, 0.35), plain, rtol=0, atol=0)
     assert backend.last_path == "reference"
-    backend.min_saved_kv_tokens, backend.partial_cost_tokens = 0, 192 / 5 + 0.1  # ratio rule
+    backend.rule = SharingRule(min_saved_kv_tokens=0, partial_cost_tokens=192 / 5 + 0.1)  # ratio
     assert backend.plan(meta) is None
     step = dataclasses.replace(meta)  # a new step without prefix information: plain
     backend.forward(q, kv, step, 0.35)  # without begin_step the step plans itself
@@ -285,9 +288,9 @@ def test_backend_cost_rule_counters_and_exactness():
         "shared_prefix_saved_kv_tokens": 192,
     }
     with pytest.raises(ValueError, match="CUDA graphs"):
-        backend.begin_step(step, cuda_graph=True)
+        backend.prepare_replay(step)
     with pytest.raises(ValueError, match="variant"):
-        backend.begin_step(step, cuda_graph=True, graph_variant="other")
+        backend.prepare_replay(step, "other")
     backend.reset_stats()
     assert set(backend.stats().values()) == {0, "reference"}
 
@@ -386,8 +389,9 @@ def test_backend_triton_path(triton_kernel):
     groups = [(48, [(1, 1), (1, 4), (3, 3)]), (16, [(1, 1), (1, 2)])]
     q, kv, meta, prefix_lens = make_shared_step(groups, [(2, 9)], 2, 1, 8, torch.float32, 13)
     meta.prefix_lens_cpu = prefix_lens
-    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", min_saved_kv_tokens=1,
-                                    partial_cost_tokens=1, block_n=16)  # fmt: skip
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton",
+                                    rule=SharingRule(min_saved_kv_tokens=1, partial_cost_tokens=1),
+                                    block_n=16)  # fmt: skip
     dev = device()
     out = backend.forward(q.to(dev), kv.to(dev), meta, 0.5)
     assert backend.last_path == "shared_prefix"
@@ -491,7 +495,7 @@ def test_gpu_shared_prefix_cuda_graph_replays_new_steps():
     batch, scale = 96, 128**-0.5
     backend = SharedPrefixAttention(
         ReferenceAttention(), impl="triton", num_heads=32, num_kv_heads=8, head_dim=128,
-        device="cuda", min_saved_kv_tokens=1, partial_cost_tokens=0,
+        device="cuda", rule=SharingRule(min_saved_kv_tokens=1, partial_cost_tokens=0),
     )  # fmt: skip
     steps = []
     for seed, (num_groups, degree, prefix_len, singles) in enumerate(
@@ -509,7 +513,7 @@ def test_gpu_shared_prefix_cuda_graph_replays_new_steps():
     offsets = list(itertools.accumulate([0] + [kv.shape[0] for _, kv, *_ in steps]))
     query = torch.zeros(batch, 32, 128, dtype=torch.bfloat16, device="cuda")
     capture_meta = _decode_step([], [], batch, 0, num_heads=32, num_kv_heads=8)[2]
-    backend.begin_step(capture_meta, cuda_graph=True, graph_variant="shared_prefix")
+    backend.prepare_replay(capture_meta, "shared_prefix")
     backend.forward(query, kv_all, capture_meta, scale)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -521,7 +525,7 @@ def test_gpu_shared_prefix_cuda_graph_replays_new_steps():
                                    block_tables=meta.block_tables + off)  # fmt: skip
         real = dataclasses.replace(real, block_tables_cpu=meta.block_tables_cpu[: real.num_seqs])
         sp = build_shared_prefix_metadata(real, real_prefix_lens)
-        backend.begin_step(meta, cuda_graph=True, graph_variant="shared_prefix", shared=sp)
+        backend.prepare_replay(meta, "shared_prefix", sp)
         query.copy_(q.repeat_interleave(16, dim=-1).to(torch.bfloat16))
         graph.replay()
         want = paged_attention_reference(query.float().cpu(), kv_all.float().cpu(), meta, scale)
@@ -530,7 +534,7 @@ def test_gpu_shared_prefix_cuda_graph_replays_new_steps():
 
 def test_triton_split_rule(triton_kernel, monkeypatch):
     """Few long prefixes on a 132-SM GPU split; many groups, or tiny prefixes, do not."""
-    monkeypatch.setattr(triton_kernel, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tile_plan, "num_sms", lambda device: 132)
 
     def splits(num_groups, prefix_len, degree=16):
         groups = [(prefix_len, [(1, 201)] * degree) for _ in range(num_groups)]
@@ -539,7 +543,7 @@ def test_triton_split_rule(triton_kernel, monkeypatch):
         rows = np.array([degree * 4] * num_groups)
         suffix_work = sum(sp.suffix_lens)  # one row tile (4 rows <= 64) per decode sequence
         num_grouped = num_groups * degree
-        return triton_kernel._prefix_splits(
+        return tile_plan.split_counts(
             sp, rows, suffix_work, 8, num_grouped, 64, 32 * 129 * 4, "cpu", None
         )
 
@@ -583,11 +587,8 @@ def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, mon
         if name == "shared_prefix":
             backend = runner.backend
             assert isinstance(backend, SharedPrefixAttention)
-            backend.impl, backend.min_saved_kv_tokens, backend.partial_cost_tokens = (
-                "reference",
-                0,
-                0,
-            )
+            backend.impl = "reference"
+            backend.rule = SharingRule(min_saved_kv_tokens=0, partial_cost_tokens=0)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
@@ -595,10 +596,9 @@ def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, mon
 
 
 def test_plan_decode_for_the_cuda_graph_decision():
-    backend = SharedPrefixAttention(
-        ReferenceAttention(), min_saved_kv_tokens=64, graph_min_saved_kv_tokens=64,
-        shared_graph_min_saved_kv_tokens=48,
-    )  # fmt: skip
+    rule = SharingRule(min_saved_kv_tokens=64, graph_min_saved_kv_tokens=64,
+                       shared_graph_min_saved_kv_tokens=48)  # fmt: skip
+    backend = SharedPrefixAttention(ReferenceAttention(), rule=rule)
     tables = [[7, 8, 1], [7, 8, 2], [7, 8, 3], [9, 4]]
     seq_lens = [33, 40, 35, 20]
     path, sp = backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], block_size=16)
@@ -608,12 +608,12 @@ def test_plan_decode_for_the_cuda_graph_decision():
     assert backend.plan_decode(seq_lens, tables, [32, 32, 0, 0], 16, True) == ("graph", None)
     assert backend.num_shared_steps == 0  # planning only: no counters
     # a step the eager rule accepts still replays the plain graph below the graph threshold...
-    backend.graph_min_saved_kv_tokens = 65
+    backend.rule = dataclasses.replace(backend.rule, graph_min_saved_kv_tokens=65)
     assert backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], 16) == ("graph", None)
     # ...and the shared-prefix graph when the runner has one (threshold 48 <= 64)
     path, sp = backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], 16, shared_graph=True)
     assert path == "shared_graph" and sp.group_seq_ids == [[0, 1, 2]]
-    backend.shared_graph_min_saved_kv_tokens = 65
+    backend.rule = dataclasses.replace(backend.rule, shared_graph_min_saved_kv_tokens=65)
     assert backend.plan_decode(seq_lens, tables, [32, 32, 32, 0], 16, True) == ("graph", None)
 
 
@@ -628,8 +628,7 @@ def test_graph_variants_need_triton_on_cuda_and_geometry():
     assert reference.graph_variants() == {"plain": 1}
 
     class Planning(ReferenceAttention):
-        def begin_step(self, meta, cuda_graph=False):
-            pass
+        supports_cuda_graphs = True
 
     if _importable("triton"):
         gqa17 = SharedPrefixAttention(Planning(), num_heads=34, num_kv_heads=2, head_dim=8,
@@ -680,8 +679,10 @@ def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch, wide_pr
     groups, splits and sequences, so stale tiles, LSE slots or rows would show. The wide launch
     is persistent (one program striding over every tile, three, or the default count) or has a
     program per table row, the rows past the step's tiles no-ops ("off")."""
-    monkeypatch.setattr(triton_kernel, "_num_sms", lambda device: 64)  # small shares: splits
-    monkeypatch.setattr(triton_kernel, "_MIN_SPLIT_KV", 16)
+    monkeypatch.setattr(tile_plan, "num_sms", lambda device: 64)  # small shares: splits
+    monkeypatch.setattr(tile_plan, "MIN_SPLIT_KV", 16)
+    from phloem.ops.attention.decode_graph_plan import DecodeGraphPlan
+
     backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", num_heads=4,
                                     num_kv_heads=2, head_dim=8, device=device(),
                                     block_n=16)  # fmt: skip
@@ -700,10 +701,10 @@ def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch, wide_pr
         sp = build_shared_prefix_metadata(real, real_prefix_lens)
         assert sp.num_groups == len(groups)
         if i == 0:  # the plan the first capture would make, with this test's wide launch
-            backend._graph_plan = triton_kernel.DecodeGraphPlan(
+            backend._graph_plan = DecodeGraphPlan(
                 meta.num_seqs, 4, 2, 8, dev, max_blocks=64 * meta.num_seqs, block_n=16, **options
             )
-        backend.begin_step(meta, cuda_graph=True, graph_variant="shared_prefix", shared=sp)
+        backend.prepare_replay(meta, "shared_prefix", sp)
         out = backend.forward(q.to(dev), kv.to(dev), meta, 0.45)
         oracle = paged_attention_reference(q, kv, meta, 0.45)
         torch.testing.assert_close(out.cpu().double(), oracle, rtol=0, atol=1e-5)
@@ -726,11 +727,9 @@ def test_decode_graph_plan_matches_reference(triton_kernel, monkeypatch, wide_pr
 
 
 def test_pad_groups_appends_lone_sequences():
-    from phloem.ops.attention.shared_prefix import _pad_groups
-
     _, _, meta, real, real_prefix_lens = _decode_step([(32, [(1, 3), (1, 4)])], [(1, 7)], 2, 0)
     sp = build_shared_prefix_metadata(real, real_prefix_lens)
-    padded = _pad_groups(sp, meta)
+    padded = pad_groups(sp, meta)
     assert padded.seq_group == sp.seq_group + [-1, -1] and padded.group_seq_ids == sp.group_seq_ids
     assert padded.suffix_lens[-2:] == [1, 1] and padded.seq_prefix_lens[-2:] == [0, 0]
     assert padded.suffix_block_ids[-2:] == [meta.block_tables_cpu[-2], meta.block_tables_cpu[-1]]
@@ -748,9 +747,9 @@ def test_warmup_runs_one_shared_step_and_counts_nothing():
 
 def test_warmup_with_a_prefill_split_counts_nothing(triton_kernel):
     """The warm-up step's prefill chunk goes to the prefill backend; no counter keeps it."""
-    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", min_saved_kv_tokens=16,
-                                    partial_cost_tokens=1, prefill_backend=ReferenceAttention(),
-                                    block_n=16)  # fmt: skip
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton",
+                                    rule=SharingRule(min_saved_kv_tokens=16, partial_cost_tokens=1),
+                                    prefill_backend=ReferenceAttention(), block_n=16)  # fmt: skip
     backend.warmup(torch.randn(3, 2, 16, 2, 8, device=device()), num_heads=4, block_id=2, scale=0.3)
     assert backend.last_path == "shared_prefix"
     assert set(backend.stats().values()) == {0, "shared_prefix"}
@@ -796,8 +795,9 @@ def test_prefill_chunks_split_to_another_backend(triton_kernel, min_query_len):
             return res if out is None else out.copy_(res)
 
     prefill = Recording()
-    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", min_saved_kv_tokens=1,
-                                    partial_cost_tokens=1, block_n=16, prefill_backend=prefill,
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton",
+                                    rule=SharingRule(min_saved_kv_tokens=1, partial_cost_tokens=1),
+                                    block_n=16, prefill_backend=prefill,
                                     prefill_min_query_len=min_query_len)  # fmt: skip
     dev = device()
     for _ in range(2):  # two layers of one step: the split is planned once

@@ -1,9 +1,15 @@
-"""CUDA-graph bucket choice and the sync-free KV write (both testable on the CPU)."""
+"""CUDA-graph bucket choice and the sync-free KV write of the runners' steps (both testable on the
+CPU)."""
 
+import pytest
 import torch
 
-from phloem.ops.kv_store import write_kv
-from phloem.worker.cuda_graph import graph_batch_sizes, write_kv_no_sync
+import phloem.layers.attention as attention_layer
+from phloem.forward_context import ForwardContext, forward_context
+from phloem.layers.attention import Attention
+from phloem.ops.attention import AttentionMetadata
+from phloem.ops.attention.reference import ReferenceAttention
+from phloem.worker.cuda_graph import graph_batch_sizes
 
 
 def test_buckets_cover_every_batch():
@@ -15,13 +21,49 @@ def test_buckets_cover_every_batch():
         assert any(s >= n for s in sizes)
 
 
-def test_write_kv_no_sync_matches_write_kv():
+def _layer_write(slots: list[int], valid_slots: bool) -> torch.Tensor:
+    """The cache after one attention layer call on a 5-token step with these slots."""
     gen = torch.Generator().manual_seed(0)
-    cache_a = torch.randn(6, 2, 4, 2, 8, generator=gen)
-    cache_b = cache_a.clone()
-    slots = torch.tensor([0, 5, 13, 22, 23])
-    k = torch.randn(5, 2, 8, generator=gen)
-    v = torch.randn(5, 2, 8, generator=gen)
-    write_kv(cache_a, k, v, slots)
-    write_kv_no_sync(cache_b, k, v, slots)
-    assert torch.equal(cache_a, cache_b)
+    cache = torch.randn(6, 2, 4, 2, 8, generator=gen)
+    n = len(slots)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=torch.int32),
+        block_size=4, max_query_len=n, max_seq_len=n,
+        query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+    )  # fmt: skip
+    q = torch.randn(n, 4 * 8, generator=gen)
+    k, v = torch.randn(n, 2 * 8, generator=gen), torch.randn(n, 2 * 8, generator=gen)
+    ctx = ForwardContext(meta, [cache], ReferenceAttention(), valid_slots=valid_slots)
+    with forward_context(ctx):
+        Attention(4, 2, 8, 0.3, layer_idx=0)(q, k, v)
+    return cache
+
+
+def test_valid_slots_write_without_the_filter(monkeypatch):
+    """A step whose slots are all valid (the runners' steps) writes K/V exactly as the filtering
+    `write_kv` does, without calling it (its -1 filter syncs with the host: not capturable)."""
+    slots = [0, 1, 2, 3, 4]
+    want = _layer_write(slots, valid_slots=False)
+
+    def no_filtering_write(*args):
+        raise AssertionError("a step with valid slots must not take the filtering write")
+
+    monkeypatch.setattr(attention_layer, "write_kv", no_filtering_write)
+    got = _layer_write(slots, valid_slots=True)
+    assert torch.equal(got, want)
+    with pytest.raises(AssertionError, match="filtering"):
+        _layer_write(slots, valid_slots=False)
+
+
+def test_unchecked_slots_skip_padding():
+    """Without the runners' promise, -1 slots (padding) are skipped, as `write_kv` does: slot 2
+    keeps its old K/V while the tokens around it are written."""
+    before = _layer_write([], valid_slots=False)  # the initial cache: nothing written
+    got = _layer_write([0, 1, -1, 3, 4], valid_slots=False)
+    assert torch.equal(got[0, :, 2], before[0, :, 2])
+    for slot in (0, 1, 3, 4):
+        block, offset = divmod(slot, 4)
+        assert not torch.equal(got[block, :, offset], before[block, :, offset])

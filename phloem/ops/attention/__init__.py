@@ -1,9 +1,119 @@
-"""Attention kernels behind one small interface (see interface.py)."""
+"""Attention kernels behind one declared interface (`interface.AttentionBackend`), and the factory
+that makes them by name, importing each fast backend (and its library) only when asked for.
 
-from phloem.ops.attention.interface import (
-    AttentionBackend,
-    AttentionMetadata,
-    get_attention_backend,
-)
+Modules: `metadata` (what a step hands a kernel), `interface` (the backend ABC, the decode-plan
+types), `reference` (plain torch), `flashinfer_backend`, and the shared-prefix (cascade) family:
+`prefix_groups`, `shared_prefix_reference`, `sharing_rule`, `shared_prefix` (the backend),
+`prefill_split`, `tile_plan`, `shared_prefix_triton` (kernels), `decode_graph_plan`,
+`shared_prefix_flashinfer` (the library baseline).
+"""
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
+from phloem.ops.attention.metadata import AttentionMetadata
+
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "DecodePath",
+    "DecodePlan",
+    "get_attention_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+
+BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
+
+
+def get_attention_backend(name: str = "reference", **geometry) -> AttentionBackend:
+    """Create an attention backend by name; fast backends import their library here, lazily.
+
+    Args:
+        name: "reference" (plain torch; the CPU path), "flashinfer" (paged FlashInfer kernels,
+            CUDA only), "shared_prefix": prefix-shared (cascade) attention on steps where the
+            cost rule says sharing pays (BatchLLM §5), wrapping the plain backend ("flashinfer"
+            on CUDA when it imports, else "reference") for all other steps, or "auto": on a
+            CUDA device with FlashInfer, "shared_prefix" over FlashInfer when Triton imports
+            (else plain FlashInfer); otherwise the reference.
+        geometry: what a planning backend needs up front, ignored by the reference:
+            num_heads, num_kv_heads, head_dim, scale, dtype (of q), kv_dtype (of the KV cache,
+            default dtype), device,
+            max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
+            max_num_seqs (largest batch of a step, sizes FlashInfer's workspace),
+            kv_layout ("NHD" or "HND", the cache's memory layout, `kv_store.allocate_kv_cache`).
+    Raises:
+        ValueError: for an unknown backend name.
+        ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
+    if name in ("auto", "shared_prefix"):
+        plain = _plain_backend("auto", geometry)
+        if name == "auto" and (plain.name != "flashinfer" or not _importable("triton")):
+            return plain
+        from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+
+        return SharedPrefixAttention(
+            plain,
+            num_heads=geometry.get("num_heads"),
+            num_kv_heads=geometry.get("num_kv_heads"),
+            head_dim=geometry.get("head_dim"),
+            device=geometry.get("device"),
+            prefill_backend=_hopper_prefill_backend(plain, geometry),
+        )
+    return _plain_backend(name, geometry)
+
+
+def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:
+    """FlashInfer's "fa3" prefill kernels for the long prefill chunks of shared-prefix steps, on
+    Hopper (compute capability 9.x) when the plain backend is FlashInfer; else None. Its
+    workspace is sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step). None
+    for an FP8 KV cache."""
+    device = geometry.get("device")
+    if plain.name != "flashinfer" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    if geometry.get("kv_dtype", geometry.get("dtype")) != geometry.get("dtype"):
+        return None  # fa3 reads a cache of the query's dtype; an FP8 cache stays on our kernel
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(**{**geometry, "max_num_seqs": 256}, kernel_backend="fa3")
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _plain_backend(name: str, geometry: dict) -> AttentionBackend:
+    """ "reference", "flashinfer", or "auto" (FlashInfer on CUDA when it imports, else the
+    reference), without prefix sharing."""
+    device = geometry.get("device")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if name == "auto":
+        name = "reference"
+        if on_cuda:
+            try:
+                import flashinfer  # noqa: F401
+
+                name = "flashinfer"
+            except ImportError as e:  # the reference runs anywhere, slowly
+                logger.warning("FlashInfer unavailable (%s); using the reference attention", e)
+    if name == "flashinfer":
+        if not on_cuda:
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention(**geometry)
+    from phloem.ops.attention.reference import ReferenceAttention
+
+    return ReferenceAttention()

@@ -8,7 +8,7 @@ module for all of them keeps the JIT build to one module per head dim.
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
 split-KV decisions); every layer's `forward` then only launches the kernel. A decode step captured
 in a CUDA graph uses a wrapper of its own per batch size, planned into fixed buffers
-(`cuda_graph=True`), so the replayed kernel reads the new step's page table.
+(`prepare_replay`), so the replayed kernel reads the new step's page table.
 
 KV layout: phloem's cache tensor is FlashInfer's "NHD" paged layout (`[num_blocks, 2, block_size,
 H_kv, D]`), passed as is; an "HND" cache (`kv_store.allocate_kv_cache`) is a transposed view of a
@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from phloem.config import KV_LAYOUTS
-from phloem.ops.attention.interface import AttentionMetadata
+from phloem.ops.attention.interface import AttentionBackend
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
 
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
@@ -71,7 +73,7 @@ def _head(table: list[int], n: int) -> list[int]:
     return table if len(table) == n else table[:n]
 
 
-class FlashInferAttention:
+class FlashInferAttention(AttentionBackend):
     """The FlashInfer attention backend (CUDA only; see the module docstring).
 
     Args:
@@ -94,6 +96,7 @@ class FlashInferAttention:
 
     name = "flashinfer"
     needs_block_tables = False  # plans from `block_tables_cpu`
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -160,21 +163,34 @@ class FlashInferAttention:
             self._graph_wrappers[batch_size] = wrapper
         return wrapper
 
-    def begin_step(self, meta: AttentionMetadata, cuda_graph: bool = False) -> None:
-        """Plan the step (host work, one small host-to-device copy). Call once per step, before
-        the forward pass or the graph replay; mutates the wrapper the step's layers will use.
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Plan an eager step (host work, one small host-to-device copy). Call once per step,
+        before the forward pass; mutates the wrapper the step's layers will use."""
+        self._plan(meta, self._eager)
 
-        With `cuda_graph`, every sequence must have q_len 1 (a decode step, padded to the graph's
-        batch size by whole dummy sequences).
+    def prepare_replay(
+        self,
+        meta: AttentionMetadata,
+        variant: str = "plain",
+        groups: SharedPrefixMetadata | None = None,
+    ) -> None:
+        """Plan a decode step (every q_len 1, padded to the graph's batch by whole dummy
+        sequences) into the fixed buffers of the wrapper for `meta.num_seqs` sequences, before
+        the capture or replay of its "plain" graph. `groups` is not read (no prefix sharing).
+
+        Raises:
+            ValueError: for another variant or a step that is not decode-only.
         """
+        if variant != "plain":
+            raise ValueError(f"unknown CUDA-graph variant {variant!r} for {self.name!r}")
+        if meta.max_query_len != 1:
+            raise ValueError("CUDA-graph steps must be decode-only (q_len 1)")
+        self._plan(meta, self._graph_wrapper(meta.num_seqs))
+
+    def _plan(self, meta: AttentionMetadata, wrapper) -> None:
+        """FlashInfer's `plan()` of the step into `wrapper`, which becomes the active one."""
         qo_indptr = pinned(np.array(meta.query_start_loc_cpu, dtype=np.int32))
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(meta)
-        if cuda_graph:
-            if meta.max_query_len != 1:
-                raise ValueError("CUDA-graph steps must be decode-only (q_len 1)")
-            wrapper = self._graph_wrapper(meta.num_seqs)
-        else:
-            wrapper = self._eager
         wrapper.plan(
             qo_indptr,
             kv_indptr,

@@ -1,193 +1,163 @@
-"""The attention-backend interface: what one model step hands to every attention kernel.
+"""The attention-backend interface: every method the model runner, the CUDA-graph runner and the
+attention layer call on a backend, declared once (mini-sglang's `BaseAttnBackend` is the model).
 
-KV cache layout (one tensor per layer, FlashInfer's "NHD" paged layout):
-    kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
-A token's *slot* is `block_id * block_size + offset_in_block`. Kernels always see that shape; its
-memory may be head-major instead (`CacheConfig.kv_layout="HND"`: a strided view, see
-`ops/kv_store.py`), so they index through the strides.
+The step a backend sees is an `AttentionMetadata` (layout and token packing in `metadata.py`). Per
+step the callers do, in order:
 
-The tokens of one step are packed: the step holds B sequences, sequence b contributes the query
-tokens `query_start_loc[b] : query_start_loc[b+1]`, which are its *last* q_len_b tokens, so
+    eager step:   begin_step(meta) -> forward(...) per layer -> end_step()
+    graph step:   plan_decode(...) -> prepare_replay(padded meta, variant, groups) -> replay
 
-    |------------- seq_lens[b] (KV length after this step) -------------|
-    |-- already in the KV cache --|--- q_len_b tokens computed now ---|
+A CUDA graph replays kernels whose inputs live at fixed addresses, so `prepare_replay` writes the
+step's plan into buffers of the variant's graph for `meta.num_seqs` sequences (the same call,
+with no groups, plans the capture; the largest batch is captured first, so buffers sized at the
+first call hold every bucket). Backends with nothing to plan inherit the no-op defaults here;
+what a backend can do is said by class attributes, never discovered by probing.
 
-and query token i of sequence b sits at position seq_lens[b] - q_len_b + i (causal: it attends to
-KV positions 0 .. that position). Prefill chunks (q_len > 1) and decode tokens (q_len = 1) mix
-freely in one step.
+This module imports no backend: backends import it, and the factory (`ops/attention/__init__.py`)
+imports them lazily.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Protocol
+import abc
+import enum
+from typing import Any, NamedTuple
 
 import torch
 
-logger = logging.getLogger(__name__)
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "DecodePath", "DecodePlan"]
 
 
-@dataclass
-class AttentionMetadata:
-    """Per-step attention inputs; T = tokens in the step, B = sequences in the step.
+class DecodePath(enum.StrEnum):
+    """How a decode-only step runs (`AttentionBackend.plan_decode`)."""
 
-    Attributes:
-        slot_mapping: int64 [T]; KV slot each new token's K/V is written to (-1 = skip, padding).
-        query_start_loc: int32 [B + 1]; cumulative query lengths (CSR offsets into the T tokens).
-        seq_lens: int32 [B]; KV length of each sequence including this step's tokens [tokens].
-        block_tables: int32 [B, max_blocks_per_seq]; block ids of each sequence, 0-padded.
-        block_size: tokens per KV block.
-        max_query_len: max q_len over the B sequences [tokens].
-        max_seq_len: max seq_lens [tokens].
-        query_start_loc_cpu / seq_lens_cpu: the same offsets as Python lists, for host-side loops.
-        block_tables_cpu: the block ids of each sequence as Python lists (unpadded, at least
-            ceil(seq_lens[b] / block_size) ids each), for backends that plan on the host
-            (FlashInfer); None when the builder of the metadata did not provide them.
-        prefix_lens_cpu: per sequence, the tokens at the start of its block table that are its
-            prefix group's shared blocks (0 for none); read by the shared-prefix backend
-            (`shared_prefix.py`) to batch a group's queries against the prefix KV once.
+    GRAPH = "graph"  # replay the "plain" CUDA graph of the step's bucket
+    SHARED_GRAPH = "shared_graph"  # replay the "shared_prefix" graph with the step's groups
+    EAGER = "eager"  # prefix sharing pays and no graph has it: the shared path, eagerly
+
+
+class DecodePlan(NamedTuple):
+    """`plan_decode`'s answer: the path, and the step's prefix groups for the shared paths
+    (None for `DecodePath.GRAPH`)."""
+
+    path: DecodePath
+    groups: SharedPrefixMetadata | None = None
+
+
+class AttentionBackend(abc.ABC):
+    """A paged causal attention kernel behind the step protocol of the module docstring.
+
+    Implementations: `reference.ReferenceAttention` (plain torch, the CPU path and the oracle),
+    `flashinfer_backend.FlashInferAttention`, `shared_prefix.SharedPrefixAttention`; the factory
+    `phloem.ops.attention.get_attention_backend` makes them by name.
+
+    Class attributes (a backend may set them per instance when they depend on what it wraps):
+        name: the backend's name in configs and reports.
+        needs_block_tables: whether `forward` reads the padded device table `meta.block_tables`;
+            False when the backend plans from `meta.block_tables_cpu` (the model runner then
+            skips building it).
+        reads_prefix_lens: whether the backend reads `meta.prefix_lens_cpu` (the model runner
+            fills it, and asks `plan_decode` before replaying a decode graph).
+        supports_cuda_graphs: whether `prepare_replay` can plan the "plain" variant, i.e. the
+            backend's decode kernels read only fixed-address buffers.
     """
 
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    block_size: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    block_tables_cpu: list[list[int]] | None = None
-    prefix_lens_cpu: list[int] | None = None
+    name: str = "abstract"
+    needs_block_tables: bool = True
+    reads_prefix_lens: bool = False
+    supports_cuda_graphs: bool = False
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
-
-class AttentionBackend(Protocol):
-    """A paged attention kernel. Implementations: `reference.ReferenceAttention` (plain torch, the
-    CPU path and the oracle); fast GPU backends are created lazily by `get_attention_backend`.
-
-    A backend may also define `begin_step(meta, cuda_graph=False)`: the model runner calls it once
-    per step, before the forward pass (and before replaying a captured CUDA graph), so the backend
-    can plan the step on the host once instead of once per layer (FlashInfer's `plan()`).
-    A backend that never reads the padded device `meta.block_tables` (it plans from
-    `block_tables_cpu`) sets `needs_block_tables = False`, and the model runner skips building it.
-    With `cuda_graph=True` the plan must write into buffers of fixed address that a graph captured
-    for `meta.num_seqs` sequences reads.
-    """
-
-    name: str
-
+    @abc.abstractmethod
     def forward(
         self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the step's queries over each sequence's paged KV.
 
         Args:
             query: [T, num_heads, head_dim], model dtype.
             kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; this step's K/V are
-                already written (see `phloem.ops.kv_store.write_kv`).
+                already written (see `phloem.ops.kv_store.write_kv`); read only.
             meta: the step's metadata.
             scale: softmax scale (usually head_dim ** -0.5).
+            out: if given (query's shape and dtype, contiguous), receives the result and is
+                returned; else a new tensor is.
         Returns:
-            [T, num_heads, head_dim], same dtype as `query`. num_heads must be a multiple of
+            [T, num_heads, head_dim], same dtype as `query`; zeros for query tokens past
+            `meta.query_start_loc_cpu[-1]` (padding). num_heads must be a multiple of
             num_kv_heads (GQA: query head h reads KV head h // (num_heads // num_kv_heads)).
         """
-        ...
 
+    # -- per-step planning (defaults: nothing to plan) ---------------------------------------
 
-BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
+    def begin_step(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Plan an eager step once, before its forward pass (not once per layer: FlashInfer's
+        `plan()`, the shared-prefix cost rule). A backend may also plan lazily in `forward`
+        when a caller skipped this (tests)."""
 
+    def end_step(self) -> None:  # noqa: B027 - optional hook
+        """Forget the step's plan (the next `forward` without `begin_step` plans again)."""
 
-def get_attention_backend(name: str = "reference", **geometry) -> AttentionBackend:
-    """Create an attention backend by name; fast backends import their library here, lazily.
+    # -- CUDA graphs ----------------------------------------------------------------------------
 
-    Args:
-        name: "reference" (plain torch; the CPU path), "flashinfer" (paged FlashInfer kernels,
-            CUDA only), "shared_prefix": prefix-shared (cascade) attention on steps where the
-            cost rule says sharing pays (BatchLLM §5), wrapping the plain backend ("flashinfer"
-            on CUDA when it imports, else "reference") for all other steps, or "auto": on a
-            CUDA device with FlashInfer, "shared_prefix" over FlashInfer when Triton imports
-            (else plain FlashInfer); otherwise the reference.
-        geometry: what a planning backend needs up front, ignored by the reference:
-            num_heads, num_kv_heads, head_dim, scale, dtype (of q), kv_dtype (of the KV cache,
-            default dtype), device,
-            max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
-            max_num_seqs (largest batch of a step, sizes FlashInfer's workspace),
-            kv_layout ("NHD" or "HND", the cache's memory layout, `kv_store.allocate_kv_cache`).
-    Raises:
-        ValueError: for an unknown backend name.
-        ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.
-    """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
-    if name in ("auto", "shared_prefix"):
-        plain = _plain_backend("auto", geometry)
-        if name == "auto" and (plain.name != "flashinfer" or not _importable("triton")):
-            return plain
-        from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+    def graph_variants(self) -> dict[str, int]:
+        """The decode-graph variants to capture, each with the smallest batch size captured for
+        it. Every backend has "plain" (captured only where `supports_cuda_graphs`)."""
+        return {"plain": 1}
 
-        return SharedPrefixAttention(
-            plain,
-            num_heads=geometry.get("num_heads"),
-            num_kv_heads=geometry.get("num_kv_heads"),
-            head_dim=geometry.get("head_dim"),
-            device=geometry.get("device"),
-            prefill_backend=_hopper_prefill_backend(plain, geometry),
-        )
-    return _plain_backend(name, geometry)
+    def plan_decode(
+        self,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        prefix_lens: list[int],
+        block_size: int,
+        shared_graph: bool = False,
+    ) -> DecodePlan:
+        """How a decode-only step (one query per sequence, given as host lists) runs; the model
+        runner asks before replaying a graph. `shared_graph`: a "shared_prefix" graph exists for
+        the step's batch. Host only, no counters. Default: the plain graph."""
+        return DecodePlan(DecodePath.GRAPH)
 
+    def prepare_replay(
+        self,
+        meta: AttentionMetadata,
+        variant: str = "plain",
+        groups: SharedPrefixMetadata | None = None,
+    ) -> None:
+        """Plan a padded decode step (q_len 1 for every sequence) into the fixed buffers the
+        `variant` graph of `meta.num_seqs` sequences reads; called before its capture and before
+        each replay. `groups`: the real sequences' prefix groups from `plan_decode` (padding
+        sequences follow them, without a group).
 
-def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:
-    """FlashInfer's "fa3" prefill kernels for the long prefill chunks of shared-prefix steps, on
-    Hopper (compute capability 9.x) when the plain backend is FlashInfer; else None. Its
-    workspace is sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step). None
-    for an FP8 KV cache."""
-    device = geometry.get("device")
-    if plain.name != "flashinfer" or torch.cuda.get_device_capability(device)[0] != 9:
-        return None
-    if geometry.get("kv_dtype", geometry.get("dtype")) != geometry.get("dtype"):
-        return None  # fa3 reads a cache of the query's dtype; an FP8 cache stays on our kernel
-    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+        Raises:
+            ValueError: when the backend cannot plan that variant (default: any).
+        """
+        raise ValueError(f"attention backend {self.name!r} cannot plan CUDA graphs ({variant!r})")
 
-    return FlashInferAttention(**{**geometry, "max_num_seqs": 256}, kernel_backend="fa3")
+    # -- start-up and counters ------------------------------------------------------------------
 
+    def warmup(  # noqa: B027 - optional hook
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        block_id: int,
+        scale: float,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Compile the backend's kernels for common shapes now rather than in the first steps,
+        reading only block `block_id` of `kv_cache` (queries in `dtype`, default the cache's);
+        writes nothing, counts nothing. Default: nothing to compile."""
 
-def _importable(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
+    def stats(self) -> dict[str, Any]:
+        """Per-path step counters for reports (JSON-ready); empty when the backend keeps none."""
+        return {}
 
-
-def _plain_backend(name: str, geometry: dict) -> AttentionBackend:
-    """ "reference", "flashinfer", or "auto" (FlashInfer on CUDA when it imports, else the
-    reference), without prefix sharing."""
-    device = geometry.get("device")
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    if name == "auto":
-        name = "reference"
-        if on_cuda:
-            try:
-                import flashinfer  # noqa: F401
-
-                name = "flashinfer"
-            except ImportError as e:  # the reference runs anywhere, slowly
-                logger.warning("FlashInfer unavailable (%s); using the reference attention", e)
-    if name == "flashinfer":
-        if not on_cuda:
-            raise ValueError("the flashinfer attention backend needs a CUDA device")
-        from phloem.ops.attention.flashinfer_backend import FlashInferAttention
-
-        return FlashInferAttention(**geometry)
-    from phloem.ops.attention.reference import ReferenceAttention
-
-    return ReferenceAttention()
+    def reset_stats(self) -> None:  # noqa: B027 - optional hook
+        """Zero the counters of `stats()` (after captures and warm-up steps)."""

@@ -1,6 +1,6 @@
 """Plain-torch paged attention: the CPU backend and the oracle every fast kernel is tested against.
 
-Layout and step packing are described in `interface.py`. For each sequence b of a step:
+Layout and step packing are described in `metadata.py`. For each sequence b of a step:
 
     |------------------- seq_lens[b] = L (KV after this step) -------------------|
     |---- already cached: L - q_len ----|------ q_len query tokens (this step) ---|
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phloem.ops.attention.interface import AttentionMetadata
+from phloem.ops.attention.interface import AttentionBackend
+from phloem.ops.attention.metadata import AttentionMetadata
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,10 +71,11 @@ def _gather_kv(
     return kv_cache[block_ids, 0, offsets].to(dtype), kv_cache[block_ids, 1, offsets].to(dtype)
 
 
-class ReferenceAttention:
+class ReferenceAttention(AttentionBackend):
     """Paged causal attention in plain torch (GQA, chunked prefill and decode mixed in one step).
 
     Query tokens not covered by `meta.query_start_loc` (padding at the end of the step) get zeros.
+    Nothing to plan and no CUDA graphs (its host loops read the step's lists).
     """
 
     name = "reference"
@@ -84,6 +86,7 @@ class ReferenceAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of the step's queries over each sequence's paged KV.
 
@@ -94,13 +97,17 @@ class ReferenceAttention:
             meta: the step's metadata (the host lists `query_start_loc_cpu`, `seq_lens_cpu` drive
                 the loop; `block_tables` is indexed on the cache's device).
             scale: softmax scale.
+            out: if given, receives the result (and is returned).
         Returns:
             [T, num_heads, head_dim] in `query.dtype`.
         Raises:
             ValueError: for inconsistent shapes or metadata (q_len > seq_len, block size mismatch).
         """
         _check_shapes(query, kv_cache, meta)
-        out = torch.zeros_like(query)
+        if out is None:
+            out = torch.zeros_like(query)
+        else:
+            out.zero_()
         qsl = meta.query_start_loc_cpu
         decode = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
         if decode:

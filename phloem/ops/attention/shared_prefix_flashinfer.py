@@ -11,8 +11,9 @@ by `flashinfer.merge_state`:
   * merge: suffix state of the grouped tokens with their prefix state; FlashInfer's LSE is base 2
     on both sides, so the states merge as they come.
 
-Imported lazily (CUDA + flashinfer only). Not captured in CUDA graphs: the token count of the
-prefix level changes from step to step.
+Imported lazily (CUDA + flashinfer only) by the shared-prefix backend's "flashinfer" impl, which
+`benchmarks/shared_prefix_attention.py` measures against our kernel. Not captured in CUDA graphs:
+the token count of the prefix level changes from step to step.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import itertools
 
 import torch
 
-from phloem.ops.attention.interface import AttentionMetadata
-from phloem.ops.attention.shared_prefix import SharedPrefixMetadata
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
+from phloem.ops.kv_store import kv_layout
 
 _WORKSPACE_BYTES = 128 << 20
 
@@ -40,7 +42,7 @@ def _pages(block_ids: list[list[int]], lens: list[int], block_size: int):
 
 
 class FlashInferCascade:
-    """Plan once per step (`plan`), then `run` per layer.
+    """Plan once per step (`plan`), then `run` per layer (`forward` does both).
 
     Args:
         num_heads, num_kv_heads, head_dim: attention geometry; dtype: of q and the KV cache;
@@ -71,6 +73,28 @@ class FlashInferCascade:
         self._suffix = wrapper(self._ws_suffix, kv_layout, backend="fa2")
         self._grouped: torch.Tensor | None = None
         self._num_tokens = 0
+        self._planned: SharedPrefixMetadata | None = None
+
+    def fits(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> bool:
+        """Whether this cascade was made for the query's dtype, the scale and the cache layout."""
+        return (
+            self.scale == scale
+            and self.dtype == query.dtype
+            and self.kv_layout == kv_layout(kv_cache)
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        sp: SharedPrefixMetadata,
+    ) -> torch.Tensor:
+        """`run`, planning the step at its first layer (a new `sp` is a new step)."""
+        if self._planned is not sp:
+            self.plan(attn_meta, sp)
+            self._planned = sp
+        return self.run(query, kv_cache)
 
     def plan(self, attn_meta: AttentionMetadata, sp: SharedPrefixMetadata) -> None:
         """Plan both levels for the step (host work, small host-to-device copies)."""
