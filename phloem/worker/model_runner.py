@@ -6,9 +6,9 @@ and reads its attention metadata from the forward context. Each step calls the b
 `begin_step` once (planning backends such as FlashInfer); decode-only steps replay a captured
 CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
 
-A request whose own sampling setup raises (its generator, its row) fails alone: its row is
-sampled greedily so the batch goes on, and its id lands in `ModelRunnerOutput.failed` for the
-engine to fail it (see `phloem.engine.llm_engine`).
+A request whose own sampling setup (its generator, its row) or sampling raises fails alone: its
+row is sampled greedily so the batch goes on, and its id lands in `ModelRunnerOutput.failed` for
+the engine to fail it (see `phloem.engine.llm_engine`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ from phloem.worker.cuda_graph import CUDAGraphRunner
 
 # the row sampled for a request whose own row failed: greedy, so it draws no randomness
 _PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
+
+
+def _placeholder_row(request) -> SamplingRow:
+    """The row sampled for a request that failed alone: greedy, no bans, draws nothing."""
+    return SamplingRow(_PLACEHOLDER_PARAMS, request.prompt_token_ids, [], generator=None)
 
 
 @dataclass
@@ -193,6 +198,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed=seed, device=device)
+        self._shared_generator = self.sampler.generator  # also behind a wrapped sampler
         self._generators: dict[str, torch.Generator] = {}
         # request id -> (request, its row): rows that never change (no min_tokens bans) are
         # built once per request, not once per step (~1,000 rows a step at BatchLLM scale)
@@ -313,7 +319,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         requests = [sched.scheduled[i].request for i in sampled]
         rows, failed = self._sampling_rows(requests)
-        handle = self.sampler.launch(logits, rows)
+        handle = self._launch_sampler(logits, rows, requests, failed)
         request_ids = [r.request_id for r in requests]
         self._last_sampled = (handle.tokens, {rid: k for k, rid in enumerate(request_ids)})
         return LaunchedStep(request_ids, handle, failed)
@@ -433,6 +439,39 @@ class ModelRunner:
         logits = self.model.compute_logits(rows)
         torch.log_softmax(logits.float(), dim=-1).argmax(dim=-1)
 
+    def _launch_sampler(
+        self, logits: torch.Tensor, rows: list[SamplingRow], requests: list, failed: dict
+    ) -> SampledTokens:
+        """`sampler.launch(logits, rows)`, failing alone each row whose sampling raises.
+
+        When the batch raises, each row is tried alone (the others replaced by greedy
+        placeholders, every generator's state restored after each trial, so the rows that go on
+        draw what they would have, less anything the failed batch attempt drew); the rows that
+        raise on their own are failed (added to `failed`) and replaced by placeholders for the
+        real launch. A fault no single row causes, or one that survives the replacement, is the
+        step's own: it propagates. Mutates `rows` and `failed` only on that path."""
+        try:
+            return self.sampler.launch(logits, rows)
+        except Exception:  # noqa: BLE001 - find out whether one request causes it
+            placeholders = [_placeholder_row(r) for r in requests]
+            generators = {id(g): g for g in [self._shared_generator] + [r.generator for r in rows]}
+            states = [(g, g.get_state()) for g in generators.values() if g is not None]
+            culprits: dict[int, str] = {}
+            for i in range(len(rows)):
+                trial = [*placeholders[:i], rows[i], *placeholders[i + 1 :]]
+                try:
+                    self.sampler.launch(logits, trial)
+                except Exception as e:  # noqa: BLE001 - row i's own fault
+                    culprits[i] = f"sampling failed: {type(e).__name__}: {e}"
+                for generator, state in states:
+                    generator.set_state(state)
+            if not culprits:
+                raise
+        for i, message in culprits.items():
+            failed[requests[i].request_id] = message
+            rows[i] = placeholders[i]
+        return self.sampler.launch(logits, rows)
+
     def _sampling_rows(self, requests: list) -> tuple[list[SamplingRow], dict[str, str]]:
         """The sampling rows of a step's sampled requests, and {request id: reason} for those
         whose row could not be built: they get a greedy placeholder row (the batch goes on)
@@ -444,9 +483,7 @@ class ModelRunner:
                 rows.append(self._sampling_row(request))
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
                 failed[request.request_id] = f"sampling setup failed: {type(e).__name__}: {e}"
-                rows.append(
-                    SamplingRow(_PLACEHOLDER_PARAMS, request.prompt_token_ids, [], generator=None)
-                )
+                rows.append(_placeholder_row(request))
         return rows, failed
 
     def _sampling_row(self, request) -> SamplingRow:

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 import phloem.core.scheduler as scheduler_module
+import phloem.layers.sampler as sampler_module
 import phloem.worker.model_runner as model_runner_module
 from phloem import LLM, SamplingParams
 from phloem.core.scheduler import Scheduler
@@ -97,6 +98,26 @@ def test_detokenizer_failure_fails_alone(llm, monkeypatch):
     bad = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=["BOOM"], n=2)
     outputs = run_with_one_bad(llm, bad)
     assert "UnicodeDecodeError" in outputs[1].error and len(outputs[1].outputs) == 2
+
+
+def test_sampling_failure_fails_alone_and_seeded_neighbours_draw_the_same(llm, monkeypatch):
+    real = sampler_module.apply_min_p
+
+    def apply_min_p(logits, min_p):
+        if bool(((min_p - 0.125).abs() < 1e-6).any()):
+            raise IndexError("injected sampling fault")
+        return real(logits, min_p)
+
+    seeded = SamplingParams(seed=7, min_p=0.01, max_tokens=4, ignore_eos=True)
+    expected = llm.generate(PROMPTS, seeded, use_tqdm=False)
+    monkeypatch.setattr(sampler_module, "apply_min_p", apply_min_p)
+    bad = SamplingParams(seed=8, min_p=0.125, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [seeded, bad, seeded], use_tqdm=False)
+    assert "injected sampling fault" in outputs[1].error
+    for i in (0, 2):
+        assert outputs[i].error is None
+        assert outputs[i].outputs[0].token_ids == expected[i].outputs[0].token_ids
+    assert_clean(llm)
 
 
 def test_stop_rule_failure_fails_alone(llm, monkeypatch):
