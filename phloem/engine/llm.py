@@ -353,28 +353,30 @@ class LLM:
     def plan(
         self,
         prompts: Sequence[PromptType | list[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: ParamsArg | Sequence[ParamsArg] | None = None,
     ) -> PrefixPlan:
         """The global prefix plan for a batch (BatchLLM §4): groups of requests sharing a prefix
         computed once, and the schedule order (decode-heavy first). Runs no model.
 
         Args:
             prompts: as for `generate`, or token-id lists.
-            sampling_params: one for all or one per prompt (their `max_tokens` order the plan).
+            sampling_params: one for all or one per prompt, as for `generate` (their
+                `max_tokens` order the plan).
         Returns:
             the `PrefixPlan` (`describe()` prints it; `planned_reuse_ratio` is its saving).
+        Raises:
+            TypeError, ValueError: as `generate`, for the prompts and sampling_params.
         """
         with gc_paused():
             # token-id lists as they are: the planner reads them and keeps none
             prompt_token_ids = [
                 p if isinstance(p, list) else self.encode_prompt(p)[1] for p in prompts
             ]
-            if sampling_params is None or isinstance(sampling_params, SamplingParams):
-                sampling_params = [sampling_params or SamplingParams()] * len(prompt_token_ids)
+            params_list = self._params_list(sampling_params, len(prompt_token_ids))
             max_model_len = self.llm_engine.max_model_len
             max_tokens = [
                 p.max_tokens if p.max_tokens is not None else max_model_len - len(ids)
-                for ids, p in zip(prompt_token_ids, sampling_params)
+                for ids, p in zip(prompt_token_ids, params_list)
             ]
             return plan_prefix_groups(
                 prompt_token_ids, max_tokens, self.llm_engine.kv_manager.block_size

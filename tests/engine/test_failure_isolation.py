@@ -241,6 +241,7 @@ def test_argument_errors_name_the_argument(llm):
     assert_clean(llm)
     outputs = llm.generate(PROMPTS[:1], {"temperature": 0, "max_tokens": 3}, use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 3
+    assert llm.plan(PROMPTS, {"max_tokens": 3}).describe()  # dicts for plan() too
 
 
 def test_chat_takes_content_parts_like_the_server(llm):
