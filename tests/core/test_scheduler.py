@@ -328,3 +328,43 @@ def test_block_allocator_fuzz(ops):
         if free_block is None:
             raise ValueError("pool full")
         allocator.decref([free_block])
+
+
+def test_a_request_whose_admission_or_stop_rule_raises_fails_alone(monkeypatch):
+    """An exception in one waiting request's admission, or in its stop rules, finishes it as
+    FINISHED_ERROR (blocks freed, reason in `failed_requests`); the others run to the end."""
+    import phloem.core.scheduler as scheduler_module
+
+    real_attach, real_stop = Scheduler._attach_prefix, scheduler_module.check_stop
+
+    def attach(self, request):
+        if request.request_id == "bad-admit":
+            raise IndexError("injected admission fault")
+        return real_attach(self, request)
+
+    def check_stop(request, max_model_len):
+        if request.request_id == "bad-stop" and request.num_output_tokens == 2:
+            raise KeyError("injected stop fault")
+        return real_stop(request, max_model_len)
+
+    monkeypatch.setattr(Scheduler, "_attach_prefix", attach)
+    monkeypatch.setattr(scheduler_module, "check_stop", check_stop)
+    scheduler = make_scheduler()
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    requests = {
+        rid: Request(rid, [1 + i, 2, 3, 4, 5, 6], params)
+        for i, rid in enumerate(["a", "bad-admit", "bad-stop", "b"])
+    }
+    for request in requests.values():
+        scheduler.add_request(request)
+    run_to_completion(scheduler)
+    assert requests["bad-admit"].status is RequestStatus.FINISHED_ERROR
+    assert requests["bad-admit"].num_output_tokens == 0
+    assert requests["bad-stop"].status is RequestStatus.FINISHED_ERROR
+    assert requests["bad-stop"].num_output_tokens == 2
+    assert set(scheduler.failed_requests) == {"bad-admit", "bad-stop"}
+    assert "injected admission fault" in scheduler.failed_requests["bad-admit"]
+    for rid in ("a", "b"):
+        assert requests[rid].status is RequestStatus.FINISHED_LENGTH
+        assert requests[rid].num_output_tokens == 5
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
