@@ -38,6 +38,14 @@ _FLOAT_FIELDS = (
 )
 
 
+def _show(value: Any) -> str:
+    """`repr(value)` for an error message; an integer too long to print as decimal (Python
+    refuses past 4,300 digits) is described by its size instead."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -108,7 +116,7 @@ class SamplingParams:
                 try:
                     setattr(self, name, float(value))
                 except OverflowError:
-                    raise ValueError(f"{name} must be finite, got {value!r}") from None
+                    raise ValueError(f"{name} must be finite, got {_show(value)}") from None
         self.validate()
         self._frozen = True
 
@@ -146,10 +154,13 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             if name != "seed" and not -INT64_MAX <= value <= INT64_MAX:
-                raise ValueError(f"{name} must be at most {INT64_MAX} in magnitude, got {value}")
+                raise ValueError(
+                    f"{name} must be at most {INT64_MAX} in magnitude, got {_show(value)}"
+                )
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(
-                f"seed must be in [-2^63, 2^64 - 1] = [{SEED_MIN}, {SEED_MAX}], got {self.seed}"
+                f"seed must be in [-2^63, 2^64 - 1] = [{SEED_MIN}, {SEED_MAX}], "
+                f"got {_show(self.seed)}"
             )
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
