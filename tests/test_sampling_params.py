@@ -56,6 +56,7 @@ def test_child_seeds_wrap_modulo_2_64():
         ("top_p", "0.5", "top_p must be a number"),
         ("repetition_penalty", float("nan"), "repetition_penalty must be finite"),
     ],
+    ids=lambda v: "huge" if isinstance(v, int) and v.bit_length() > 256 else None,
 )
 def test_every_field_is_type_and_range_checked(field, value, message):
     with pytest.raises(ValueError, match=f"^{message}"):
