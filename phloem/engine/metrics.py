@@ -32,7 +32,9 @@ def summarize(
     """The job summary (keys are the `--summary-json` schema).
 
     Args:
-        outputs: finished requests. wall_s: job wall time [s].
+        outputs: finished requests (those that failed in the engine, `error` set, count as
+            failed). wall_s: job wall time [s].
+        num_failed_requests: requests that failed before reaching the engine (bad input lines).
         num_computed_prompt_tokens: prompt tokens the model actually ran (recomputation after
             preemption included; shared prefixes excluded); defaults to the logical count.
         planned_reuse_ratio: the prefix planner's predicted (logical - physical) / logical.
@@ -48,7 +50,7 @@ def summarize(
     wall = max(wall_s, 1e-9)
     summary = {
         "num_requests": len(outputs) + num_failed_requests,
-        "num_failed_requests": num_failed_requests,
+        "num_failed_requests": num_failed_requests + sum(o.error is not None for o in outputs),
         "num_prompt_tokens": num_prompt,
         "num_computed_prompt_tokens": (
             num_prompt if num_computed_prompt_tokens is None else num_computed_prompt_tokens

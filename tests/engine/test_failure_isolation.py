@@ -252,3 +252,19 @@ def test_chat_takes_content_parts_like_the_server(llm):
     assert llm.chat(parts, params, use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match=r"^conversations\[0\]: messages\[0\]\.role must be"):
         llm.chat([{"role": "robot", "content": "hi"}], params)
+
+
+def test_job_summary_counts_engine_failures(llm, monkeypatch):
+    """A request that failed in the engine counts as failed in the job summary, beside the
+    lines that failed before reaching it."""
+    from phloem.engine.metrics import summarize
+
+    def seeded_generator(seed, device):
+        raise RuntimeError("injected generator fault")
+
+    monkeypatch.setattr(model_runner_module, "seeded_generator", seeded_generator)
+    bad = SamplingParams(seed=99, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, [GREEDY, bad, GREEDY], use_tqdm=False)
+    summary = summarize(outputs, wall_s=1.0, num_failed_requests=2)
+    assert summary["num_requests"] == 5
+    assert summary["num_failed_requests"] == 3
