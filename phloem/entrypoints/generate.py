@@ -292,26 +292,32 @@ def register(subparsers) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Exit codes: 0 done; 2 the job cannot run as given (nothing written); 74 out of disk
-    space, 75 the output is locked by another job, 130 interrupted (finished lines are kept:
-    rerun the same command to finish). See `phloem.entrypoints.job_guard`."""
-    from phloem.entrypoints.job_guard import JobError, check_paths, job_options
+    space, 75 the output is locked by another job, 130 interrupted, 143 terminated (finished
+    lines are kept: rerun the same command to finish). See `phloem.entrypoints.job_guard`."""
+    from phloem.entrypoints.job_guard import (
+        JobError,
+        check_paths,
+        job_options,
+        sigterm_interrupts,
+        stopped_before_start,
+    )
 
     try:
-        defaults = _checked_sampling_defaults(args)
-        if args.plan_only:
-            check_paths(args.input, None)
-            return _plan_only(args, defaults)
-        written = [args.summary_json] if args.summary_json else []
-        check_paths(args.input, args.output, written)
-        options = job_options(args, **{"sampling flags": defaults})
-        with open_generate_job(args.input, args.output, options, args.recompute_changed) as job:
-            summary = _run(args, defaults, job)
+        with sigterm_interrupts():
+            defaults = _checked_sampling_defaults(args)
+            if args.plan_only:
+                check_paths(args.input, None)
+                return _plan_only(args, defaults)
+            written = [args.summary_json] if args.summary_json else []
+            check_paths(args.input, args.output, written)
+            options = job_options(args, **{"sampling flags": defaults})
+            with open_generate_job(args.input, args.output, options, args.recompute_changed) as job:
+                summary = _run(args, defaults, job)
     except JobError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted before the job started: nothing saved", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return stopped_before_start(e)
     _report(args, summary)
     return 0
 

@@ -11,8 +11,9 @@ The fingerprint (`<output>.job.json`, written atomically) holds every option tha
 defaults, served model name) and a digest of each input line. A rerun whose options or input
 lines differ from the saved ones refuses, naming what changed, unless `--recompute-changed` is
 given: then the saved results of the changed lines (all of them when an option changed) are
-dropped and recomputed. While a job runs, an interrupt (SIGINT) or a full disk ends it with one
-line saying what is saved and how to finish, and an exit code of its own (`EXIT_*`).
+dropped and recomputed. While a job runs, an interrupt (SIGINT), a termination (SIGTERM, inside
+`sigterm_interrupts()`) or a full disk ends it with one line saying what is saved and how to
+finish, and an exit code of its own (`EXIT_*`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -33,10 +35,12 @@ EXIT_USAGE = 2  # the job cannot run as given (paths, options, fingerprint): not
 EXIT_NO_SPACE = 74  # a write failed for lack of space (EX_IOERR); finished lines are kept
 EXIT_LOCKED = 75  # another process holds the output's lock (EX_TEMPFAIL); try again later
 EXIT_INTERRUPTED = 130  # SIGINT (128 + 2); finished lines are kept
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15); finished lines are kept
 EXIT_CODES_HELP = (
     "exit codes: 0 done; 2 cannot run as given (bad paths or options, or saved results of "
     "another input or options: nothing written); 74 out of disk space, 130 interrupted (finished "
-    "lines are kept: rerun the same command to finish); 75 another job holds the output's lock"
+    "lines are kept: rerun the same command to finish), 143 terminated (likewise); 75 another job "
+    "holds the output's lock"
 )
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file size limit (ulimit -f)
 _MODEL_FILES = (
@@ -44,6 +48,38 @@ _MODEL_FILES = (
     "special_tokens_map.json", "chat_template.json", "chat_template.jinja", "tokenizer.model",
     "vocab.json", "merges.txt",
 )  # fmt: skip
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread inside `sigterm_interrupts()`: an interrupt, so every
+    `except KeyboardInterrupt` cleanup runs, with an exit code of its own."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Within this block SIGTERM raises `Terminated` in the main thread (instead of killing the
+    process without a word), so a job stops as on SIGINT: its lock released, one line saying
+    what is saved. The previous handler is restored on exit. Call from the main thread."""
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_before_start(exc: KeyboardInterrupt) -> int:
+    """Say that a job interrupted or terminated before its first line saved nothing; return
+    its exit code."""
+    import sys
+
+    terminated = isinstance(exc, Terminated)
+    word = "terminated" if terminated else "interrupted"
+    print(f"{word} before the job started: nothing saved", file=sys.stderr)
+    return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
 
 class JobError(Exception):
@@ -346,9 +382,12 @@ class JobProgress:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         saved = f"{self.num_saved} of {self.num_lines} lines saved in {self.saved_path}"
-        if exc_type is KeyboardInterrupt:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            terminated = issubclass(exc_type, Terminated)
             raise JobError(
-                f"interrupted: {saved}; rerun the same command to finish", EXIT_INTERRUPTED
+                f"{'terminated' if terminated else 'interrupted'}: {saved}; rerun the same "
+                "command to finish",
+                EXIT_TERMINATED if terminated else EXIT_INTERRUPTED,
             ) from None
         if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
             where = f" writing {exc.filename}" if exc.filename else ""

@@ -351,25 +351,31 @@ def register(subparsers) -> None:
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     """Exit codes as `phloem generate`'s: 0 done; 2 the job cannot run as given (nothing
-    written); 74 out of disk space, 75 the output is locked by another job, 130 interrupted
-    (finished lines are kept: rerun the same command to finish)."""
+    written); 74 out of disk space, 75 the output is locked by another job, 130 interrupted,
+    143 terminated (finished lines are kept: rerun the same command to finish)."""
     from phloem.entrypoints.cli import build_llm
-    from phloem.entrypoints.job_guard import JobError, check_paths, job_options
+    from phloem.entrypoints.job_guard import (
+        JobError,
+        check_paths,
+        job_options,
+        sigterm_interrupts,
+        stopped_before_start,
+    )
     from phloem.entrypoints.openai.server import default_model_name
 
     try:
-        check_paths(args.input, args.output)
-        name = args.served_model_name or default_model_name(args.model)
-        options = job_options(args, **{"--served-model-name": name})
-        with open_batch_job(args.input, args.output, options, args.recompute_changed) as job:
-            llm = build_llm(args)
-            counts = run_batch(llm, args.input, args.output, name, not args.no_progress, job)
+        with sigterm_interrupts():
+            check_paths(args.input, args.output)
+            name = args.served_model_name or default_model_name(args.model)
+            options = job_options(args, **{"--served-model-name": name})
+            with open_batch_job(args.input, args.output, options, args.recompute_changed) as job:
+                llm = build_llm(args)
+                counts = run_batch(llm, args.input, args.output, name, not args.no_progress, job)
     except JobError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted before the job started: nothing saved", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return stopped_before_start(e)
     print(
         f"run-batch: {counts['num_lines']} requests: {counts['num_resumed']} already done, "
         f"{counts['num_completed']} completed, {counts['num_failed']} failed "

@@ -240,10 +240,20 @@ def subprocess_cmd(command: str, src: Path, out: Path, model: str, *extra: str) 
             *extra]  # fmt: skip
 
 
-@pytest.mark.parametrize("command", ["generate", "run-batch"])
-def test_sigint_saves_and_says_how_to_finish(tmp_path, capsys, model, command):
-    """SIGINT mid-job: exit 130 and one line naming how many lines are saved where; then a rerun
-    with other options refuses, and one with an edited saved line recomputes just that line."""
+@pytest.mark.parametrize(
+    "command, sig, exit_code, word",
+    [
+        ("generate", signal.SIGINT, 130, "interrupted"),
+        ("run-batch", signal.SIGINT, 130, "interrupted"),
+        ("generate", signal.SIGTERM, 143, "terminated"),
+    ],
+)
+def test_interrupt_saves_and_says_how_to_finish(
+    tmp_path, capsys, model, command, sig, exit_code, word
+):
+    """SIGINT (or SIGTERM) mid-job: exit 130 (143) and one line naming how many lines are saved
+    where; then a rerun with other options refuses, and one with an edited saved line recomputes
+    just that line."""
     num = 24
     lines = generate_lines(num, 40) if command == "generate" else batch_lines(num, 40)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -259,15 +269,15 @@ def test_sigint_saves_and_says_how_to_finish(tmp_path, capsys, model, command):
         time.sleep(0.01)
     code, err = run(job_argv(command, src, out, model), capsys)  # a second process
     assert code == EXIT_LOCKED and f"pid {proc.pid}" in one_line_error(err)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     err = proc.communicate(timeout=60)[1]
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == exit_code, err[-3000:]
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     num_saved = saved_in.read_bytes().count(b"\n")
     assert 2 <= num_saved < num, "interrupted after the end"
     assert last == (
-        f"error: interrupted: {num_saved} of {num} lines saved in {saved_in}; "
+        f"error: {word}: {num_saved} of {num} lines saved in {saved_in}; "
         "rerun the same command to finish"
     )
     assert not Path(str(out) + ".lock").exists()
