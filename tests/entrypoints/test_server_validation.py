@@ -106,7 +106,9 @@ def test_context_overflow_is_400(client, openai_client):
     ids = client.post("/tokenize", json={"prompt": "hello " * 600}).json()["tokens"][:500]
     r = client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 12})
     assert r.status_code == 200, r.text
-    assert_error(client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 13}), 400, "prompt")
+    assert_error(
+        client.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 13}), 400, "max_tokens"
+    )
 
 
 # -- 3. malformed and truncated JSON ---------------------------------------------------------------
