@@ -45,6 +45,7 @@ CONVERTER_VERSION = 1
 CACHE_DIR_ENV = "PHLOEM_CACHE_DIR"
 MANIFEST = "phloem_manifest.json"
 WEIGHTS = "model.safetensors"
+ABANDONED_AFTER_S = 3600.0  # a temp dir this old [s] belongs to a killed conversion
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -140,6 +141,18 @@ def _remove_stale(path: str) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def _remove_abandoned(root: str, key: str) -> None:
+    """Delete temp dirs of `key` left by killed conversions: those untouched for
+    `ABANDONED_AFTER_S` (a conversion takes seconds, so a live one is never that old)."""
+    now = time.time()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(f".{key}.tmp-") or name.startswith(f"{key}.stale-"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - os.stat(path).st_mtime > ABANDONED_AFTER_S:
+                    shutil.rmtree(path, ignore_errors=True)
+
+
 def converted_checkpoint(gguf_path: str, dtype: torch.dtype, cache_dir: str | None = None) -> str:
     """The HF checkpoint directory of `gguf_path` in `dtype`, converting it on first use.
 
@@ -163,6 +176,7 @@ def converted_checkpoint(gguf_path: str, dtype: torch.dtype, cache_dir: str | No
         logger.warning("checkpoint cache %s is incomplete or corrupt; rebuilding it", final)
         _remove_stale(final)
     os.makedirs(root, exist_ok=True)
+    _remove_abandoned(root, key)
     start = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root)
     try:

@@ -193,6 +193,8 @@ def _parse_gguf(path: str) -> GGUFFile:
         dims = cur.take(f"<{cur.take('<I')}Q")
         dims = (dims,) if isinstance(dims, int) else dims
         qtype, offset = cur.take("<IQ")
+        if qtype not in GGMLQuantizationType._value2member_map_:
+            raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {qtype}")
         infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
     alignment = int(fields.get("general.alignment", 32))
     data_start = -(-cur.pos // alignment) * alignment

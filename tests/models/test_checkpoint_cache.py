@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -188,6 +189,21 @@ def test_partial_or_corrupt_cache_is_rebuilt(tiny_gguf, tmp_path, damage) -> Non
     rebuilt = _dir_weights(path)
     assert rebuilt.keys() == good.keys() and all(torch.equal(rebuilt[k], good[k]) for k in good)
     assert sorted(os.listdir(os.path.join(root, "checkpoints"))) == [os.path.basename(path)]
+
+
+def test_killed_conversion_leftovers_are_removed(tiny_gguf, tmp_path) -> None:
+    """A temp dir older than ABANDONED_AFTER_S (a conversion killed mid-write) is deleted by the
+    next conversion; a fresh one (a conversion still running elsewhere) is left alone."""
+    root = tmp_path / "checkpoints"
+    key = cache_key(tiny_gguf, torch.float32)
+    old, fresh = root / f".{key}.tmp-old", root / f".{key}.tmp-fresh"
+    for leftover in (old, fresh):
+        leftover.mkdir(parents=True)
+        (leftover / WEIGHTS).write_bytes(b"partial")
+    past = time.time() - checkpoint_cache.ABANDONED_AFTER_S - 60
+    os.utime(old, (past, past))
+    path = converted_checkpoint(tiny_gguf, torch.float32, str(tmp_path))
+    assert sorted(os.listdir(root)) == sorted([os.path.basename(path), fresh.name])
 
 
 def test_concurrent_conversions_leave_one_complete_dir(tiny_gguf, tmp_path) -> None:
