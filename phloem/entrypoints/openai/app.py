@@ -187,15 +187,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(request: Request):
         req = await read_json(state, request, DetokenizeRequest)
         check_model(state, req.model)
-        vocab = len(state.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(
-                400,
-                f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                param="tokens",
-            )
-        return {"prompt": await state.off_loop(state.tokenizer.decode, req.tokens)}
+        return {"prompt": await state.off_loop(_detokenize, state, req.tokens)}
 
     document: dict = {}
 
@@ -225,3 +217,14 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
         return state.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     check_chars(state, sum(len(m.text()) for m in req.messages or []), "messages")
     return render_chat(state, req.messages, req.add_generation_prompt)[1]
+
+
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
+    """/detokenize's text (blocking: run off the event loop); ids outside the vocabulary: 400."""
+    vocab = len(state.tokenizer)
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(
+            400, f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens"
+        )
+    return state.tokenizer.decode(tokens)
