@@ -1,6 +1,7 @@
 """The OpenAI-compatible server's request handling: read, check, generate, answer (OpenAI format).
 
-`app.py` maps the routes to these functions; `limits.py` holds what one request may ask.
+`app.py` maps the routes to these functions, `responses.py` formats what they answer, and
+`limits.py` holds what one request may ask.
 
 Every client mistake is a 4xx in OpenAI's error shape (`protocol.APIError`); a 5xx means the
 server failed (non-finite logits: 500 for that request only; a dead engine loop: 503, and
@@ -42,12 +43,19 @@ from phloem.entrypoints.openai.protocol import (
     CompletionRequest,
     validation_error,
 )
-from phloem.sampling_params import SamplingParams
+from phloem.entrypoints.openai.responses import (
+    PreparedRequest,
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+    sse,
+    stream_usage_mode,
+)
 
 logger = logging.getLogger(__name__)
 
 FAULT_PREFIX = "phloem-fault:"  # test-only: `user` = "phloem-fault:nan" | "phloem-fault:die"
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 class ServerShuttingDownError(RuntimeError):
@@ -302,56 +310,10 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
-
-
-def safe_logprob(value: float | None) -> float:
-    if value is None or value != value or value < _MIN_LOGPROB:
-        return _MIN_LOGPROB
-    return float(value)
-
-
-class _Choice:
-    """Streaming state of one choice: what text and tokens have been sent.
-
-    Text ending in a possible stop-string prefix is held back (`holdback` chars): the engine cuts
-    the text when the stop string completes, and what was sent cannot be taken back.
-    """
-
-    def __init__(self, holdback: int) -> None:
-        self.holdback = holdback
-        self.num_chars = 0
-        self.num_tokens = 0
-        self.finished = False
-
-    def delta(self, completion, finished: bool) -> tuple[str, int, int]:
-        text = completion.text
-        end = len(text) if finished else max(self.num_chars, len(text) - self.holdback)
-        delta = text[self.num_chars : end]
-        start_tokens = self.num_tokens
-        self.num_chars = end
-        self.num_tokens = len(completion.token_ids)
-        return delta, start_tokens, self.num_tokens
-
-
-def _holdback(params: SamplingParams) -> int:
-    return max((len(s) for s in params.stop or []), default=1) - 1  # type: ignore[union-attr]
-
-
 # -- the endpoints' core --------------------------------------------------------------------------
 
 
-@dataclass
-class _Prepared:
-    request_ids: list[str]
-    prompts: list[tuple[str | None, list[int]]]
-    params: list[SamplingParams]
-    top_k: int | None  # logprobs to show per token (None: no logprobs)
-
-
-async def _merged(engine: AsyncLLMEngine, prep: _Prepared, fault: str | None, arrival: float):
+async def _merged(engine: AsyncLLMEngine, prep: PreparedRequest, fault: str | None, arrival: float):
     """Yield (prompt index, RequestOutput) from all prompts of one API request as they come."""
     gens = [
         engine.generate(ids, params, rid, text, arrival, fault)
@@ -389,63 +351,7 @@ async def _merged(engine: AsyncLLMEngine, prep: _Prepared, fault: str | None, ar
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _logprobs_completion(tokenizer, completion, start: int, end: int, top_k: int, offset: int):
-    tokens, token_logprobs, top, text_offset = [], [], [], []
-    for i in range(start, min(end, len(completion.logprobs or []))):
-        token_id = completion.token_ids[i]
-        entry = completion.logprobs[i] or {}
-        piece = tokenizer.decode([token_id])
-        tokens.append(piece)
-        token_logprobs.append(safe_logprob(entry.get(token_id)))
-        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
-        top.append({tokenizer.decode([t]): safe_logprob(lp) for t, lp in best} if top_k else None)
-        text_offset.append(offset)
-        offset += len(piece)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top,
-        "text_offset": text_offset,
-    }
-
-
-def _logprobs_chat(tokenizer, completion, start: int, end: int, top_k: int):
-    content = []
-    for i in range(start, min(end, len(completion.logprobs or []))):
-        token_id = completion.token_ids[i]
-        entry = completion.logprobs[i] or {}
-        piece = tokenizer.decode([token_id])
-        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top_k]
-        content.append(
-            {
-                "token": piece,
-                "logprob": safe_logprob(entry.get(token_id)),
-                "bytes": list(piece.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": (p := tokenizer.decode([t])),
-                        "logprob": safe_logprob(lp),
-                        "bytes": list(p.encode("utf-8")),
-                    }
-                    for t, lp in best
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def _usage(prep: _Prepared, outputs: list) -> dict[str, int]:
-    """Token counts of a request so far (`outputs[i]`: prompt i's latest output, or None)."""
-    prompt = sum(len(ids) for _, ids in prep.prompts)
-    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-async def _collect(state: ServerState, prep: _Prepared, fault: str | None, arrival: float):
+async def _collect(state: ServerState, prep: PreparedRequest, fault: str | None, arrival: float):
     finals: list = [None] * len(prep.request_ids)
     async for index, output in _merged(state.engine, prep, fault, arrival):
         finals[index] = output
@@ -501,7 +407,7 @@ def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator
 # -- completions ----------------------------------------------------------------------------------
 
 
-def prepare_completion(state, req: CompletionRequest) -> _Prepared:
+def prepare_completion(state, req: CompletionRequest) -> PreparedRequest:
     """Tokenize and validate a completion request (400s naming the field)."""
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -529,7 +435,7 @@ def prepare_completion(state, req: CompletionRequest) -> _Prepared:
         validate_ids(state, ids, "prompt")
         params.append(req.sampling_params(max_tokens))
     ids_list = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-    return _Prepared(ids_list, prompts, params, req.logprobs)
+    return PreparedRequest(ids_list, prompts, params, req.logprobs)
 
 
 def _check_open(state: ServerState) -> None:
@@ -551,9 +457,10 @@ async def create_completion(state: ServerState, request: Request):
     )
     n = req.n
     if req.stream:
-        usage = _stream_usage(req)
+        usage = stream_usage_mode(req)
+        outputs = _merged(state.engine, prep, fault, arrival)
         chunks = _in_band_errors(
-            _completion_chunks(state, prep, fault, arrival, response_id, created, n, usage)
+            completion_chunks(state, prep, outputs, response_id, created, n, usage)
         )
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
@@ -563,82 +470,6 @@ async def create_completion(state: ServerState, request: Request):
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(completion_response(state, prep, finals, response_id, created))
-
-
-def completion_response(front, prep: _Prepared, finals: list, response_id: str, created: int):
-    """The /v1/completions body of finished outputs (one per prompt)."""
-    n = prep.params[0].n
-    choices = []
-    for index, output in enumerate(finals):
-        for c in output.outputs:
-            choice = {
-                "index": index * n + c.index,
-                "text": c.text,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            if prep.top_k is not None:
-                choice["logprobs"] = _logprobs_completion(
-                    front.tokenizer, c, 0, len(c.token_ids), prep.top_k, 0
-                )
-            choices.append(choice)
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": front.model_name,
-        "choices": choices,
-        "usage": _usage(prep, finals),
-        "system_fingerprint": None,
-    }
-
-
-def _stream_usage(req) -> str | None:
-    """Usage in a stream: None; "final" (`include_usage`: a last chunk with no choices), or
-    "every" (with `continuous_usage_stats` too, as vLLM: the counts so far in every chunk)."""
-    options = req.stream_options
-    if options is None or not options.include_usage:
-        return None
-    return "every" if options.continuous_usage_stats else "final"
-
-
-def _chunk_maker(state, object_name: str, response_id: str, created: int, usage_mode, usage_now):
-    """A function (choices, final=False) -> one SSE frame of a streamed response; `usage_now()`
-    gives the token counts so far (see `_stream_usage` for `usage_mode`)."""
-
-    def chunk(choice_list, final: bool = False):
-        data = {
-            "id": response_id,
-            "object": object_name,
-            "created": created,
-            "model": state.model_name,
-            "choices": choice_list,
-        }
-        if usage_mode is not None:
-            data["usage"] = usage_now() if final or usage_mode == "every" else None
-        return sse(data)
-
-    return chunk
-
-
-async def _choice_deltas(state, prep, fault, arrival, finals: list):
-    """Yield (prompt index, completion, text delta, done, t0, t1) for every completion that has
-    new text or just finished; `finals[i]` keeps prompt i's latest output (for usage)."""
-    holdback = [_holdback(p) for p in prep.params]
-    choices: dict[tuple[int, int], _Choice] = {}
-    async for index, output in _merged(state.engine, prep, fault, arrival):
-        finals[index] = output
-        for c in output.outputs:
-            st = choices.setdefault((index, c.index), _Choice(holdback[index]))
-            if st.finished:
-                continue
-            done = c.finish_reason is not None or output.finished
-            delta, t0, t1 = st.delta(c, done)
-            if not delta and not done:
-                continue
-            st.finished = done
-            yield index, c, delta, done, t0, t1, st.num_chars - len(delta)
 
 
 async def _in_band_errors(frames):
@@ -657,32 +488,10 @@ async def _in_band_errors(frames):
     yield sse("[DONE]")
 
 
-async def _completion_chunks(state, prep, fault, arrival, response_id, created, n, usage_mode):
-    finals: list = [None] * len(prep.request_ids)
-    chunk = _chunk_maker(
-        state, "text_completion", response_id, created, usage_mode, lambda: _usage(prep, finals)
-    )
-    async for index, c, delta, done, t0, t1, offset in _choice_deltas(
-        state, prep, fault, arrival, finals
-    ):
-        item = {
-            "index": index * n + c.index,
-            "text": delta,
-            "logprobs": None,
-            "finish_reason": c.finish_reason if done else None,
-            "stop_reason": c.stop_reason if done else None,
-        }
-        if prep.top_k is not None:
-            item["logprobs"] = _logprobs_completion(state.tokenizer, c, t0, t1, prep.top_k, offset)
-        yield chunk([item])
-    if usage_mode is not None:
-        yield chunk([], final=True)
-
-
 # -- chat -----------------------------------------------------------------------------------------
 
 
-def prepare_chat(front, req: ChatCompletionRequest) -> _Prepared:
+def prepare_chat(front, req: ChatCompletionRequest) -> PreparedRequest:
     """Render, tokenize and validate a chat request (400s naming the field)."""
     check_chars(front, sum(len(m.text()) for m in req.messages), "messages")
     text, ids = render_chat(front, req.messages, req.add_generation_prompt)
@@ -691,7 +500,7 @@ def prepare_chat(front, req: ChatCompletionRequest) -> _Prepared:
     validate_ids(front, ids, "messages")
     params = req.sampling_params(max_tokens)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
-    return _Prepared([f"chatcmpl-{uuid.uuid4().hex}"], [(text, ids)], [params], top_k)
+    return PreparedRequest([f"chatcmpl-{uuid.uuid4().hex}"], [(text, ids)], [params], top_k)
 
 
 def render_chat(state, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
@@ -715,8 +524,9 @@ async def create_chat_completion(state: ServerState, request: Request):
     fault = fault_of(state, req.user)
     created = int(time.time())
     if req.stream:
-        usage = _stream_usage(req)
-        chunks = _in_band_errors(_chat_chunks(state, prep, fault, arrival, created, usage))
+        usage = stream_usage_mode(req)
+        outputs = _merged(state.engine, prep, fault, arrival)
+        chunks = _in_band_errors(chat_chunks(state, prep, outputs, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
         finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
@@ -725,63 +535,6 @@ async def create_chat_completion(state: ServerState, request: Request):
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(chat_response(state, prep, finals, created))
-
-
-def chat_response(front, prep: _Prepared, finals: list, created: int):
-    """The /v1/chat/completions body of a finished output."""
-    output = finals[0]
-    choices = []
-    for c in output.outputs:
-        logprobs = None
-        if prep.top_k is not None:
-            logprobs = _logprobs_chat(front.tokenizer, c, 0, len(c.token_ids), prep.top_k)
-        choices.append(
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-        )
-    return {
-        "id": prep.request_ids[0],
-        "object": "chat.completion",
-        "created": created,
-        "model": front.model_name,
-        "choices": choices,
-        "usage": _usage(prep, finals),
-        "system_fingerprint": None,
-    }
-
-
-async def _chat_chunks(state, prep, fault, arrival, created, usage_mode):
-    finals: list = [None]
-    chunk = _chunk_maker(
-        state,
-        "chat.completion.chunk",
-        prep.request_ids[0],
-        created,
-        usage_mode,
-        lambda: _usage(prep, finals),
-    )
-    for i in range(prep.params[0].n):
-        first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-        yield chunk([{**first, "logprobs": None, "finish_reason": None}])
-    async for _, c, delta, done, t0, t1, _ in _choice_deltas(state, prep, fault, arrival, finals):
-        item = {
-            "index": c.index,
-            "delta": {"content": delta} if delta else {},
-            "logprobs": None,
-            "finish_reason": c.finish_reason if done else None,
-        }
-        if done:
-            item["stop_reason"] = c.stop_reason
-        if prep.top_k is not None:
-            item["logprobs"] = _logprobs_chat(state.tokenizer, c, t0, t1, prep.top_k)
-        yield chunk([item])
-    if usage_mode is not None:
-        yield chunk([], final=True)
 
 
 def default_model_name(model: str | None) -> str:
