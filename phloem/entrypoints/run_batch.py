@@ -85,6 +85,7 @@ def parse_batch_line(
         APIError,
         ChatCompletionRequest,
         CompletionRequest,
+        sampling_field_of,
         validation_error,
     )
     from phloem.entrypoints.openai.server import prepare_chat, prepare_completion
@@ -142,7 +143,7 @@ def parse_batch_line(
                 try:
                     check_params(params)
                 except ValueError as e:
-                    raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+                    raise APIError(400, str(e), param=sampling_field_of(e)) from None
     except APIError as e:
         line.error = e
     except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this line's only

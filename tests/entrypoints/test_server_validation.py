@@ -51,6 +51,9 @@ CASES = [
     (COMPLETIONS, {"stream": "yes"}, "stream"),
     (COMPLETIONS, {"seed": "x"}, "seed"),
     (COMPLETIONS, {"stream_options": {"include_usage": True}}, "stream_options"),
+    (COMPLETIONS, {"stop_token_ids": [10**6]}, "stop_token_ids"),  # beyond the vocabulary
+    (COMPLETIONS, {"seed": 2**64}, "seed"),
+    (CHAT, {"stop_token_ids": [10**6]}, "stop_token_ids"),
     (CHAT, {"temperature": -1}, "temperature"),
     (CHAT, {"top_p": 2}, "top_p"),
     (CHAT, {"n": 0}, "n"),

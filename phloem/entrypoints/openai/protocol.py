@@ -8,6 +8,7 @@ HTTP API and the offline API accept exactly the same values. Responses are plain
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -122,15 +123,23 @@ class _SamplingFields(_Strict):
         return values
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+def sampling_field_of(error: ValueError) -> str | None:
+    """The SamplingParams field a ValueError from `SamplingParams.validate()` or
+    `LLMEngine.validate_params` names: their messages start with it. None for other errors."""
+    field = str(error).split(" ", 1)[0]
+    return field if field in _SAMPLING_FIELDS else None
+
+
 def make_sampling_params(values: dict[str, Any], rename: dict[str, str] | None = None):
     """SamplingParams from API values; a ValueError becomes a 400 naming the field."""
     try:
         return SamplingParams(**values)
     except ValueError as e:
         message = str(e)
-        field = message.split(" ", 1)[0]
-        known = set(values) | {"max_tokens", "logprobs"}
-        param = field if field in known else None
+        param = sampling_field_of(e)
         if param is not None and rename and param in rename:
             message = rename[param] + message[len(param) :]
             param = rename[param]

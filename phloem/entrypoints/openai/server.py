@@ -41,6 +41,7 @@ from phloem.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    sampling_field_of,
     validation_error,
 )
 from phloem.entrypoints.openai.responses import (
@@ -297,8 +298,8 @@ def engine_error(error: BaseException) -> APIError:
         return APIError(500, str(error), code="request_failed")
     if isinstance(error, ServerShuttingDownError):
         return APIError(503, str(error), code="server_shutting_down")
-    if isinstance(error, ValueError):
-        return APIError(400, str(error), param="prompt")
+    if isinstance(error, ValueError):  # the engine's prompt or sampling-parameter checks
+        return APIError(400, str(error), param=sampling_field_of(error) or "prompt")
     return APIError(500, f"internal error: {type(error).__name__}")
 
 
