@@ -9,8 +9,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`-n 2` in pyproject's addopts) each worker runs one torch thread (and so do
+# the servers and jobs its tests start): two workers on CI's two cores, none oversubscribed.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # Our Triton kernels run under the interpreter on machines without a GPU. Triton reads
 # TRITON_INTERPRET when a kernel module is imported (and some test modules' imports pull triton in
