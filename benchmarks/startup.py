@@ -136,6 +136,15 @@ def measure_phloem_job(env, prompts, output_len, repeats, workdir) -> dict:
             "texts": texts}  # fmt: skip
 
 
+def llama_cpp_env() -> dict[str, str]:
+    """llama.cpp as its users run it: its OpenMP threads at their default wait policy (they spin
+    between the many small parallel regions of a decode step; OMP_WAIT_POLICY=PASSIVE, which
+    phloem's torch threads want on a shared 2-core machine, makes llama.cpp ~2.5x slower)."""
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    return env
+
+
 def measure_llama_cpp(gguf, prompts, output_len, repeats, workdir, threads) -> dict:
     if importlib.util.find_spec("llama_cpp") is None:
         return {"available": False, "reason": "llama-cpp-python is not installed (.[bench])"}
@@ -148,7 +157,7 @@ def measure_llama_cpp(gguf, prompts, output_len, repeats, workdir, threads) -> d
     runs, outputs = [], None
     for _ in range(repeats):
         cmd = [sys.executable, script, gguf, prompts_file, str(output_len), str(threads)]
-        wall, out, _ = timed(cmd, dict(os.environ))
+        wall, out, _ = timed(cmd, llama_cpp_env())
         record = json.loads(out.splitlines()[-1])
         outputs = record.pop("outputs")
         runs.append({"process_s": wall, **record,
@@ -156,6 +165,7 @@ def measure_llama_cpp(gguf, prompts, output_len, repeats, workdir, threads) -> d
     import llama_cpp
 
     return {"available": True, "version": llama_cpp.__version__, "n_threads": threads,
+            "omp_wait_policy": llama_cpp_env().get("OMP_WAIT_POLICY", "default"),
             "runs": runs, "process_s_median": statistics.median(r["process_s"] for r in runs),
             "outputs": outputs}  # fmt: skip
 
