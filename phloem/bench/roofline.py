@@ -168,17 +168,7 @@ def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int
     after warm-up, random data) and copy bandwidth (device-to-device copy of copy_bytes, counting
     bytes read + written), timed with CUDA events; medians of the repeats. The chip at full clock.
     Returns {"flops_per_s", "bytes_per_s", "matmul_n", "copy_bytes"}."""
-    import torch
-
-    t_mm = cuda_time_s(_matmul_fn(matmul_n, device))
-    t_copy = cuda_time_s(_copy_fn(copy_bytes, device))
-    torch.cuda.empty_cache()
-    return {
-        "flops_per_s": 2 * matmul_n**3 / t_mm,
-        "bytes_per_s": 2 * copy_bytes / t_copy,
-        "matmul_n": matmul_n,
-        "copy_bytes": copy_bytes,
-    }
+    return _ceilings(cuda_time_s, cuda_time_s, device, matmul_n, copy_bytes)
 
 
 def measure_sustained_ceilings(
@@ -193,18 +183,29 @@ def measure_sustained_ceilings(
     median over the second half of its calls. Measured right after a workload, on the GPU the run
     heated, it is what a power-capped board holds for minutes (goals are stated against it).
     Returns the keys of `measure_ceilings` plus "matmul_s" and "copy_s" [s]."""
+    ceilings = _ceilings(
+        lambda fn: sustained_time_s(fn, matmul_s),
+        lambda fn: sustained_time_s(fn, copy_s),
+        device,
+        matmul_n,
+        copy_bytes,
+    )
+    return {**ceilings, "matmul_s": matmul_s, "copy_s": copy_s}
+
+
+def _ceilings(matmul_time_s, copy_time_s, device: Any, matmul_n: int, copy_bytes: int) -> dict:
+    """FLOP/s of the bf16 n^3 matmul timed by `matmul_time_s(fn)` and bytes/s (read + written)
+    of the copy timed by `copy_time_s(fn)` (each: seconds per call of fn)."""
     import torch
 
-    t_mm = sustained_time_s(_matmul_fn(matmul_n, device), matmul_s)
-    t_copy = sustained_time_s(_copy_fn(copy_bytes, device), copy_s)
+    t_mm = matmul_time_s(_matmul_fn(matmul_n, device))
+    t_copy = copy_time_s(_copy_fn(copy_bytes, device))
     torch.cuda.empty_cache()
     return {
         "flops_per_s": 2 * matmul_n**3 / t_mm,
         "bytes_per_s": 2 * copy_bytes / t_copy,
         "matmul_n": matmul_n,
         "copy_bytes": copy_bytes,
-        "matmul_s": matmul_s,
-        "copy_s": copy_s,
     }
 
 

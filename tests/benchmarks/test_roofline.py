@@ -92,3 +92,23 @@ def test_sustained_time_is_the_median_of_the_second_half():
     assert t == pytest.approx(0.2)  # last 10 sorted: 0.2 x7, 0.25, 0.25, 0.3 -> upper median 0.2
     with pytest.raises(ValueError, match="min_s"):
         sustained_time_s(lambda: None, min_s=0, time_calls=time_calls)
+
+
+def test_ceilings_from_the_timers():
+    """FLOP/s of the n^3 matmul and bytes/s (read + written) of the copy, each from its timer,
+    on tensors of the requested sizes."""
+    from phloem.bench.roofline import _ceilings
+
+    seen = []
+
+    def timer(seconds):
+        def time_s(fn):
+            seen.append(fn())
+            return seconds
+
+        return time_s
+
+    c = _ceilings(timer(0.5), timer(0.25), "cpu", matmul_n=64, copy_bytes=1024)
+    assert c["flops_per_s"] == pytest.approx(2 * 64**3 / 0.5)
+    assert c["bytes_per_s"] == pytest.approx(2 * 1024 / 0.25)
+    assert seen[0].shape == (64, 64) and seen[1].numel() * seen[1].element_size() == 1024
