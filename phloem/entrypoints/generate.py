@@ -294,32 +294,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Exit codes: 0 done; 2 the job cannot run as given (nothing written); 74 out of disk
     space, 75 the output is locked by another job, 130 interrupted, 143 terminated (finished
     lines are kept: rerun the same command to finish). See `phloem.entrypoints.job_guard`."""
-    from phloem.entrypoints.job_guard import (
-        JobError,
-        check_paths,
-        job_options,
-        sigterm_interrupts,
-        stopped_before_start,
-    )
+    from phloem.entrypoints.job_guard import check_paths, job_options, run_job
 
-    try:
-        with sigterm_interrupts():
-            defaults = _checked_sampling_defaults(args)
-            if args.plan_only:
-                check_paths(args.input, None)
-                return _plan_only(args, defaults)
-            written = [args.summary_json] if args.summary_json else []
-            check_paths(args.input, args.output, written)
-            options = job_options(args, **{"sampling flags": defaults})
-            with open_generate_job(args.input, args.output, options, args.recompute_changed) as job:
-                summary = _run(args, defaults, job)
-    except JobError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt as e:
-        return stopped_before_start(e)
-    _report(args, summary)
-    return 0
+    def plan_only() -> int:
+        defaults = _checked_sampling_defaults(args)
+        check_paths(args.input, None)
+        return _plan_only(args, defaults)
+
+    def job():
+        defaults = _checked_sampling_defaults(args)
+        written = [args.summary_json] if args.summary_json else []
+        check_paths(args.input, args.output, written)
+        options = job_options(args, **{"sampling flags": defaults})
+        with open_generate_job(args.input, args.output, options, args.recompute_changed) as opened:
+            return _run(args, defaults, opened)
+
+    if args.plan_only:
+        return run_job(plan_only, lambda code: code)
+    return run_job(job, lambda summary: _report(args, summary))
 
 
 def _checked_sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:

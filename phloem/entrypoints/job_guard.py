@@ -27,9 +27,10 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXIT_USAGE = 2  # the job cannot run as given (paths, options, fingerprint): nothing written
 EXIT_NO_SPACE = 74  # a write failed for lack of space (EX_IOERR); finished lines are kept
@@ -71,15 +72,25 @@ def sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
-def stopped_before_start(exc: KeyboardInterrupt) -> int:
-    """Say that a job interrupted or terminated before its first line saved nothing; return
-    its exit code."""
+def run_job(job: Callable[[], T], report: Callable[[T], int | None]) -> int:
+    """Run a batch command's `job()` (paths, lock, model, lines), then `report(result)`; return
+    the exit code: `report`'s (0 if None), or a JobError's after printing it as one line, or 130
+    / 143 after saying that an interrupt or SIGTERM before the job's first line saved nothing.
+    SIGTERM is an interrupt throughout (`sigterm_interrupts`). Call from the main thread."""
     import sys
 
-    terminated = isinstance(exc, Terminated)
-    word = "terminated" if terminated else "interrupted"
-    print(f"{word} before the job started: nothing saved", file=sys.stderr)
-    return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    try:
+        with sigterm_interrupts():
+            result = job()
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        word = "terminated" if terminated else "interrupted"
+        print(f"{word} before the job started: nothing saved", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    return report(result) or 0
 
 
 class JobError(Exception):

@@ -355,32 +355,23 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     written); 74 out of disk space, 75 the output is locked by another job, 130 interrupted,
     143 terminated (finished lines are kept: rerun the same command to finish)."""
     from phloem.entrypoints.cli import build_llm
-    from phloem.entrypoints.job_guard import (
-        JobError,
-        check_paths,
-        job_options,
-        sigterm_interrupts,
-        stopped_before_start,
-    )
+    from phloem.entrypoints.job_guard import check_paths, job_options, run_job
     from phloem.entrypoints.openai.server import default_model_name
 
-    try:
-        with sigterm_interrupts():
-            check_paths(args.input, args.output)
-            name = args.served_model_name or default_model_name(args.model)
-            options = job_options(args, **{"--served-model-name": name})
-            with open_batch_job(args.input, args.output, options, args.recompute_changed) as job:
-                llm = build_llm(args)
-                counts = run_batch(llm, args.input, args.output, name, not args.no_progress, job)
-    except JobError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt as e:
-        return stopped_before_start(e)
-    print(
-        f"run-batch: {counts['num_lines']} requests: {counts['num_resumed']} already done, "
-        f"{counts['num_completed']} completed, {counts['num_failed']} failed "
-        f"({counts['wall_s']:.1f} s) -> {args.output}",
-        file=sys.stderr,
-    )
-    return 0
+    def job() -> dict:
+        check_paths(args.input, args.output)
+        name = args.served_model_name or default_model_name(args.model)
+        options = job_options(args, **{"--served-model-name": name})
+        with open_batch_job(args.input, args.output, options, args.recompute_changed) as opened:
+            llm = build_llm(args)
+            return run_batch(llm, args.input, args.output, name, not args.no_progress, opened)
+
+    def report(counts: dict) -> None:
+        print(
+            f"run-batch: {counts['num_lines']} requests: {counts['num_resumed']} already done, "
+            f"{counts['num_completed']} completed, {counts['num_failed']} failed "
+            f"({counts['wall_s']:.1f} s) -> {args.output}",
+            file=sys.stderr,
+        )
+
+    return run_job(job, report)
