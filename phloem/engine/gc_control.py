@@ -2,10 +2,11 @@
 
 Building a batch of thousands of prompts allocates objects holding millions of token ids, all of
 which survive; every automatic collection would traverse them again, while the batch is built
-(setup of 6,400 prompts of 2,300 tokens took 3x longer) and while it runs (full collections
-stalled the step loop for 0.2-0.5 s each). So: collection is paused while a batch is built
-(`gc_paused`), and the built batch is frozen out of collection while it runs (`gc_frozen`),
-entered before collection resumes.
+(the collections' cost grows with the batch, so a big batch's setup spends most of its time in
+them) and while it runs (each full collection stalls the step loop). So: collection is paused
+while a batch is built (`gc_paused`), and the built batch is frozen out of collection while it
+runs (`gc_frozen`), entered before collection resumes. The pauses this removes are measured in
+benchmarks/results/2026-11-23-h200-c/README.md (`bench` reports them as `gc`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def gc_paused() -> Iterator[bool]:
 
     Encoding, planning and queueing a batch allocate objects holding millions of token ids,
     all of which survive; every automatic collection meanwhile would traverse all of them
-    again (at 6,400 prompts of 2,300 tokens that was more time than the work itself).
+    again, a cost that grows with the batch and for thousands of long prompts exceeds the work.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -40,8 +41,8 @@ def gc_frozen() -> Iterator[None]:
     """`gc.freeze()` every object alive now (the queued batch above all) for the block, and
     collect the young generation less often, so that collections while a batch runs are few and
     only traverse objects made since; without it each full
-    collection re-traverses every queued prompt (0.2-0.5 s stalls between steps at 6,400 prompts
-    of 2,300 tokens). Frozen objects are still freed by reference count; only cyclic garbage
+    collection re-traverses every queued prompt, a stall between steps that grows with the batch.
+    Frozen objects are still freed by reference count; only cyclic garbage
     among them waits for the unfreeze.
 
     On exit `gc.unfreeze()` returns them to collection, unless the process held frozen objects
@@ -53,9 +54,9 @@ def gc_frozen() -> Iterator[None]:
     gc.freeze()
     thresholds = gc.get_threshold()
     # Young collections: eager GPU steps allocate thousands of short-lived objects, nearly all
-    # freed by reference count; at the default 700 allocations a 6,400-request run collected
-    # ~2,000 times (1 s of pauses). One young collection per YOUNG_GC_THRESHOLD allocations
-    # finds the same garbage at a fraction of the count.
+    # freed by reference count; at the default threshold (700 allocations) a long run collects
+    # thousands of times for little garbage. One young collection per YOUNG_GC_THRESHOLD
+    # allocations finds the same garbage at a fraction of the count.
     gc.set_threshold(max(thresholds[0], YOUNG_GC_THRESHOLD), *thresholds[1:])
     try:
         yield

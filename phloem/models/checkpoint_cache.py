@@ -60,7 +60,7 @@ def default_cache_dir() -> str:
 
 
 def file_sha256(path: str) -> str:
-    """Hex SHA-256 of the file's content (~0.07 s for the 98 MB embedded model)."""
+    """Hex SHA-256 of the file's content (one streaming pass over the file)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -194,7 +194,7 @@ def converted_checkpoint(gguf_path: str, dtype: torch.dtype, cache_dir: str | No
 
 def load_cached_config(directory: str) -> Any:
     """The transformers config of a converted directory, without importing the architecture's
-    config class (whose import costs ~1 s): config.json holds every field, so a plain
+    config class (importing it is a large share of a second start): config.json holds every field, so a plain
     `PretrainedConfig` carries them all as attributes."""
     from transformers import PretrainedConfig
 

@@ -213,7 +213,7 @@ def _read_gguf_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
 def read_gguf(path: str) -> GGUFFile:
     """The parsed GGUF file at `path` (metadata, tensor table, memory-mapped data), parsed once
     per process for a given size and modification time, so config, tokenizer and weight loading
-    share one parse (~0.2 s for a 49k-token vocabulary).
+    share one parse (the parse walks every vocabulary entry of the metadata).
 
     Raises:
         ValueError: naming the file, when it is not GGUF, of an unknown version, or truncated
@@ -344,8 +344,8 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_torch(data: np.ndarray, type_name: str) -> torch.Tensor | None:
-    """float32 [rows, cols] for Q4_0 / Q4_1 / Q8_0 (bit-identical to `gguf.quants.dequantize`, about
-    4x faster); None for other types."""
+    """float32 [rows, cols] for Q4_0 / Q4_1 / Q8_0 (bit-identical to `gguf.quants.dequantize`, in
+    whole-tensor torch ops); None for other types."""
     block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(type_name)
     if block_bytes is None:
         return None

@@ -1,11 +1,11 @@
 """SiLU-and-mul as one Triton kernel (the gated MLP's elementwise step), imported lazily.
 
-`silu(gate) * up` over x = [gate | up] reads 2 * T * d and writes T * d elements: pure bandwidth.
-torch.compile's generated kernel for it ran at about a third of HBM bandwidth on an H200 in
-8K-token mixed steps (516 us for 8,129 x 14,336; this kernel 167 us: the kernel table of
-benchmarks/results/2026-11-23-h200-b/README.md, from the `*-window.txt` profiles). This kernel
-tiles each row into contiguous column blocks (2D grid), so every load and store is a coalesced,
-vectorized run. The arithmetic runs in float32 and rounds once to the output dtype.
+`silu(gate) * up` over x = [gate | up] reads 2 * T * d and writes T * d elements: pure bandwidth,
+so the kernel's only job is to move those bytes at HBM bandwidth, which torch.compile's generated
+kernel for this step does not reach. This kernel tiles each row into contiguous column blocks (2D
+grid), so every load and store is a coalesced, vectorized run. The arithmetic runs in float32 and
+rounds once to the output dtype. The two kernels' times: the kernel table of
+benchmarks/results/2026-11-23-h200-b/README.md.
 
 Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported.
 """

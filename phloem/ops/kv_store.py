@@ -44,7 +44,7 @@ def allocate_kv_cache(
 
     On the CPU the zeros come from `calloc` (through numpy), whose large blocks are fresh pages
     the OS zeroes on first touch: a 2 GiB pool costs nothing until blocks are written, where
-    `torch.zeros` would write all of it at start (~1 s on 2 cores)."""
+    `torch.zeros` would write all of it at start."""
     if layout == "NHD":
         shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
     elif layout == "HND":

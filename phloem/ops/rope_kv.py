@@ -1,13 +1,13 @@
 """RoPE on q and k plus the KV-cache write as one Triton kernel, imported lazily.
 
 Between the QKV GEMM and attention, each layer rotates q and k (RoPE) and scatters k and v into
-the paged cache. As separate steps (inductor's fused RoPE, then `index_copy_` for K and V) that
-was about 200 us per layer in 8K-token steps of Llama-3.1-8B on an H200 (the kernel table of
-benchmarks/results/2026-11-23-h200-b/README.md), for ~200 MB of traffic that takes ~50 us at HBM
-bandwidth. This kernel reads q, k, v once (strided views of the QKV output are fine), writes the
-rotated q to a new tensor and the rotated k and v straight into their cache slots: one launch,
-no intermediate k, no host sync for padding slots (slot -1 is skipped in the kernel). Measured:
-49 us per layer in the same steps (benchmarks/results/2026-11-23-h200-c/README.md).
+the paged cache. As separate steps (inductor's fused RoPE, then `index_copy_` for K and V) the
+rotated k makes a round trip through memory and each step is its own launch, several times the
+traffic the work needs: one read of q, k, v and one write of q, k, v. This kernel reads q, k, v
+once (strided views of the QKV output are fine), writes the rotated q to a new tensor and the
+rotated k and v straight into their cache slots: one launch, no intermediate k, no host sync for
+padding slots (slot -1 is skipped in the kernel). Its time against the separate steps:
+benchmarks/results/2026-11-23-h200-c/README.md.
 
 Math as `phloem.layers.rotary.RotaryEmbedding` (neox / `rotate_half` layout, rotation in float32
 from the float32 cos/sin table, the first `rotary_dim` of each head rotated, the rest passed

@@ -1,11 +1,12 @@
 """Fusing the elementwise layers between the GEMMs with torch.compile (inductor), on CUDA.
 
-Eagerly, one decoder layer of batch-1 decode launches about 40 small kernels (RMSNorm with the
+Eagerly, one decoder layer of batch-1 decode launches dozens of small kernels (RMSNorm with the
 residual add, RoPE's slicing and float casts, SiLU * up) next to its 4 GEMMs (RoPE and SiLU * up
-now have Triton kernels of their own on CUDA, so only RMSNorm is compiled there); each costs a launch
-slot of 1-3 us even inside a CUDA graph, about 2.5 ms per Llama-8B step on an H100, where the
-weights take 5.5 ms to read. Compiling just these layers fuses each into one or two Triton kernels
-(measured: 9.8 -> 7.7 ms per token) without tracing attention, KV writes or the model's loops.
+have Triton kernels of their own on CUDA, so only RMSNorm is compiled there); each costs a launch
+slot of microseconds even inside a CUDA graph, which over all layers is a large share of a decode
+step whose GEMMs only read the weights once. Compiling just these layers fuses each into one or
+two Triton kernels without tracing attention, KV writes or the model's loops (the step time
+before and after: benchmarks/results/2026-11-22-h100/README.md).
 
 One compiled function per layer class is shared by every instance (the instance is an argument,
 its tensors graph inputs and its equal integer attributes constants), with dynamic shapes, so the

@@ -174,7 +174,7 @@ class ReferenceAttention(AttentionBackend):
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
         mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, L]
-        # 4-D inputs: on CPU, SDPA takes its flash kernel for 4-D (3x faster than the 3-D math path).
+        # 4-D inputs: on CPU, SDPA takes its flash kernel only for 4-D (3-D takes the math path).
         mask = mask.repeat(group, 1)
         o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
         o = o[0].view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)

@@ -305,8 +305,8 @@ def shared_prefix_attention(
         block_m: query rows per tile (power of 2, >= 16; default from the widest segment);
         block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
         prefix_splits: KV splits of every prefix (default: per group, see `_prefix_splits`);
-        num_warps / num_stages: Triton launch options (defaults measured on an H100,
-            benchmarks/results/2026-11-23-h100/attention-sweep-*.json).
+        num_warps / num_stages: Triton launch options (defaults chosen by the kernel sweep of
+            benchmarks/results/2026-11-23-h100/README.md).
         narrow_block_m: if set (power of 2, >= 16; default 16), suffix segments of at most this many rows
             (decode tokens) run in a second launch with this BLOCK_M (and `narrow_num_warps`,
             default `num_warps`; `narrow_block_n` and `narrow_num_stages`, default `block_n`

@@ -15,8 +15,9 @@ Decode-only steps can replay a CUDA graph instead (`decode_path`): the "shared_p
 when the step saves at least `shared_graph_min_saved_kv_tokens` (our three launches per layer
 against the plain backend's one cost a few microseconds each, about the time 16K KV tokens take
 to read), else the plain graph unless the step saves at least `graph_min_saved_kv_tokens`: an
-eager step gives up the graph's launch savings (~10-15 ms for a 32-layer 8B model), about what
-2^19 saved KV tokens of Llama-3-8B (128 KiB each over all layers) take to read at 4-5 TB/s.
+eager step gives up the graph's launch savings (of the order of 10 ms for a 32-layer 8B model:
+every kernel launch of every layer), about what 2^19 saved KV tokens of Llama-3-8B (128 KiB each
+over all layers, 64 GiB in all) take to read at HBM bandwidth (4-5 TB/s).
 """
 
 from __future__ import annotations
