@@ -1,8 +1,16 @@
-"""docs/structure.md lists every module of the package (one line each)."""
+"""docs/structure.md lists every module of the package and every benchmark script (one line each),
+and nothing that is not in the tree."""
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _listed_paths() -> set[str]:
+    """The paths of structure.md's entry lines ("- `path`: ...")."""
+    text = (ROOT / "docs" / "structure.md").read_text()
+    return set(re.findall(r"^- `([^`]+)`:", text, flags=re.MULTILINE))
 
 
 def test_structure_lists_every_module():
@@ -22,3 +30,21 @@ def test_readme_has_the_three_commands():
     assert "phloem generate --input examples/prompts.jsonl --output outputs.jsonl" in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest" in readme and "python -m pytest" in ci
+
+
+def test_structure_lists_benchmarks_exactly():
+    listed = {p for p in _listed_paths() if p.startswith("benchmarks/")}
+    present = {
+        str(p.relative_to(ROOT))
+        for pattern in ("*.py", "*.sh")
+        for p in (ROOT / "benchmarks").glob(pattern)
+    }
+    assert not present - listed, f"add to docs/structure.md: {sorted(present - listed)}"
+    assert not listed - present, (
+        f"not in benchmarks/, drop from structure.md: {sorted(listed - present)}"
+    )
+
+
+def test_structure_lists_no_missing_module():
+    gone = sorted(p for p in _listed_paths() if p.startswith("phloem/") and not (ROOT / p).exists())
+    assert not gone, f"not in the tree, drop from docs/structure.md: {gone}"
