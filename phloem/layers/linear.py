@@ -4,7 +4,7 @@ Every parameter carries `param.weight_loader(param, loaded_weight, shard_id=None
 `load_weights` only maps names; fusing (q,k,v into one matrix, gate/up into one) and, later, tensor
 parallel sharding live here. TP is not implemented yet: `tp_size` is 1 and `tp_rank` 0, but every
 loader already narrows the checkpoint tensor to this rank's shard, so adding TP means setting them
-from `phloem.distributed` and all-reducing in `RowParallelLinear.forward`.
+from the process group of this rank and all-reducing in `RowParallelLinear.forward`.
 
 Weights are [out_features, in_features] like `nn.Linear`; parameters are created uninitialized
 (`torch.empty`) because loading (or the dummy init in `phloem.models.loader`) overwrites them.

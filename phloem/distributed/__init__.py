@@ -1,1 +1,0 @@
-"""phloem.distributed"""
