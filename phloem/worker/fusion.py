@@ -39,8 +39,8 @@ def compile_elementwise_layers(model: nn.Module) -> int:
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     # SiLU-and-mul and RoPE (fused with the KV write) have hand-written Triton kernels on CUDA
-    # (phloem/ops/activation.py, phloem/ops/rope_kv.py: inductor's ran at a fraction of HBM
-    # bandwidth in 8K-token steps); compile those layers only where the kernels are missing.
+    # (phloem/ops/activation.py, phloem/ops/rope_kv.py: they run at HBM bandwidth, where
+    # inductor's do not); compile those layers only where the kernels are missing.
     classes = (RMSNorm,)
     classes += (RotaryEmbedding,) if _fused_rope_kv() is None else ()
     classes += (SiluAndMul,) if _fused() is None else ()

@@ -30,8 +30,8 @@ class DecodeGraphPlan:
         step's tiles, their number read from the device; otherwise one program per row, the
         rows past the step's tiles zero, i.e. no-op tiles (n_rows = 0 and an empty KV range).
         The no-op programs are not free: the wide tiles' registers and shared memory leave room
-        for 2 programs per SM, so B = 1,024 with 64 prefix tiles queued 7,680 empty programs
-        (x 8 KV heads) behind and between the real ones;
+        for 2 programs per SM, so at B = 1,024 with 64 prefix tiles ~960 empty programs per KV
+        head queue behind and between the real ones;
       * the narrow launch over B rows, one suffix tile per sequence (a decode token's GQA rows
         fit one narrow tile);
       * the merge over B programs, of which the first `count[0]` (the grouped tokens) work.
