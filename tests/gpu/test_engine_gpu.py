@@ -2,7 +2,7 @@
 
 - CUDA graphs on vs off (enforce_eager) give identical greedy tokens.
 - Greedy tokens over 32 steps against transformers (bf16, same weights): the agreement is printed
-  (bf16 argmax near-ties on random weights can flip; the logits check is the hard one).
+  (bf16 argmax near-ties on random weights flip); each divergence must be a float32 near-tie.
 - Teacher-forced logits: phloem's bf16 error against transformers in float32 is at most about
   transformers' own bf16 error against float32 (same weights, same tokens).
 """
@@ -139,7 +139,7 @@ def test_greedy_and_logits_vs_transformers(setup):
         engine.hf_config, hf_state_dict(worker.model, "cuda"), torch.bfloat16, "cuda"
     )
     agree = total = 0
-    errs_ours, errs_hf = [], []
+    errs_ours, errs_hf, ties = [], [], []
     for prompt, got in zip(prompts, ours):
         ids = torch.tensor([prompt], device="cuda")
         ref = hf16.generate(
@@ -174,8 +174,19 @@ def test_greedy_and_logits_vs_transformers(setup):
         norm = logits32.norm()
         errs_ours.append(((logits_ours - logits32).norm() / norm).item())
         errs_hf.append(((logits16 - logits32).norm() / norm).item())
+        if same < STEPS:  # both saw prompt + ref[:same]; row p scores the token after it
+            p = len(prompt) + same - 1
+            gap = (logits32[p, ref[same]] - logits32[p, got[same]]).abs().item()
+            noise = ((logits_ours[p] - logits32[p]).abs().max()
+                     + (logits16[p] - logits32[p]).abs().max()).item()  # fmt: skip
+            ties.append(gap / noise)
     print(f"greedy agreement with transformers bf16: {agree}/{total} tokens before divergence")
     print(f"logits rel err vs fp32: phloem bf16 {max(errs_ours):.2e}, hf bf16 {max(errs_hf):.2e}")
+    print(f"divergences: float32 logit gap / bf16 error at that row: {[round(t, 2) for t in ties]}")
     _free(llm)
     assert max(errs_ours) <= 2 * max(errs_hf) + 1e-3
-    assert agree >= total // 2
+    # Where the greedy tokens part, the two tokens must be a near-tie in float32: their logit
+    # gap within the sum of the two bf16 implementations' largest error on that row. A wrong
+    # token would sit far below the float32 argmax; how often near-ties flip depends on the
+    # prompts, so the agreement count itself is printed, not asserted.
+    assert all(t <= 1.0 for t in ties), ties
