@@ -271,10 +271,17 @@ def run_batch(
         options = {"--served-model-name": model_name}
         with open_batch_job(input_path, output_path, options) as job:
             return run_batch(llm, input_path, output_path, model_name, use_tqdm, job)
+    from phloem.entrypoints.openai.limits import max_prompt_chars
     from phloem.entrypoints.openai.server import Frontend
 
-    engine = llm.llm_engine
-    front = Frontend(llm.get_tokenizer(), engine.max_model_len, engine.validate_prompt, model_name)
+    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+    front = Frontend(
+        tokenizer,
+        engine.max_model_len,
+        engine.validate_prompt,
+        model_name,
+        max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),  # as the server
+    )
     lines, done, log = job.lines, job.done, job.log
     start = time.monotonic()
     first_line: dict[str, int] = {}

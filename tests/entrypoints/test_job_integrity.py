@@ -214,6 +214,28 @@ def test_run_batch_never_rewrites_another_jobs_results(tmp_path, capsys, model):
     assert sorted(os.listdir(tmp_path)) == ["requests.jsonl", "results.jsonl"]
 
 
+def test_run_batch_refuses_a_prompt_too_long_to_fit_before_tokenizing(tmp_path, capsys, model):
+    """run-batch applies the server's character bound: a prompt longer than any prompt that
+    fits in max_model_len tokens fails its line (without being tokenized); the others run."""
+    from phloem.entrypoints.openai.limits import max_prompt_chars
+    from phloem.models.loader import load_tokenizer, resolve_model
+
+    bound = max_prompt_chars(load_tokenizer(resolve_model(model)), 128)
+    lines = batch_lines(2)
+    huge = json.loads(lines[1])
+    huge["body"]["prompt"] = "a" * (bound + 1)
+    lines[1] = json.dumps(huge)
+    src, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    code, err = run(job_argv("run-batch", src, out, model), capsys)
+    assert code == 0, err
+    by_id = {r["custom_id"]: r for r in records(out)}
+    assert by_id["c0"]["response"]["status_code"] == 200
+    error = by_id["c1"]["response"]["body"]["error"]
+    assert by_id["c1"]["response"]["status_code"] == 400
+    assert error["param"] == "prompt" and f"more than {bound} characters" in error["message"]
+
+
 def test_model_files_changed_in_place_count_as_another_model(tmp_path, model):
     copy = tmp_path / "model"
     shutil.copytree(model, copy)
