@@ -67,14 +67,13 @@ def register(subparsers) -> None:
 
 
 def _percentiles(values: list[float]) -> dict | None:
+    """mean, p50, p90, p99 of `values` (percentiles as `phloem.engine.metrics.percentiles`
+    defines them, like the job summary's); None when empty."""
+    from phloem.engine.metrics import percentiles
+
     if not values:
         return None
-    xs = sorted(values)
-
-    def q(f: float) -> float:
-        return xs[min(len(xs) - 1, int(f * len(xs)))]
-
-    return {"mean": statistics.fmean(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+    return {"mean": statistics.fmean(values), **percentiles(values, (50, 90, 99))}
 
 
 def _model_dir(args: argparse.Namespace, tmp: str) -> tuple[str, bool]:

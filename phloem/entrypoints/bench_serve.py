@@ -230,19 +230,14 @@ async def _run(args) -> tuple[list[RequestResult], float, str]:
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
-    """mean, median, p90, p99 in milliseconds (None when empty)."""
-    if not values:
-        return {"mean": None, "median": None, "p90": None, "p99": None}
-    ordered = sorted(values)
+    """mean, median, p90, p99 in milliseconds (None when empty); percentiles as
+    `phloem.engine.metrics.percentiles` defines them."""
+    from phloem.engine.metrics import percentiles
 
-    def q(p: float) -> float:
-        pos = (len(ordered) - 1) * p
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)) * 1000
-
-    return {"mean": sum(ordered) / len(ordered) * 1000, "median": q(0.5), "p90": q(0.9),
-            "p99": q(0.99)}  # fmt: skip
+    ms = [v * 1000 for v in values]
+    p = percentiles(ms, (50, 90, 99))
+    return {"mean": sum(ms) / len(ms) if ms else None, "median": p["p50"], "p90": p["p90"],
+            "p99": p["p99"]}  # fmt: skip
 
 
 def summarize_serve(results: list[RequestResult], duration: float, args, model: str) -> dict:

@@ -3,6 +3,8 @@ holds the fields the GPU runs report (the roofline fields need a GPU's measured 
 
 import json
 
+import pytest
+
 from phloem.entrypoints.bench import main
 from phloem.model_configs import available_model_configs, materialize, model_config_dir
 
@@ -64,3 +66,22 @@ def test_gc_pauses_counts_collections():
     before = list(pauses.collections)
     gc.collect()
     assert pauses.collections == before
+
+
+def test_one_percentile_definition_for_jobs_bench_and_bench_serve():
+    """`phloem generate`'s summary, `phloem bench` and `phloem bench serve` report the same
+    percentiles of the same values (linear interpolation between closest ranks)."""
+    from phloem.engine.metrics import percentiles
+    from phloem.entrypoints.bench import _percentiles
+    from phloem.entrypoints.bench_serve import _stats
+
+    values = [0.004, 0.001, 0.003, 0.002]
+    job = percentiles(values)
+    assert job["p50"] == pytest.approx(0.0025) and job["p90"] == pytest.approx(0.0037)
+    bench = _percentiles(values)
+    assert {k: bench[k] for k in job} == pytest.approx(job)
+    assert bench["mean"] == pytest.approx(0.0025)
+    serve = _stats(values)  # milliseconds
+    assert serve["median"] == pytest.approx(2.5) and serve["p90"] == pytest.approx(3.7)
+    assert serve["p99"] == pytest.approx(job["p99"] * 1000) and serve["mean"] == pytest.approx(2.5)
+    assert _percentiles([]) is None and _stats([])["median"] is None
