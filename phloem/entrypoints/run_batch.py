@@ -88,7 +88,7 @@ def parse_batch_line(
         sampling_field_of,
         validation_error,
     )
-    from phloem.entrypoints.openai.server import prepare_chat, prepare_completion
+    from phloem.entrypoints.openai.serving import prepare_chat, prepare_completion
 
     line = BatchLine(line_number, None)
     try:
@@ -162,7 +162,7 @@ def error_record(line: BatchLine) -> dict[str, Any]:
 
 
 def success_record(front, line: BatchLine, created: int) -> dict[str, Any]:
-    from phloem.entrypoints.openai.server import chat_response, completion_response
+    from phloem.entrypoints.openai.responses import chat_response, completion_response
 
     finals = [line.outputs[i] for i in range(len(line.prep.prompts))]
     failure = next((o.error for o in finals if o.error is not None), None)
@@ -272,7 +272,7 @@ def run_batch(
         with open_batch_job(input_path, output_path, options) as job:
             return run_batch(llm, input_path, output_path, model_name, use_tqdm, job)
     from phloem.entrypoints.openai.limits import max_prompt_chars
-    from phloem.entrypoints.openai.server import Frontend
+    from phloem.entrypoints.openai.serving import Frontend
 
     engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
     front = Frontend(
@@ -363,7 +363,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     143 terminated (finished lines are kept: rerun the same command to finish)."""
     from phloem.entrypoints.cli import build_llm
     from phloem.entrypoints.job_guard import check_paths, job_options, run_job
-    from phloem.entrypoints.openai.server import default_model_name
+    from phloem.entrypoints.openai.serving import default_model_name
 
     def job() -> dict:
         check_paths(args.input, args.output)

@@ -92,7 +92,8 @@ def build_state(args: argparse.Namespace, on_death=None):
     from phloem.engine.async_engine import AsyncLLMEngine
     from phloem.entrypoints.cli import build_llm
     from phloem.entrypoints.openai.limits import max_prompt_chars
-    from phloem.entrypoints.openai.server import ServerState, default_model_name
+    from phloem.entrypoints.openai.server import ServerState
+    from phloem.entrypoints.openai.serving import default_model_name
     from phloem.metrics_prometheus import EngineMetrics
 
     limits = server_limits(args)

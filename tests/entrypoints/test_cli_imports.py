@@ -21,3 +21,21 @@ def test_parser_builds_without_server_extras():
     result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_run_batch_prepares_requests_without_the_web_framework():
+    """run-batch shares the server's request preparation (`openai.serving`) without importing
+    FastAPI or the server module."""
+    code = (
+        "import sys\n"
+        "import phloem.entrypoints.run_batch as rb\n"
+        "from phloem.entrypoints.openai.serving import Frontend, prepare_chat, prepare_completion\n"
+        "from phloem.entrypoints.openai.responses import chat_response\n"
+        "loaded = [m for m in ('fastapi', 'starlette', 'phloem.entrypoints.openai.server')\n"
+        "          if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -106,7 +106,7 @@ def test_generate_job_with_bom_blank_lines_bad_bytes_and_a_failing_request(
 
 def test_run_batch_line_with_bad_bytes_fails_alone_with_its_custom_id(llm):
     pytest.importorskip("fastapi")
-    from phloem.entrypoints.openai.server import Frontend
+    from phloem.entrypoints.openai.serving import Frontend
     from phloem.entrypoints.run_batch import parse_batch_line
 
     engine = llm.llm_engine

@@ -32,14 +32,13 @@ from phloem.entrypoints.openai.protocol import (
 )
 from phloem.entrypoints.openai.server import (
     ServerState,
-    check_chars,
     check_model,
     create_chat_completion,
     create_completion,
     error_response,
     read_json,
-    render_chat,
 )
+from phloem.entrypoints.openai.serving import check_chars, render_chat
 
 logger = logging.getLogger(__name__)
 

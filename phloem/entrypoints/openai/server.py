@@ -1,6 +1,7 @@
 """The OpenAI-compatible server's request handling: read, check, generate, answer (OpenAI format).
 
-`app.py` maps the routes to these functions, `responses.py` formats what they answer, and
+`app.py` maps the routes to these functions, `serving.py` turns a request into token ids and
+sampling parameters (shared with run-batch), `responses.py` formats what they answer, and
 `limits.py` holds what one request may ask.
 
 Every client mistake is a 4xx in OpenAI's error shape (`protocol.APIError`); a 5xx means the
@@ -25,7 +26,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +52,10 @@ from phloem.entrypoints.openai.responses import (
     completion_response,
     sse,
     stream_usage_mode,
+)
+from phloem.entrypoints.openai.serving import (
+    prepare_chat,
+    prepare_completion,
 )
 
 logger = logging.getLogger(__name__)
@@ -135,18 +139,6 @@ class ServerState:
             self._prep = None
 
 
-@dataclass
-class Frontend:
-    """What request preparation needs (a ServerState, or run-batch's own): the tokenizer, the
-    context length, the engine's prompt check and the served name."""
-
-    tokenizer: Any
-    max_model_len: int
-    validate_prompt: Any
-    model_name: str
-    max_prompt_chars: int | None = None  # limits.max_prompt_chars; None: no bound
-
-
 # -- helpers --------------------------------------------------------------------------------------
 
 
@@ -218,44 +210,6 @@ def check_model(state, model: str | None) -> None:
         )
 
 
-def check_context(
-    front, num_prompt: int, max_tokens: int | None, prompt_param: str, max_tokens_param: str
-) -> int:
-    """The max_tokens to use. A 400 naming `prompt_param` when the prompt alone leaves no room
-    for a token, or `max_tokens_param` when prompt + max_tokens exceeds the context."""
-    limit = front.max_model_len
-    if num_prompt >= limit:
-        advice = f"Please reduce the length of the {prompt_param}."
-        param = prompt_param
-    elif max_tokens is not None and num_prompt + max_tokens > limit:
-        advice = f"Please reduce {max_tokens_param} to at most {limit - num_prompt}."
-        param = max_tokens_param
-    else:
-        return max_tokens if max_tokens is not None else limit - num_prompt
-    raise APIError(
-        400,
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{num_prompt + (max_tokens or 0)} tokens ({num_prompt} in the {prompt_param}, "
-        f"{max_tokens or 0} in the completion). {advice}",
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
-def check_chars(front, num_chars: int, param: str) -> None:
-    """A 400, before tokenizing, when a prompt has more characters than can fit (limits.py)."""
-    bound = front.max_prompt_chars
-    if bound is not None and num_chars > bound:
-        raise APIError(
-            400,
-            f"The {param} has {num_chars} characters; no prompt of more than {bound} characters "
-            f"fits in this model's maximum context length of {front.max_model_len} tokens. "
-            f"Please reduce the length of the {param}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-
-
 def check_request_limits(state: ServerState, n: int, num_prompts: int) -> None:
     """400s naming `n` or `prompt` past the server's limits (checked before any tokenizing)."""
     limits = state.limits
@@ -276,13 +230,6 @@ def _num_prompts(prompt) -> int:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return 1
     return len(prompt)
-
-
-def validate_ids(front, ids: list[int], param: str) -> None:
-    try:
-        front.validate_prompt(ids)
-    except ValueError as e:
-        raise APIError(400, str(e), param=param) from None
 
 
 def fault_of(state: ServerState, user: str | None) -> str | None:
@@ -408,37 +355,6 @@ def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator
 # -- completions ----------------------------------------------------------------------------------
 
 
-def prepare_completion(state, req: CompletionRequest) -> PreparedRequest:
-    """Tokenize and validate a completion request (400s naming the field)."""
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        raw: list = [prompt]
-    elif not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    elif isinstance(prompt[0], int):
-        raw = [prompt]
-    else:
-        raw = list(prompt)
-    for item in raw:
-        if isinstance(item, str):
-            check_chars(state, len(item), "prompt")
-    prompts = []
-    for item in raw:
-        if isinstance(item, str):
-            ids = state.tokenizer.encode(item)
-            prompts.append((item, ids))
-        else:
-            prompts.append((None, list(item)))
-    base = f"cmpl-{uuid.uuid4().hex}"
-    params = []
-    for _, ids in prompts:
-        max_tokens = check_context(state, len(ids), req.max_tokens, "prompt", "max_tokens")
-        validate_ids(state, ids, "prompt")
-        params.append(req.sampling_params(max_tokens))
-    ids_list = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-    return PreparedRequest(ids_list, prompts, params, req.logprobs)
-
-
 def _check_open(state: ServerState) -> None:
     if state.closed:
         raise engine_error(ServerShuttingDownError("the server is shutting down"))
@@ -492,29 +408,6 @@ async def _in_band_errors(frames):
 # -- chat -----------------------------------------------------------------------------------------
 
 
-def prepare_chat(front, req: ChatCompletionRequest) -> PreparedRequest:
-    """Render, tokenize and validate a chat request (400s naming the field)."""
-    check_chars(front, sum(len(m.text()) for m in req.messages), "messages")
-    text, ids = render_chat(front, req.messages, req.add_generation_prompt)
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = check_context(front, len(ids), req.requested_max_tokens(), "messages", param)
-    validate_ids(front, ids, "messages")
-    params = req.sampling_params(max_tokens)
-    top_k = (req.top_logprobs or 0) if req.logprobs else None
-    return PreparedRequest([f"chatcmpl-{uuid.uuid4().hex}"], [(text, ids)], [params], top_k)
-
-
-def render_chat(state, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-    """`phloem.engine.llm.render_chat` of the request's messages; its errors become 400s."""
-    from phloem.engine.llm import render_chat as render
-
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        return render(state.tokenizer, conversation, add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-
-
 async def create_chat_completion(state: ServerState, request: Request):
     req = await read_json(state, request, ChatCompletionRequest)
     check_model(state, req.model)
@@ -536,9 +429,3 @@ async def create_chat_completion(state: ServerState, request: Request):
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(chat_response(state, prep, finals, created))
-
-
-def default_model_name(model: str | None) -> str:
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    return model
