@@ -270,25 +270,49 @@ class LLM:
         step it to the end, holding the call lock. Collection is paused while the batch is
         built, and the batch is frozen out of collection while it runs (`gc_paused`,
         `gc_frozen`)."""
+
+        def build() -> tuple[list, list[SamplingParams]]:
+            encoded = []
+            for i, item in enumerate(inputs):
+                try:
+                    text, ids = encode(item)
+                    self.llm_engine.validate_prompt(ids)
+                except ValueError as e:
+                    raise ValueError(f"{name}[{i}]: {e}") from None
+                encoded.append((text, ids))
+            return encoded, self._params_list(sampling_params, len(encoded))
+
+        results = dict(self.run_batch(build, use_tqdm))
+        missing = [i for i in range(len(inputs)) if i not in results]
+        if missing:  # a guard: the engine ran out of work before these finished
+            raise RuntimeError(f"the engine stopped before inputs {missing[:5]} finished")
+        return [results[i] for i in range(len(inputs))]
+
+    def run_batch(
+        self,
+        build: Callable[
+            [], tuple[Sequence[tuple[str | None, list[int]]], Sequence[SamplingParams]]
+        ],
+        use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """The offline batch runner (`generate`/`chat`, `phloem generate`, `phloem run-batch`):
+        `build()` returns the batch's (text, token ids) pairs, each prompt already checked by
+        `LLMEngine.validate_prompt`, and their sampling parameters; the batch is queued as a
+        whole (`add_requests`: planned for prefix sharing) and stepped to the end, yielding
+        (index in the batch, RequestOutput) as each request finishes. Collection is paused while
+        `build` runs and the batch is queued, and everything alive then is frozen out of
+        collection until the iteration ends (`gc_paused`, `gc_frozen`). Holds the call lock
+        until the iteration ends; requests still unfinished when it ends early (break,
+        exception) are aborted. Raises what `build` or `add_requests` raise."""
         with self._exclusive(), contextlib.ExitStack() as frozen:
             with gc_paused() as gc_enabled:
-                encoded = []
-                for i, item in enumerate(inputs):
-                    try:
-                        text, ids = encode(item)
-                        self.llm_engine.validate_prompt(ids)
-                    except ValueError as e:
-                        raise ValueError(f"{name}[{i}]: {e}") from None
-                    encoded.append((text, ids))
-                params_list = self._params_list(sampling_params, len(encoded))
-                request_ids = self._add_requests(encoded, params_list, validated=True)
+                encoded, params = build()
+                request_ids = self._add_requests(encoded, params, validated=True)
                 if gc_enabled:  # frozen before collection resumes: never traversed at all
                     frozen.enter_context(gc_frozen())
-            results = {o.request_id: o for o in self._iter_outputs(request_ids, use_tqdm)}
-        missing = [r for r in request_ids if r not in results]
-        if missing:  # a guard: the engine ran out of work before these finished
-            raise RuntimeError(f"the engine stopped before requests {missing[:5]} finished")
-        return [results[r] for r in request_ids]
+            index = {request_id: i for i, request_id in enumerate(request_ids)}
+            for output in self._iter_outputs(request_ids, use_tqdm):
+                yield index[output.request_id], output
 
     def _params_list(
         self, sampling_params: ParamsArg | Sequence[ParamsArg] | None, num_prompts: int

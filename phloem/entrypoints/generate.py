@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.entrypoints.jsonl_input import (
     clean,
     loads,
@@ -205,30 +204,28 @@ def run_generate(
     computed_before = engine.num_computed_prompt_tokens
     outputs = []
     done = job.done
-    with contextlib.ExitStack() as frozen:
-        with gc_paused() as gc_enabled:  # building the batch: see phloem/engine/gc_control.py
-            parsed = [parse_line(llm, raw, n, defaults) for n, raw in job.lines]
-            good = [p for p in parsed if p.error is None]
-            todo = [
-                i for i, p in enumerate(parsed) if p.error is None and job.lines[i][0] not in done
-            ]
-            if done:
-                logger.info("resuming: %d lines already done, %d to run", len(done), len(todo))
-            request_ids = llm.add_requests(
-                [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo],
-                [parsed[i].sampling_params for i in todo],
-                validated=True,  # parse_line ran validate_prompt on every good line
-            )
-            if gc_enabled:  # frozen before collection resumes, for the whole run
-                frozen.enter_context(gc_frozen())
-        line_of = dict(zip(request_ids, todo))
-        for output in llm.iter_outputs(request_ids, use_tqdm=use_tqdm):
-            i = line_of[output.request_id]
-            n = job.lines[i][0]
-            done[n] = {"line": n, "record": output_record(parsed[i], output)}
-            job.log.append(done[n])
-            job.progress.num_saved += 1
-            outputs.append(output)
+    parsed: list[ParsedLine] = []
+    todo: list[int] = []  # indices into parsed of the good lines not done yet
+
+    def build():  # runs with collection paused (LLM.run_batch)
+        parsed.extend(parse_line(llm, raw, n, defaults) for n, raw in job.lines)
+        todo.extend(
+            i for i, p in enumerate(parsed) if p.error is None and job.lines[i][0] not in done
+        )
+        if done:
+            logger.info("resuming: %d lines already done, %d to run", len(done), len(todo))
+        # parse_line ran validate_prompt on every good line
+        encoded = [(parsed[i].prompt_text, parsed[i].prompt_token_ids) for i in todo]
+        return encoded, [parsed[i].sampling_params for i in todo]
+
+    for k, output in llm.run_batch(build, use_tqdm=use_tqdm):
+        i = todo[k]
+        n = job.lines[i][0]
+        done[n] = {"line": n, "record": output_record(parsed[i], output)}
+        job.log.append(done[n])
+        job.progress.num_saved += 1
+        outputs.append(output)
+    good = [p for p in parsed if p.error is None]
     job.log.close()
     write_atomically(
         output_path,

@@ -13,7 +13,7 @@ Output, one line per input line (OpenAI's batch output format, in completion ord
      "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
 
 A bad line gets `status_code` 400 and an OpenAI error body; the job goes on. All good lines go to
-the engine at once (`LLM.add_requests`, planned for prefix sharing). Results are appended and
+the engine at once (`LLM.run_batch`, planned for prefix sharing). Results are appended and
 flushed as they finish; rerunning the same command after a crash (even `kill -9` mid-write)
 drops a torn last line, skips the lines already answered and runs the rest, so every input line
 ends with exactly one output line. `id` carries the input line number, which is how a rerun
@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.entrypoints import jsonl_input
 
 if TYPE_CHECKING:
@@ -288,36 +287,33 @@ def run_batch(
     for n, custom_id in job.custom_ids.items():
         if custom_id is not None:
             first_line.setdefault(custom_id, n)
-    with contextlib.ExitStack() as frozen:
-        with gc_paused() as gc_enabled:  # building the batch: see phloem/engine/gc_control.py
-            todo = [
-                parse_batch_line(front, raw, n, first_line, engine.validate_params)
-                for n, raw in lines
-                if record_id(n) not in done
-            ]
-            failed = [b for b in todo if b.error is not None]
-            good = [b for b in todo if b.error is None]
-            encoded, params, owners = [], [], []
-            for b in good:
-                for i, (text, ids) in enumerate(b.prep.prompts):
-                    encoded.append((text, ids))
-                    params.append(b.prep.params[i])
-                    owners.append((b, i))
-            # every prompt passed validate_prompt in the server's prepare_* functions
-            request_ids = llm.add_requests(encoded, params, validated=True)
-            if gc_enabled:  # frozen before collection resumes, for the whole run
-                frozen.enter_context(gc_frozen())
-        created = int(time.time())
-        for b in failed:
+    failed: list[BatchLine] = []
+    good: list[BatchLine] = []
+    owners: list[tuple[BatchLine, int]] = []  # (line, prompt index) of each queued prompt
+
+    def build():  # runs with collection paused (LLM.run_batch)
+        for n, raw in lines:
+            if record_id(n) not in done:
+                b = parse_batch_line(front, raw, n, first_line, engine.validate_params)
+                (good if b.error is None else failed).append(b)
+        encoded, params = [], []
+        for b in good:
+            for i, (text, ids) in enumerate(b.prep.prompts):
+                encoded.append((text, ids))  # validate_prompt ran in the prepare_* functions
+                params.append(b.prep.params[i])
+                owners.append((b, i))
+        for b in failed:  # written before the first result
             log.append(error_record(b))
             job.progress.num_saved += 1
-        owner_of = dict(zip(request_ids, owners))
-        for output in llm.iter_outputs(request_ids, use_tqdm):
-            b, i = owner_of[output.request_id]
-            b.outputs[i] = output
-            if len(b.outputs) == len(b.prep.prompts):
-                log.append(success_record(front, b, created))
-                job.progress.num_saved += 1
+        return encoded, params
+
+    created = int(time.time())
+    for k, output in llm.run_batch(build, use_tqdm):
+        b, i = owners[k]
+        b.outputs[i] = output
+        if len(b.outputs) == len(b.prep.prompts):
+            log.append(success_record(front, b, created))
+            job.progress.num_saved += 1
     log.close()
     return {
         "num_lines": len(lines),

@@ -268,3 +268,25 @@ def test_job_summary_counts_engine_failures(llm, monkeypatch):
     summary = summarize(outputs, wall_s=1.0, num_failed_requests=2)
     assert summary["num_requests"] == 5
     assert summary["num_failed_requests"] == 3
+
+
+def test_run_batch_yields_every_index_and_a_closed_iteration_aborts_the_rest(llm):
+    """`LLM.run_batch`, the runner behind generate/chat and the JSONL jobs: one (index, output)
+    per built prompt, the same tokens as `generate`; closing it early aborts what is left and
+    releases the call lock."""
+    prompts = [p["prompt_token_ids"] for p in PROMPTS]
+
+    def build():
+        return [(None, ids) for ids in prompts], [GREEDY] * len(prompts)
+
+    got = dict(llm.run_batch(build, use_tqdm=False))
+    expected = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert sorted(got) == [0, 1, 2]
+    assert [got[i].outputs[0].token_ids for i in range(3)] == [
+        o.outputs[0].token_ids for o in expected
+    ]
+    batch = llm.run_batch(build, use_tqdm=False)
+    next(batch)
+    batch.close()
+    assert_clean(llm)
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == 3  # the lock was released
