@@ -9,8 +9,9 @@ takes its roles and part types from these constants):
                (assistant messages may omit it or give null, as OpenAI's API allows)
 
 A list of parts is rendered as the concatenation of its texts; a missing or null content as "".
-A conversation is a non-empty list of messages. The engine layer imports this module; it
-imports nothing from phloem.
+A conversation is a non-empty list of messages. `render_chat` turns one into a tokenizer's
+chat-template text and token ids. The engine layer imports this module; it imports nothing from
+phloem.
 """
 
 from __future__ import annotations
@@ -61,6 +62,31 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"{where}.name must be a string, got {_describe(name)}")
         out.append({"role": role, "content": content_text(message.get("content"), where)})
     return out
+
+
+def render_chat(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> tuple[str, list[int]]:
+    """(text, token ids) of one conversation rendered with the tokenizer's chat template; the
+    rendered text is tokenized without adding special tokens again (the template has them).
+
+    Messages are validated by `normalize_messages` (the roles and content parts every entry
+    point accepts); content parts reach the template as one string.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, a message breaks the shared definition
+            (naming `messages[i]` and the field), or the template rejects them.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; pass plain prompts")
+    messages = normalize_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as e:  # a template that rejects these messages (e.g. role order)
+        raise ValueError(f"the chat template failed on these messages: {e}") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def content_text(content: Any, where: str = "message") -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from phloem.chat_messages import normalize_messages
+from phloem.chat_messages import render_chat
 from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.request import SharedPrefix
@@ -45,31 +45,6 @@ def _as_list(value: Any, name: str, what: str) -> list[Any]:
     if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
     return list(value)
-
-
-def render_chat(
-    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-) -> tuple[str, list[int]]:
-    """(text, token ids) of one conversation rendered with the tokenizer's chat template; the
-    rendered text is tokenized without adding special tokens again (the template has them).
-
-    Messages are validated by `phloem.chat_messages.normalize_messages` (the roles and content
-    parts every entry point accepts); content parts reach the template as one string.
-
-    Raises:
-        ValueError: the tokenizer has no chat template, a message breaks the shared definition
-            (naming `messages[i]` and the field), or the template rejects them.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; pass plain prompts")
-    messages = normalize_messages(messages)
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as e:  # a template that rejects these messages (e.g. role order)
-        raise ValueError(f"the chat template failed on these messages: {e}") from None
-    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 class LLM:

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from phloem import chat_messages
 from phloem.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from phloem.entrypoints.openai.responses import PreparedRequest
 
@@ -117,12 +118,10 @@ def prepare_chat(front, req: ChatCompletionRequest) -> PreparedRequest:
 
 
 def render_chat(state, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-    """`phloem.engine.llm.render_chat` of the request's messages; its errors become 400s."""
-    from phloem.engine.llm import render_chat as render
-
+    """`phloem.chat_messages.render_chat` of the request's messages; its errors become 400s."""
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        return render(state.tokenizer, conversation, add_generation_prompt)
+        return chat_messages.render_chat(state.tokenizer, conversation, add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
