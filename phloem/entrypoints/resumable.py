@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -77,12 +77,7 @@ class ResultLog:
         return records
 
     def _rewrite(self, lines: list[bytes]) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(line + b"\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        _replace_atomically(self.path, (line + b"\n" for line in lines))
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one record as one line (the line is complete once this returns).
@@ -113,11 +108,18 @@ class ResultLog:
 def write_atomically(path: str, lines: list[str]) -> None:
     """Write `lines` (each without its newline) to `path` via a temporary file and a rename.
     On failure (e.g. a full disk) the temporary file is removed and `path` is left as it was."""
+    _replace_atomically(path, ((line + "\n").encode("utf-8") for line in lines))
+
+
+def _replace_atomically(path: str, chunks: Iterable[bytes]) -> None:
+    """`path` becomes the concatenated `chunks`, written one by one to a temporary file that is
+    fsynced and renamed into place; on any failure the temporary file is removed and `path` is
+    left as it was."""
     tmp = path + ".tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
