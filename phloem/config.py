@@ -1,11 +1,21 @@
 """Engine configuration: one frozen dataclass per concern, each validated, none doing I/O.
 
-`EngineConfig` bundles them; each component receives only its own part.
+`EngineConfig` bundles them; each component receives only its own part. Users set them through
+`phloem.engine_args.EngineArgs` (the CLI flags and `LLM(**kwargs)`), whose defaults are these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# The accepted values of the engine's string settings, listed once: `validate()`, the CLI's
+# `choices` (`phloem.engine_args`) and the attention-backend factory read these.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_LAYOUTS = ("NHD", "HND")
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -13,6 +23,11 @@ def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -48,24 +63,11 @@ class ModelConfig:
     checkpoint_cache: bool = True
 
     def validate(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
-            )
+        _one_of("dtype", self.dtype, DTYPES)
         _positive("max_model_len", self.max_model_len, allow_none=True)
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.attention_backend not in ("auto", "reference", "flashinfer", "shared_prefix"):
-            raise ValueError(
-                "attention_backend must be 'auto', 'reference', 'flashinfer' or 'shared_prefix', "
-                f"got {self.attention_backend!r}"
-            )
-
-
-KV_CACHE_DTYPES = ("auto", "fp8")
-KV_LAYOUTS = ("NHD", "HND")
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
+        _one_of("device", self.device, DEVICES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,8 @@ class CacheConfig:
 
     def validate(self) -> None:
         _positive("block_size", self.block_size)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {list(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         _positive("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -133,10 +131,12 @@ class SchedulerConfig:
             (its sampled tokens feed step N+1 on the device; the host learns them one step
             later), so host work overlaps device work. A request that stops on a sampled token
             costs one wasted token of compute; steps with penalties wait for the previous step.
+            False here, so that a scheduler built directly (the core tests, `schedule_sim`) steps
+            synchronously; the engine's user-facing default is `EngineArgs.async_scheduling`.
     """
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 4096
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     memory_centric_admission: bool = True

@@ -24,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-# Step limits assumed when the engine passes no scheduler config (the LLM API's defaults).
-PROFILE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": 8192}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,7 +56,7 @@ class Worker:
         source, hf_config: the resolved checkpoint and its transformers config.
         seed: the sampler's seed; eos_token_id: banned below `min_tokens`.
         scheduler_config: the step limits (largest step for memory profiling, largest decode
-            batch for CUDA graphs); None assumes `PROFILE_DEFAULTS`.
+            batch for CUDA graphs); None assumes `SchedulerConfig`'s defaults.
     """
 
     def __init__(
@@ -82,7 +80,7 @@ class Worker:
         self.compiled_layers = 0
         if self.device.type == "cuda":
             self.compiled_layers = compile_elementwise_layers(self.model)
-        sched = scheduler_config or SchedulerConfig(**PROFILE_DEFAULTS)
+        sched = scheduler_config or SchedulerConfig()
         block_size = cache_config.block_size
         self.kv_dtype = FP8_KV_DTYPE if cache_config.kv_cache_dtype == "fp8" else self.dtype
         backend = get_attention_backend(
