@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import time
+import types
 from typing import Any
 
 import torch
@@ -192,12 +193,24 @@ def converted_checkpoint(gguf_path: str, dtype: torch.dtype, cache_dir: str | No
     return final
 
 
-def load_cached_config(directory: str) -> Any:
-    """The transformers config of a converted directory, without importing the architecture's
-    config class (importing it is a large share of a second start): config.json holds every field, so a plain
-    `PretrainedConfig` carries them all as attributes."""
-    from transformers import PretrainedConfig
+class CachedConfig(types.SimpleNamespace):
+    """A converted directory's model config: every field of its config.json as an attribute
+    (nested objects stay dicts), read without transformers; `to_dict()` gives them back."""
 
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def load_cached_config(directory: str) -> CachedConfig:
+    """The model config of a converted directory. config.json holds every field (written with
+    `use_diff=False`), so no architecture config class is needed to fill in defaults, and
+    transformers is not imported (its import is most of a second start).
+
+    Raises:
+        ValueError: config.json is not a JSON object.
+    """
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         values = json.load(f)
-    return PretrainedConfig.from_dict(values)
+    if not isinstance(values, dict):
+        raise ValueError(f"{directory}/config.json must hold a JSON object")
+    return CachedConfig(**values)

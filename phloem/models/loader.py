@@ -13,6 +13,7 @@ Pickled weights (.bin/.pt) are never loaded and `trust_remote_code` is never use
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -159,17 +160,19 @@ def load_hf_config(source: ModelSource) -> Any:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The transformers tokenizer of `source`: from the GGUF metadata for GGUF files, the fast
-    tokenizer (tokenizer.json) for a converted checkpoint, else `AutoTokenizer`."""
+    """The tokenizer of `source`: transformers' from the GGUF metadata for GGUF files,
+    `phloem.tokenizer.FastTokenizer` (tokenizer.json, no transformers import) for a converted
+    checkpoint, else transformers' `AutoTokenizer`."""
     if source.kind == "gguf":
         from phloem.models.gguf_loader import load_gguf_tokenizer
 
         return load_gguf_tokenizer(source.gguf_path)
     kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
-    if is_converted_checkpoint(source):
-        from transformers import PreTrainedTokenizerFast
+    if is_converted_checkpoint(source):  # written by phloem: tokenizer.json describes it all
+        from phloem.tokenizer import FastTokenizer, UnsupportedTokenizer
 
-        return PreTrainedTokenizerFast.from_pretrained(source.path, **kwargs)
+        with contextlib.suppress(UnsupportedTokenizer):
+            return FastTokenizer(source.path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.path, **kwargs)
