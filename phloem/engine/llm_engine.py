@@ -21,17 +21,36 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from phloem.config import EngineConfig
 from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
+from phloem.engine.step_observer import StepObserver, StepRecord
 from phloem.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from phloem.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from phloem.engine.executor import Executor
+    from phloem.worker.model_runner import ModelRunnerOutput
+    from phloem.worker.worker import Worker
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _LaunchedStep:
+    """A step handed to the executor and not yet collected, with its host timings [s]."""
+
+    index: int
+    scheduler_output: SchedulerOutput
+    handle: object
+    schedule_s: float
+    launch_s: float
 
 
 @dataclass
@@ -92,11 +111,17 @@ class LLMEngine:
 
     Args:
         config: the engine config; validated here.
+        executor_factory: builds the executor from the loaded worker (default
+            `UniProcExecutor`); tests pass one that wraps it (fault injection, other processes).
     Raises:
         ValueError: on an invalid config, an unknown architecture or an unloadable model.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[Worker], Executor] | None = None,
+    ) -> None:
         from phloem.engine.executor import UniProcExecutor
         from phloem.models.loader import (
             load_hf_config,
@@ -107,6 +132,7 @@ class LLMEngine:
         from phloem.worker.worker import Worker
 
         config.validate()
+        executor_factory = executor_factory or UniProcExecutor
         source = startup_source(resolve_model(config.model.model), config.model)
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
@@ -126,7 +152,7 @@ class LLMEngine:
             self.eos_token_id,
             scheduler_config=self.scheduler_config,
         )
-        self.executor = UniProcExecutor(worker)
+        self.executor = executor_factory(worker)
         capacity = self.executor.num_blocks * config.cache.block_size
         if self.max_model_len > capacity:
             if config.model.max_model_len is not None:
@@ -154,7 +180,9 @@ class LLMEngine:
         # to date text); False (offline): only finished prompts, text decoded once at the end.
         self.stream_outputs = False
         # async scheduling: the launched step whose tokens the next step() collects
-        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self._in_flight: _LaunchedStep | None = None
+        self._num_steps = 0  # non-empty steps launched
+        self._step_observers: list[StepObserver] = []
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -299,43 +327,86 @@ class LLMEngine:
         """Run one iteration; returns an output for every prompt that finished (and, with
         `stream_outputs`, for every prompt that got a new token).
 
-        With async scheduling the iteration schedules and launches step N+1, then waits for
-        step N (launched by the previous call) and returns its outputs, so the host's work on
-        step N+1 and on N's tokens overlaps the device running N and N+1:
+        One path: schedule, launch, then collect and update the step before it. Synchronous
+        scheduling collects the step it just launched; async scheduling collects step N (launched
+        by the previous call) after launching N+1, so the host's work on N+1 and on N's tokens
+        overlaps the device running N and N+1:
 
             schedule(N+1) -> launch(N+1) -> collect(N) -> update(N) -> outputs of N
         """
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if not self.scheduler_config.async_scheduling:
-            runner_output = self.executor.execute_model(scheduler_output)
-            updated = self.scheduler.update_from_output(
-                scheduler_output, runner_output.sampled_token_ids
-            )
-            outputs = self._process_outputs(scheduler_output, updated, runner_output)
-        else:
-            outputs = []
-            if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
-                outputs = self._finish_in_flight()  # penalties read the step before's tokens
-            launched = self.executor.launch(scheduler_output)
-            if self._in_flight is not None:
-                outputs = self._finish_in_flight()
-            # an empty step has nothing to update; a step without samples still does (prefix
-            # holds)
-            self._in_flight = None if scheduler_output.is_empty else (scheduler_output, launched)
+        scheduled = time.perf_counter()
+        outputs = []
+        if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
+            outputs = self._finish_in_flight()  # penalties read the step before's tokens
+        launched = self._launch(scheduler_output, scheduled - start)
+        if self._in_flight is not None:
+            outputs += self._finish_in_flight()
+        self._in_flight = launched
+        if not self.scheduler_config.async_scheduling and launched is not None:
+            outputs += self._finish_in_flight()
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
         return outputs
 
+    def add_step_observer(self, fn: StepObserver) -> None:
+        """Call `fn(StepRecord)` after each non-empty step's outputs are updated (see
+        `phloem.engine.step_observer`)."""
+        self._step_observers.append(fn)
+
+    def remove_step_observer(self, fn: StepObserver) -> None:
+        """Stop calling `fn`. Raises ValueError if it was not added."""
+        self._step_observers.remove(fn)
+
+    def _launch(self, scheduler_output: SchedulerOutput, schedule_s: float) -> _LaunchedStep | None:
+        """Hand the step to the executor (every step: an empty one carries finished ids); None
+        for an empty step (nothing to collect or update)."""
+        start = time.perf_counter()
+        handle = self.executor.launch(scheduler_output)
+        if scheduler_output.is_empty:
+            return None
+        self._num_steps += 1
+        return _LaunchedStep(
+            self._num_steps - 1, scheduler_output, handle, schedule_s, time.perf_counter() - start
+        )
+
     def _finish_in_flight(self) -> list[RequestOutput]:
-        """Wait for the launched step's tokens, update the scheduler, build its outputs."""
-        assert self._in_flight is not None
-        scheduler_output, launched = self._in_flight
+        """Wait for the launched step's tokens, update the scheduler, build its outputs, and
+        tell the step observers. A step without samples is still updated (prefix holds)."""
+        launched = self._in_flight
+        assert launched is not None
         self._in_flight = None
-        runner_output = self.executor.collect(launched)
+        start = time.perf_counter()
+        runner_output = self.executor.collect(launched.handle)
+        collected = time.perf_counter()
+        scheduler_output = launched.scheduler_output
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
         )
-        return self._process_outputs(scheduler_output, updated, runner_output)
+        outputs = self._process_outputs(scheduler_output, updated, runner_output)
+        if self._step_observers:
+            self._observe(launched, runner_output, collected - start, collected)
+        return outputs
+
+    def _observe(
+        self,
+        launched: _LaunchedStep,
+        runner_output: ModelRunnerOutput,
+        wait_s: float,
+        collected: float,
+    ) -> None:
+        record = StepRecord(
+            step_index=launched.index,
+            scheduler_output=launched.scheduler_output,
+            runner_output=runner_output,
+            schedule_s=launched.schedule_s,
+            launch_s=launched.launch_s,
+            wait_s=wait_s,
+            update_s=time.perf_counter() - collected,
+        )
+        for fn in list(self._step_observers):
+            fn(record)
 
     def _process_outputs(
         self, sched: SchedulerOutput, updated, runner_output

@@ -21,6 +21,11 @@ nothing. Truncation uses value thresholds (ties at a boundary are all kept), so 
 depends on the order an unstable sort leaves equal values in.
 
 Assumes at least one token of every row survives banning (the engine bans only EOS and stop ids).
+
+Non-finite logits: each row's count of NaN/inf values is computed on the device and copied to
+the host behind the step's tokens (no extra sync); a row with any is sampled from zeros instead
+(greedy rows: argmax is defined on NaN, so nothing is replaced), and its caller fails that row's
+request alone (`SamplerOutput.num_nonfinite`, `NON_FINITE_MESSAGE`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from phloem.sampling_params import SamplingParams
 # vLLM's _SAMPLING_EPS: temperatures below it are greedy. Dividing by a smaller positive
 # temperature would only overflow float32 on the way to the same argmax.
 _GREEDY_TEMPERATURE = 1e-5
+
+# why a request whose logits row held NaN or inf fails (the row's token is a placeholder)
+NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -82,11 +90,14 @@ class SamplerOutput:
             when no row asked for logprobs (the log-softmax over the vocabulary is then skipped).
         top_logprobs: [B] for rows with params.logprobs = k: {token_id: raw log-prob} for the k
             most likely tokens plus the sampled one (k or k + 1 entries); None for other rows.
+        num_nonfinite: [B] NaN/inf values in each row of the input logits (a row with any is
+            sampled from zeros: its token is a placeholder).
     """
 
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
+    num_nonfinite: list[int]
 
 
 def apply_banned(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -254,6 +265,7 @@ class Sampler:
             is plain greedy), B == len(rows); not modified.
         Advances each random row's generator (or the sampler's) by one draw; greedy rows advance
         nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
+        Rows with NaN/inf logits are counted (`SamplerOutput.num_nonfinite`), not raised on.
         """
         return self.launch(logits, rows).result()
 
@@ -265,6 +277,7 @@ class Sampler:
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
             )
+        num_nonfinite = torch.isfinite(logits).logical_not_().sum(dim=-1)  # int64 [B]
         if all(
             r.params.temperature < _GREEDY_TEMPERATURE
             and r.params.logprobs is None
@@ -276,10 +289,14 @@ class Sampler:
             # dtype. Upcasting is exact and monotone, so the ids (first index among ties) equal
             # argmax of the float32 copy, which costs a [B, V] float32 write and read (1 GiB each
             # for a 2,048-row step of a 128K vocabulary).
-            return SampledTokens.start(logits, logits.argmax(dim=-1), rows)
-        raw = logits.float()
+            # argmax of a row holding NaN is still an id: nothing to replace.
+            return SampledTokens.start(logits, logits.argmax(dim=-1), rows, num_nonfinite)
+        # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the
+        # caller's logits stay as they were)
+        raw = logits.float().masked_fill((num_nonfinite != 0)[:, None], 0.0)
         needs_copy = any(r.banned_token_ids or r.params.has_penalties for r in rows)
-        x = raw.clone() if needs_copy else raw  # only bans and penalties write in place
+        x = raw.clone() if needs_copy else raw  # bans and penalties write in place; raw is
+        # what the log-probs are taken of
         apply_banned(x, [r.banned_token_ids for r in rows])
         x = self._penalize(x, rows)
 
@@ -296,7 +313,7 @@ class Sampler:
             r_idx = _device_tensor(random, dtype=torch.long, device=device)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
             tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random])
-        return SampledTokens.start(raw, tokens, rows)
+        return SampledTokens.start(raw, tokens, rows, num_nonfinite)
 
     def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Apply penalties to the rows that have any (others are untouched); returns x."""
@@ -387,16 +404,24 @@ class SampledTokens:
             self._event.record()
 
     @classmethod
-    def start(cls, raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]):
-        """Enqueue what the host needs: the tokens, and for logprob rows the raw log-probs of
-        the sampled and of the top-k tokens (one log-softmax pass, only if a row asked)."""
+    def start(
+        cls,
+        raw: torch.Tensor,
+        tokens: torch.Tensor,
+        rows: list[SamplingRow],
+        num_nonfinite: torch.Tensor,
+    ) -> SampledTokens:
+        """Enqueue what the host needs: the tokens with each row's non-finite count (int64
+        [2, B], one copy), and for logprob rows the raw log-probs of the sampled and of the
+        top-k tokens (one log-softmax pass, only if a row asked)."""
+        parts = [torch.stack((tokens, num_nonfinite))]
         if all(r.params.logprobs is None for r in rows):
-            return cls(tokens, [tokens], rows, 0)
+            return cls(tokens, parts, rows, 0)
         lse = torch.logsumexp(raw, dim=-1)
         sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1) - lse
         max_k = max((r.params.logprobs or 0 for r in rows), default=0)
         max_k = min(max_k, raw.shape[1])
-        parts = [tokens, sampled_lp]
+        parts.append(sampled_lp)
         if max_k > 0:
             values, indices = raw.topk(max_k, dim=-1)
             parts += [values - lse[:, None], indices]
@@ -407,9 +432,9 @@ class SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         rows = self._rows
-        token_list = self._parts[0].tolist()
+        token_list, num_nonfinite = self._parts[0].tolist()
         if len(self._parts) == 1:
-            return SamplerOutput(token_list, [None] * len(rows), [None] * len(rows))
+            return SamplerOutput(token_list, [None] * len(rows), [None] * len(rows), num_nonfinite)
         lp_list = self._parts[1].tolist()
         top_vals: list[list[float]] = [[] for _ in rows]
         top_ids: list[list[int]] = [[] for _ in rows]
@@ -424,4 +449,4 @@ class SampledTokens:
             entry = dict(zip(top_ids[i][:k], top_vals[i][:k]))
             entry.setdefault(token_list[i], lp_list[i])
             top_logprobs.append(entry)
-        return SamplerOutput(token_ids=token_list, logprobs=lp_list, top_logprobs=top_logprobs)
+        return SamplerOutput(token_list, lp_list, top_logprobs, num_nonfinite)

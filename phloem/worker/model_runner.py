@@ -6,9 +6,10 @@ and reads its attention metadata from the forward context. Each step calls the b
 `begin_step` once (planning backends such as FlashInfer); decode-only steps replay a captured
 CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
 
-A request whose own sampling setup (its generator, its row) or sampling raises fails alone: its
-row is sampled greedily so the batch goes on, and its id lands in `ModelRunnerOutput.failed` for
-the engine to fail it (see `phloem.engine.llm_engine`).
+A request whose own sampling setup (its generator, its row) or sampling raises, or whose logits
+row holds NaN or inf (counted on the device by the sampler, copied behind the step's tokens),
+fails alone: its row is sampled as a placeholder so the batch goes on, and its id lands in
+`ModelRunnerOutput.failed` for the engine to fail it (see `phloem.engine.llm_engine`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from torch import nn
 
 from phloem.core.scheduler import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
-from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow, seeded_generator
+from phloem.layers.sampler import (
+    NON_FINITE_MESSAGE,
+    SampledTokens,
+    Sampler,
+    SamplingRow,
+    seeded_generator,
+)
 from phloem.ops.attention.interface import AttentionBackend, DecodePath
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
@@ -43,12 +50,15 @@ def _placeholder_row(request) -> SamplingRow:
 class ModelRunnerOutput:
     """Per sampled request (by id): the new token, its log-prob under the model's raw
     distribution, and the top-k log-probs when the request asked for them; `failed` maps the
-    requests that failed alone this step to the reason (their token is a placeholder)."""
+    requests that failed alone this step to the reason (their token is a placeholder);
+    `num_nans_in_logits` counts the NaN/inf values of each sampled row that had any (vLLM's
+    name; those requests are in `failed` with `NON_FINITE_MESSAGE`)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float | None] = field(default_factory=dict)
     top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    num_nans_in_logits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -336,6 +346,9 @@ class ModelRunner:
             out.sampled_token_ids[request_id] = result.token_ids[k]
             out.logprobs[request_id] = result.logprobs[k]
             out.top_logprobs[request_id] = result.top_logprobs[k]
+            if result.num_nonfinite[k]:
+                out.num_nans_in_logits[request_id] = result.num_nonfinite[k]
+                out.failed.setdefault(request_id, NON_FINITE_MESSAGE)
         return out
 
     @staticmethod

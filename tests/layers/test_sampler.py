@@ -380,3 +380,40 @@ def test_top_k_top_p_fast_path_equals_full_sort(monkeypatch):
         full = sampler_module.apply_top_k_top_p(logits, top_k, top_p)
         monkeypatch.undo()
         assert torch.equal(fast.isinf(), full.isinf()), trial
+
+
+# --- non-finite rows ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=3),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.8, repetition_penalty=1.5),
+    ],
+    ids=["greedy", "random", "logprobs", "penalties"],
+)
+def test_non_finite_rows_are_counted_and_leave_the_others_alone(params):
+    """Rows with NaN or inf are counted per row (not raised on) and sampled as placeholders;
+    the finite rows draw exactly what they draw without the bad rows' values."""
+    torch.manual_seed(0)
+    clean = torch.randn(4, 50)
+    logits = clean.clone()
+    logits[1, 7] = float("nan")
+    logits[3, :3] = float("inf")
+    logits[3, 10] = float("-inf")
+
+    def sample(x):
+        rows = [row(params, prompt=[1, 2], output=[3], generator=gen(i)) for i in range(4)]
+        return Sampler(seed=1).launch(x, rows).result()
+
+    want, got = sample(clean), sample(logits)
+    assert got.num_nonfinite == [0, 1, 0, 4]
+    assert want.num_nonfinite == [0, 0, 0, 0]
+    assert all(0 <= t < 50 for t in got.token_ids)
+    for i in (0, 2):
+        assert got.token_ids[i] == want.token_ids[i]
+        assert got.logprobs[i] == want.logprobs[i]
+    assert torch.isnan(logits[1, 7])  # the caller's logits are not modified
