@@ -15,6 +15,7 @@ propagates, so the object stays usable for later calls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
@@ -24,11 +25,11 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from phloem.chat_messages import render_chat
-from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.request import SharedPrefix
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.engine.llm_engine import LLMEngine
+from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
 
@@ -53,104 +54,32 @@ class LLM:
     Args:
         model: None for the embedded default (SmolLM2-135M-Instruct), a `.gguf` file, or an HF
             checkpoint directory (config.json + *.safetensors + tokenizer files).
-        dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16", "float16".
-        max_model_len: context length [tokens]; default the model's.
-        block_size: tokens per KV block.
-        max_num_seqs: most sequences per step.
-        max_num_batched_tokens: token budget per step (prefill chunks + decode tokens).
-        kv_cache_memory_bytes: bytes for the KV pool; default 2 GiB on CPU, else
-            `gpu_memory_utilization` of the GPU.
-        num_gpu_blocks: exact KV pool size in blocks (overrides the byte budgets).
-        enable_chunked_prefill: split long prompts across steps.
-        seed: seed for requests without their own.
-        load_format: "auto" or "dummy" (random weights, for benchmarks).
-        device: "auto", "cpu" or "cuda".
-        enforce_eager: no CUDA graphs for decode steps.
-        attention_backend: "auto", "reference", "flashinfer" or "shared_prefix" (cascade
-            attention for prefix groups).
-        enable_prefix_caching: plan shared prefixes over each `generate` batch (BatchLLM) and
-            keep finished requests' KV in a radix cache for later requests; False computes
-            every prompt in full (for comparison).
-        memory_centric_admission: admit requests by the KV blocks they need to finish
-            (prompt + max_tokens); False admits whenever the next chunk fits (vLLM-style) and
-            relies on preemption.
-        async_scheduling: schedule and launch each step while the previous one runs on the
-            device (host work overlaps device work); False runs steps one after the other.
-        kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3 KV cache; see
-            `CacheConfig`).
-        kv_layout: "NHD" (token-major blocks) or "HND" (head-major blocks; see `CacheConfig`).
-        cache_dir: root of the converted-checkpoint cache (a GGUF model is converted to an HF
-            directory there on first use); None: $PHLOEM_CACHE_DIR, else ~/.cache/phloem.
-        checkpoint_cache: False loads a GGUF file directly at every start (no cache).
+        **kwargs: the other engine settings, by keyword: exactly the fields of
+            `phloem.engine_args.EngineArgs` (`block_size`, `max_num_seqs`,
+            `max_num_batched_tokens`, `enable_prefix_caching`, `async_scheduling`, ...), whose
+            docstring and help text give each one's meaning, unit and default.
     Raises:
+        TypeError: naming a keyword argument that is not an engine setting.
         ValueError: naming the argument, for invalid values; naming the file, for a truncated
             GGUF or safetensors file.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks: int | None = None,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        load_format: str = "auto",
-        device: str = "auto",
-        enforce_eager: bool = False,
-        attention_backend: str = "auto",
-        enable_prefix_caching: bool = True,
-        memory_centric_admission: bool = True,
-        async_scheduling: bool = True,
-        kv_cache_dtype: str = "auto",
-        kv_layout: str = "NHD",
-        cache_dir: str | None = None,
-        checkpoint_cache: bool = True,
-    ) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         start = time.perf_counter()
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 4096 if enable_chunked_prefill else (max_model_len or 8192)
-        config = EngineConfig(
-            model=ModelConfig(
-                model,
-                dtype,
-                max_model_len,
-                load_format,
-                device,
-                enforce_eager,
-                attention_backend,
-                cache_dir,
-                checkpoint_cache,
-            ),
-            cache=CacheConfig(
-                block_size,
-                num_gpu_blocks,
-                kv_cache_memory_bytes,
-                gpu_memory_utilization,
-                enable_prefix_caching,
-                kv_cache_dtype,
-                kv_layout,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max(max_num_batched_tokens, 1),
-                enable_chunked_prefill=enable_chunked_prefill,
-                memory_centric_admission=memory_centric_admission,
-                async_scheduling=async_scheduling,
-            ),
-            seed=seed,
-        )
+        config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
         self.llm_engine = LLMEngine(config)
         self._lock = threading.Lock()  # one call at a time (see the module docstring)
         self._owner: int | None = None  # the thread running the current call
         self.load_s = time.perf_counter() - start  # start-up time [s]: imports, model, KV pool
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM of `engine_args` (the CLI builds one from its flags this way).
+
+        Raises:
+            ValueError: as `LLM(...)`.
+        """
+        return cls(**dataclasses.asdict(engine_args))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

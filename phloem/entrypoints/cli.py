@@ -8,69 +8,12 @@ import logging
 import sys
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF checkpoint dir or .gguf (default: embedded SmolLM2-135M-Instruct)",
-    )
-    g.add_argument(
-        "--cache-dir",
-        default=None,
-        help="converted-checkpoint cache: a .gguf model is converted to an HF directory here on "
-        "first use (default: $PHLOEM_CACHE_DIR, else $XDG_CACHE_HOME/phloem or ~/.cache/phloem)",
-    )
-    g.add_argument(
-        "--no-checkpoint-cache",
-        action="store_true",
-        help="parse a .gguf model at every start instead of using the converted-checkpoint cache",
-    )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--max-model-len", type=int, default=None, help="context length [tokens]")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="exact KV pool size [blocks]")
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument(
-        "--no-prefix-sharing",
-        action="store_true",
-        help="turn off the global prefix planner and the radix prefix cache (for comparison)",
-    )
-    g.add_argument(
-        "--no-memory-centric-admission",
-        action="store_true",
-        help="admit requests whenever their next chunk fits, relying on preemption",
-    )
-    g.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="wait for each step's tokens before scheduling the next (no host/device overlap)",
-    )
-    g.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "reference", "flashinfer", "shared_prefix"],
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "fp8"],
-        help="fp8: KV cache in float8 e4m3 (scale 1): twice the tokens, half the reads; lossy",
-    )
-    g.add_argument(
-        "--kv-layout",
-        default="NHD",
-        choices=["NHD", "HND"],
-        help="KV block layout: NHD token-major, HND head-major (contiguous per head and block)",
-    )
+def add_engine_args(parser: argparse.ArgumentParser, **defaults) -> None:
+    """The engine flags, one per `EngineArgs` field (see `EngineArgs.add_cli_args`); `defaults`
+    overrides a field's default for this subcommand."""
+    from phloem.engine_args import EngineArgs
+
+    EngineArgs.add_cli_args(parser, **defaults)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -104,32 +47,15 @@ def sampling_defaults(args: argparse.Namespace) -> dict:
 
 
 def build_llm(args: argparse.Namespace):
-    from phloem.engine.llm import LLM
+    """The `LLM` of the engine flags in `args` (a namespace parsed with `add_engine_args`).
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks=args.num_gpu_blocks,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        enable_prefix_caching=not args.no_prefix_sharing,
-        memory_centric_admission=not args.no_memory_centric_admission,
-        async_scheduling=not args.no_async_scheduling,
-        load_format=args.load_format,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_layout=args.kv_layout,
-        cache_dir=args.cache_dir,
-        checkpoint_cache=not args.no_checkpoint_cache,
-    )
+    Raises:
+        ValueError: naming the setting, for an invalid value.
+    """
+    from phloem.engine.llm import LLM
+    from phloem.engine_args import EngineArgs
+
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 SUBCOMMANDS = [

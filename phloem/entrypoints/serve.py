@@ -45,17 +45,13 @@ def register(subparsers) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    p.add_argument(
-        "--memory-centric-admission",
-        action="store_true",
-        help="admit a request only when the KV blocks for its whole max_tokens are free "
-        "(the offline default); off by default when serving: requests are admitted as blocks "
-        "allow and preempted (recomputed) when they run out, as in vLLM",
-    )
     add_limit_args(p)
     p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
-    add_engine_args(p)
+    # Online requests often leave max_tokens at the whole context; reserving it up front would
+    # cap concurrency at a handful of requests, so serving admits by the blocks needed now and
+    # preempts (recomputes) when they run out, as vLLM does.
+    add_engine_args(p, memory_centric_admission=False)
     p.set_defaults(func=cmd_serve)
 
 
@@ -99,7 +95,6 @@ def build_state(args: argparse.Namespace, on_death=None):
     limits = server_limits(args)
     llm = build_llm(args)
     engine = llm.llm_engine
-    set_admission(engine, args.memory_centric_admission)
     name = args.served_model_name or default_model_name(args.model)
     metrics = EngineMetrics(name)
     async_engine = AsyncLLMEngine(
@@ -117,18 +112,6 @@ def build_state(args: argparse.Namespace, on_death=None):
         max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
         protect_metrics=args.protect_metrics,
     )
-
-
-def set_admission(engine, memory_centric: bool) -> None:
-    """Online requests often leave max_tokens at the whole context; reserving it up front would
-    cap concurrency at a handful of requests, so serving admits by the blocks needed now."""
-    import dataclasses
-
-    config = engine.scheduler.config
-    if getattr(config, "memory_centric_admission", memory_centric) != memory_centric:
-        engine.scheduler.config = dataclasses.replace(
-            config, memory_centric_admission=memory_centric
-        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

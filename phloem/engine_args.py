@@ -1,0 +1,264 @@
+"""The engine's user-facing settings, declared once (vLLM's `EngineArgs` pattern).
+
+`EngineArgs` has one field per setting, its default and its help text (field metadata). The
+engine flags of every `phloem` subcommand (`add_cli_args`) and the keyword arguments of
+`LLM(**kwargs)` (`from_kwargs`) are derived from it, and `create_engine_config()` turns it into
+the validated `EngineConfig`. Defaults are read from the per-concern configs of `phloem.config`
+(one set of defaults), and so are the accepted values of the string settings. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from phloem.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    KV_LAYOUTS,
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+def _arg(
+    default: Any,
+    help: str,
+    *,
+    type: type | None = None,
+    choices: tuple[str, ...] | None = None,
+    no_flag: str | None = None,
+) -> Any:
+    """A field of `EngineArgs`: its default, help, argparse `type` (None: the default's type)
+    and `choices`; for a boolean, `no_flag` names the flag that turns it off (default
+    `--no-<name>`)."""
+    return field(
+        default=default,
+        metadata={"help": help, "type": type, "choices": choices, "no_flag": no_flag},
+    )
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every user-facing engine setting; see `phloem.config` for what each one does.
+
+    Raises (from `create_engine_config`): ValueError naming the field, for an invalid value.
+    """
+
+    model: str | None = _arg(
+        ModelConfig.model,
+        "HF checkpoint dir or .gguf (default: embedded SmolLM2-135M-Instruct)",
+        type=str,
+    )
+    dtype: str = _arg(ModelConfig.dtype, "weights and activations dtype", choices=DTYPES)
+    max_model_len: int | None = _arg(
+        ModelConfig.max_model_len, "context length [tokens] (default: the model's)", type=int
+    )
+    block_size: int = _arg(CacheConfig.block_size, "tokens per KV block")
+    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most sequences per step")
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        "token budget per step (prefill chunks + decode tokens) "
+        f"(default: {SchedulerConfig.max_num_batched_tokens} with chunked prefill, else "
+        "max_model_len)",
+        type=int,
+    )
+    kv_cache_memory_bytes: int | None = _arg(
+        CacheConfig.kv_cache_memory_bytes,
+        "bytes for the KV pool (default: 2 GiB on CPU, else --gpu-memory-utilization)",
+        type=int,
+    )
+    gpu_memory_utilization: float = _arg(
+        CacheConfig.gpu_memory_utilization, "fraction of GPU memory phloem may use, in (0, 1]"
+    )
+    num_gpu_blocks: int | None = _arg(
+        CacheConfig.num_gpu_blocks,
+        "exact KV pool size [blocks] (overrides the byte budgets)",
+        type=int,
+    )
+    enable_chunked_prefill: bool = _arg(
+        SchedulerConfig.enable_chunked_prefill,
+        "split long prompts across steps",
+        no_flag="--no-chunked-prefill",
+    )
+    seed: int = _arg(EngineConfig.seed, "engine seed for unseeded requests")
+    load_format: str = _arg(
+        ModelConfig.load_format, "dummy: random weights (benchmarks)", choices=LOAD_FORMATS
+    )
+    device: str = _arg(ModelConfig.device, "auto: CUDA if available, else CPU", choices=DEVICES)
+    enforce_eager: bool = _arg(ModelConfig.enforce_eager, "no CUDA graphs for decode steps")
+    attention_backend: str = _arg(
+        ModelConfig.attention_backend,
+        "auto: prefix-shared attention over FlashInfer on CUDA, else the plain-torch reference",
+        choices=ATTENTION_BACKENDS,
+    )
+    enable_prefix_caching: bool = _arg(
+        CacheConfig.enable_prefix_caching,
+        "plan shared prefixes over each batch (BatchLLM) and keep finished requests' KV in a "
+        "radix cache; off computes every prompt in full (for comparison)",
+        no_flag="--no-prefix-sharing",
+    )
+    memory_centric_admission: bool = _arg(
+        SchedulerConfig.memory_centric_admission,
+        "admit a request only when the KV blocks for its whole max_tokens fit; off admits "
+        "whenever its next chunk fits and relies on preemption",
+    )
+    async_scheduling: bool = _arg(
+        True,  # SchedulerConfig's own default is False: see its docstring
+        "schedule and launch each step while the previous one runs on the device",
+    )
+    kv_cache_dtype: str = _arg(
+        CacheConfig.kv_cache_dtype,
+        "fp8: KV cache in float8 e4m3 (scale 1): twice the tokens, half the reads; lossy",
+        choices=KV_CACHE_DTYPES,
+    )
+    kv_layout: str = _arg(
+        CacheConfig.kv_layout,
+        "KV block layout: NHD token-major, HND head-major (contiguous per head and block)",
+        choices=KV_LAYOUTS,
+    )
+    cache_dir: str | None = _arg(
+        ModelConfig.cache_dir,
+        "converted-checkpoint cache: a .gguf model is converted to an HF directory here on "
+        "first use (default: $PHLOEM_CACHE_DIR, else $XDG_CACHE_HOME/phloem or ~/.cache/phloem)",
+        type=str,
+    )
+    checkpoint_cache: bool = _arg(
+        ModelConfig.checkpoint_cache,
+        "load a .gguf model from its converted HF directory in the cache (off: parse the .gguf "
+        "at every start)",
+    )
+
+    # -- keyword arguments ----------------------------------------------------------------------
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs from keyword arguments (`LLM(model, **kwargs)`).
+
+        Raises:
+            TypeError: naming each argument that is not an `EngineArgs` field.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {', '.join(map(repr, unknown))}; "
+                f"engine arguments are: {', '.join(sorted(names))}"
+            )
+        return cls(**kwargs)
+
+    # -- command line ---------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, **defaults: Any) -> None:
+        """Add one flag per field (`--max-num-seqs` for `max_num_seqs`) to an "engine" group
+        of `parser`, each storing to the field's name; a boolean gets two flags, `--<name>` and
+        its `no_flag`. `defaults` overrides a field's default for this parser (e.g. `phloem
+        serve` admits without memory-centric admission).
+
+        Raises:
+            TypeError: naming a key of `defaults` that is not a field.
+        """
+        unknown = set(defaults) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {sorted(unknown)}")
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            default = defaults.get(f.name, f.default)
+            meta = f.metadata
+            flag, no_flag = cli_flags(f)
+            if no_flag is not None:
+                state = "on" if default else "off"
+                on_help = f"{meta['help']} (default {state})"
+                for name, const, text in ((flag, True, on_help), (no_flag, False, f"not {flag}")):
+                    group.add_argument(name, dest=f.name, action="store_const", const=const,
+                                       default=default, help=text)  # fmt: skip
+                continue
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=meta["type"] or type(default),
+                default=default,
+                choices=meta["choices"],
+                help=meta["help"] if default is None else f"{meta['help']} (default {default})",
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """EngineArgs of a namespace parsed by a parser given `add_cli_args`."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    # -- the engine's config --------------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated `EngineConfig` of these settings. `max_num_batched_tokens` None becomes
+        `SchedulerConfig`'s default with chunked prefill, else `max_model_len` (or
+        `SchedulerConfig.max_model_len` when that is None too). The scheduler's `max_model_len`
+        is a placeholder that the engine replaces with the model's resolved context length.
+
+        Raises:
+            ValueError: naming the field, for an invalid value.
+        """
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = (
+                SchedulerConfig.max_num_batched_tokens
+                if self.enable_chunked_prefill
+                else self.max_model_len or SchedulerConfig.max_model_len
+            )
+        config = EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                dtype=self.dtype,
+                max_model_len=self.max_model_len,
+                load_format=self.load_format,
+                device=self.device,
+                enforce_eager=self.enforce_eager,
+                attention_backend=self.attention_backend,
+                cache_dir=self.cache_dir,
+                checkpoint_cache=self.checkpoint_cache,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_gpu_blocks=self.num_gpu_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_layout=self.kv_layout,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=_placeholder_model_len(budget),
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                memory_centric_admission=self.memory_centric_admission,
+                async_scheduling=self.async_scheduling,
+            ),
+            seed=self.seed,
+        )
+        config.validate()
+        return config
+
+
+def _placeholder_model_len(budget: Any) -> Any:
+    """The scheduler's context length until the engine resolves the model's: the step budget
+    (so that validating a config with chunked prefill off passes); `budget` itself when it is
+    not a positive integer, so that validation names `max_num_batched_tokens`."""
+    return budget if isinstance(budget, int) and budget >= 1 else 1
+
+
+def cli_flags(f: dataclasses.Field) -> tuple[str, str | None]:
+    """(flag, the flag that turns it off or None) of an `EngineArgs` field: `--max-num-seqs`
+    for `max_num_seqs`; a boolean's off flag is its `no_flag`, default `--no-<name>`."""
+    flag = "--" + f.name.replace("_", "-")
+    if not isinstance(f.default, bool):
+        return flag, None
+    return flag, f.metadata["no_flag"] or "--no-" + f.name.replace("_", "-")
