@@ -16,7 +16,10 @@ uses, with the same results (tests compare it with `PreTrainedTokenizerFast` on 
   template rendered as transformers renders it (sandboxed environment, `trim_blocks` and
   `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that does not escape HTML,
   `raise_exception` and `strftime_now` globals, the special tokens as variables);
-- `eos_token_id`, `bos_token_id`, `pad_token_id`, `get_vocab()`, `chat_template`.
+- `eos_token_id`, `bos_token_id`, `pad_token_id`, `get_vocab()`, `chat_template`,
+  `convert_tokens_to_ids`, `convert_ids_to_tokens`.
+
+For anything else, load the directory with transformers (`AutoTokenizer.from_pretrained`).
 """
 
 from __future__ import annotations
@@ -98,6 +101,18 @@ class FastTokenizer:
 
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """Id of a token string (None if unknown), or the ids of a list of them."""
+        if isinstance(tokens, str):
+            return self.backend.token_to_id(tokens)
+        return [self.backend.token_to_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        """Token string of an id (None if out of range), or the strings of a list of ids."""
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(i) for i in ids]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (BOS etc.)."""

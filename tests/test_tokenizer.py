@@ -78,6 +78,11 @@ def test_encode_decode_vocab_and_special_ids_match_transformers(tokenizer_dir) -
     )
     assert ours.eos_token_id is not None
     assert ours.get_vocab() == ref.get_vocab() and len(ours) == len(ref)
+    pieces = ["<|im_start|>", "Hello", "Ġworld", "no-such-piece"]
+    assert ours.convert_tokens_to_ids(pieces) == ref.convert_tokens_to_ids(pieces)[:3] + [None]
+    assert ours.convert_tokens_to_ids("<|im_end|>") == ref.convert_tokens_to_ids("<|im_end|>")
+    assert ours.convert_ids_to_tokens([0, 1, 500]) == ref.convert_ids_to_tokens([0, 1, 500])
+    assert ours.convert_ids_to_tokens(7) == ref.convert_ids_to_tokens(7)
     for text in TEXTS:
         for special in (True, False):
             assert ours.encode(text, add_special_tokens=special) == ref.encode(
