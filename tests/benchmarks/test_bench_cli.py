@@ -29,7 +29,7 @@ def test_bench_json_on_cpu(tmp_path):
     args = ["throughput", "--model", str(model), "--load-format", "dummy", "--device", "cpu"]
     args += ["--workload", "decode-heavy", "--num-requests", "3", "--input-len", "20"]
     args += ["--output-len", "5", "--num-gpu-blocks", "64"]
-    assert main([*args, "--json", str(out)]) == 0
+    assert main([*args, "--json", str(out), "--trace-steps"]) == 0
     r = json.loads(out.read_text())
     for key in (
         "device",
@@ -50,12 +50,36 @@ def test_bench_json_on_cpu(tmp_path):
     assert r["output_tokens"] == 15 and r["total_tokens_per_s"] > 0
     assert set(r["gc"]) == {"pause_s", "pause_s_by_generation", "collections", "longest_pause_s"}
     assert r["power"] is None  # NVML is read on CUDA runs only
+    # --trace-steps: the step observer saw every step of the run, by kind
+    steps = r["steps"]
+    assert set(steps) <= {"decode", "mixed"} and "decode" in steps
+    # 3 requests of 5 tokens: the last 4 tokens of each come from decode steps (1 token each)
+    assert steps["decode"]["mean_tokens"] == steps["decode"]["mean_seqs"]
+    for t in steps.values():
+        assert t["device_ms"] is None  # CUDA events only on CUDA
+        phases = sum(t[f"{p}_ms"] for p in ("schedule", "launch", "wait", "update"))
+        assert t["step_ms"] == pytest.approx(phases) and t["total_s"] > 0
+
+
+def test_profile_window_on_cpu(tmp_path):
+    """--profile-window START:COUNT: torch.profiler over those steps (counted by the step
+    observer from the measured run's start): the tables and a Chrome trace."""
+    model = materialize("llama-3.1-8b", tmp_path / "m", num_hidden_layers=1, hidden_size=64,
+                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                        vocab_size=2000)  # fmt: skip
+    profile = tmp_path / "window.txt"
+    args = ["throughput", "--model", str(model), "--load-format", "dummy", "--device", "cpu"]
+    args += ["--workload", "decode-heavy", "--num-requests", "2", "--input-len", "8"]
+    args += ["--output-len", "6", "--num-gpu-blocks", "32", "--profile-window", "1:2"]
+    assert main([*args, "--profile", str(profile)]) == 0
+    assert "== steps 1..2, by self CPU time" in profile.read_text()
+    assert profile.with_suffix(".trace.json").stat().st_size > 0
 
 
 def test_gc_pauses_counts_collections():
     import gc
 
-    from phloem.entrypoints.bench import GCPauses
+    from phloem.bench.trace import GCPauses
 
     with GCPauses() as pauses:
         gc.collect()
@@ -72,7 +96,7 @@ def test_one_percentile_definition_for_jobs_bench_and_bench_serve():
     """`phloem generate`'s summary, `phloem bench` and `phloem bench serve` report the same
     percentiles of the same values (linear interpolation between closest ranks)."""
     from phloem.engine.metrics import percentiles
-    from phloem.entrypoints.bench import _percentiles
+    from phloem.bench.report import latency_summary as _percentiles
     from phloem.entrypoints.bench_serve import _stats
 
     values = [0.004, 0.001, 0.003, 0.002]

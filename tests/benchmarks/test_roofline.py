@@ -58,7 +58,7 @@ def test_bench_sustained_ratio_uses_the_sustained_ceilings():
     """`bench`'s JSON: `roofline_ratio` uses the burst ceilings measured before the run;
     `roofline_ratio_sustained` the sustained ones measured after it, so a GPU whose matmul
     ceiling fell by a quarter under sustained load reads a ratio 4/3 as high against it."""
-    from phloem.entrypoints.bench import roofline_fields
+    from phloem.bench.report import roofline_fields
 
     w = Workload("w", "t", [[1] * 100, [1] * 100], [10, 10], [(96, [0, 1])])
     burst = {"flops_per_s": 800e12, "bytes_per_s": 1e18}  # compute-bound

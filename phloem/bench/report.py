@@ -1,0 +1,220 @@
+"""What `phloem bench throughput` reports: the result's summary fields (latency percentiles, the
+engine's settings, versions, both roofline ratios), the printed summary, the JSON file and the
+plot. Pure formatting over a result dict, except `engine_info`/`versions` that read the run."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+
+def latency_summary(values: list[float]) -> dict | None:
+    """mean, p50, p90, p99 of `values` (percentiles as `phloem.engine.metrics.percentiles`
+    defines them, like the job summary's); None when empty."""
+    from phloem.engine.metrics import percentiles
+
+    if not values:
+        return None
+    return {"mean": statistics.fmean(values), **percentiles(values, (50, 90, 99))}
+
+
+def attention_stats(llm) -> dict | None:
+    """Which attention path each step took (the shared-prefix backend counts them); None for a
+    backend that keeps no counters."""
+    return llm.llm_engine.executor.worker.model_runner.backend.stats() or None
+
+
+def engine_info(llm) -> dict:
+    """The settings the run's engine resolved (device, dtypes, backend, KV pool, step limits)."""
+    worker = llm.llm_engine.executor.worker
+    sched = llm.llm_engine.scheduler_config
+    return {
+        "device_type": worker.device.type,
+        "dtype": str(worker.dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(worker.kv_dtype).replace("torch.", ""),
+        "attention_backend": worker.model_runner.backend.name,
+        "cuda_graphs": worker.cuda_graphs,
+        "compiled_layers": worker.compiled_layers,
+        "num_kv_blocks": worker.num_blocks,
+        "block_size": llm.llm_engine.config.cache.block_size,
+        "kv_layout": llm.llm_engine.config.cache.kv_layout,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "async_scheduling": sched.async_scheduling,
+        "max_model_len": sched.max_model_len,
+    }
+
+
+def versions() -> dict:
+    """Versions of phloem, torch, CUDA, transformers, Python (and FlashInfer if installed)."""
+    import torch
+    import transformers
+
+    import phloem
+
+    out = {
+        "phloem": phloem.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import flashinfer
+
+        out["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def roofline_fields(
+    shape, workload, ceilings: dict, sustained: dict, elapsed_s: float, total_tokens: int
+) -> dict:
+    """The JSON's roofline fields, both ratios of shared/docs/ROOFLINE.md: `ceilings` (burst,
+    measured before the model loads, on a cool GPU) give `roofline_ratio`; `sustained` (the
+    same matmul and copy back to back for seconds right after the run, on the GPU the run
+    heated) give `roofline_ratio_sustained`, the one goals are stated against: a power-capped
+    board holds a lower clock through a long run than through a short burst.
+    Units: FLOP/s, bytes/s, seconds."""
+    from phloem.bench.roofline import workload_roofline
+
+    def bound(c: dict):
+        return workload_roofline(shape, workload, c["flops_per_s"], c["bytes_per_s"])
+
+    roof, roof_sustained = bound(ceilings), bound(sustained)
+    return {
+        "ceilings": ceilings,
+        "roofline": roof.to_dict(),
+        "bound_total_tokens_per_s": total_tokens / roof.bound_time_s,
+        "roofline_ratio": roof.bound_time_s / elapsed_s,
+        "ceilings_sustained": sustained,
+        "roofline_ratio_sustained": roof_sustained.bound_time_s / elapsed_s,
+    }
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Write `result` as indented JSON to `path` (folders made as needed); None: nothing."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def print_report(r: dict) -> None:
+    """Print a result's summary (a result holding only "peer": the peer's line)."""
+    if set(r) == {"peer"}:
+        return print_peer(r["peer"])
+    lines = [
+        f"device {r['device']}  model {r['model']} ({r['num_layers']} layers)  "
+        f"workload {r['workload']} {r['shape']}",
+        f"  {r['num_requests']} requests in {r['elapsed_s']:.2f} s: {r['requests_per_s']:.2f} req/s, "
+        f"input {r['input_tokens_per_s']:.0f} tok/s, output {r['output_tokens_per_s']:.0f} tok/s, "
+        f"total {r['total_tokens_per_s']:.0f} tok/s",
+    ]
+    for key in ("ttft_s", "tpot_s"):
+        if r.get(key):
+            p = r[key]
+            lines.append(
+                f"  {key[:-2].upper()} ms: p50 {p['p50'] * 1e3:.1f}  p90 {p['p90'] * 1e3:.1f}  "
+                f"p99 {p['p99'] * 1e3:.1f}"
+            )
+    lines.append(f"  prefix tokens reused: {r['prefix_tokens_reused']:.1%}")
+    if r.get("gc"):
+        g = r["gc"]
+        lines.append(
+            f"  host gc: {g['pause_s']:.2f} s in {sum(g['collections'])} collections (gen 2: "
+            f"{g['collections'][2]}, longest {g['longest_pause_s'] * 1e3:.0f} ms)"
+        )
+    lines += _power_lines(r.get("power")) + _step_lines(r.get("steps")) + _roofline_lines(r)
+    print("\n".join(lines))
+
+
+def _power_lines(power: dict | None) -> list[str]:
+    from phloem.bench.power import CAPPED_FRACTION_OF_LIMIT
+
+    if not power or not power.get("samples"):
+        return []
+    limit, capped = power["power_limit_w"], power["capped_fraction"]
+    at_limit = "" if capped is None else (
+        f" (limit {limit:.0f} W; within {1 - CAPPED_FRACTION_OF_LIMIT:.0%} of it in "
+        f"{capped:.0%} of {power['samples']} samples)"
+    )  # fmt: skip
+    clock = power["sm_clock_mhz"]
+    return [
+        f"  power: {power['power_w']['p50']:.0f} W median{at_limit}, SM clock "
+        f"{clock['p50']:.0f} MHz median ({clock['min']:.0f}-{clock['max']:.0f})"
+    ]
+
+
+def _step_lines(steps: dict | None) -> list[str]:
+    lines = []
+    for kind, t in (steps or {}).items():
+        device = "" if t["device_ms"] is None else f", device {t['device_ms']:.1f}"
+        lines.append(
+            f"  {kind} steps: {t['steps']} x {t['mean_seqs']:.0f} seqs / {t['mean_tokens']:.0f} "
+            f"tokens, {t['step_ms']:.1f} ms each (schedule {t['schedule_ms']:.1f}, launch "
+            f"{t['launch_ms']:.1f}, wait {t['wait_ms']:.1f}, update {t['update_ms']:.1f}"
+            f"{device}) = {t['total_s']:.1f} s"
+        )
+    return lines
+
+
+def _roofline_lines(r: dict) -> list[str]:
+    if "roofline" not in r:
+        return []
+    c, roof = r["ceilings"], r["roofline"]
+    lines = [
+        f"  ceilings: {c['flops_per_s'] / 1e12:.0f} TFLOP/s, {c['bytes_per_s'] / 1e12:.2f} TB/s; "
+        f"bound {roof['bound_time_s']:.2f} s ({roof['limiter']}) = "
+        f"{r['bound_total_tokens_per_s']:.0f} total tok/s; roofline ratio {r['roofline_ratio']:.3f}"
+    ]
+    sustained = r.get("ceilings_sustained")
+    if sustained:
+        lines.append(
+            f"  sustained ceilings (after the run): {sustained['flops_per_s'] / 1e12:.0f} "
+            f"TFLOP/s, {sustained['bytes_per_s'] / 1e12:.2f} TB/s; roofline ratio sustained "
+            f"{r['roofline_ratio_sustained']:.3f} (burst {r['roofline_ratio']:.3f})"
+        )
+    return lines
+
+
+def print_peer(peer: dict) -> None:
+    """Print the peer's line: its throughput and phloem's ratio to it, or why it failed."""
+    if "error" in peer:
+        print(f"  peer {peer['name']}: failed: {peer['error']}")
+    else:
+        print(
+            f"  peer {peer['name']}: {peer['total_tokens_per_s']:.0f} total tok/s; "
+            f"phloem / peer = {peer['ratio']:.2f}x"
+        )
+
+
+def plot(r: dict, path: str) -> None:
+    """Bar chart of phloem's (and the peer's) total tokens/s against the roofline bound, as a
+    PNG at `path`; prints a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["phloem"]
+    values = [r["total_tokens_per_s"]]
+    if r.get("peer") and "total_tokens_per_s" in r["peer"]:
+        names.append(r["peer"]["name"])
+        values.append(r["peer"]["total_tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(names, values, color="tab:green")
+    if "bound_total_tokens_per_s" in r:
+        ax.axhline(r["bound_total_tokens_per_s"], color="tab:red", ls="--", label="roofline bound")
+        ax.legend()
+    ax.set_ylabel("total tokens/s")
+    ax.set_title(f"{r['workload']} on {r['device']}")
+    fig.tight_layout()
+    fig.savefig(path)
