@@ -1,8 +1,11 @@
 """Prometheus metrics of a serving engine (vLLM's metric set, `phloem:` prefix).
 
 One `EngineMetrics` per server, on its own `CollectorRegistry` (so tests can run several servers
-in one process). The engine thread updates it through the `on_*` / `set_gauges` hooks of
-`phloem.engine.async_engine`; prometheus-client objects are thread-safe.
+in one process). The engine thread updates it: `observe_step` is a step observer of the engine
+(`LLMEngine.add_step_observer`: preemptions), and `phloem.engine.async_engine` calls the `on_*`
+hooks with each request's outputs and `set_gauges` / `set_prefix_cache_totals` with the
+scheduler's and the KV manager's state after each step; prometheus-client objects are
+thread-safe.
 
     gauges:     phloem:num_requests_running, phloem:num_requests_waiting,
                 phloem:kv_cache_usage_perc (0..1; blocks only the prefix cache holds count as
@@ -18,6 +21,8 @@ in one process). The engine thread updates it through the `on_*` / `set_gauges` 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -27,6 +32,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from phloem.engine.step_observer import StepRecord
 
 disable_created_metrics()  # no `*_created` series (vLLM's exposition has none either)
 
@@ -92,7 +100,6 @@ class EngineMetrics:
             "phloem:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later)."
         )
         self._totals: dict[str, int] = {}
-        self._engine_counts_prefix = False
         self.failed = counter("phloem:request_failed", "Requests failed inside the engine.")
         self._aborted = Counter(
             "phloem:request_aborted",
@@ -129,9 +136,6 @@ class EngineMetrics:
         if num_tokens_before == 0 and num_tokens_now > 0:
             num_prompt = len(output.prompt_token_ids)
             self.prompt_tokens.inc(num_prompt)
-            if not self._engine_counts_prefix:
-                self.prefix_queries.inc(num_prompt)
-                self.prefix_hits.inc(min(output.num_cached_tokens, num_prompt))
             if m is not None and m.ttft is not None:
                 self.ttft.observe(max(m.ttft, 0.0))
         if output.finished:
@@ -144,30 +148,28 @@ class EngineMetrics:
                 self.tpot.observe(tpot)
 
     def set_gauges(self, num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int):
+        """Set the request and KV gauges (blocks only the prefix cache holds count as free)."""
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         self.kv_free.set(num_free_blocks)
         self.kv_usage.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)
 
-    def set_totals(
-        self,
-        num_preemptions: int,
-        prefix_cache_queries: int | None = None,
-        prefix_cache_hits: int | None = None,
-    ) -> None:
-        """Advance counters that the engine keeps as running totals (by their increase)."""
-        pairs = [("preemptions", num_preemptions, self.preemptions)]
-        if prefix_cache_queries is not None and prefix_cache_hits is not None:
-            self._engine_counts_prefix = True
-            pairs += [
-                ("prefix_queries", prefix_cache_queries, self.prefix_queries),
-                ("prefix_hits", prefix_cache_hits, self.prefix_hits),
-            ]
-        for key, total, counter in pairs:
+    def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
+        """Advance the prefix-cache counters to the KV manager's running totals [tokens]."""
+        for key, total, counter in (
+            ("prefix_queries", queries, self.prefix_queries),
+            ("prefix_hits", hits, self.prefix_hits),
+        ):
             increase = total - self._totals.get(key, 0)
             if increase > 0:
                 counter.inc(increase)
                 self._totals[key] = total
+
+    def observe_step(self, record: StepRecord) -> None:
+        """A step observer: count the requests the step's scheduling preempted."""
+        num_preempted = len(record.scheduler_output.preempted_request_ids)
+        if num_preempted:
+            self.preemptions.inc(num_preempted)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of all series."""

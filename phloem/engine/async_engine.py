@@ -14,15 +14,16 @@ owns the boundary between them:
 - A request whose consumer goes away (client disconnect, task cancelled) is aborted: its KV
   blocks return to the pool before the next step; a request still waiting never runs.
 - A request that fails alone fails its stream only (`RequestFailedError`, counted once in
-  `phloem:request_failed_total`): non-finite logits in its row (the row is replaced before
-  sampling so the batch goes on), or an exception in its own admission, sampling setup,
-  detokenization or stop rules (`LLMEngine` turns those into an output with `error` set), or
+  `phloem:request_failed_total`): non-finite logits in its rows (the sampler flags them and the
+  engine fails the request), or an exception in its own admission, sampling setup,
+  detokenization or stop rules (`LLMEngine` turns each into an output with `error` set), or
   an exception while the engine queues it.
 - An exception out of `step()` (a fault of the whole step: the forward pass, the device) kills
   the loop: every stream and every later call gets `EngineDeadError`, `is_dead` turns True and
   `on_death` is called (the server then exits non-zero).
-- Test-only fault injection (`fault_injection=True`): a request submitted with
-  `fault="nan"` gets NaN logits; `fault="die"` makes the engine loop raise when it is scheduled.
+- What the loop learns from the steps themselves (which requests have run, preemptions) comes
+  from the engine's step observer (`LLMEngine.add_step_observer`), which also feeds the metrics.
+  Faults are injected by tests through the engine's executor factory, never here.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from phloem.engine.llm_engine import LLMEngine
+    from phloem.engine.step_observer import StepRecord
+    from phloem.metrics_prometheus import EngineMetrics
 
-FAULTS = ("nan", "die")
-NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -63,129 +67,32 @@ class _Stream:
     finished: bool = False
 
 
-class _GuardedExecutor:
-    """Wraps the engine's executor: records which requests ran, checks logits, injects faults.
-
-    The model runner samples the rows of `[s for s in sched.scheduled if s.sample]` in order; the
-    wrapped sampler maps its row i to that request. Rows with a NaN/inf logit are replaced by
-    zeros on the device (so the sampler does not fail the whole batch); which rows those were is
-    copied to the host behind the step's own tokens, so the check adds no device sync (async
-    scheduling keeps its overlap), and their request ids are added to the collected output's
-    `failed`, for the engine to fail them alone after the step.
-    """
-
-    def __init__(self, inner, faults: dict[str, str]) -> None:
-        self.inner = inner
-        self.num_blocks = inner.num_blocks
-        self.faults = faults  # seq/prompt id -> fault name (engine thread only)
-        self.scheduled_ids: set[str] = set()  # sequences that have been scheduled at least once
-        self.num_preemptions = 0
-        self._rows: list[str] = []
-        self._checks: dict[int, tuple[list[str], object]] = {}  # id(launched) -> rows, finite
-        self._pending_check: tuple[list[str], object] | None = None
-        runner = getattr(getattr(inner, "worker", None), "model_runner", None)
-        sampler = getattr(runner, "sampler", None)
-        if sampler is None:
-            logger.warning("no model_runner.sampler to guard: non-finite logits are not checked")
-        else:
-            runner.sampler = _GuardedSampler(sampler, self._check_logits)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _fault_of(self, seq_id: str) -> str | None:
-        return self.faults.get(seq_id) or self.faults.get(seq_id.split("#", 1)[0])
-
-    def _record(self, sched) -> None:
-        self._rows = []
-        self._pending_check = None
-        self.num_preemptions += len(sched.preempted_request_ids)
-        for s in sched.scheduled:
-            seq_id = s.request.request_id
-            self.scheduled_ids.add(seq_id)
-            if s.sample:
-                self._rows.append(seq_id)
-            if self.faults and self._fault_of(seq_id) == "die":
-                raise RuntimeError(f"injected engine fault (request {seq_id})")
-
-    def execute_model(self, sched):
-        return self.collect(self.launch(sched))
-
-    def launch(self, sched):
-        self._record(sched)
-        launched = self.inner.launch(sched)
-        if launched is not None and self._pending_check is not None:
-            self._checks[id(launched)] = self._pending_check
-        return launched
-
-    def collect(self, launched):
-        out = self.inner.collect(launched)  # waits for the step, finite flags included
-        check = self._checks.pop(id(launched), None) if launched is not None else None
-        if check is not None:
-            rows, finite = check
-            for i, ok in enumerate(finite.tolist()):
-                if not ok and i < len(rows):
-                    out.failed.setdefault(rows[i], NON_FINITE_MESSAGE)
-        return out
-
-    def _check_logits(self, logits):
-        """Fault injection, then zero the non-finite rows (device only)."""
-        import torch
-
-        from phloem.ops.staging import to_host
-
-        if self.faults:
-            for i, seq_id in enumerate(self._rows[: logits.shape[0]]):
-                if self._fault_of(seq_id) == "nan":
-                    logits = logits.clone()
-                    logits[i] = float("nan")
-        finite = torch.isfinite(logits).all(dim=-1)
-        logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-        # read in `collect`, after the sampler's event (recorded behind this copy) completed
-        self._pending_check = (list(self._rows), to_host(finite))
-        return logits
-
-
-class _GuardedSampler:
-    """The model runner's sampler with `check` applied to the logits first."""
-
-    def __init__(self, inner, check) -> None:
-        self.inner = inner
-        self.check = check
-
-    def __call__(self, logits, rows):
-        return self.inner(self.check(logits), rows)
-
-    def launch(self, logits, rows):
-        return self.inner.launch(self.check(logits), rows)
-
-
 class AsyncLLMEngine:
     """Runs an `LLMEngine` in a background thread and streams each request's outputs.
 
     Args:
         engine: the engine; from `start()` on only the engine thread touches it.
-        metrics: optional `phloem.metrics_prometheus.EngineMetrics`, updated from the loop.
-        fault_injection: honour `fault=` on `generate` (tests only).
+        metrics: optional `phloem.metrics_prometheus.EngineMetrics`, updated from the loop (and
+            registered as a step observer of `engine`).
         on_death: called on the event loop with the exception when the engine loop dies.
     """
 
     def __init__(
         self,
-        engine,
-        metrics=None,
-        fault_injection: bool = False,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         engine.stream_outputs = True  # every step's tokens reach the streams
         self.metrics = metrics
-        self.fault_injection = fault_injection
         self.on_death = on_death
         self.dead_error: BaseException | None = None
-        self._faults: dict[str, str] = {}
-        self._executor = _GuardedExecutor(engine.executor, self._faults)
-        engine.executor = self._executor
+        self._started: set[str] = set()  # request ids with a step computed (engine thread)
+        self.num_preemptions = 0
+        engine.add_step_observer(self._observe_step)
+        if metrics is not None:
+            engine.add_step_observer(metrics.observe_step)
         self._streams: dict[str, _Stream] = {}
         self._commands: deque[tuple] = deque()
         self._wake = threading.Event()
@@ -241,7 +148,6 @@ class AsyncLLMEngine:
         request_id: str,
         prompt: str | None = None,
         arrival_time: float | None = None,
-        fault: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue one prompt and yield its outputs (cumulative) until it finishes.
 
@@ -261,14 +167,10 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling_params)
-        if fault is not None and not self.fault_injection:
-            fault = None
         stream = _Stream(request_id)
         self._streams[request_id] = stream
         now = arrival_time if arrival_time is not None else time.monotonic()
-        self._submit(
-            ("add", request_id, list(prompt_token_ids), sampling_params, prompt, now, fault)
-        )
+        self._submit(("add", request_id, list(prompt_token_ids), sampling_params, prompt, now))
         try:
             while True:
                 await stream.event.wait()
@@ -377,18 +279,14 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, ids, params, prompt, arrival, fault = command
-                if fault is not None:
-                    self._faults[request_id] = fault
+                _, request_id, ids, params, prompt, arrival = command
                 try:
                     engine.add_request(ids, params, request_id, prompt, arrival)
                 except ValueError as e:
-                    self._faults.pop(request_id, None)
                     errors[request_id] = e
                     continue
                 except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
                     logger.exception("request %s could not be queued", request_id)
-                    self._faults.pop(request_id, None)
                     errors[request_id] = RequestFailedError(
                         f"the request could not be queued: {type(e).__name__}: {e}"
                     )
@@ -405,22 +303,30 @@ class AsyncLLMEngine:
     def _abort_in_engine(self, request_id: str) -> None:
         if request_id not in self._num_output_tokens:
             return  # finished, failed or never added
-        seq_ids = [s for s in self._executor.scheduled_ids if s.split("#", 1)[0] == request_id]
-        if seq_ids:
+        running = request_id in self._started
+        if running:
             self.num_aborted_running += 1
         else:
             self.num_aborted_waiting += 1
         self.engine.abort_request([request_id])
         self._forget(request_id)
         if self.metrics is not None:
-            self.metrics.on_request_aborted(running=bool(seq_ids))
+            self.metrics.on_request_aborted(running=running)
 
     def _forget(self, request_id: str) -> None:
         self._num_output_tokens.pop(request_id, None)
-        self._faults.pop(request_id, None)
-        self._executor.scheduled_ids.difference_update(
-            [s for s in self._executor.scheduled_ids if s.split("#", 1)[0] == request_id]
-        )
+        self._started.discard(request_id)
+
+    def _observe_step(self, record: StepRecord) -> None:
+        """The step observer (engine thread): which requests have had a step computed (an abort
+        then counts as "running"), and preemptions. A sequence id is its request id, or
+        "<request id>#<i>" for sample i of n > 1."""
+        sched = record.scheduler_output
+        self.num_preemptions += len(sched.preempted_request_ids)
+        for s in sched.scheduled:
+            request_id = s.request.request_id.split("#", 1)[0]
+            if request_id in self._num_output_tokens:  # still one of ours (not aborted meanwhile)
+                self._started.add(request_id)
 
     def _failed(self, outputs: list[RequestOutput]) -> dict[str, BaseException]:
         """The step's failed requests (outputs with `error`; the engine reports each once) as
@@ -455,13 +361,11 @@ class AsyncLLMEngine:
         self.metrics.set_gauges(
             num_running=self.engine.scheduler.num_running,
             num_waiting=self.engine.scheduler.num_waiting,
-            num_free_blocks=_num_reclaimable_blocks(kv),
+            num_free_blocks=kv.num_reclaimable_blocks,
             num_blocks=kv.num_blocks,
         )
-        self.metrics.set_totals(
-            num_preemptions=self._executor.num_preemptions,
-            prefix_cache_queries=getattr(kv, "num_prefix_cache_queries", None),
-            prefix_cache_hits=getattr(kv, "num_prefix_cache_hits", None),
+        self.metrics.set_prefix_cache_totals(
+            queries=kv.num_prefix_cache_queries, hits=kv.num_prefix_cache_hits
         )
 
     # -- introspection (thread-safe snapshots) ---------------------------------------------------
@@ -472,15 +376,10 @@ class AsyncLLMEngine:
         return {
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
-            "num_free_blocks": _num_reclaimable_blocks(engine.kv_manager),
+            "num_free_blocks": engine.kv_manager.num_reclaimable_blocks,
             "num_blocks": engine.kv_manager.num_blocks,
-            "num_preemptions": self._executor.num_preemptions,
+            "num_preemptions": self.num_preemptions,
             "num_aborted_waiting": self.num_aborted_waiting,
             "num_aborted_running": self.num_aborted_running,
             "num_streams": len(self._streams),
         }
-
-
-def _num_reclaimable_blocks(kv) -> int:
-    """Free blocks, counting those only the prefix cache holds (evictable on demand) as free."""
-    return getattr(kv, "num_reclaimable_blocks", kv.num_free_blocks)

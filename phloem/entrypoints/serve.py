@@ -47,7 +47,6 @@ def register(subparsers) -> None:
     )
     add_limit_args(p)
     p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
-    p.add_argument("--enable-fault-injection", action="store_true", help=argparse.SUPPRESS)
     # Online requests often leave max_tokens at the whole context; reserving it up front would
     # cap concurrency at a handful of requests, so serving admits by the blocks needed now and
     # preempts (recomputes) when they run out, as vLLM does.
@@ -82,24 +81,32 @@ def server_limits(args: argparse.Namespace):
     return limits
 
 
-def build_state(args: argparse.Namespace, on_death=None):
-    """Load the engine and wrap it for serving; returns the server state."""
+def build_state(args: argparse.Namespace, on_death=None, executor_factory=None):
+    """Load the engine of the parsed flags and wrap it for serving; returns the server state.
+
+    Args:
+        args: flags parsed by the `serve` parser.
+        on_death: called on the event loop with the exception if the engine loop dies.
+        executor_factory: `LLMEngine`'s executor factory (None: the default executor); tests
+            pass one that injects faults (tests/entrypoints/fault_server.py).
+    Raises:
+        ValueError: naming the flag or setting, for invalid values.
+    """
     import phloem
     from phloem.engine.async_engine import AsyncLLMEngine
-    from phloem.entrypoints.cli import build_llm
+    from phloem.engine.llm_engine import LLMEngine
+    from phloem.engine_args import EngineArgs
     from phloem.entrypoints.openai.limits import max_prompt_chars
     from phloem.entrypoints.openai.server import ServerState
     from phloem.entrypoints.openai.serving import default_model_name
     from phloem.metrics_prometheus import EngineMetrics
 
     limits = server_limits(args)
-    llm = build_llm(args)
-    engine = llm.llm_engine
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    engine = LLMEngine(config, executor_factory=executor_factory)
     name = args.served_model_name or default_model_name(args.model)
     metrics = EngineMetrics(name)
-    async_engine = AsyncLLMEngine(
-        engine, metrics=metrics, fault_injection=args.enable_fault_injection, on_death=on_death
-    )
+    async_engine = AsyncLLMEngine(engine, metrics=metrics, on_death=on_death)
     tokenizer = copy.deepcopy(engine.tokenizer)
     return ServerState(
         engine=async_engine,
@@ -114,7 +121,9 @@ def build_state(args: argparse.Namespace, on_death=None):
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, executor_factory=None) -> int:
+    """Run the server until shutdown; returns the exit status (1 if the engine loop died or the
+    server never started). `executor_factory`: as `build_state`."""
     import asyncio
 
     import uvicorn
@@ -129,6 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
             state.request_shutdown()
 
+        def stop_serving(self) -> None:
+            """Shut down as uvicorn does on its exit flag (the engine loop died)."""
+            self.should_exit = True
+
     holder: dict = {}
 
     def on_death(error: BaseException) -> None:
@@ -138,24 +151,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logger.error(
                 "engine loop died (%s); shutting down in %.1f s", error, args.dead_engine_grace_s
             )
-            asyncio.get_running_loop().call_later(
-                args.dead_engine_grace_s, setattr, server, "should_exit", True
-            )
+            asyncio.get_running_loop().call_later(args.dead_engine_grace_s, server.stop_serving)
 
-    state = build_state(args, on_death)
-    app = build_app(state)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        # the app ends what is left at --shutdown-timeout; this backstop is never reached
-        # unless a response hangs after its request was ended
-        timeout_graceful_shutdown=int(state.limits.shutdown_timeout) + 30,
-        timeout_keep_alive=30,
-        backlog=4096,
-    )
-    server = Server(config)
+    state = build_state(args, on_death, executor_factory)
+    server = Server(_uvicorn_config(build_app(state), args, state))
     holder["server"] = server
     print(
         f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
@@ -174,6 +173,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0
+
+
+def _uvicorn_config(app, args: argparse.Namespace, state):
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        # the app ends what is left at --shutdown-timeout; this backstop is never reached
+        # unless a response hangs after its request was ended
+        timeout_graceful_shutdown=int(state.limits.shutdown_timeout) + 30,
+        timeout_keep_alive=30,
+        backlog=4096,
+    )
 
 
 def _after_shutdown(sig, frame) -> None:

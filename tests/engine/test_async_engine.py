@@ -2,8 +2,8 @@
 alone (RequestFailedError on its stream, counted once in phloem:request_failed_total) while a
 concurrent stream completes, and the loop stays alive for later requests.
 
-Faults are injected by the tests only (a monkeypatched function, or the engine's test-only
-`fault="nan"` hook)."""
+Faults are injected by the tests only (a monkeypatched function, or the test-only
+`FaultExecutor` given to the engine as its executor factory)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import asyncio
 import pytest
 
 import phloem.worker.model_runner as model_runner_module
-from phloem import LLM, SamplingParams
+from phloem import SamplingParams
 from phloem.engine.async_engine import AsyncLLMEngine, RequestFailedError
+from phloem.engine.llm_engine import LLMEngine
+from phloem.engine_args import EngineArgs
 from phloem.sampling_params import SEED_MAX
 from tests.engine.tiny_models import tiny_model_dir
+from tests.entrypoints.fault_executor import NAN_TOKEN, FaultExecutor
 
 PROMPT = [3, 40, 41, 42, 43, 44, 45, 5]
 
@@ -25,13 +28,15 @@ def model_path(tmp_path_factory, embedded_tokenizer_dir):
     return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_async", 6)
 
 
-def make_engine(model_path, **kwargs) -> tuple[AsyncLLMEngine, object]:
+def make_engine(model_path, executor_factory=None) -> tuple[AsyncLLMEngine, object]:
     pytest.importorskip("prometheus_client")
     from phloem.metrics_prometheus import EngineMetrics
 
-    llm = LLM(str(model_path), block_size=4, max_num_batched_tokens=32, async_scheduling=True)
+    args = EngineArgs(str(model_path), block_size=4, max_num_batched_tokens=32)
+    engine = LLMEngine(args.create_engine_config(), executor_factory=executor_factory)
+    assert engine.scheduler_config.async_scheduling
     metrics = EngineMetrics("tiny")
-    return AsyncLLMEngine(llm.llm_engine, metrics=metrics, **kwargs), metrics
+    return AsyncLLMEngine(engine, metrics=metrics), metrics
 
 
 def num_failed(metrics) -> float:
@@ -41,10 +46,10 @@ def num_failed(metrics) -> float:
     raise AssertionError("no phloem:request_failed_total series")
 
 
-async def collect(engine: AsyncLLMEngine, params: SamplingParams, request_id: str, **kw):
+async def collect(engine: AsyncLLMEngine, params: SamplingParams, request_id: str, prompt=PROMPT):
     """The final output of one request (its stream's last item)."""
     last = None
-    async for output in engine.generate(PROMPT, params, request_id, **kw):
+    async for output in engine.generate(prompt, params, request_id):
         last = output
     return last
 
@@ -87,10 +92,12 @@ def test_setup_failure_fails_alone_while_a_concurrent_stream_completes(model_pat
 
 
 def test_non_finite_logits_count_one_failure_under_async_scheduling(model_path):
-    engine, metrics = make_engine(model_path, fault_injection=True)
+    """A prompt holding the fault executor's NaN marker: the sampler flags its rows, the engine
+    fails it alone (no wrapper around the executor or the sampler)."""
+    engine, metrics = make_engine(model_path, executor_factory=FaultExecutor)
     bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     try:
-        error = asyncio.run(one_fails_one_completes(engine, bad, fault="nan"))
+        error = asyncio.run(one_fails_one_completes(engine, bad, prompt=[NAN_TOKEN, *PROMPT]))
     finally:
         engine.shutdown()
     assert "non-finite logits" in str(error)

@@ -1,8 +1,8 @@
 """Real `phloem serve` processes on 127.0.0.1 (random free ports) for the server tests.
 
-`main_server` (session): the embedded model, max_model_len 512, an API key, test-only fault
-injection. `small_server` (module): 2 sequences at most and a 16-block KV pool, so requests wait
-and get preempted. Tests that kill the server start their own `ServerProcess`.
+`main_server` (session): the embedded model, max_model_len 512, an API key. `small_server` (module): 2 sequences at most and a 16-block KV pool, so requests wait
+and get preempted. Tests that kill the server, or inject faults (`ServerProcess(faults=True)`),
+start their own.
 """
 
 from __future__ import annotations

@@ -22,21 +22,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """`python -m phloem.entrypoints.cli serve ...` on a free loopback port, logging to a file."""
+ROOT = Path(__file__).resolve().parents[2]
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+
+class ServerProcess:
+    """`python -m phloem.entrypoints.cli serve ...` on a free loopback port, logging to a file.
+
+    `faults=True` starts the test-only launcher instead (`tests.entrypoints.fault_server`: the
+    same server over an engine with `FaultExecutor`, whose marker tokens inject NaN logits or
+    kill the engine loop)."""
+
+    def __init__(
+        self, args: list[str], log_path: Path, api_key: str | None = None, faults: bool = False
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "phloem.entrypoints.cli", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--enable-fault-injection", *args]
+        if faults:
+            cmd = [sys.executable, "-m", "tests.entrypoints.fault_server"]
+        else:
+            cmd = [sys.executable, "-m", "phloem.entrypoints.cli", "serve"]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
 
     @property
     def headers(self) -> dict[str, str]:

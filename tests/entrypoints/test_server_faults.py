@@ -1,7 +1,8 @@
 """Reliability suite items 8, 10, 11, 12: waiting aborts, preemption, NaN logits, engine death.
 
-The faults use the server's test-only hook (`--enable-fault-injection`, then a request whose
-`user` is "phloem-fault:nan" or "phloem-fault:die").
+The faults (items 11, 12) run on servers started by the test-only launcher
+(`tests.entrypoints.fault_server`: `phloem serve` over an engine with `FaultExecutor`): a request
+whose prompt holds `NAN_TOKEN` gets NaN logits, one holding `DIE_TOKEN` kills the engine loop.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.entrypoints.fault_executor import DIE_TOKEN, NAN_TOKEN
 from tests.entrypoints.server_utils import ServerProcess, raw_request
 from tests.entrypoints.test_server_streaming import PROMPTS, greedy, sse_events
 
@@ -79,18 +81,32 @@ def test_kv_exhaustion_preempts_and_recomputes(small_server):
 # -- 11. NaN logits in one request ------------------------------------------------------------------
 
 
-def test_nan_logits_fail_only_that_request(main_server, client):
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory):
+    server = ServerProcess(
+        ["--max-model-len", "512"], tmp_path_factory.mktemp("faults") / "server.log", faults=True
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+NAN_PROMPT = [NAN_TOKEN, 504, 3303, 314]  # token ids: the marker, then a few ordinary tokens
+
+
+def test_nan_logits_fail_only_that_request(fault_server):
+    client = httpx.Client(base_url=fault_server.url, timeout=120)
     alone = [greedy(client, p)["text"] for p in PROMPTS[:4]]
     results: dict[int, httpx.Response] = {}
 
-    def run(i: int, user: str | None) -> None:
-        body = {"prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0}
-        if user:
-            body["user"] = user
+    def run(i: int, prompt) -> None:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
         results[i] = client.post("/v1/completions", json=body)
 
-    threads = [threading.Thread(target=run, args=(i, None)) for i in range(4)]
-    threads.append(threading.Thread(target=run, args=(4, "phloem-fault:nan")))
+    threads = [threading.Thread(target=run, args=(i, PROMPTS[i])) for i in range(4)]
+    threads.append(threading.Thread(target=run, args=(4, NAN_PROMPT)))
     for t in threads:
         t.start()
     for t in threads:
@@ -102,13 +118,15 @@ def test_nan_logits_fail_only_that_request(main_server, client):
         assert results[i].status_code == 200
         assert results[i].json()["choices"][0]["text"] == alone[i]
     # Streaming: the error arrives in-band, then [DONE].
-    body = {"prompt": "Hi", "max_tokens": 8, "stream": True, "user": "phloem-fault:nan"}
+    body = {"prompt": NAN_PROMPT, "max_tokens": 8, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         events = sse_events(r)
     assert "non-finite" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
-    metrics = main_server.wait_idle()
+    metrics = fault_server.wait_idle()
     assert metrics["phloem:request_failed_total"] >= 2
-    assert httpx.get(main_server.url + "/health").status_code == 200
+    assert httpx.get(fault_server.url + "/health").status_code == 200
+    assert greedy(client, PROMPTS[0])["text"] == alone[0]  # the engine goes on
+    client.close()
 
 
 # -- 12. engine loop death --------------------------------------------------------------------------
@@ -116,7 +134,7 @@ def test_nan_logits_fail_only_that_request(main_server, client):
 
 @pytest.fixture
 def doomed_server(tmp_path):
-    server = ServerProcess(["--max-model-len", "512"], tmp_path / "server.log")
+    server = ServerProcess(["--max-model-len", "512"], tmp_path / "server.log", faults=True)
     try:
         server.wait_ready()
         yield server
@@ -140,7 +158,7 @@ def test_engine_death(doomed_server):
     while server.metrics()["phloem:num_requests_running"] < 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    died = httpx.post(url, json={"prompt": "x", "user": "phloem-fault:die"}, timeout=60)
+    died = httpx.post(url, json={"prompt": [DIE_TOKEN, 504]}, timeout=60)
     assert died.status_code == 503, died.text
     assert httpx.get(server.url + "/health", timeout=5).status_code == 503
     refused = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=10)

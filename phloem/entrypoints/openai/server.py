@@ -60,8 +60,6 @@ from phloem.entrypoints.openai.serving import (
 
 logger = logging.getLogger(__name__)
 
-FAULT_PREFIX = "phloem-fault:"  # test-only: `user` = "phloem-fault:nan" | "phloem-fault:die"
-
 
 class ServerShuttingDownError(RuntimeError):
     """The server is shutting down and its drain timeout has passed; the request was ended."""
@@ -232,12 +230,6 @@ def _num_prompts(prompt) -> int:
     return len(prompt)
 
 
-def fault_of(state: ServerState, user: str | None) -> str | None:
-    if state.engine.fault_injection and user and user.startswith(FAULT_PREFIX):
-        return user[len(FAULT_PREFIX) :]
-    return None
-
-
 def engine_error(error: BaseException) -> APIError:
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error), code="engine_dead")
@@ -261,10 +253,10 @@ async def wait_disconnect(request: Request) -> None:
 # -- the endpoints' core --------------------------------------------------------------------------
 
 
-async def _merged(engine: AsyncLLMEngine, prep: PreparedRequest, fault: str | None, arrival: float):
+async def _merged(engine: AsyncLLMEngine, prep: PreparedRequest, arrival: float):
     """Yield (prompt index, RequestOutput) from all prompts of one API request as they come."""
     gens = [
-        engine.generate(ids, params, rid, text, arrival, fault)
+        engine.generate(ids, params, rid, text, arrival)
         for rid, (text, ids), params in zip(prep.request_ids, prep.prompts, prep.params)
     ]
     if len(gens) == 1:
@@ -299,9 +291,9 @@ async def _merged(engine: AsyncLLMEngine, prep: PreparedRequest, fault: str | No
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(state: ServerState, prep: PreparedRequest, fault: str | None, arrival: float):
+async def _collect(state: ServerState, prep: PreparedRequest, arrival: float):
     finals: list = [None] * len(prep.request_ids)
-    async for index, output in _merged(state.engine, prep, fault, arrival):
+    async for index, output in _merged(state.engine, prep, arrival):
         finals[index] = output
     return finals
 
@@ -367,7 +359,6 @@ async def create_completion(state: ServerState, request: Request):
     prep = await state.off_loop(prepare_completion, state, req)
     _check_open(state)
     arrival = time.monotonic()
-    fault = fault_of(state, req.user)
     created = int(time.time())
     response_id = (
         prep.request_ids[0].rsplit("-", 1)[0] if len(prep.request_ids) > 1 else prep.request_ids[0]
@@ -375,13 +366,13 @@ async def create_completion(state: ServerState, request: Request):
     n = req.n
     if req.stream:
         usage = stream_usage_mode(req)
-        outputs = _merged(state.engine, prep, fault, arrival)
+        outputs = _merged(state.engine, prep, arrival)
         chunks = _in_band_errors(
             completion_chunks(state, prep, outputs, response_id, created, n, usage)
         )
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
-        finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
+        finals = await _run_or_disconnect(request, _collect(state, prep, arrival))
     except _ENGINE_ERRORS as e:
         raise engine_error(e) from None
     if finals is None:
@@ -415,15 +406,14 @@ async def create_chat_completion(state: ServerState, request: Request):
     prep = await state.off_loop(prepare_chat, state, req)
     _check_open(state)
     arrival = time.monotonic()
-    fault = fault_of(state, req.user)
     created = int(time.time())
     if req.stream:
         usage = stream_usage_mode(req)
-        outputs = _merged(state.engine, prep, fault, arrival)
+        outputs = _merged(state.engine, prep, arrival)
         chunks = _in_band_errors(chat_chunks(state, prep, outputs, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
     try:
-        finals = await _run_or_disconnect(request, _collect(state, prep, fault, arrival))
+        finals = await _run_or_disconnect(request, _collect(state, prep, arrival))
     except _ENGINE_ERRORS as e:
         raise engine_error(e) from None
     if finals is None:
