@@ -197,7 +197,6 @@ def run_generate(
         with open_generate_job(input_path, output_path, {"sampling flags": defaults}) as job:
             return run_generate(llm, input_path, output_path, defaults, use_tqdm, job)
     from phloem.engine.metrics import summarize
-    from phloem.entrypoints.resumable import write_atomically
 
     start = time.monotonic()
     engine = llm.llm_engine
@@ -226,17 +225,7 @@ def run_generate(
         job.progress.num_saved += 1
         outputs.append(output)
     good = [p for p in parsed if p.error is None]
-    job.log.close()
-    write_atomically(
-        output_path,
-        [
-            json.dumps({"id": p.id, "error": p.error} if p.error else done[n]["record"],
-                       ensure_ascii=False)
-            for p, (n, _) in zip(parsed, job.lines)
-        ],
-    )  # fmt: skip
-    with contextlib.suppress(FileNotFoundError):  # absent when no line was good
-        os.remove(job.log.path)
+    _write_output(output_path, parsed, job)
     plan = llm.last_plan
     return summarize(
         outputs,
@@ -246,6 +235,24 @@ def run_generate(
         planned_reuse_ratio=plan.planned_reuse_ratio if plan is not None else 0.0,
         load_s=llm.load_s,
     )
+
+
+def _write_output(output_path: str, parsed: list[ParsedLine], job: GenerateJob) -> None:
+    """Write the job's output atomically, one line per input line (its record, or its error),
+    then remove the finished-record log it came from."""
+    from phloem.entrypoints.resumable import write_atomically
+
+    job.log.close()
+    write_atomically(
+        output_path,
+        [
+            json.dumps({"id": p.id, "error": p.error} if p.error else job.done[n]["record"],
+                       ensure_ascii=False)
+            for p, (n, _) in zip(parsed, job.lines)
+        ],
+    )  # fmt: skip
+    with contextlib.suppress(FileNotFoundError):  # absent when no line was good
+        os.remove(job.log.path)
 
 
 def run_plan_only(llm, input_path: str, defaults: dict[str, Any]) -> str:

@@ -78,6 +78,63 @@ def parse_batch_line(
     against the model; its ValueError fails the line. `raw` is the line as
     `jsonl_input.read_lines` returns it: undecodable bytes fail the line, naming the byte.
     """
+    from phloem.entrypoints.openai.protocol import APIError
+
+    line = BatchLine(line_number, None)
+    try:
+        data = _check_envelope(line, raw, first_line)
+        _prepare_body(front, line, data, check_params)
+    except APIError as e:
+        line.error = e
+    except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this line's only
+        line.error = APIError(400, jsonl_input.clean(f"{type(e).__name__}: {e}"))
+    return line
+
+
+def _check_envelope(line: BatchLine, raw: str, first_line: dict[str, int]) -> dict[str, Any]:
+    """The line's JSON object with its custom_id, method and url checked (setting
+    `line.custom_id` and `line.url`); raises APIError (400) naming the problem."""
+    from phloem.entrypoints.openai.protocol import APIError
+
+    line_number = line.line_number
+    byte_problem = jsonl_input.text_problem(raw)
+    try:
+        data = jsonl_input.loads(raw)
+    except ValueError as e:
+        line.custom_id = _custom_id_of(raw)  # kept even when nested too deeply to parse
+        message = jsonl_input.clean(f"line {line_number}: {byte_problem or e}")
+        raise APIError(400, message) from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"line {line_number}: expected a JSON object")
+    custom_id = data.get("custom_id")
+    if isinstance(custom_id, str) and custom_id:
+        line.custom_id = custom_id = jsonl_input.clean(custom_id)
+    else:
+        raise APIError(400, "custom_id must be a non-empty string", param="custom_id")
+    problem = byte_problem or jsonl_input.value_problem(data)
+    if problem is not None:
+        raise APIError(400, f"line {line_number}: {problem}")
+    if first_line.get(custom_id, line_number) != line_number:
+        raise APIError(
+            400,
+            f"duplicate custom_id {custom_id!r} (first on line {first_line[custom_id]})",
+            param="custom_id",
+        )
+    unknown = sorted(set(data) - _LINE_KEYS)
+    if unknown:
+        raise APIError(400, f"Unrecognized batch line field: {unknown[0]}", param=unknown[0])
+    if data.get("method", "POST") != "POST":
+        raise APIError(400, "method must be POST", param="method")
+    url = data.get("url")
+    if url not in URLS:
+        raise APIError(400, f"url must be one of {', '.join(URLS)}, got {url!r}", param="url")
+    line.url = url
+    return data
+
+
+def _prepare_body(front, line: BatchLine, data: dict[str, Any], check_params) -> None:
+    """Validate the line's body as its url's request and prepare it (`line.prep`); raises
+    APIError (400) naming the field."""
     from pydantic import ValidationError  # lazy: `phloem` runs without the server extras
 
     from phloem.entrypoints.openai.protocol import (
@@ -89,65 +146,24 @@ def parse_batch_line(
     )
     from phloem.entrypoints.openai.serving import prepare_chat, prepare_completion
 
-    line = BatchLine(line_number, None)
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise APIError(400, "body must be a JSON object", param="body")
+    completion = line.url == URLS[0]
+    model_cls = CompletionRequest if completion else ChatCompletionRequest
     try:
-        byte_problem = jsonl_input.text_problem(raw)
-        try:
-            data = jsonl_input.loads(raw)
-        except ValueError as e:
-            line.custom_id = _custom_id_of(raw)  # kept even when nested too deeply to parse
-            message = jsonl_input.clean(f"line {line_number}: {byte_problem or e}")
-            raise APIError(400, message) from None
-        if not isinstance(data, dict):
-            raise APIError(400, f"line {line_number}: expected a JSON object")
-        custom_id = data.get("custom_id")
-        if isinstance(custom_id, str) and custom_id:
-            line.custom_id = custom_id = jsonl_input.clean(custom_id)
-        else:
-            raise APIError(400, "custom_id must be a non-empty string", param="custom_id")
-        problem = byte_problem or jsonl_input.value_problem(data)
-        if problem is not None:
-            raise APIError(400, f"line {line_number}: {problem}")
-        if first_line.get(custom_id, line_number) != line_number:
-            raise APIError(
-                400,
-                f"duplicate custom_id {custom_id!r} (first on line {first_line[custom_id]})",
-                param="custom_id",
-            )
-        unknown = sorted(set(data) - _LINE_KEYS)
-        if unknown:
-            raise APIError(400, f"Unrecognized batch line field: {unknown[0]}", param=unknown[0])
-        if data.get("method", "POST") != "POST":
-            raise APIError(400, "method must be POST", param="method")
-        url = data.get("url")
-        if url not in URLS:
-            raise APIError(400, f"url must be one of {', '.join(URLS)}, got {url!r}", param="url")
-        line.url = url
-        body = data.get("body")
-        if not isinstance(body, dict):
-            raise APIError(400, "body must be a JSON object", param="body")
-        model_cls = CompletionRequest if url == URLS[0] else ChatCompletionRequest
-        try:
-            request = model_cls.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        if request.stream:
-            raise APIError(400, "stream is not supported in batch jobs", param="stream")
-        if url == URLS[0]:
-            line.prep = prepare_completion(front, request)
-        else:
-            line.prep = prepare_chat(front, request)
-        if check_params is not None:
-            for params in line.prep.params:
-                try:
-                    check_params(params)
-                except ValueError as e:
-                    raise APIError(400, str(e), param=sampling_field_of(e)) from None
-    except APIError as e:
-        line.error = e
-    except Exception as e:  # noqa: BLE001 - a tokenizer or template failure is this line's only
-        line.error = APIError(400, jsonl_input.clean(f"{type(e).__name__}: {e}"))
-    return line
+        request = model_cls.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    if request.stream:
+        raise APIError(400, "stream is not supported in batch jobs", param="stream")
+    line.prep = prepare_completion(front, request) if completion else prepare_chat(front, request)
+    if check_params is not None:
+        for params in line.prep.params:
+            try:
+                check_params(params)
+            except ValueError as e:
+                raise APIError(400, str(e), param=sampling_field_of(e)) from None
 
 
 def error_record(line: BatchLine) -> dict[str, Any]:
@@ -249,6 +265,22 @@ def open_batch_job(
             log.close()
 
 
+def _frontend(llm, model_name: str):
+    """The request preparation of the server (`openai.serving.Frontend`) over this LLM, with the
+    server's character bound on prompts."""
+    from phloem.entrypoints.openai.limits import max_prompt_chars
+    from phloem.entrypoints.openai.serving import Frontend
+
+    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+    return Frontend(
+        tokenizer,
+        engine.max_model_len,
+        engine.validate_prompt,
+        model_name,
+        max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),
+    )
+
+
 def _line_of_record_id(rid: str) -> str:
     return rid.removeprefix("batch_req_")
 
@@ -270,17 +302,8 @@ def run_batch(
         options = {"--served-model-name": model_name}
         with open_batch_job(input_path, output_path, options) as job:
             return run_batch(llm, input_path, output_path, model_name, use_tqdm, job)
-    from phloem.entrypoints.openai.limits import max_prompt_chars
-    from phloem.entrypoints.openai.serving import Frontend
-
-    engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
-    front = Frontend(
-        tokenizer,
-        engine.max_model_len,
-        engine.validate_prompt,
-        model_name,
-        max_prompt_chars=max_prompt_chars(tokenizer, engine.max_model_len),  # as the server
-    )
+    engine = llm.llm_engine
+    front = _frontend(llm, model_name)
     lines, done, log = job.lines, job.done, job.log
     start = time.monotonic()
     first_line: dict[str, int] = {}

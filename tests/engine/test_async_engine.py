@@ -119,3 +119,24 @@ def test_largest_seed_with_n_2_runs(model_path):
         engine.shutdown()
     assert not engine.is_dead and output.error is None
     assert [len(c.token_ids) for c in output.outputs] == [4, 4]
+
+
+def test_the_async_front_replaces_nothing_and_counts_from_the_step_observer(model_path):
+    """The executor and the runner's sampler stay the engine's own; which requests ran (for
+    the running/waiting split of aborts) comes from the step observer."""
+    engine, _ = make_engine(model_path)
+    inner = engine.engine
+    executor, sampler = inner.executor, inner.executor.worker.model_runner.sampler
+
+    async def main():
+        engine.start()
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        return await collect(engine, params, "one")
+
+    try:
+        output = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert output.finished and output.error is None
+    assert inner.executor is executor and inner.executor.worker.model_runner.sampler is sampler
+    assert engine.stats()["num_preemptions"] == 0 and not engine._started  # forgotten when done

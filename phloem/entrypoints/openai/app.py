@@ -115,6 +115,17 @@ def build_app(state: ServerState) -> FastAPI:
     )
     app.state.phloem = state
     state.created = int(time.time())
+    _add_error_handlers(app)
+    _add_generation_routes(app, state)
+    _add_service_routes(app, state)
+    if state.api_key:
+        open_paths = OPEN_PATHS if state.protect_metrics else (*OPEN_PATHS, "/metrics")
+        app.add_middleware(APIKeyMiddleware, api_key=state.api_key, open_paths=open_paths)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answers in OpenAI's shape (`APIError`), unexpected ones as a logged 500."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -128,6 +139,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _internal(request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions, /v1/chat/completions and /v1/models."""
 
     @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(request: Request):
@@ -154,6 +169,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def model(model_id: str):
         check_model(state, model_id)
         return (await models())["data"][0]
+
+
+def _add_service_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /metrics, /version, /tokenize, /detokenize, /openapi.json and /docs."""
 
     @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
     async def health():
@@ -201,11 +220,6 @@ def build_app(state: ServerState) -> FastAPI:
         from fastapi.openapi.docs import get_swagger_ui_html
 
         return get_swagger_ui_html(openapi_url="/openapi.json", title="phloem - Swagger UI")
-
-    if state.api_key:
-        open_paths = OPEN_PATHS if state.protect_metrics else (*OPEN_PATHS, "/metrics")
-        app.add_middleware(APIKeyMiddleware, api_key=state.api_key, open_paths=open_paths)
-    return app
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
