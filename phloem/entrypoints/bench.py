@@ -29,9 +29,11 @@ from phloem.entrypoints.cli import add_engine_args
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks (throughput against the roofline)")
     sub = bench.add_subparsers(dest="bench_command", required=True)
+    from phloem.entrypoints.bench_plan_scaling import register_plan_scaling
     from phloem.entrypoints.bench_serve import register_serve_bench
 
     register_serve_bench(sub)
+    register_plan_scaling(sub)
     p = sub.add_parser("throughput", help="throughput of a synthetic workload, with its roofline")
     add_engine_args(p)
     g = p.add_argument_group("workload")
