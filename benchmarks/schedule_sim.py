@@ -46,9 +46,7 @@ def simulate(args: argparse.Namespace) -> list[tuple]:
         kind = "D" if tokens == len(out.scheduled) else "M"
         steps.append((kind, len(out.scheduled), tokens, len(scheduler.waiting),
                       len(scheduler.running), kv.num_free_blocks))  # fmt: skip
-        scheduler.update_from_output(
-            out, {s.request.request_id: 5 for s in out.scheduled if s.sample}
-        )
+        scheduler.update_from_output(out, {s.seq_id: 5 for s in out.scheduled if s.sample})
     return steps
 
 

@@ -19,6 +19,7 @@ With async scheduling, a token sampled by a step still on the device is *pending
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 from phloem.sampling_params import SamplingParams
@@ -55,6 +56,9 @@ _FINISHED_STATUSES = (
 )
 
 
+_GROUP_IDS = itertools.count()  # SharedPrefix.group_id: unique in the process
+
+
 @dataclass(eq=False)
 class SharedPrefix:
     """A prefix whose KV is computed once and shared by its members (BatchLLM §4.2 groups, and
@@ -67,17 +71,23 @@ class SharedPrefix:
     the group is idle (no member running) when KV runs short; a later member then recomputes
     the prefix as the new leader (the scheduler's `_release_idle_prefixes*`).
 
+    This is the *runtime* group; the offline planner's `PrefixGroup` (core/prefix_planner.py)
+    is the plan it is made from, and the attention backends' per-step view of it is
+    `SharedPrefixMetadata` (ops/attention/prefix_groups.py).
+
     Attributes:
         prefix_len: shared tokens, a multiple of the block size [tokens].
         num_unfinished: members not yet finished.
         block_ids: the prefix's blocks once computed and held by the group, else None.
         leader: the member computing the prefix right now, if any.
+        group_id: unique in the process (the worker's name for the group).
     """
 
     prefix_len: int
     num_unfinished: int
     block_ids: list[int] | None = None
     leader: Request | None = None
+    group_id: int = field(default_factory=lambda: next(_GROUP_IDS))
 
 
 @dataclass(eq=False)
@@ -85,7 +95,8 @@ class Request:
     """One sequence to generate (a prompt with n > 1 becomes n Requests).
 
     Attributes:
-        request_id: unique id.
+        request_id: the sequence id, unique among live sequences: the user's request id when
+            n is 1, else `"<request id>#<i>"` (the contract's `seq_id`).
         prompt_token_ids: the prompt [tokens]; never changed after construction.
         num_prompt_tokens: len(prompt_token_ids), stored (the scheduler reads it for every
             request every step) [tokens].
@@ -100,6 +111,8 @@ class Request:
         num_pending_tokens: tokens sampled by steps still in flight (async scheduling), not yet
             appended to `output_token_ids` [tokens].
         stop_reason: the stop string or stop token id that finished it, if any.
+        num_sent_blocks: entries of its block table the worker has been sent (the scheduler
+            sends the rest as `ScheduledSequence.new_block_ids`) [blocks].
     """
 
     request_id: str
@@ -115,6 +128,7 @@ class Request:
     num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    num_sent_blocks: int = 0
     num_prompt_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

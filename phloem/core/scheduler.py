@@ -28,48 +28,20 @@ the message in `failed_requests` for the engine to report); the step goes on for
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 
 from phloem.config import SchedulerConfig
 from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus, SharedPrefix
+from phloem.core.scheduler_output import (
+    NO_BLOCKS,
+    NewSequenceData,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from phloem.core.stop_checker import check_stop
 
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
-
-    `num_computed_tokens` is the count *before* this step; the step computes tokens at positions
-    [num_computed_tokens, num_computed_tokens + num_tokens); `sample` is True when that reaches
-    the end of the request's known tokens, so the step's last logits give a new token.
-    """
-
-    request: Request
-    num_computed_tokens: int
-    num_tokens: int
-    block_ids: list[int]
-    sample: bool = False  # set from the request when scheduled (async scheduling changes
-    # `request.num_tokens` right after, so it cannot be derived later)
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes, in order. `finished_request_ids` are requests that left since the
-    previous step (the worker drops their state)."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["NewSequenceData", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -87,7 +59,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        # id(output) -> (output, its requests in row order) for outputs not yet updated: the
+        # update applies tokens to these objects (a finished sequence's id may be reused)
+        self._unapplied: dict[int, tuple[SchedulerOutput, list[Request]]] = {}
         self.num_preemptions = 0  # since start, all requests
+        self.num_computed_prompt_tokens = 0  # prompt tokens the model ran (updated steps)
         # request id -> error message of requests failed alone since the engine last took them
         self.failed_requests: dict[str, str] = {}
 
@@ -137,8 +113,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's tokens. Mutates block tables, the queues and request status;
         never `num_computed_tokens` (that happens in `update_from_output`)."""
-        output = SchedulerOutput(finished_request_ids=self._finished_ids)
+        output = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
+        requests: list[Request] = []  # the scheduled requests, in row order
         budget = self.config.max_num_batched_tokens
 
         # The running requests, in admission order. This loop visits every running request
@@ -169,23 +146,31 @@ class Scheduler:
                 ):
                     break  # the request itself was preempted: nothing later can fit either
                 block_ids = kv.block_ids(request.request_id)  # a first block creates the table
-            chosen.append(
-                ScheduledRequest(
-                    request, num_computed, num_new, block_ids, num_computed + num_new == num_tokens
-                )
-            )
+            new_blocks: Sequence[int] = NO_BLOCKS
+            if len(block_ids) > request.num_sent_blocks:
+                new_blocks = block_ids[request.num_sent_blocks :]
+                request.num_sent_blocks = len(block_ids)
+            scheduled = ScheduledSequence(
+                request.request_id, num_computed, num_new, num_computed + num_new == num_tokens,
+                new_blocks,
+            )  # fmt: skip
+            if request.shared_prefix is not None:
+                _set_prefix(scheduled, request.shared_prefix, block_ids)
+            chosen.append(scheduled)
+            requests.append(request)
             budget -= num_new
 
-        if not output.preempted_request_ids:
-            budget = self._admit_waiting(output, budget)
+        if not output.preempted_seq_ids:
+            budget = self._admit_waiting(output, requests, budget)
             if not output.scheduled and self.waiting and self._release_idle_prefixes():
-                budget = self._admit_waiting(output, budget)
+                budget = self._admit_waiting(output, requests, budget)
         if self.config.async_scheduling:  # the step is as good as computed for what follows
-            for scheduled in output.scheduled:
-                request = scheduled.request
+            for scheduled, request in zip(output.scheduled, requests):
                 request.num_computed_tokens += scheduled.num_tokens
                 if scheduled.sample:
                     request.num_pending_tokens += 1
+        if requests:
+            self._unapplied[id(output)] = (output, requests)
         return output
 
     def _will_finish_by_length(self, request: Request) -> bool:
@@ -214,13 +199,13 @@ class Scheduler:
                 return True
             victim = self.running[-1]
             self._preempt(victim)
-            out.preempted_request_ids.append(victim.request_id)
+            out.preempted_seq_ids.append(victim.request_id)
             if victim is request:
                 return False
             if self.kv.allocate_slots(request, num_new):
                 return True
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, output: SchedulerOutput, requests: list[Request], budget: int) -> int:
         """Admit waiting requests in queue order while the budget, the sequence limit and KV
         memory allow. With memory-centric admission, a request is admitted only if the blocks
         it will need to finish (prompt + max_tokens, net of shared prefix blocks) fit beside
@@ -232,7 +217,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
             try:
-                admitted = self._admit(output, request, budget, reserved, skipped)
+                admitted = self._admit(output, requests, request, budget, reserved, skipped)
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
                 self.fail_request(request, e)
                 continue
@@ -245,6 +230,7 @@ class Scheduler:
     def _admit(
         self,
         output: SchedulerOutput,
+        requests: list[Request],
         request: Request,
         budget: int,
         reserved: int,
@@ -275,6 +261,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._add(output, request, num_new)
+        requests.append(request)
         return budget - num_new, reserved
 
     def _admissible(
@@ -413,16 +400,23 @@ class Scheduler:
         return [group for group in held if id(group) not in busy]
 
     def _add(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Schedule a just admitted request: sent in full (the worker has no state for it)."""
         num_computed = request.num_computed_tokens
-        output.scheduled.append(
-            ScheduledRequest(
-                request,
-                num_computed,
-                num_new,
-                self.kv.block_ids(request.request_id),
-                num_computed + num_new == request.num_tokens,
-            )
+        block_ids = self.kv.block_ids(request.request_id)
+        request.num_sent_blocks = len(block_ids)
+        scheduled = ScheduledSequence(
+            request.request_id,
+            num_computed,
+            num_new,
+            num_computed + num_new == request.num_tokens,
+            list(block_ids),
+            new_sequence=NewSequenceData(
+                request.prompt_token_ids, list(request.output_token_ids), request.sampling_params
+            ),
         )
+        if request.shared_prefix is not None:
+            _set_prefix(scheduled, request.shared_prefix, block_ids)
+        output.scheduled.append(scheduled)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -431,6 +425,7 @@ class Scheduler:
             group.leader = None
         self.kv.free(request, cache=True)
         request.status = RequestStatus.PREEMPTED
+        request.num_sent_blocks = 0
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
@@ -442,18 +437,26 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Advance `num_computed_tokens` (sync scheduling; async advanced it in `schedule`),
-        append each sampled token (a pending one stops being pending) and apply the token stop
-        rules. Returns the requests that got a new token this step (finished ones included).
+        """Apply a step the worker ran (each output of `schedule` once, in order): advance
+        `num_computed_tokens` (sync scheduling; async advanced it in `schedule`), count its
+        prompt tokens, append each sampled token (a pending one stops being pending) to the
+        request objects that were scheduled, and apply the token stop rules. Returns the
+        requests that got a new token this step (finished ones included).
 
         Raises:
             KeyError: if a request that had to sample is missing from `sampled_token_ids`.
         """
-        updated = []
+        updated: list[Request] = []
+        entry = self._unapplied.pop(id(output), None)
+        if entry is None:
+            return updated  # an empty step, or one dropped by `forget_unapplied`
         advance = not self.config.async_scheduling  # async: schedule() advanced it already
         max_model_len = self.config.max_model_len
-        for scheduled in output.scheduled:
-            request = scheduled.request
+        for scheduled, request in zip(output.scheduled, entry[1]):
+            start = scheduled.num_computed_tokens
+            if start < request.num_prompt_tokens:  # a prompt chunk
+                end = min(start + scheduled.num_tokens, request.num_prompt_tokens)
+                self.num_computed_prompt_tokens += end - start
             running = request.status is RequestStatus.RUNNING  # async: may be preempted since
             if not running and request.is_finished:  # aborted (or stopped, async) meanwhile
                 continue
@@ -482,6 +485,11 @@ class Scheduler:
                 self._finish(request, status)
             updated.append(request)
         return updated
+
+    def forget_unapplied(self) -> None:
+        """Drop the outputs not yet passed to `update_from_output` (after a failed step, whose
+        requests the engine aborts)."""
+        self._unapplied.clear()
 
     def finish_request(self, request: Request, status: RequestStatus, stop_reason=None) -> None:
         """Finish a request for a reason decided outside (a stop string). Frees its blocks. A
@@ -532,3 +540,19 @@ class Scheduler:
             r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting
         )
         self.kv.check_integrity(live)
+
+
+def _set_prefix(scheduled: ScheduledSequence, group: SharedPrefix, block_ids: list[int]) -> None:
+    """Set `prefix_len` and `group_id` when the table starts with the group's held blocks.
+
+    Comparing the first and the last prefix block is enough: a table holds a group's block at
+    the same index only by attaching the group's blocks (or a radix-cache path through them,
+    which fixes every block before it), never by a fresh allocation.
+    """
+    held = group.block_ids
+    if held is None:
+        return
+    n = len(held)
+    if len(block_ids) >= n and block_ids[n - 1] == held[-1] and block_ids[0] == held[0]:
+        scheduled.prefix_len = group.prefix_len
+        scheduled.group_id = group.group_id

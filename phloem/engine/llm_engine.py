@@ -175,7 +175,6 @@ class LLMEngine:
         self._prompts: dict[str, _Prompt] = {}
         self._sequences: dict[str, _Sequence] = {}
         self._ids = itertools.count()
-        self.num_computed_prompt_tokens = 0
         # True: step() returns an output for every prompt that got a token (streaming, kept up
         # to date text); False (offline): only finished prompts, text decoded once at the end.
         self.stream_outputs = False
@@ -295,12 +294,18 @@ class LLMEngine:
                 f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
             )
 
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        """Prompt tokens the model ran since start (recomputation included) [tokens]."""
+        return self.scheduler.num_computed_prompt_tokens
+
     def abort_all(self) -> None:
         """Abort every unfinished prompt and forget the step in flight (async scheduling).
 
         For after an exception out of `step()`, whose state is unknown: frees the KV blocks of
         every request, so the engine serves later requests from a clean queue."""
         self._in_flight = None
+        self.scheduler.forget_unapplied()
         self.abort_request(list(self._prompts))
         self.scheduler.failed_requests.clear()
 
@@ -420,7 +425,7 @@ class LLMEngine:
         checked for being done.
         """
         now = time.monotonic()
-        self._count_prompt_tokens(sched)
+        self._stamp_first_scheduled(sched)
         sequences, prompts = self._sequences, self._prompts
         scheduler = self.scheduler
         for seq_id, message in runner_output.failed.items():
@@ -507,23 +512,16 @@ class LLMEngine:
             outputs.append(entry.to_output())
         return outputs
 
-    def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
-        """Add the step's prompt tokens to `num_computed_prompt_tokens`; stamp
-        `first_scheduled_time` on prompts scheduled for the first time.
-
-        Only prompt chunks matter: a sequence's first step always computes at least one prompt
-        token (a shared or cached prefix leaves one to compute), so decode entries are skipped.
-        """
+    def _stamp_first_scheduled(self, sched: SchedulerOutput) -> None:
+        """Stamp `first_scheduled_time` on prompts scheduled for the first time (a sequence is
+        sent as new the step it is admitted, so only those entries are looked at)."""
         now = time.monotonic()
+        sequences, prompts = self._sequences, self._prompts
         for s in sched.scheduled:
-            request = s.request
-            num_prompt = request.num_prompt_tokens
-            if s.num_computed_tokens >= num_prompt:
+            if s.new_sequence is None:
                 continue
-            end = min(s.num_computed_tokens + s.num_tokens, num_prompt)
-            self.num_computed_prompt_tokens += end - s.num_computed_tokens
-            seq = self._sequences.get(request.request_id)
-            entry = self._prompts.get(seq.prompt_id) if seq is not None else None
+            seq = sequences.get(s.seq_id)
+            entry = prompts.get(seq.prompt_id) if seq is not None else None
             if entry is not None and entry.metrics.first_scheduled_time is None:
                 entry.metrics.first_scheduled_time = now
 

@@ -1,11 +1,11 @@
 """CUDA graphs for decode steps: one captured forward pass per batch-size bucket (vLLM, SGLang).
 
 A decode step of B sequences (every q_len = 1) runs the graph of the smallest bucket >= B. The
-step's tokens are copied into static input buffers and padded with dummy sequences up to the
-bucket:
+step's host inputs (`input_batch.HostStep`, the builder eager steps use too) are padded with
+dummy sequences up to the bucket (`HostStep.padded`) and copied into static input buffers:
 
     rows |-- B real decode tokens --|-- bucket - B dummies --|
-    dummy: token 0 at position 0, one KV token in the scratch block (never a real request's)
+    dummy: token 0 at position 0, one KV token in the scratch block (never a real sequence's)
 
 The attention backend plans the padded step into the fixed buffers of that bucket's wrapper
 (`prepare_replay(meta, variant, groups)`) before the capture and before each replay, so only
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +36,7 @@ from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
+from phloem.worker.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
 
@@ -97,25 +99,18 @@ class CUDAGraphRunner:
         """Whether a graph of `variant` was captured for the bucket of num_seqs sequences."""
         return (variant, self.bucket(num_seqs)) in self._graphs
 
-    def _metadata(
-        self, batch: int, seq_lens: list[int], block_tables: list[list[int]]
-    ) -> AttentionMetadata:
-        """Decode metadata of a step padded to `batch` rows (device fields view static buffers)."""
-        num_pad = batch - len(seq_lens)
-        seq_lens = seq_lens + [1] * num_pad
-        block_tables = block_tables + [[self.scratch_block]] * num_pad
-        slots = self._static_inputs[2, :batch]
-        return AttentionMetadata(
+    def _metadata(self, padded: HostStep) -> AttentionMetadata:
+        """Metadata of a step padded to its bucket: the slot mapping views the static buffer,
+        the other device fields are that view too (a planning backend reads the host lists and
+        the graph's own buffers; nothing is copied)."""
+        slots = self._static_inputs[2, : len(padded.seq_lens)]
+        return AttentionMetadata.from_host(
+            padded.query_lens,
+            padded.seq_lens,
+            padded.block_tables,
+            self.block_size,
             slot_mapping=slots,
-            query_start_loc=slots,  # unused by a planning backend; kept off the host path
-            seq_lens=slots,
-            block_tables=slots,
-            block_size=self.block_size,
-            max_query_len=1,
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=list(range(batch + 1)),
-            seq_lens_cpu=seq_lens,
-            block_tables_cpu=block_tables,
+            placeholder=slots,
         )
 
     @torch.inference_mode()
@@ -129,7 +124,7 @@ class CUDAGraphRunner:
             for batch in reversed(self.batch_sizes):
                 if batch < min_batch:
                     continue
-                meta = self._metadata(batch, [], [])
+                meta = self._metadata(HostStep.padding(batch, self.scratch_block, self.block_size))
                 ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
                 ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
                 self.backend.prepare_replay(meta, variant)
@@ -156,41 +151,30 @@ class CUDAGraphRunner:
 
     def run(
         self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
+        host: HostStep,
         fill_inputs=None,
         variant: str = "plain",
         groups: SharedPrefixMetadata | None = None,
     ) -> torch.Tensor:
-        """Replay the `variant` graph of the step's bucket; returns hidden [B, hidden_size] of
-        the B real rows (a view of the graph's output: valid until the next replay).
-        `fill_inputs`, if given, is called with the static input-id buffer after the host ids
-        are copied in (it writes pending token ids on the device). `groups` (the step's prefix
-        groups, from the backend's `plan_decode`) is passed to the variant's plan.
+        """Replay the `variant` graph of the decode step's bucket; returns hidden [B,
+        hidden_size] of the B real rows (a view of the graph's output: valid until the next
+        replay). `fill_inputs`, if given, is called with the static input-id buffer after the
+        host ids are copied in (it writes pending token ids on the device). `groups` (the
+        step's prefix groups, from the backend's `plan_decode`) is passed to the variant's plan.
 
         Raises:
             ValueError: if no graph of `variant` holds B sequences.
         """
-        num_seqs = len(input_ids)
+        num_seqs = len(host.seq_lens)
         batch = self.bucket(num_seqs)
         if (variant, batch) not in self._graphs:
             raise ValueError(f"no {variant!r} CUDA graph for a decode batch of {num_seqs}")
-        num_pad = batch - num_seqs
-        host = torch.tensor(
-            [
-                input_ids + [0] * num_pad,
-                positions + [0] * num_pad,
-                slots + [self.scratch_slot] * num_pad,
-            ],
-            dtype=torch.int64,
-        )
-        self._static_inputs[:, :batch].copy_(pinned(host), non_blocking=True)
+        padded = host.padded(batch, self.scratch_block, self.block_size)
+        inputs = np.stack((padded.input_ids, padded.positions, padded.slots))
+        self._static_inputs[:, :batch].copy_(pinned(inputs), non_blocking=True)
         if fill_inputs is not None:
             fill_inputs(self._static_inputs[0, :num_seqs])
-        meta = self._metadata(batch, seq_lens, block_tables)
+        meta = self._metadata(padded)
         self.backend.prepare_replay(meta, variant, groups)
         self._graphs[variant, batch].replay()
         return self._outputs[variant, batch][:num_seqs]

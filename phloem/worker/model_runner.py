@@ -14,14 +14,13 @@ fails alone: its row is sampled as a placeholder so the batch goes on, and its i
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from phloem.core.scheduler import SchedulerOutput
+from phloem.core.scheduler_output import SchedulerOutput
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.sampler import (
     NON_FINITE_MESSAGE,
@@ -36,23 +35,26 @@ from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.sampling_params import SamplingParams
 from phloem.worker.cuda_graph import CUDAGraphRunner
+from phloem.worker.input_batch import HostStep, InputBatch, SequenceState, sampling_row
 
-# the row sampled for a request whose own row failed: greedy, so it draws no randomness
+__all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
+
+# the row sampled for a sequence whose own row failed: greedy, so it draws no randomness
 _PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
 
 
-def _placeholder_row(request) -> SamplingRow:
-    """The row sampled for a request that failed alone: greedy, no bans, draws nothing."""
-    return SamplingRow(_PLACEHOLDER_PARAMS, request.prompt_token_ids, [], generator=None)
+def _placeholder_row(state: SequenceState) -> SamplingRow:
+    """The row sampled for a sequence that failed alone: greedy, no bans, draws nothing."""
+    return SamplingRow(_PLACEHOLDER_PARAMS, state.prompt_token_ids, [], generator=None)
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Per sampled request (by id): the new token, its log-prob under the model's raw
+    """Per sampled sequence (by seq id): the new token, its log-prob under the model's raw
     distribution, and the top-k log-probs when the request asked for them; `failed` maps the
-    requests that failed alone this step to the reason (their token is a placeholder);
+    sequences that failed alone this step to the reason (their token is a placeholder);
     `num_nans_in_logits` counts the NaN/inf values of each sampled row that had any (vLLM's
-    name; those requests are in `failed` with `NON_FINITE_MESSAGE`)."""
+    name; those sequences are in `failed` with `NON_FINITE_MESSAGE`). Plain data (picklable)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float | None] = field(default_factory=dict)
@@ -65,99 +67,10 @@ class ModelRunnerOutput:
 class LaunchedStep:
     """A step whose sampling is enqueued on the device (see `ModelRunner.launch`)."""
 
-    request_ids: list[str]  # the sampled requests, in row order
+    seq_ids: list[str]  # the sampled sequences, in row order
+    states: list[SequenceState]  # their states when launched (the tokens are appended there)
     sampled: SampledTokens
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed
-
-
-def shared_prefix_len(s) -> int:
-    """Tokens at the start of the request's block table that are its prefix group's shared
-    blocks (0 when it has none, or they are not held yet).
-
-    Comparing the first and the last prefix block is enough: a table holds a group's block at
-    the same index only by attaching the group's blocks (or a radix-cache path through them,
-    which fixes every block before it), never by a fresh allocation.
-    """
-    group = s.request.shared_prefix
-    if group is None or group.block_ids is None:
-        return 0
-    ids, table = group.block_ids, s.block_ids
-    n = len(ids)
-    if len(table) >= n and table[n - 1] == ids[-1] and table[0] == ids[0]:
-        return group.prefix_len
-    return 0
-
-
-@dataclass
-class _HostStep:
-    """A step's inputs on the host (T tokens, B sequences, S sampled): numpy arrays for what
-    becomes a tensor, lists for what backends plan from."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slots: np.ndarray  # int64 [T]
-    query_start_loc: list[int]  # [B + 1]
-    seq_lens: list[int]  # [B]
-    block_tables: list[list[int]]  # [B] the scheduler's lists (not copies: read only)
-    logits_indices: list[int]  # [S]
-    sampled: list[int]  # [S]
-    prefix_lens: list[int] | None  # [B], only when the backend batches prefix groups
-    pending: list[tuple[int, str]]  # (token index, request id): ids sampled by the step in
-    # flight (async scheduling), filled in on the device from that step's sampled tokens
-
-    @classmethod
-    def build(cls, sched: SchedulerOutput, block_size: int, prefix_lens: bool) -> _HostStep:
-        """Each scheduled request b computes positions [start_b, end_b):
-
-            |-- computed (start_b) --|-- this step: q_len_b tokens --|-- later --|
-
-        Per-request work is a few list slices; per-token work is vectorized (numpy)."""
-        bs = block_size
-        scheduled = sched.scheduled
-        num_seqs = len(scheduled)
-        ids: list[int] = []
-        blocks: list[int] = []  # per request, the blocks its new tokens fall in, concatenated
-        starts = [s.num_computed_tokens for s in scheduled]
-        q_lens = [s.num_tokens for s in scheduled]
-        tables = [s.block_ids for s in scheduled]
-        pending: list[tuple[int, str]] = []
-        for s, start, q_len, table in zip(scheduled, starts, q_lens, tables):
-            end = start + q_len
-            request = s.request
-            ids += request.token_ids(start, end)
-            if end > request.num_known_tokens:  # the last one is pending (one step in flight)
-                pending.append((len(ids), request.request_id))
-                ids.append(0)
-            blocks += table[start // bs : (end - 1) // bs + 1]
-        seq_lens = [a + n for a, n in zip(starts, q_lens)]
-        qsl = [0, *itertools.accumulate(q_lens)]
-        sampled = [i for i, s in enumerate(scheduled) if s.sample]
-        # Per token t of sequence b: position start_b + (t - qsl_b); its block is entry
-        # position // bs - start_b // bs of b's run in `blocks`.
-        start_a = np.array(starts, dtype=np.int64)
-        q_len_a = np.array(q_lens, dtype=np.int64)
-        seq_of = np.repeat(np.arange(num_seqs), q_len_a)
-        positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(
-            start_a - np.array(qsl[:-1], dtype=np.int64), q_len_a
-        )
-        first_block = start_a // bs
-        run_len = (start_a + q_len_a - 1) // bs - first_block + 1
-        run_off = np.cumsum(run_len) - run_len
-        block_of = np.array(blocks, dtype=np.int64)[
-            (run_off - first_block)[seq_of] + positions // bs
-        ]
-        return cls(
-            input_ids=np.array(ids, dtype=np.int64),
-            positions=positions,
-            slots=block_of * bs + positions % bs,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            logits_indices=[qsl[i + 1] - 1 for i in sampled],
-            sampled=sampled,
-            prefix_lens=[shared_prefix_len(s) for s in scheduled] if prefix_lens else None,
-            pending=pending,
-        )
+    failed: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed
 
 
 @dataclass
@@ -168,7 +81,6 @@ class StepInputs:
     positions: torch.Tensor  # int64 [T]
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [S], token index of each sampled sequence's last token
-    sampled: list[int]  # [S], index into scheduler_output.scheduled
 
 
 class ModelRunner:
@@ -210,11 +122,10 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=device)
         self._shared_generator = self.sampler.generator  # also behind a wrapped sampler
         self._generators: dict[str, torch.Generator] = {}
-        # request id -> (request, its row): rows that never change (no min_tokens bans) are
-        # built once per request, not once per step (~1,000 rows a step at BatchLLM scale)
-        self._rows: dict[str, tuple[object, SamplingRow]] = {}
+        # the sequences' state between steps (rows that never change are cached there)
+        self.input_batch = InputBatch()
         self.graph_runner: CUDAGraphRunner | None = None
-        # the last launched step's sampled tokens (device int64 [S]) and request id -> row
+        # the last launched step's sampled tokens (device int64 [S]) and seq id -> row
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -255,35 +166,20 @@ class ModelRunner:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """Build the step's tensors from the scheduler output (host arrays, then one copy each
-        to the device). The 0-padded device block table is built only for backends that read
-        it (`needs_block_tables`)."""
-        backend = self.backend
-        host = _HostStep.build(sched, self.block_size, backend.reads_prefix_lens)
+    def prepare_inputs(self, host: HostStep) -> StepInputs:
+        """The step's tensors from its host arrays (one staged copy each to the device). The
+        0-padded device block table is built only for backends that read it
+        (`needs_block_tables`). Pending input ids are filled in from the last launched step."""
         dev = self.device
-        max_seq_len = max(host.seq_lens)
-        qsl = host.query_start_loc
-        if backend.needs_block_tables:
-            width = max(len(t) for t in host.block_tables)
-            padded = np.zeros((len(host.block_tables), width), dtype=np.int32)
-            for row, table in zip(padded, host.block_tables):
-                row[: len(table)] = table
-            block_tables = to_device(padded, dev)
-        else:
-            block_tables = torch.empty(0, 0, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
+        meta = AttentionMetadata.from_host(
+            host.query_lens,
+            host.seq_lens,
+            host.block_tables,
+            self.block_size,
+            dev,
             slot_mapping=to_device(host.slots, dev),
-            query_start_loc=to_device(np.array(qsl, dtype=np.int32), dev),
-            seq_lens=to_device(np.array(host.seq_lens, dtype=np.int32), dev),
-            block_tables=block_tables,
-            block_size=self.block_size,
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=host.seq_lens,
-            block_tables_cpu=host.block_tables,
-            prefix_lens_cpu=host.prefix_lens,
+            padded_tables=self.backend.needs_block_tables,
+            prefix_lens=host.prefix_lens,
         )
         input_ids = to_device(host.input_ids, dev)
         if host.pending:
@@ -293,79 +189,87 @@ class ModelRunner:
             positions=to_device(host.positions, dev),
             attn_metadata=meta,
             logits_indices=to_device(np.array(host.logits_indices, dtype=np.int64), dev),
-            sampled=host.sampled,
         )
 
     # -- the step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and sample a token for every request whose known tokens are all computed.
-
-        Mutates the KV cache (writes the step's K/V) and the seeded requests' generators.
-        Decode-only steps replay a CUDA graph when graphs were captured and one fits.
-        """
+        """Run one step and sample a token for every sequence whose known tokens are all
+        computed (`launch`, then `collect`)."""
         return self.collect(self.launch(sched))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
         """Enqueue one step (forward, sampling, the copy of the tokens to the host) and return
-        without waiting for the device; `collect` gets the result. Input tokens that are still
-        pending (sampled by the previous launched step, async scheduling) are taken from that
-        step's device tensor. None for an empty step."""
-        for request_id in sched.finished_request_ids:
-            self._generators.pop(request_id, None)
-            self._rows.pop(request_id, None)
+        without waiting for the device; `collect` gets the result. Every scheduler output must
+        be launched, once and in order (the worker's sequence state follows them). Input tokens
+        still pending (sampled by the previous launched step, async scheduling) are taken from
+        that step's device tensor. Mutates the KV cache and the seeded sequences' generators.
+        Decode-only steps replay a CUDA graph when graphs were captured and one fits. None for
+        a step that samples nothing."""
+        for seq_id in sched.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        states = self.input_batch.update(sched)
         if sched.is_empty:
             return None
-        hidden, sampled = self._run_graph(sched)
+        host = HostStep.build(sched, states, self.block_size, self.backend.reads_prefix_lens)
+        hidden = self._run_graph(host) if host.is_decode else None
         if hidden is None:
-            inputs = self.prepare_inputs(sched)
-            sampled = inputs.sampled
+            inputs = self.prepare_inputs(host)
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-            if not sampled:
+            if not host.sampled:
                 return None
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        requests = [sched.scheduled[i].request for i in sampled]
-        rows, failed = self._sampling_rows(requests)
-        handle = self._launch_sampler(logits, rows, requests, failed)
-        request_ids = [r.request_id for r in requests]
-        self._last_sampled = (handle.tokens, {rid: k for k, rid in enumerate(request_ids)})
-        return LaunchedStep(request_ids, handle, failed)
+        scheduled = sched.scheduled
+        seq_ids = [scheduled[i].seq_id for i in host.sampled]
+        sampled_states = [states[i] for i in host.sampled]
+        rows, failed = self._sampling_rows(sched, host.sampled, states)
+        handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
+        self._last_sampled = (handle.tokens, {seq_id: k for k, seq_id in enumerate(seq_ids)})
+        return LaunchedStep(seq_ids, sampled_states, handle, failed)
 
     @staticmethod
     def collect(launched: LaunchedStep | None) -> ModelRunnerOutput:
-        """Wait for a launched step's tokens (only that step's) and return them by request."""
+        """Wait for a launched step's tokens (only that step's), append them to the sequences'
+        states, and return them by seq id; non-finite rows are failed (`NON_FINITE_MESSAGE`)."""
         out = ModelRunnerOutput()
         if launched is None:
             return out
         result = launched.sampled.result()
         out.failed = launched.failed
-        for k, request_id in enumerate(launched.request_ids):
-            out.sampled_token_ids[request_id] = result.token_ids[k]
-            out.logprobs[request_id] = result.logprobs[k]
-            out.top_logprobs[request_id] = result.top_logprobs[k]
+        for k, seq_id in enumerate(launched.seq_ids):
+            token_id = result.token_ids[k]
+            launched.states[k].output_token_ids.append(token_id)
+            out.sampled_token_ids[seq_id] = token_id
+            out.logprobs[seq_id] = result.logprobs[k]
+            out.top_logprobs[seq_id] = result.top_logprobs[k]
             if result.num_nonfinite[k]:
-                out.num_nans_in_logits[request_id] = result.num_nonfinite[k]
-                out.failed.setdefault(request_id, NON_FINITE_MESSAGE)
+                out.num_nans_in_logits[seq_id] = result.num_nonfinite[k]
+                out.failed.setdefault(seq_id, NON_FINITE_MESSAGE)
         return out
 
-    @staticmethod
-    def needs_token_history(sched: SchedulerOutput) -> bool:
+    def needs_token_history(self, sched: SchedulerOutput) -> bool:
         """True if sampling this step reads earlier output tokens (penalties), so a step in
         flight must be collected (its tokens appended) before this one is launched."""
-        return any(s.request.sampling_params.has_penalties for s in sched.scheduled)
+        states = self.input_batch.states
+        for s in sched.scheduled:
+            new = s.new_sequence
+            params = new.sampling_params if new is not None else states[s.seq_id].params
+            if params.has_penalties:
+                return True
+        return False
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
-        """input_ids[index] = the token the last launched step sampled for the request."""
+        """input_ids[index] = the token the last launched step sampled for the sequence."""
         if self._last_sampled is None:
             raise RuntimeError("a step has pending input tokens but no step was launched")
         tokens, rows = self._last_sampled
         try:
-            src = [rows[request_id] for _, request_id in pending]
+            src = [rows[seq_id] for _, seq_id in pending]
         except KeyError as e:
-            msg = f"request {e} has a pending token the last step did not sample"
+            msg = f"sequence {e} has a pending token the last step did not sample"
             raise RuntimeError(msg) from None
         index = np.array([[i for i, _ in pending], src], dtype=np.int64)
         index_t = to_device(index, input_ids.device)
@@ -380,80 +284,54 @@ class ModelRunner:
         with forward_context(ctx):  # the runner's steps carry no -1 slots: sync-free KV writes
             return self.model(input_ids, positions)
 
-    def _run_graph(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[int]]:
-        """(hidden of every sequence, sampled indices) from a graph replay when the step is
-        decode-only and a bucket fits it; (None, []) otherwise."""
+    def _run_graph(self, host: HostStep) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode-only step from a graph replay when a bucket
+        fits it and the backend does not want the eager (cascade) path; None otherwise."""
         runner = self.graph_runner
-        scheduled = sched.scheduled
-        if runner is None or len(scheduled) > runner.max_batch_size:
-            return None, []
-        if any(s.num_tokens != 1 or not s.sample for s in scheduled):
-            return None, []
-        bs = self.block_size
-        ids, positions, slots, seq_lens, tables = [], [], [], [], []
-        pending: list[tuple[int, str]] = []
-        for s in scheduled:
-            pos = s.num_computed_tokens
-            if pos < s.request.num_known_tokens:
-                ids.append(s.request.token_ids(pos, pos + 1)[0])
-            else:  # sampled by the step in flight: filled in on the device
-                pending.append((len(ids), s.request.request_id))
-                ids.append(0)
-            positions.append(pos)
-            slots.append(s.block_ids[pos // bs] * bs + pos % bs)
-            seq_lens.append(pos + 1)
-            tables.append(s.block_ids)
+        num_seqs = len(host.seq_lens)
+        if runner is None or num_seqs > runner.max_batch_size:
+            return None
         path, groups = DecodePath.GRAPH, None
-        if self.backend.reads_prefix_lens:
-            prefix_lens = [shared_prefix_len(s) for s in scheduled]
-            if any(prefix_lens):
-                in_graph = runner.has_graph(len(scheduled), "shared_prefix")
-                path, groups = self.backend.plan_decode(seq_lens, tables, prefix_lens, bs, in_graph)
-                if path is DecodePath.EAGER:
-                    return None, []  # prefix sharing pays this step: the cascade path, eagerly
+        if host.prefix_lens is not None and any(host.prefix_lens):
+            in_graph = runner.has_graph(num_seqs, "shared_prefix")
+            path, groups = self.backend.plan_decode(
+                host.seq_lens, host.block_tables, host.prefix_lens, self.block_size, in_graph
+            )
+            if path is DecodePath.EAGER:
+                return None  # prefix sharing pays this step: the cascade path, eagerly
         fill = None
-        if pending:
-            fill = lambda input_ids: self._fill_pending(input_ids, pending)  # noqa: E731
+        if host.pending:
+            fill = lambda input_ids: self._fill_pending(input_ids, host.pending)  # noqa: E731
         variant = "shared_prefix" if path is DecodePath.SHARED_GRAPH else "plain"
-        hidden = runner.run(
-            ids, positions, slots, seq_lens, tables, fill_inputs=fill, variant=variant,
-            groups=groups,
-        )  # fmt: skip
-        return hidden, list(range(len(scheduled)))
+        return runner.run(host, fill_inputs=fill, variant=variant, groups=groups)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """A dummy step as large as any the scheduler can form: one prompt chunk of num_tokens
         tokens, then logits and log-softmax for num_seqs rows. Needs ceil(num_tokens / block_size)
-        blocks in the current cache; writes garbage into them."""
-        bs = self.block_size
-        num_blocks = -(-num_tokens // bs)
+        blocks in the current cache; writes garbage into them.
+
+        Raises:
+            ValueError: if the cache holds fewer blocks than the step needs.
+        """
+        num_blocks = -(-num_tokens // self.block_size)
         if num_blocks > self.num_blocks:
             raise ValueError(f"profile step needs {num_blocks} blocks, cache has {self.num_blocks}")
-        table = list(range(num_blocks))
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([table], dtype=torch.int32, device=dev),
-            block_size=bs,
-            max_query_len=num_tokens,
-            max_seq_len=num_tokens,
-            query_start_loc_cpu=[0, num_tokens],
-            seq_lens_cpu=[num_tokens],
-            block_tables_cpu=[table],
+        host = HostStep.dummy(
+            num_tokens, min(num_seqs, num_tokens), self.block_size, self.model.config.vocab_size
         )
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", 1000)
-        ids = torch.randint(0, vocab, (num_tokens,), device=dev)
-        positions = torch.arange(num_tokens, device=dev)
-        hidden = self.forward(ids, positions, meta)
-        rows = hidden[: min(num_seqs, num_tokens)]
-        logits = self.model.compute_logits(rows)
+        inputs = self.prepare_inputs(host)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         torch.log_softmax(logits.float(), dim=-1).argmax(dim=-1)
 
     def _launch_sampler(
-        self, logits: torch.Tensor, rows: list[SamplingRow], requests: list, failed: dict
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        seq_ids: list[str],
+        states: list[SequenceState],
+        failed: dict[str, str],
     ) -> SampledTokens:
         """`sampler.launch(logits, rows)`, failing alone each row whose sampling raises.
 
@@ -465,10 +343,10 @@ class ModelRunner:
         step's own: it propagates. Mutates `rows` and `failed` only on that path."""
         try:
             return self.sampler.launch(logits, rows)
-        except Exception:  # noqa: BLE001 - find out whether one request causes it
-            placeholders = [_placeholder_row(r) for r in requests]
+        except Exception:  # noqa: BLE001 - find out whether one sequence causes it
+            placeholders = [_placeholder_row(state) for state in states]
             generators = {id(g): g for g in [self._shared_generator] + [r.generator for r in rows]}
-            states = [(g, g.get_state()) for g in generators.values() if g is not None]
+            saved = [(g, g.get_state()) for g in generators.values() if g is not None]
             culprits: dict[int, str] = {}
             for i in range(len(rows)):
                 trial = [*placeholders[:i], rows[i], *placeholders[i + 1 :]]
@@ -476,55 +354,46 @@ class ModelRunner:
                     self.sampler.launch(logits, trial)
                 except Exception as e:  # noqa: BLE001 - row i's own fault
                     culprits[i] = f"sampling failed: {type(e).__name__}: {e}"
-                for generator, state in states:
+                for generator, state in saved:
                     generator.set_state(state)
             if not culprits:
                 raise
         for i, message in culprits.items():
-            failed[requests[i].request_id] = message
+            failed[seq_ids[i]] = message
             rows[i] = placeholders[i]
         return self.sampler.launch(logits, rows)
 
-    def _sampling_rows(self, requests: list) -> tuple[list[SamplingRow], dict[str, str]]:
-        """The sampling rows of a step's sampled requests, and {request id: reason} for those
-        whose row could not be built: they get a greedy placeholder row (the batch goes on)
-        and are failed by the engine after the step."""
+    def _sampling_rows(
+        self, sched: SchedulerOutput, sampled: list[int], states: list[SequenceState]
+    ) -> tuple[list[SamplingRow], dict[str, str]]:
+        """The sampling rows of the step's sampled sequences (rows `sampled` of `sched`), and
+        {seq id: reason} for those whose row could not be built: they get a greedy placeholder
+        row (the batch goes on) and are failed by the engine after the step."""
         rows: list[SamplingRow] = []
         failed: dict[str, str] = {}
-        for request in requests:
+        for i in sampled:
+            s, state = sched.scheduled[i], states[i]
             try:
-                rows.append(self._sampling_row(request))
-            except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
-                failed[request.request_id] = f"sampling setup failed: {type(e).__name__}: {e}"
-                rows.append(_placeholder_row(request))
+                rows.append(
+                    self._sampling_row(s.seq_id, state, s.num_computed_tokens + s.num_tokens)
+                )
+            except Exception as e:  # noqa: BLE001 - this sequence's fault: it fails alone
+                failed[s.seq_id] = f"sampling setup failed: {type(e).__name__}: {e}"
+                rows.append(_placeholder_row(state))
         return rows, failed
 
-    def _sampling_row(self, request) -> SamplingRow:
-        cached = self._rows.get(request.request_id)
-        if cached is not None and cached[0] is request:
-            return cached[1]
-        params = request.sampling_params
+    def _sampling_row(self, seq_id: str, state: SequenceState, num_tokens: int) -> SamplingRow:
+        """The row of a sequence that has `num_tokens` tokens once this step ran (its sample is
+        output number num_tokens - prompt length); makes its generator on first use (seeded
+        from `generator_seed()`, kept until the sequence finishes)."""
+        if state.row is not None:
+            return state.row
+        params = state.params
         generator = None
         if params.seed is not None and not params.greedy:
-            generator = self._generators.get(request.request_id)
+            generator = self._generators.get(seq_id)
             if generator is None:
                 generator = seeded_generator(params.generator_seed(), self.device)
-                self._generators[request.request_id] = generator
-        banned: list[int] = []
-        # outputs before this sample: appended ones plus those pending from earlier steps (the
-        # async scheduler counts this step's own sample as pending already)
-        num_before = request.num_output_tokens + max(0, request.num_pending_tokens - 1)
-        if num_before < params.min_tokens:
-            banned = list(params.stop_token_ids)
-            if self.eos_token_id is not None:
-                banned.append(self.eos_token_id)
-        row = SamplingRow(
-            params=params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,  # the request's list, appended in place
-            generator=generator,
-            banned_token_ids=banned,
-        )
-        if params.min_tokens == 0:  # nothing in the row depends on the step
-            self._rows[request.request_id] = (request, row)
-        return row
+                self._generators[seq_id] = generator
+        num_before = num_tokens - len(state.prompt_token_ids)
+        return sampling_row(state, num_before, generator, self.eos_token_id)

@@ -15,7 +15,7 @@ from phloem.core.scheduler import Scheduler
 from phloem.sampling_params import SamplingParams
 from tests.core.test_prefix_sharing import grouped_workload, planned_requests
 from tests.core.test_radix_tree import snapshot
-from tests.core.test_scheduler import fake_next_token
+from tests.core.test_scheduler import fake_sampled
 
 
 class FromRootKVManager(KVManager):
@@ -51,10 +51,10 @@ def state(scheduler: Scheduler, out) -> tuple:
     kv = scheduler.kv
     assert kv.prefix_cache is not None
     scheduled = [
-        (s.request.request_id, s.num_computed_tokens, s.num_tokens, tuple(s.block_ids))
+        (s.seq_id, s.num_computed_tokens, s.num_tokens, tuple(kv.block_ids(s.seq_id)))
         for s in out.scheduled
     ]
-    return (scheduled, out.preempted_request_ids, snapshot(kv.prefix_cache),
+    return (scheduled, out.preempted_seq_ids, snapshot(kv.prefix_cache),
             list(kv.allocator._free), kv.allocator._ref_counts)  # fmt: skip
 
 
@@ -92,12 +92,7 @@ def test_free_from_locked_node_matches_free_from_root(
             states.append(state(scheduler, out))
             done = in_flight[k] if async_scheduling else out
             if done is not None:
-                sampled = {
-                    s.request.request_id: fake_next_token(s.request)
-                    for s in done.scheduled
-                    if s.sample
-                }
-                scheduler.update_from_output(done, sampled)
+                scheduler.update_from_output(done, fake_sampled(scheduler, done))
             in_flight[k] = (out if out.scheduled else None) if async_scheduling else None
             scheduler.check_integrity()
         assert states[0] == states[1]

@@ -16,7 +16,7 @@ from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler
 from phloem.sampling_params import SamplingParams
 from tests.core.test_radix_tree import snapshot
-from tests.core.test_scheduler import fake_next_token, make_scheduler, reference_outputs
+from tests.core.test_scheduler import fake_sampled, make_scheduler, reference_outputs
 
 
 def grouped_workload(num_groups, degree, prefix_len, suffix_len, max_tokens, seed=0):
@@ -54,14 +54,12 @@ def run(scheduler, requests, check=None, max_steps=10_000):
         if not scheduler.has_unfinished_requests():
             break
         out = scheduler.schedule()
-        assert out.scheduled or out.preempted_request_ids, "no progress"
+        assert out.scheduled or out.preempted_seq_ids, "no progress"
         for s in out.scheduled:
-            end = min(s.num_computed_tokens + s.num_tokens, s.request.num_prompt_tokens)
+            num_prompt = scheduler.requests[s.seq_id].num_prompt_tokens
+            end = min(s.num_computed_tokens + s.num_tokens, num_prompt)
             computed_prompt_tokens += max(0, end - s.num_computed_tokens)
-        sampled = {
-            s.request.request_id: fake_next_token(s.request) for s in out.scheduled if s.sample
-        }
-        scheduler.update_from_output(out, sampled)
+        scheduler.update_from_output(out, fake_sampled(scheduler, out))
         scheduler.check_integrity()
         if check:
             check(scheduler, requests)
@@ -99,7 +97,9 @@ def test_group_members_wait_for_the_leader():
     for r in requests:
         s.add_request(r)
     out = s.schedule()
-    assert [x.request for x in out.scheduled] == [requests[0]]  # only the leader: 8-token chunk
+    assert [x.seq_id for x in out.scheduled] == [
+        requests[0].request_id
+    ]  # only the leader: 8-token chunk
 
 
 def test_prefix_freed_when_last_member_finishes():
@@ -191,7 +191,7 @@ def test_radix_cache_shares_blocks_of_running_requests():
     s.add_request(a)
     for _ in range(3):  # a's prompt is computed in chunks of 12, then it decodes
         out = s.schedule()
-        s.update_from_output(out, {x.request.request_id: 5 for x in out.scheduled if x.sample})
+        s.update_from_output(out, {x.seq_id: 5 for x in out.scheduled if x.sample})
         s.check_integrity()
     assert not a.is_finished and a.num_computed_tokens == 25
     b = Request("b", system + [2, 3], params)
@@ -270,15 +270,13 @@ def run_twins(seed, num_blocks, budget, chunked, memory_centric, prefix_cache, m
             head = scheduler.waiting[0] if scheduler.waiting else None
             kv = scheduler.kv
             states.append((
-                [(s.request.request_id, s.num_computed_tokens, s.num_tokens, tuple(s.block_ids))
+                [(s.seq_id, s.num_computed_tokens, s.num_tokens, tuple(kv.block_ids(s.seq_id)))
                  for s in out.scheduled],
-                out.preempted_request_ids, list(kv.allocator._free), list(kv.allocator._ref_counts),
+                out.preempted_seq_ids, list(kv.allocator._free), list(kv.allocator._ref_counts),
                 snapshot(kv.prefix_cache) if kv.prefix_cache else None,
                 head and (head.request_id, head.num_computed_tokens, kv.block_ids(head.request_id)),
             ))  # fmt: skip
-            sampled = {s.request.request_id: fake_next_token(s.request) for s in out.scheduled
-                       if s.sample}  # fmt: skip
-            scheduler.update_from_output(out, sampled)
+            scheduler.update_from_output(out, fake_sampled(scheduler, out))
             scheduler.check_integrity()
         assert states[0] == states[1]
     for scheduler in schedulers:

@@ -24,6 +24,18 @@ def fake_next_token(request: Request) -> int:
     return (sum(tokens) * 31 + len(tokens)) % VOCAB
 
 
+def fake_sampled(scheduler: Scheduler, out) -> dict[str, int]:
+    """The fake model's token for each sequence of `out` that samples and is still live (one
+    that finished since `out` was scheduled, under async scheduling, gets none: its update
+    skips it)."""
+    sampled = {}
+    for s in out.scheduled:
+        request = scheduler.requests.get(s.seq_id)
+        if s.sample and request is not None:
+            sampled[s.seq_id] = fake_next_token(request)
+    return sampled
+
+
 def make_scheduler(
     num_blocks=64,
     block_size=4,
@@ -51,11 +63,8 @@ def run_to_completion(scheduler: Scheduler, max_steps=10_000, on_step=None):
         out = scheduler.schedule()
         assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
         assert len(out.scheduled) <= scheduler.config.max_num_seqs
-        steps.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
-        sampled = {
-            s.request.request_id: fake_next_token(s.request) for s in out.scheduled if s.sample
-        }
-        scheduler.update_from_output(out, sampled)
+        steps.append([(s.seq_id, s.num_tokens) for s in out.scheduled])
+        scheduler.update_from_output(out, fake_sampled(scheduler, out))
         scheduler.check_integrity()
         if on_step:
             on_step(scheduler, out)
@@ -88,20 +97,20 @@ def test_exact_block_ids_chunked_prefill_and_decode():
     s.add_request(b)
 
     out = s.schedule()  # a: chunk of 8 (blocks 0,1); b gets nothing (budget spent)
-    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 8)]
+    assert [(x.seq_id, x.num_tokens) for x in out.scheduled] == [("a", 8)]
     assert s.kv.block_ids("a") == [0, 1]
     assert not out.scheduled[0].sample
     s.update_from_output(out, {})
 
     out = s.schedule()  # a: last 2 prompt tokens (block 2); b: all 3 (block 3)
-    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 2), ("b", 3)]
+    assert [(x.seq_id, x.num_tokens) for x in out.scheduled] == [("a", 2), ("b", 3)]
     assert s.kv.block_ids("a") == [0, 1, 2] and s.kv.block_ids("b") == [3]
     assert all(x.sample for x in out.scheduled)
     s.update_from_output(out, {"a": 5, "b": 6})
     assert a.output_token_ids == [5] and b.output_token_ids == [6]
 
     out = s.schedule()  # decode: a at position 10 (block 2 has room), b at 3 (block 3 has room)
-    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("a", 1), ("b", 1)]
+    assert [(x.seq_id, x.num_tokens) for x in out.scheduled] == [("a", 1), ("b", 1)]
     assert s.kv.block_ids("a") == [0, 1, 2] and s.kv.block_ids("b") == [3]
     s.update_from_output(out, {"a": 7, "b": 8})
     assert a.status is RequestStatus.FINISHED_LENGTH and b.status is RequestStatus.FINISHED_LENGTH
@@ -134,7 +143,7 @@ def test_preemption_recomputes_and_keeps_outputs():
     for r in requests:
         s.add_request(r)
     preemptions = []
-    run_to_completion(s, on_step=lambda sch, out: preemptions.extend(out.preempted_request_ids))
+    run_to_completion(s, on_step=lambda sch, out: preemptions.extend(out.preempted_seq_ids))
     assert preemptions, "the tiny pool should have forced a preemption"
     assert {r.request_id: r.output_token_ids for r in requests} == expected
     assert sum(r.num_preemptions for r in requests) == len(preemptions)
@@ -147,7 +156,7 @@ def test_memory_centric_admission_avoids_preemption():
     for r in requests:
         s.add_request(r)
     preemptions = []
-    run_to_completion(s, on_step=lambda sch, out: preemptions.extend(out.preempted_request_ids))
+    run_to_completion(s, on_step=lambda sch, out: preemptions.extend(out.preempted_seq_ids))
     assert preemptions == []
     assert {r.request_id: r.output_token_ids for r in requests} == expected
 
@@ -157,12 +166,12 @@ def test_abort_frees_blocks():
     for i in range(3):
         s.add_request(req(f"r{i}", 9, max_tokens=50))
     out = s.schedule()
-    s.update_from_output(out, {x.request.request_id: 1 for x in out.scheduled if x.sample})
+    s.update_from_output(out, {x.seq_id: 1 for x in out.scheduled if x.sample})
     s.abort_requests(["r1", "missing"])
     s.check_integrity()
     assert s.requests.keys() == {"r0", "r2"}
     out = s.schedule()
-    assert "r1" in out.finished_request_ids
+    assert "r1" in out.finished_seq_ids
     s.abort_requests(["r0", "r2"])
     assert s.kv.num_free_blocks == s.kv.num_blocks
     assert not s.has_unfinished_requests()
@@ -178,7 +187,7 @@ def test_fork_shares_full_prompt_blocks():
     s.add_request(leader)
     s.add_request(child)
     out = s.schedule()
-    assert [x.request.request_id for x in out.scheduled] == ["p#0"]  # child waits for the prompt
+    assert [x.seq_id for x in out.scheduled] == ["p#0"]  # child waits for the prompt
     s.update_from_output(out, {"p#0": 1})
     out = s.schedule()
     # the child shares blocks 0,1 (8 tokens) and computes the last 2 prompt tokens itself
@@ -186,7 +195,7 @@ def test_fork_shares_full_prompt_blocks():
     # holders of a prefix block: the leader's table, the group, the child's table
     assert s.kv.allocator.ref_count(s.kv.block_ids("p#0")[0]) == 3
     assert child.num_cached_tokens == 8
-    assert [(x.request.request_id, x.num_tokens) for x in out.scheduled] == [("p#0", 1), ("p#1", 2)]
+    assert [(x.seq_id, x.num_tokens) for x in out.scheduled] == [("p#0", 1), ("p#1", 2)]
     s.check_integrity()
     s.update_from_output(out, {"p#0": 2, "p#1": 3})
     run_to_completion(s)
@@ -238,10 +247,7 @@ def test_reserved_blocks_agree_with_blocks_to_finish(seed):
 
     while s.has_unfinished_requests():
         out = s.schedule()
-        s.update_from_output(
-            out,
-            {x.request.request_id: fake_next_token(x.request) for x in out.scheduled if x.sample},
-        )
+        s.update_from_output(out, fake_sampled(s, out))
         s.check_integrity()
         assert s._reserved_blocks() == sum(s._blocks_to_finish(r) for r in s.running)
     assert s.num_preemptions > 0 or seed % 2
@@ -275,10 +281,7 @@ def test_random_workloads_match_reference(seed, num_blocks, budget, block_size):
         if not s.has_unfinished_requests():
             continue
         out = s.schedule()
-        sampled = {
-            x.request.request_id: fake_next_token(x.request) for x in out.scheduled if x.sample
-        }
-        s.update_from_output(out, sampled)
+        s.update_from_output(out, fake_sampled(s, out))
         s.check_integrity()
     assert s.kv.num_free_blocks == num_blocks
     assert {r.request_id: r.output_token_ids for r in requests} == expected

@@ -555,18 +555,6 @@ def test_triton_split_rule(triton_kernel, monkeypatch):
 # -- end to end: greedy outputs identical with the shared-prefix path on and off ------------------
 
 
-def step_prefix_lens(sched) -> list[int]:
-    """What the model runner passes per scheduled request: its group's prefix length when its
-    block table starts with the group's prefix blocks, else 0."""
-    lens = []
-    for s in sched.scheduled:
-        group = s.request.shared_prefix
-        held = group is not None and group.block_ids is not None
-        shared = held and s.block_ids[: len(group.block_ids)] == group.block_ids
-        lens.append(group.prefix_len if shared else 0)
-    return lens
-
-
 def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, monkeypatch):
     """A tiny Llama through LLM.generate (planned groups, chunked prefill mixed with decode): the
     model runner passes each sequence's group prefix length itself, and the shared-prefix

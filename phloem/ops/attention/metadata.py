@@ -22,7 +22,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from phloem.ops.staging import to_device
 
 
 @dataclass
@@ -63,36 +66,65 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @classmethod
+    def from_host(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str | None = None,
+        *,
+        slot_mapping: torch.Tensor | None = None,
+        padded_tables: bool = False,
+        prefix_lens: list[int] | None = None,
+        placeholder: torch.Tensor | None = None,
+    ) -> AttentionMetadata:
+        """A step's metadata from host lists (B = len(seq_lens)); the one way it is built.
 
-def host_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str | None = None,
-    padded_tables: bool = False,
-    prefix_lens: list[int] | None = None,
-) -> AttentionMetadata:
-    """A step's metadata from host lists (what planning backends read). Device fields:
-    `query_start_loc` and `seq_lens` on `device` (empty when None), the 0-padded block table
-    only with `padded_tables` (for backends that read it), no slot mapping."""
-    qsl = [0, *itertools.accumulate(query_lens)]
-    i32 = dict(dtype=torch.int32, device=device)
-    empty = torch.empty(0, **i32)
-    tables = empty
-    if padded_tables:
-        width = max(map(len, block_tables), default=0)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], **i32)
-    return AttentionMetadata(
-        slot_mapping=empty,
-        query_start_loc=empty if device is None else torch.tensor(qsl, **i32),
-        seq_lens=empty if device is None else torch.tensor(seq_lens, **i32),
-        block_tables=tables,
-        block_size=block_size,
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        block_tables_cpu=block_tables,
-        prefix_lens_cpu=prefix_lens,
-    )
+        Args:
+            query_lens: [B] tokens each sequence computes this step; seq_lens: [B] its KV
+                length after the step; block_tables: [B] its block ids (unpadded, not copied:
+                read only) [tokens, blocks].
+            device: where `query_start_loc` and `seq_lens` are copied (staged through pinned
+                memory, no host wait); None leaves every device field empty (host planning).
+            slot_mapping: int64 [T] on the device, already built (empty when None).
+            padded_tables: also copy the 0-padded int32 [B, max blocks] table (for backends
+                that read it, `needs_block_tables`); else it is empty.
+            prefix_lens: [B] shared-prefix tokens per sequence (`prefix_lens_cpu`).
+            placeholder: a device tensor that stands for `query_start_loc`, `seq_lens` and
+                `block_tables` (CUDA-graph replays: a planning backend reads only the host lists
+                and the graph's own buffers, so nothing is copied).
+        """
+        qsl = [0, *itertools.accumulate(query_lens)]
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        if placeholder is not None:
+            dev_qsl = dev_seq_lens = tables = placeholder
+        elif device is None:
+            dev_qsl = dev_seq_lens = tables = empty
+        else:
+            dev_qsl = to_device(np.array(qsl, dtype=np.int32), device)
+            dev_seq_lens = to_device(np.array(seq_lens, dtype=np.int32), device)
+            tables = _padded_tables(block_tables, device) if padded_tables else empty
+        return cls(
+            slot_mapping=empty if slot_mapping is None else slot_mapping,
+            query_start_loc=dev_qsl,
+            seq_lens=dev_seq_lens,
+            block_tables=tables,
+            block_size=block_size,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=block_tables,
+            prefix_lens_cpu=prefix_lens,
+        )
+
+
+def _padded_tables(block_tables: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    """int32 [B, max len] of the tables, 0-padded, on `device` (one staged copy)."""
+    width = max(map(len, block_tables), default=0)
+    padded = np.zeros((len(block_tables), width), dtype=np.int32)
+    for row, table in zip(padded, block_tables):
+        row[: len(table)] = table
+    return to_device(padded, device)

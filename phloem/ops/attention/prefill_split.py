@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from phloem.ops.attention.interface import AttentionBackend
-from phloem.ops.attention.metadata import AttentionMetadata, host_metadata
+from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import to_device
 
@@ -59,7 +59,7 @@ class PrefillSplit:
         if tables is None:
             tables = meta.block_tables.tolist()
         seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
-        sub = host_metadata(
+        sub = AttentionMetadata.from_host(
             [qsl[b + 1] - qsl[b] for b in seqs], seq_lens,
             [tables[b][: -(-n // bs)] for b, n in zip(seqs, seq_lens)], bs, device="cpu",
             padded_tables=self.backend.needs_block_tables,

@@ -16,7 +16,7 @@ import torch
 
 from phloem.ops.attention import sharing_rule
 from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
-from phloem.ops.attention.metadata import AttentionMetadata, host_metadata
+from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefill_split import PrefillSplit, SplitPlan
 from phloem.ops.attention.prefix_groups import (
     SharedPrefixMetadata,
@@ -146,7 +146,7 @@ class SharedPrefixAttention(AttentionBackend):
     ) -> DecodePlan:
         """How a decode-only step runs (`AttentionBackend.plan_decode`): the shared-prefix graph
         is offered only when `shared_graph` and the step fits its buffers. Host only."""
-        meta = host_metadata(
+        meta = AttentionMetadata.from_host(
             [1] * len(seq_lens), seq_lens, block_tables, block_size, prefix_lens=prefix_lens
         )
         sp = self.plan(meta)
@@ -198,7 +198,7 @@ class SharedPrefixAttention(AttentionBackend):
         p = prefix_blocks * bs
         chunk = max(32, self.prefill_min_query_len)  # also loads the prefill backend's kernel
         tables = [prefix + [block_id]] * 16 + [[block_id]] + [[block_id] * -(-chunk // bs)]
-        meta = host_metadata(
+        meta = AttentionMetadata.from_host(
             [1] * 17 + [chunk], [p + 1] * 16 + [1, chunk], tables, bs, device=kv_cache.device,
             prefix_lens=[p] * 16 + [0, 0],
         )  # fmt: skip
