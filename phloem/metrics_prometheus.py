@@ -167,7 +167,7 @@ class EngineMetrics:
 
     def observe_step(self, record: StepRecord) -> None:
         """A step observer: count the requests the step's scheduling preempted."""
-        num_preempted = len(record.scheduler_output.preempted_request_ids)
+        num_preempted = len(record.scheduler_output.preempted_seq_ids)
         if num_preempted:
             self.preemptions.inc(num_preempted)
 

@@ -322,9 +322,9 @@ class AsyncLLMEngine:
         then counts as "running"), and preemptions. A sequence id is its request id, or
         "<request id>#<i>" for sample i of n > 1."""
         sched = record.scheduler_output
-        self.num_preemptions += len(sched.preempted_request_ids)
+        self.num_preemptions += len(sched.preempted_seq_ids)
         for s in sched.scheduled:
-            request_id = s.request.request_id.split("#", 1)[0]
+            request_id = s.seq_id.split("#", 1)[0]
             if request_id in self._num_output_tokens:  # still one of ours (not aborted meanwhile)
                 self._started.add(request_id)
 
