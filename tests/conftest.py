@@ -61,7 +61,7 @@ def embedded_llm(phloem_cache_dir):
     _require_embedded_package()
     from phloem import LLM
 
-    return LLM(max_num_batched_tokens=64)
+    return LLM(max_num_batched_tokens=64, dtype="float32")  # compared with float32 references
 
 
 @pytest.fixture(scope="session")

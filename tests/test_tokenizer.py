@@ -190,7 +190,7 @@ def test_converted_checkpoint_starts_without_transformers(embedded_llm) -> None:
     code = (
         "import sys\n"
         "from phloem import LLM, SamplingParams\n"
-        "llm = LLM(max_num_batched_tokens=64)\n"
+        "llm = LLM(max_num_batched_tokens=64, dtype='float32')\n"
         "out = llm.chat([[{'role': 'user', 'content': 'Hi'}]], SamplingParams(max_tokens=2),"
         " use_tqdm=False)\n"
         "assert out[0].outputs[0].token_ids, out\n"

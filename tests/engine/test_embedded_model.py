@@ -132,5 +132,5 @@ def test_prefix_sharing_on_off_identical(llm):
     shared = llm.chat(chats, params, use_tqdm=False)
     assert llm.last_plan is not None and llm.last_plan.shared_groups
     assert all(o.num_cached_tokens > 0 for o in shared[1:]) or shared[0].num_cached_tokens > 0
-    plain = LLM(enable_prefix_caching=False).chat(chats, params, use_tqdm=False)
+    plain = LLM(enable_prefix_caching=False, dtype="float32").chat(chats, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in shared] == [o.outputs[0].token_ids for o in plain]

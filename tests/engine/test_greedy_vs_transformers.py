@@ -55,7 +55,7 @@ SCHEDULES = {
 def test_greedy_matches_transformers(tiny, schedule):
     path, workloads = tiny
     prompts, expected = workloads["short" if schedule == "preemption" else "mixed"]
-    llm = LLM(str(path), block_size=4, max_model_len=64, **SCHEDULES[schedule])
+    llm = LLM(str(path), block_size=4, max_model_len=64, dtype="float32", **SCHEDULES[schedule])
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outputs]

@@ -21,7 +21,7 @@ def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
 
 def run(path, kv_cache_dtype: str, kv_layout: str = "NHD"):
     llm = LLM(str(path), block_size=4, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20,
-              kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout)  # fmt: skip
+              kv_cache_dtype=kv_cache_dtype, kv_layout=kv_layout, dtype="float32")  # fmt: skip
     rng = random.Random(0)
     shared = [rng.randrange(3, VOCAB) for _ in range(20)]
     batch = [

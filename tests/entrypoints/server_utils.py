@@ -44,6 +44,7 @@ class ServerProcess:
         else:
             cmd = [sys.executable, "-m", "phloem.entrypoints.cli", "serve"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd += ["--dtype", "float32"]  # tests compare batched and lone outputs token for token
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

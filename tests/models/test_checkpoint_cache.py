@@ -266,7 +266,7 @@ def test_embedded_greedy_identical_gguf_vs_cache(embedded_llm) -> None:
 
     assert embedded_llm.llm_engine.config.model.checkpoint_cache
     assert os.listdir(os.path.join(default_cache_dir(), "checkpoints"))
-    direct = LLM(max_num_batched_tokens=64, checkpoint_cache=False)
+    direct = LLM(max_num_batched_tokens=64, checkpoint_cache=False, dtype="float32")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     cached_out = embedded_llm.generate(prompts, params, use_tqdm=False)
