@@ -10,9 +10,10 @@ running member: recomputed later), then the most recently admitted running reque
 preempted: its blocks are freed and it recomputes from scratch later, with its outputs kept
 (recompute preemption, PagedAttention §4.5).
 
-Async scheduling (`SchedulerConfig.async_scheduling`): `schedule()` is called for step N+1 before
-`update_from_output` of step N, so it advances `num_computed_tokens` itself and counts each
-sampled token as pending (`Request.num_pending_tokens`) until the update appends it:
+One step path (vLLM v1's `_update_after_schedule`): `schedule()` advances `num_computed_tokens`
+of what it schedules and counts each token the step will sample as pending
+(`Request.num_pending_tokens`) until `update_from_output` appends it. Synchronous engines update
+right after each step; async scheduling calls `schedule()` for step N+1 before the update of N:
 
     schedule(N) -> [device runs N] -> schedule(N+1) -> [device runs N+1] -> update(N) -> ...
 
@@ -28,10 +29,12 @@ the message in `failed_requests` for the engine to report); the step goes on for
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from phloem.config import SchedulerConfig
+from phloem.core.admission import Admission
 from phloem.core.kv_manager import KVManager
+from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler_output import (
     NO_BLOCKS,
@@ -50,11 +53,22 @@ class Scheduler:
     Args:
         config: token budget, sequence limit, context length.
         kv_manager: the block tables; the scheduler is the only caller that allocates or frees.
+        prefix_groups: the runtime prefix groups' lifecycle (default: `PrefixGroups` over
+            `kv_manager` with `Admission(config, kv_manager)`); tests pass their own.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVManager,
+        prefix_groups: PrefixGroups | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv_manager
+        self.prefix_groups = prefix_groups or PrefixGroups(
+            kv_manager, Admission(config, kv_manager)
+        )
+        self.admission = self.prefix_groups.admission
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -111,8 +125,9 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's tokens. Mutates block tables, the queues and request status;
-        never `num_computed_tokens` (that happens in `update_from_output`)."""
+        """Choose this step's tokens. Mutates block tables, the queues, request status, and the
+        scheduled requests' `num_computed_tokens` and `num_pending_tokens` (the step counts as
+        computed from here on)."""
         output = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         requests: list[Request] = []  # the scheduled requests, in row order
@@ -162,13 +177,13 @@ class Scheduler:
 
         if not output.preempted_seq_ids:
             budget = self._admit_waiting(output, requests, budget)
-            if not output.scheduled and self.waiting and self._release_idle_prefixes():
+            if not output.scheduled and self.waiting and self.prefix_groups.release_idle(running):
                 budget = self._admit_waiting(output, requests, budget)
-        if self.config.async_scheduling:  # the step is as good as computed for what follows
-            for scheduled, request in zip(output.scheduled, requests):
-                request.num_computed_tokens += scheduled.num_tokens
-                if scheduled.sample:
-                    request.num_pending_tokens += 1
+        for scheduled, request in zip(output.scheduled, requests):
+            # the step is as good as computed for what follows (its update may come later)
+            request.num_computed_tokens += scheduled.num_tokens
+            if scheduled.sample:
+                request.num_pending_tokens += 1
         if requests:
             self._unapplied[id(output)] = (output, requests)
         return output
@@ -195,7 +210,9 @@ class Scheduler:
         would preempt itself, be readmitted onto its group's prefix and run short again).
         """
         while True:
-            if self._release_idle_prefixes_until_allocated(request, num_new):
+            if self.prefix_groups.release_idle_until_allocated(
+                request, num_new, self.running, self.waiting
+            ):
                 return True
             victim = self.running[-1]
             self._preempt(victim)
@@ -213,7 +230,7 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return budget
         skipped: list[Request] = []
-        reserved = self._reserved_blocks() if self.config.memory_centric_admission else 0
+        reserved = self.admission.reserved_blocks(self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
             try:
@@ -239,165 +256,32 @@ class Scheduler:
         """Admit one request taken from the head of the queue, if it fits: returns the budget
         and reserved blocks left, or None (the request is back at the head) to stop admitting.
         A request waiting for its group's prefix goes to `skipped`."""
-        admissible = self._held_prefix_admissible(request, budget, reserved)
+        groups = self.prefix_groups
+        admissible = groups.held_prefix_admissible(request, budget, reserved, self.running)
         if admissible is False:
             self.waiting.appendleft(request)  # not attached: nothing to undo
             return None
-        if not self._attach_prefix(request):
+        if not groups.attach(request):
             skipped.append(request)  # its shared prefix is being computed: wait for it
             return budget, reserved
         num_computed = request.num_computed_tokens
         if admissible is None:
-            admissible = self._admissible(request, budget, reserved, num_computed)
+            admissible = self.admission.admissible(
+                request, budget, reserved, num_computed, self.running
+            )
         num_new = min(request.num_tokens - num_computed, budget)
         if not admissible or not self.kv.allocate_slots(request, num_new):
-            self._detach(request)
+            groups.detach(request)
             self.waiting.appendleft(request)
             return None
         if self.config.memory_centric_admission:
-            reserved += self._blocks_to_finish(request)
-        if request.shared_prefix is not None and request.shared_prefix.block_ids is None:
-            request.shared_prefix.leader = request
+            reserved += self.admission.blocks_to_finish((request,))
+        groups.on_admitted(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._add(output, request, num_new)
         requests.append(request)
         return budget - num_new, reserved
-
-    def _admissible(
-        self,
-        request: Request,
-        budget: int,
-        reserved: int,
-        num_computed: int,
-        num_blocks_to_attach: int = 0,
-    ) -> bool:
-        """Whether a waiting `request` with `num_computed` tokens of KV (held, or about to be
-        attached as `num_blocks_to_attach` shared blocks) may be admitted beside running
-        requests that still need `reserved` blocks [blocks]: with chunked prefill off its
-        remaining tokens must fit `budget` [tokens]; with memory-centric admission the blocks
-        it needs to finish must fit the reclaimable ones (the first running request always
-        fits). Allocates nothing."""
-        if not self.config.enable_chunked_prefill and request.num_tokens - num_computed > budget:
-            return False
-        if not self.config.memory_centric_admission or not self.running:
-            return True
-        need = self._blocks_to_finish(request) - num_blocks_to_attach
-        return need + reserved <= self.kv.num_reclaimable_blocks
-
-    def _held_prefix_admissible(self, request: Request, budget: int, reserved: int) -> bool | None:
-        """`_admissible` before attaching, for a fresh request whose group holds its prefix;
-        None for any other request (its start comes from the radix cache, whose match also
-        stamps the tree, so it is attached first and checked after).
-
-        Attaching a held prefix only adds references: it changes neither the free nor the
-        evictable blocks, and from an empty block table the blocks to finish drop by exactly
-        the prefix's blocks (every member ends past its prefix). So the answer is the one after
-        attaching, and a queue head that does not fit a full pool is no longer attached and
-        detached again in every step.
-        """
-        group = request.shared_prefix
-        if request.num_computed_tokens or group is None or group.block_ids is None:
-            return None
-        num_blocks = len(group.block_ids)
-        return self._admissible(request, budget, reserved, group.prefix_len, num_blocks)
-
-    def _blocks_to_finish(self, request: Request) -> int:
-        """Blocks the request still needs to reach its end (prompt + max_tokens) [blocks]."""
-        return self._blocks_to_finish_all((request,))
-
-    def _reserved_blocks(self) -> int:
-        """Σ `_blocks_to_finish` over the running requests [blocks]."""
-        return self._blocks_to_finish_all(self.running)
-
-    def _blocks_to_finish_all(self, requests: Iterable[Request]) -> int:
-        """Σ over `requests` of the blocks each still needs to reach its end: prompt +
-        max_tokens, or without a declared budget its tokens plus one block; capped at the
-        context [blocks]. One loop, no call per request: `_reserved_blocks` runs it over every
-        running request in every step that has requests waiting."""
-        block_size = self.kv.block_size
-        max_model_len = self.config.max_model_len
-        block_ids = self.kv.block_ids
-        total = 0
-        for request in requests:
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is None:
-                end = request.num_tokens + block_size
-            else:
-                end = request.num_prompt_tokens + max_tokens
-            if end > max_model_len:
-                end = max_model_len
-            need = -(-end // block_size) - len(block_ids(request.request_id))
-            if need > 0:
-                total += need
-        return total
-
-    def _attach_prefix(self, request: Request) -> bool:
-        """Start a fresh request from reusable KV: its group's held prefix, else the radix
-        cache. Returns False when the group's prefix is being computed by a running leader (the
-        request waits for it rather than computing it again)."""
-        if request.num_computed_tokens > 0:
-            return True
-        group = request.shared_prefix
-        if group is not None:
-            if group.block_ids is not None:
-                self.kv.attach_blocks(request, group.block_ids, group.prefix_len)
-                return True
-            leader = group.leader
-            if (
-                leader is not None
-                and leader is not request
-                and leader.status is RequestStatus.RUNNING
-            ):
-                return False
-        self.kv.match_prefix_cache(request)
-        return True
-
-    def _detach(self, request: Request) -> None:
-        """Undo `_attach_prefix` for a request that could not be admitted this step."""
-        if request.status is not RequestStatus.RUNNING:
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.num_cached_tokens = 0
-
-    def _release_idle_prefixes_until_allocated(self, request: Request, num_new: int) -> bool:
-        """Drop held prefixes of groups with no running member, the group whose next member
-        waits furthest back in the queue first, until `allocate_slots(request, num_new)`
-        succeeds. Returns True if it did (some prefixes may be released even when not)."""
-        idle = {id(group): group for group in self._idle_held_prefixes()}
-        if not idle:
-            return False
-        needed_at: dict[int, int] = {}  # group -> queue position of its first waiting member
-        for position, waiting in enumerate(self.waiting):
-            group = waiting.shared_prefix
-            if group is not None and id(group) in idle and id(group) not in needed_at:
-                needed_at[id(group)] = position
-                if len(needed_at) == len(idle):
-                    break
-        # every idle group has a waiting member (unfinished ones, none running); the default
-        # is only a guard
-        for key in sorted(idle, key=lambda k: needed_at.get(k, len(self.waiting)), reverse=True):
-            self.kv.release_shared_prefix(idle[key])
-            if self.kv.allocate_slots(request, num_new):
-                return True
-        return False
-
-    def _release_idle_prefixes(self) -> bool:
-        """When nothing can run, drop all held prefixes of groups with no running member (they
-        are recomputed later) so the head of the queue can be admitted. Returns True if any.
-        (A running request short of blocks uses `_release_idle_prefixes_until_allocated`.)"""
-        idle = self._idle_held_prefixes()
-        for group in idle:
-            self.kv.release_shared_prefix(group)
-        return bool(idle)
-
-    def _idle_held_prefixes(self) -> list[SharedPrefix]:
-        """Held prefixes of groups with no running member, in the KV manager's order."""
-        held = self.kv.held_shared_prefixes()
-        if not held:
-            return []
-        busy = {id(r.shared_prefix) for r in self.running if r.shared_prefix is not None}
-        return [group for group in held if id(group) not in busy]
 
     def _add(self, output: SchedulerOutput, request: Request, num_new: int) -> None:
         """Schedule a just admitted request: sent in full (the worker has no state for it)."""
@@ -420,9 +304,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        group = request.shared_prefix
-        if group is not None and group.leader is request:
-            group.leader = None
+        self.prefix_groups.on_preempted(request)
         self.kv.free(request, cache=True)
         request.status = RequestStatus.PREEMPTED
         request.num_sent_blocks = 0
@@ -437,8 +319,7 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Apply a step the worker ran (each output of `schedule` once, in order): advance
-        `num_computed_tokens` (sync scheduling; async advanced it in `schedule`), count its
+        """Apply a step the worker ran (each output of `schedule` once, in order): count its
         prompt tokens, append each sampled token (a pending one stops being pending) to the
         request objects that were scheduled, and apply the token stop rules. Returns the
         requests that got a new token this step (finished ones included).
@@ -450,7 +331,6 @@ class Scheduler:
         entry = self._unapplied.pop(id(output), None)
         if entry is None:
             return updated  # an empty step, or one dropped by `forget_unapplied`
-        advance = not self.config.async_scheduling  # async: schedule() advanced it already
         max_model_len = self.config.max_model_len
         for scheduled, request in zip(output.scheduled, entry[1]):
             start = scheduled.num_computed_tokens
@@ -460,17 +340,8 @@ class Scheduler:
             running = request.status is RequestStatus.RUNNING  # async: may be preempted since
             if not running and request.is_finished:  # aborted (or stopped, async) meanwhile
                 continue
-            if advance:
-                request.num_computed_tokens += scheduled.num_tokens
-            group = request.shared_prefix
-            if (
-                running
-                and group is not None
-                and group.leader is request
-                and request.num_computed_tokens >= group.prefix_len
-            ):
-                self.kv.hold_shared_prefix(group, request)
-                group.leader = None
+            if running:
+                self.prefix_groups.on_computed(request)
             if running and scheduled.num_computed_tokens < request.num_prompt_tokens:
                 self.kv.cache_prompt_blocks(request)
             if not scheduled.sample:
@@ -521,13 +392,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request, cache=True)
-        group = request.shared_prefix
-        if group is not None:
-            group.num_unfinished -= 1
-            if group.leader is request:
-                group.leader = None
-            if group.num_unfinished == 0:
-                self.kv.release_shared_prefix(group)
+        self.prefix_groups.on_finished(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 

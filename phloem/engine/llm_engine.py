@@ -8,7 +8,7 @@ the offline planner found (`add_request(..., shared_prefix=...)`).
 Failure isolation: an exception that belongs to one request fails that request alone, and the
 step goes on for the others. The scheduler fails a request whose admission or stop rules raise,
 the executor reports per-request failures in `ModelRunnerOutput.failed` (its sampling setup
-raised, or its logits were non-finite under the async engine's guard), and the engine fails a
+raised, or the sampler flagged its logits row non-finite), and the engine fails a
 sequence whose detokenization or log-probs raise. A failed prompt (all its sequences) finishes
 at the end of the step with `RequestOutput.error` set and finish_reason "error". Only an
 exception outside any one request's work (the forward pass, the batched sampler, the device)
@@ -22,7 +22,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from phloem.config import EngineConfig
@@ -30,80 +29,16 @@ from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
-from phloem.engine.step_observer import StepObserver, StepRecord
-from phloem.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from phloem.engine.prompt_entry import PromptEntry, SequenceEntry
+from phloem.engine.step_observer import LaunchedStep, StepObserver
+from phloem.outputs import RequestMetrics, RequestOutput
 from phloem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from phloem.engine.executor import Executor
-    from phloem.worker.model_runner import ModelRunnerOutput
     from phloem.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _LaunchedStep:
-    """A step handed to the executor and not yet collected, with its host timings [s]."""
-
-    index: int
-    scheduler_output: SchedulerOutput
-    handle: object
-    schedule_s: float
-    launch_s: float
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one sequence: its text and log-probs."""
-
-    request: Request
-    index: int
-    prompt_id: str
-    detokenizer: IncrementalDetokenizer
-    cumulative_logprob: float | None = None  # only when the request asked for logprobs
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class _Prompt:
-    """One user request (a prompt and its n sequences)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    metrics: RequestMetrics
-    finished: bool = False
-    extra: dict = field(default_factory=dict)
-    error: str | None = None  # why the request failed, if it did
-
-    def to_output(self) -> RequestOutput:
-        outputs = []
-        for seq in self.sequences:
-            request = seq.request
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.detokenizer.text,
-                    token_ids=list(request.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=seq.logprobs,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=self.finished,
-            num_cached_tokens=sum(s.request.num_cached_tokens for s in self.sequences),
-            metrics=self.metrics,
-            extra=self.extra,
-            error=self.error,
-        )
 
 
 class LLMEngine:
@@ -172,14 +107,14 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
         self.config = config
-        self._prompts: dict[str, _Prompt] = {}
-        self._sequences: dict[str, _Sequence] = {}
+        self._prompts: dict[str, PromptEntry] = {}
+        self._sequences: dict[str, SequenceEntry] = {}
         self._ids = itertools.count()
         # True: step() returns an output for every prompt that got a token (streaming, kept up
         # to date text); False (offline): only finished prompts, text decoded once at the end.
         self.stream_outputs = False
         # async scheduling: the launched step whose tokens the next step() collects
-        self._in_flight: _LaunchedStep | None = None
+        self._in_flight: LaunchedStep | None = None
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
 
@@ -220,7 +155,7 @@ class LLMEngine:
             self.validate_prompt(prompt_token_ids)
         self.validate_params(sampling_params)
         now = arrival_time if arrival_time is not None else time.monotonic()
-        entry = _Prompt(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
+        entry = PromptEntry(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
         n = sampling_params.n
         block_size = self.kv_manager.block_size
         sibling_prefix = (len(prompt_token_ids) - 1) // block_size * block_size
@@ -250,7 +185,7 @@ class LLMEngine:
                 params.stop,
                 incremental=self.stream_outputs,
             )
-            seq = _Sequence(request, index, request_id, detok)
+            seq = SequenceEntry(request, index, request_id, detok)
             if params.logprobs is not None:
                 seq.cumulative_logprob, seq.logprobs = 0.0, []
             entry.sequences.append(seq)
@@ -321,9 +256,7 @@ class LLMEngine:
                 self._sequences.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        # A request in a step still in flight is still in the scheduler's running list; a
-        # launched step holding only finished requests is collected (and ignored) by the next
-        # step() whenever that comes.
+        # a step in flight holding only finished requests is collected by the next step()
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop -------------------------------------------------------------------------------
@@ -341,16 +274,15 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        scheduled = time.perf_counter()
         outputs = []
         if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
             outputs = self._finish_in_flight()  # penalties read the step before's tokens
-        launched = self._launch(scheduler_output, scheduled - start)
+        launched = self._launch(scheduler_output, time.perf_counter() - start)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         self._in_flight = launched
         if not self.scheduler_config.async_scheduling and launched is not None:
-            outputs += self._finish_in_flight()
+            outputs += self._finish_in_flight()  # synchronous: collect right after launch
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
         return outputs
@@ -364,7 +296,7 @@ class LLMEngine:
         """Stop calling `fn`. Raises ValueError if it was not added."""
         self._step_observers.remove(fn)
 
-    def _launch(self, scheduler_output: SchedulerOutput, schedule_s: float) -> _LaunchedStep | None:
+    def _launch(self, scheduler_output: SchedulerOutput, schedule_s: float) -> LaunchedStep | None:
         """Hand the step to the executor (every step: an empty one carries finished ids); None
         for an empty step (nothing to collect or update)."""
         start = time.perf_counter()
@@ -372,7 +304,7 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return None
         self._num_steps += 1
-        return _LaunchedStep(
+        return LaunchedStep(
             self._num_steps - 1, scheduler_output, handle, schedule_s, time.perf_counter() - start
         )
 
@@ -391,27 +323,12 @@ class LLMEngine:
         )
         outputs = self._process_outputs(scheduler_output, updated, runner_output)
         if self._step_observers:
-            self._observe(launched, runner_output, collected - start, collected)
+            record = launched.record(
+                runner_output, collected - start, time.perf_counter() - collected
+            )
+            for fn in list(self._step_observers):
+                fn(record)
         return outputs
-
-    def _observe(
-        self,
-        launched: _LaunchedStep,
-        runner_output: ModelRunnerOutput,
-        wait_s: float,
-        collected: float,
-    ) -> None:
-        record = StepRecord(
-            step_index=launched.index,
-            scheduler_output=launched.scheduler_output,
-            runner_output=runner_output,
-            schedule_s=launched.schedule_s,
-            launch_s=launched.launch_s,
-            wait_s=wait_s,
-            update_s=time.perf_counter() - collected,
-        )
-        for fn in list(self._step_observers):
-            fn(record)
 
     def _process_outputs(
         self, sched: SchedulerOutput, updated, runner_output
@@ -436,7 +353,7 @@ class LLMEngine:
             failed_prompts.update(
                 sequences[s].prompt_id for s in scheduler.failed_requests if s in sequences
             )
-        touched: dict[str, _Prompt] = {}
+        touched: dict[str, PromptEntry] = {}
         maybe_done: set[str] = set()  # prompts with a sequence that finished this step
         for request in updated:
             seq = sequences[request.request_id]
@@ -447,7 +364,7 @@ class LLMEngine:
             finished = request.is_finished
             try:
                 if seq.logprobs is not None or seq.cumulative_logprob is not None:
-                    self._record_logprobs(seq, runner_output, token_id)
+                    seq.record_logprobs(runner_output, token_id)
                 stop = seq.detokenizer.add_token(token_id)
                 if stop is None and finished:
                     stop = seq.detokenizer.flush()
@@ -490,7 +407,7 @@ class LLMEngine:
         failures = self.scheduler.failed_requests
         self.scheduler.failed_requests = {}
         now = time.monotonic()
-        entries: dict[str, _Prompt] = {}
+        entries: dict[str, PromptEntry] = {}
         for seq_id, message in failures.items():
             seq = self._sequences.get(seq_id)
             entry = self._prompts.get(seq.prompt_id) if seq is not None else None
@@ -524,13 +441,3 @@ class LLMEngine:
             entry = prompts.get(seq.prompt_id) if seq is not None else None
             if entry is not None and entry.metrics.first_scheduled_time is None:
                 entry.metrics.first_scheduled_time = now
-
-    @staticmethod
-    def _record_logprobs(seq: _Sequence, runner_output, token_id: int) -> None:
-        request_id = seq.request.request_id
-        logprob = runner_output.logprobs.get(request_id)
-        if logprob is not None and seq.cumulative_logprob is not None:
-            seq.cumulative_logprob += logprob
-        if seq.logprobs is not None:
-            top = runner_output.top_logprobs.get(request_id) or {token_id: logprob}
-            seq.logprobs.append(top)

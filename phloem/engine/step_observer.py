@@ -45,3 +45,23 @@ class StepRecord:
 
 
 StepObserver = Callable[[StepRecord], None]
+
+
+@dataclass
+class LaunchedStep:
+    """A step handed to the executor and not yet collected, with its host timings [s]."""
+
+    index: int
+    scheduler_output: SchedulerOutput
+    handle: object
+    schedule_s: float
+    launch_s: float
+
+    def record(
+        self, runner_output: ModelRunnerOutput, wait_s: float, update_s: float
+    ) -> StepRecord:
+        """The step's record once it was collected (`wait_s`) and applied (`update_s`)."""
+        return StepRecord(
+            self.index, self.scheduler_output, runner_output, self.schedule_s, self.launch_s,
+            wait_s, update_s,
+        )  # fmt: skip

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phloem.config import SchedulerConfig
+from phloem.core.admission import Admission
 from phloem.core.kv_manager import KVManager
+from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.prefix_planner import plan_prefix_groups
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler
@@ -202,12 +204,16 @@ def test_radix_cache_shares_blocks_of_running_requests():
     s.check_integrity()
 
 
-class AttachFirstScheduler(Scheduler):
+class AttachFirstPrefixGroups(PrefixGroups):
     """The reference: every waiting request is attached before its fit is checked (and
     detached again when it does not fit), as admission did before the held-prefix check."""
 
-    def _held_prefix_admissible(self, request, budget, reserved):
+    def held_prefix_admissible(self, request, budget, reserved, running):
         return None  # "not a held-prefix start": attach, then check
+
+
+def attach_first_scheduler(config, kv: KVManager) -> Scheduler:
+    return Scheduler(config, kv, AttachFirstPrefixGroups(kv, Admission(config, kv)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -241,7 +247,7 @@ def test_twins_with_admission_off_finish_and_schedule_the_same():
 
 
 def run_twins(seed, num_blocks, budget, chunked, memory_centric, prefix_cache, max_steps=1_000):
-    """Run `Scheduler` and `AttachFirstScheduler` on one random grouped workload, asserting the
+    """Run `Scheduler` and `attach_first_scheduler` on one random grouped workload, asserting the
     same state after every step and that both finish within `max_steps`."""
     rng = random.Random(seed)
     prompts, max_tokens = grouped_workload(
@@ -256,7 +262,7 @@ def run_twins(seed, num_blocks, budget, chunked, memory_centric, prefix_cache, m
         memory_centric_admission=memory_centric,
     )
     schedulers = []
-    for cls in (Scheduler, AttachFirstScheduler):
+    for cls in (Scheduler, attach_first_scheduler):
         scheduler = cls(config, KVManager(num_blocks, 2, enable_prefix_cache=prefix_cache))
         for r in planned_requests(prompts, max_tokens, block_size=2)[1]:
             scheduler.add_request(r)

@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phloem.config import SchedulerConfig
+from phloem.core.admission import Admission
 from phloem.core.block_allocator import BlockAllocator, NoFreeBlocksError
 from phloem.core.kv_manager import KVManager
+from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler
 from phloem.sampling_params import SamplingParams
@@ -233,7 +235,8 @@ def test_prompt_too_long_rejected():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_reserved_blocks_agree_with_blocks_to_finish(seed):
-    """`_reserved_blocks` spells out `_blocks_to_finish` for every running request (it runs
+    """`Admission.blocks_to_finish` over the running requests at once equals the per-request
+    sum (it runs
     every step); the two agree in every step: max_tokens set or None, capped by the context,
     prefix-cache hits, preemption (admission by the next chunk only)."""
     rng = random.Random(seed)
@@ -249,7 +252,10 @@ def test_reserved_blocks_agree_with_blocks_to_finish(seed):
         out = s.schedule()
         s.update_from_output(out, fake_sampled(s, out))
         s.check_integrity()
-        assert s._reserved_blocks() == sum(s._blocks_to_finish(r) for r in s.running)
+        admission = s.admission
+        total = sum(admission.blocks_to_finish((r,)) for r in s.running)
+        assert admission.blocks_to_finish(s.running) == total
+        assert admission.reserved_blocks(s.running) == (total if seed % 2 else 0)
     assert s.num_preemptions > 0 or seed % 2
 
 
@@ -338,21 +344,24 @@ def test_a_request_whose_admission_or_stop_rule_raises_fails_alone(monkeypatch):
     FINISHED_ERROR (blocks freed, reason in `failed_requests`); the others run to the end."""
     import phloem.core.scheduler as scheduler_module
 
-    real_attach, real_stop = Scheduler._attach_prefix, scheduler_module.check_stop
+    real_stop = scheduler_module.check_stop
 
-    def attach(self, request):
-        if request.request_id == "bad-admit":
-            raise IndexError("injected admission fault")
-        return real_attach(self, request)
+    class FaultyPrefixGroups(PrefixGroups):
+        def attach(self, request):
+            if request.request_id == "bad-admit":
+                raise IndexError("injected admission fault")
+            return super().attach(request)
 
     def check_stop(request, max_model_len):
         if request.request_id == "bad-stop" and request.num_output_tokens == 2:
             raise KeyError("injected stop fault")
         return real_stop(request, max_model_len)
 
-    monkeypatch.setattr(Scheduler, "_attach_prefix", attach)
     monkeypatch.setattr(scheduler_module, "check_stop", check_stop)
-    scheduler = make_scheduler()
+    plain = make_scheduler()
+    scheduler = Scheduler(
+        plain.config, plain.kv, FaultyPrefixGroups(plain.kv, Admission(plain.config, plain.kv))
+    )
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     requests = {
         rid: Request(rid, [1 + i, 2, 3, 4, 5, 6], params)

@@ -15,7 +15,7 @@ import phloem.core.scheduler as scheduler_module
 import phloem.layers.sampler as sampler_module
 import phloem.worker.model_runner as model_runner_module
 from phloem import LLM, SamplingParams
-from phloem.core.scheduler import Scheduler
+from phloem.core.prefix_groups import PrefixGroups
 from phloem.engine.detokenizer import IncrementalDetokenizer
 from phloem.sampling_params import SEED_MAX, SEED_MIN
 from tests.engine.tiny_models import VOCAB, tiny_model_dir
@@ -134,14 +134,14 @@ def test_stop_rule_failure_fails_alone(llm, monkeypatch):
 
 
 def test_admission_failure_fails_alone(llm, monkeypatch):
-    real = Scheduler._attach_prefix
+    real = PrefixGroups.attach
 
-    def attach_prefix(self, request):
+    def attach(self, request):
         if 4343 in request.sampling_params.stop_token_ids:
             raise AssertionError("injected admission fault")
         return real(self, request)
 
-    monkeypatch.setattr(Scheduler, "_attach_prefix", attach_prefix)
+    monkeypatch.setattr(PrefixGroups, "attach", attach)
     bad = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop_token_ids=[4343])
     assert "injected admission fault" in run_with_one_bad(llm, bad)[1].error
 
