@@ -179,14 +179,19 @@ class Scheduler:
             budget = self._admit_waiting(output, requests, budget)
             if not output.scheduled and self.waiting and self.prefix_groups.release_idle(running):
                 budget = self._admit_waiting(output, requests, budget)
+        self._update_after_schedule(output, requests)
+        return output
+
+    def _update_after_schedule(self, output: SchedulerOutput, requests: list[Request]) -> None:
+        """The step is as good as computed for what follows (its update may come later, vLLM
+        v1's `_update_after_schedule`): advance `num_computed_tokens`, count each sample as
+        pending, and remember the scheduled requests for `update_from_output`."""
         for scheduled, request in zip(output.scheduled, requests):
-            # the step is as good as computed for what follows (its update may come later)
             request.num_computed_tokens += scheduled.num_tokens
             if scheduled.sample:
                 request.num_pending_tokens += 1
         if requests:
             self._unapplied[id(output)] = (output, requests)
-        return output
 
     def _will_finish_by_length(self, request: Request) -> bool:
         """True if the request's pending tokens reach its max_tokens or the context."""
