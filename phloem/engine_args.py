@@ -135,6 +135,12 @@ class EngineArgs:
         "load a .gguf model from its converted HF directory in the cache (off: parse the .gguf "
         "at every start)",
     )
+    data_parallel_size: int = _arg(
+        1,
+        "replica processes of the offline jobs (generate, run-batch, LLM): one global prefix "
+        "plan, whole groups dealt to replicas; one CUDA device each, or a share of the CPU "
+        "threads (phloem serve and bench run one engine)",
+    )
 
     # -- keyword arguments ----------------------------------------------------------------------
 
@@ -206,6 +212,9 @@ class EngineArgs:
         Raises:
             ValueError: naming the field, for an invalid value.
         """
+        replicas = self.data_parallel_size
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {replicas!r}")
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = (

@@ -35,7 +35,7 @@ OTHER_VALUES = {
     "max_num_seqs": 3, "max_num_batched_tokens": 99, "kv_cache_memory_bytes": 12345,
     "gpu_memory_utilization": 0.5, "num_gpu_blocks": 7, "seed": 5, "load_format": "dummy",
     "device": "cpu", "attention_backend": "reference", "kv_cache_dtype": "fp8",
-    "kv_layout": "HND", "cache_dir": "/tmp/x",
+    "kv_layout": "HND", "cache_dir": "/tmp/x", "data_parallel_size": 2,
 }  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from phloem.chat_messages import render_chat
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.request import SharedPrefix
+from phloem.engine.data_parallel import DataParallelEngine, ReplicaReport
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.engine.llm_engine import LLMEngine
 from phloem.engine_args import EngineArgs
@@ -57,17 +58,25 @@ class LLM:
         **kwargs: the other engine settings, by keyword: exactly the fields of
             `phloem.engine_args.EngineArgs` (`block_size`, `max_num_seqs`,
             `max_num_batched_tokens`, `enable_prefix_caching`, `async_scheduling`, ...), whose
-            docstring and help text give each one's meaning, unit and default.
+            docstring and help text give each one's meaning, unit and default. With
+            `data_parallel_size` N > 1 the LLM starts N replica processes (`close()` or `with
+            LLM(...) as llm:` stops them; so does exit) and keeps only the tokenizer and the
+            model config: see `phloem.engine.data_parallel`.
     Raises:
         TypeError: naming a keyword argument that is not an engine setting.
         ValueError: naming the argument, for invalid values; naming the file, for a truncated
-            GGUF or safetensors file.
+            GGUF or safetensors file; naming both numbers, for more replicas than CUDA devices.
+        ReplicaError: a replica process failed to start (naming it).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         start = time.perf_counter()
-        config = EngineArgs.from_kwargs(model=model, **kwargs).create_engine_config()
-        self.llm_engine = LLMEngine(config)
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        config = args.create_engine_config()
+        self.llm_engine: LLMEngine | DataParallelEngine = (
+            DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(config)
+        )
+        self.last_plan: PrefixPlan | None = None  # the last batch's global plan
         self._lock = threading.Lock()  # one call at a time (see the module docstring)
         self._owner: int | None = None  # the thread running the current call
         self.load_s = time.perf_counter() - start  # start-up time [s]: imports, model, KV pool
@@ -83,6 +92,34 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    @property
+    def last_replica_report(self) -> ReplicaReport | None:
+        """Per replica planned cost vs achieved time, the imbalance and which replica ran each
+        request, for the last batch; None with data_parallel_size 1."""
+        engine = self.llm_engine
+        return engine.last_report if isinstance(engine, DataParallelEngine) else None
+
+    def close(self) -> None:
+        """Stop the replica processes (data_parallel_size > 1; idempotent; a no-op for one
+        in-process engine). Also run by `with LLM(...) as llm:` and at interpreter exit."""
+        if isinstance(self.llm_engine, DataParallelEngine):
+            self.llm_engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _single_engine(self) -> LLMEngine:
+        """The in-process engine. Raises RuntimeError with data_parallel_size > 1."""
+        if isinstance(self.llm_engine, DataParallelEngine):
+            raise RuntimeError(
+                "add_requests/iter_outputs drive one in-process engine; with "
+                "data_parallel_size > 1 use generate, chat or run_batch"
+            )
+        return self.llm_engine
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -202,7 +239,8 @@ class LLM:
         """The offline batch runner (`generate`/`chat`, `phloem generate`, `phloem run-batch`):
         `build()` returns the batch's (text, token ids) pairs, each prompt already checked by
         `LLMEngine.validate_prompt`, and their sampling parameters; the batch is queued as a
-        whole (`add_requests`: planned for prefix sharing) and stepped to the end, yielding
+        whole (`add_requests`: planned for prefix sharing) and stepped to the end (with
+        data_parallel_size > 1: planned here and dealt to the replicas), yielding
         (index in the batch, RequestOutput) as each request finishes. Collection is paused while
         `build` runs and the batch is queued, and everything alive then is frozen out of
         collection until the iteration ends (`gc_paused`, `gc_frozen`). Holds the call lock
@@ -211,12 +249,29 @@ class LLM:
         with self._exclusive(), contextlib.ExitStack() as frozen:
             with gc_paused() as gc_enabled:
                 encoded, params = build()
-                request_ids = self._add_requests(encoded, params, validated=True)
+                outputs = self._start_batch(encoded, params, use_tqdm)
                 if gc_enabled:  # frozen before collection resumes: never traversed at all
                     frozen.enter_context(gc_frozen())
+            with contextlib.closing(outputs):
+                yield from outputs
+
+    def _start_batch(
+        self,
+        encoded: Sequence[tuple[str | None, list[int]]],
+        params: Sequence[SamplingParams],
+        use_tqdm: bool,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Queue a validated batch (or plan it and hand it to the replicas); returns the
+        iterator of its (index, output) pairs, in completion order."""
+        engine = self.llm_engine
+        if isinstance(engine, LLMEngine):
+            request_ids = self._add_requests(encoded, params, validated=True)
             index = {request_id: i for i, request_id in enumerate(request_ids)}
-            for output in self._iter_outputs(request_ids, use_tqdm):
-                yield index[output.request_id], output
+            return ((index[o.request_id], o) for o in self._iter_outputs(request_ids, use_tqdm))
+        plan = self.plan([ids for _, ids in encoded], params)  # the deal's units, planned once
+        planned = engine.config.cache.enable_prefix_caching and len(encoded) > 1
+        self.last_plan = plan if planned else None
+        return _counted(engine.run(encoded, params, plan), len(encoded), use_tqdm)
 
     def _params_list(
         self, sampling_params: ParamsArg | Sequence[ParamsArg] | None, num_prompts: int
@@ -307,7 +362,7 @@ class LLM:
                 for ids, p in zip(prompt_token_ids, params_list)
             ]
             return plan_prefix_groups(
-                prompt_token_ids, max_tokens, self.llm_engine.kv_manager.block_size
+                prompt_token_ids, max_tokens, self.llm_engine.config.cache.block_size
             )
 
     def add_requests(
@@ -330,6 +385,7 @@ class LLM:
             ValueError: a prompt or its sampling parameters cannot run on this model.
             RuntimeError: called from inside another call on this LLM in the same thread.
         """
+        self._single_engine()
         with self._exclusive():
             return self._add_requests(encoded, sampling_params, validated=validated)
 
@@ -341,7 +397,7 @@ class LLM:
         validated: bool = False,
     ) -> list[str]:
         """`add_requests` without the call lock (the caller holds it)."""
-        engine = self.llm_engine
+        engine = self._single_engine()
         self.last_plan = None
         with gc_paused():
             order = range(len(encoded))
@@ -383,11 +439,12 @@ class LLM:
         (the queued batch) are frozen out of garbage collection until the iteration ends
         (`gc_frozen`). Holds the call lock until the iteration ends; requests of `request_ids`
         still unfinished when it ends early (break, exception) are aborted."""
+        self._single_engine()
         with self._exclusive(), gc_frozen() if gc.isenabled() else contextlib.nullcontext():
             yield from self._iter_outputs(request_ids, use_tqdm)
 
     def _iter_outputs(self, request_ids: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
-        engine = self.llm_engine
+        engine = self._single_engine()
         pending = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start = time.monotonic()
@@ -424,3 +481,16 @@ class LLM:
         """Step until the given requests finish; returns their outputs in the given order."""
         results = {o.request_id: o for o in self.iter_outputs(request_ids, use_tqdm)}
         return [results[r] for r in request_ids]
+
+
+def _counted(
+    outputs: Iterator[tuple[int, RequestOutput]], total: int, use_tqdm: bool
+) -> Iterator[tuple[int, RequestOutput]]:
+    """`outputs` (the replicas' merged stream) under a progress bar of prompts done."""
+    with (
+        contextlib.closing(outputs),
+        tqdm(total=total, desc="Processed prompts", disable=not use_tqdm) as bar,
+    ):
+        for item in outputs:
+            bar.update(1)
+            yield item

@@ -188,7 +188,8 @@ def run_generate(
     use_tqdm=True,
     job: GenerateJob | None = None,
 ):
-    """Run (or resume) the job; returns the summary dict (see `phloem.engine.metrics.summarize`).
+    """Run (or resume) the job; returns the summary dict (see `phloem.engine.metrics.summarize`;
+    with data_parallel_size > 1 it has a "data_parallel" object, `ReplicaReport.to_dict`).
 
     `job`: opened before the model loaded, as `cmd_generate` does; None opens one here whose
     fingerprint holds the input lines and `defaults` only (not the model).
@@ -198,11 +199,8 @@ def run_generate(
             return run_generate(llm, input_path, output_path, defaults, use_tqdm, job)
     from phloem.engine.metrics import summarize
 
-    start = time.monotonic()
-    engine = llm.llm_engine
+    start, engine, outputs, done = time.monotonic(), llm.llm_engine, [], job.done
     computed_before = engine.num_computed_prompt_tokens
-    outputs = []
-    done = job.done
     parsed: list[ParsedLine] = []
     todo: list[int] = []  # indices into parsed of the good lines not done yet
 
@@ -227,7 +225,7 @@ def run_generate(
     good = [p for p in parsed if p.error is None]
     _write_output(output_path, parsed, job)
     plan = llm.last_plan
-    return summarize(
+    summary = summarize(
         outputs,
         time.monotonic() - start,
         num_failed_requests=len(parsed) - len(good),
@@ -235,6 +233,9 @@ def run_generate(
         planned_reuse_ratio=plan.planned_reuse_ratio if plan is not None else 0.0,
         load_s=llm.load_s,
     )
+    if (report := llm.last_replica_report) is not None:  # planned vs achieved per replica
+        summary["data_parallel"] = report.to_dict()
+    return summary
 
 
 def _write_output(output_path: str, parsed: list[ParsedLine], job: GenerateJob) -> None:
@@ -334,16 +335,17 @@ def _checked_sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 def _plan_only(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
     from phloem.entrypoints.cli import build_llm
 
-    print(run_plan_only(build_llm(args), args.input, defaults))
+    with build_llm(args) as llm:
+        print(run_plan_only(llm, args.input, defaults))
     return 0
 
 
 def _run(args: argparse.Namespace, defaults: dict[str, Any], job: GenerateJob) -> dict:
     from phloem.entrypoints.cli import build_llm
 
-    llm = build_llm(args)
-    use_tqdm = not args.no_progress
-    return run_generate(llm, args.input, args.output, defaults, use_tqdm, job)
+    with build_llm(args) as llm:  # stops data-parallel replicas when the job ends
+        use_tqdm = not args.no_progress
+        return run_generate(llm, args.input, args.output, defaults, use_tqdm, job)
 
 
 def _report(args: argparse.Namespace, summary: dict) -> None:

@@ -389,8 +389,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         name = args.served_model_name or default_model_name(args.model)
         options = job_options(args, **{"--served-model-name": name})
         with open_batch_job(args.input, args.output, options, args.recompute_changed) as opened:
-            llm = build_llm(args)
-            return run_batch(llm, args.input, args.output, name, not args.no_progress, opened)
+            with build_llm(args) as llm:  # stops data-parallel replicas when the job ends
+                return run_batch(llm, args.input, args.output, name, not args.no_progress, opened)
 
     def report(counts: dict) -> None:
         print(
