@@ -231,3 +231,32 @@ def test_replica_that_fails_to_start_is_named(tiny_llama, tmp_path):
 def test_single_engine_apis_refuse_replicas(two):
     with pytest.raises(RuntimeError, match="data_parallel_size > 1 use generate"):
         two.add_requests([(None, [5, 6, 7])], [SamplingParams(max_tokens=2)])
+
+
+def test_run_batch_job_same_as_one_engine(one, two, tmp_path):
+    from phloem.entrypoints.run_batch import run_batch
+
+    shared = "You are a careful assistant. Answer in one word. "
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": f"{shared}Question {i}", "max_tokens": 4 + i, "temperature": 0}}
+        for i in range(4)
+    ] + [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                  "temperature": 0, "n": 2}},
+    ]  # fmt: skip
+    _write_job(tmp_path / "in.jsonl", lines)
+    bodies = {}
+    for name, llm in (("one", one), ("two", two)):
+        out = tmp_path / f"{name}.jsonl"
+        counts = run_batch(llm, str(tmp_path / "in.jsonl"), str(out), "m", use_tqdm=False)
+        assert counts["num_completed"] == len(lines)
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        bodies[name] = sorted(  # a Batch API output is in completion order
+            (r["custom_id"], [c.get("text") or c["message"]["content"]
+                              for c in r["response"]["body"]["choices"]])
+            for r in records
+        )  # fmt: skip
+    assert bodies["two"] == bodies["one"]
+    assert two.generate([], use_tqdm=False) == []  # an empty batch (a finished job's rerun)
