@@ -95,8 +95,8 @@ def test_gc_pauses_counts_collections():
 def test_one_percentile_definition_for_jobs_bench_and_bench_serve():
     """`phloem generate`'s summary, `phloem bench` and `phloem bench serve` report the same
     percentiles of the same values (linear interpolation between closest ranks)."""
-    from phloem.engine.metrics import percentiles
     from phloem.bench.report import latency_summary as _percentiles
+    from phloem.engine.metrics import percentiles
     from phloem.entrypoints.bench_serve import _stats
 
     values = [0.004, 0.001, 0.003, 0.002]
