@@ -1,11 +1,12 @@
 """Prometheus metrics of a serving engine (vLLM's metric set, `phloem:` prefix).
 
 One `EngineMetrics` per server, on its own `CollectorRegistry` (so tests can run several servers
-in one process). The engine thread updates it: `observe_step` is a step observer of the engine
-(`LLMEngine.add_step_observer`: preemptions), and `phloem.engine.async_engine` calls the `on_*`
-hooks with each request's outputs and `set_gauges` / `set_prefix_cache_totals` with the
-scheduler's and the KV manager's state after each step; prometheus-client objects are
-thread-safe.
+in one process). With the engine core in its own process (`phloem.engine.core_client`), the
+front updates it on the event loop: `on_first_token`, `on_generated`, `on_finished` from the
+requests' deltas and `set_core_stats` from the counts each core step carries. With the in-thread
+engine (`phloem.engine.async_engine`), the engine thread calls `on_output`, `set_gauges`,
+`set_prefix_cache_totals`, and `observe_step` is a step observer of the engine (preemptions);
+prometheus-client objects are thread-safe.
 
     gauges:     phloem:num_requests_running, phloem:num_requests_waiting,
                 phloem:kv_cache_usage_perc (0..1; blocks only the prefix cache holds count as
@@ -130,22 +131,63 @@ class EngineMetrics:
 
     def on_output(self, output, num_tokens_before: int, num_tokens_now: int) -> None:
         """Count the output's new tokens; observe TTFT at its first token, E2E/TPOT at the end."""
-        if num_tokens_now > num_tokens_before:
-            self.generation_tokens.inc(num_tokens_now - num_tokens_before)
-        m = output.metrics
+        self.on_generated(num_tokens_now - num_tokens_before)
         if num_tokens_before == 0 and num_tokens_now > 0:
-            num_prompt = len(output.prompt_token_ids)
-            self.prompt_tokens.inc(num_prompt)
-            if m is not None and m.ttft is not None:
-                self.ttft.observe(max(m.ttft, 0.0))
+            ttft = output.metrics.ttft if output.metrics is not None else None
+            self.on_first_token(len(output.prompt_token_ids), ttft)
         if output.finished:
-            for c in output.outputs:
-                self._success.labels(self._model_name, c.finish_reason or "unknown").inc()
-            if m is not None and m.finished_time is not None:
-                self.e2e.observe(max(m.finished_time - m.arrival_time, 0.0))
-            tpot = output.tpot
-            if tpot is not None:
-                self.tpot.observe(tpot)
+            self.on_finished(output)
+
+    def on_generated(self, num_tokens: int) -> None:
+        """Count generated tokens [tokens]."""
+        if num_tokens > 0:
+            self.generation_tokens.inc(num_tokens)
+
+    def on_first_token(self, num_prompt_tokens: int, ttft: float | None) -> None:
+        """A request's first token came: its prompt ran; observe its TTFT [s]."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        if ttft is not None:
+            self.ttft.observe(max(ttft, 0.0))
+
+    def on_finished(self, output) -> None:
+        """A request finished (a `RequestOutput`): finish reasons, E2E latency, TPOT."""
+        m = output.metrics
+        for c in output.outputs:
+            self._success.labels(self._model_name, c.finish_reason or "unknown").inc()
+        if m is not None and m.finished_time is not None:
+            self.e2e.observe(max(m.finished_time - m.arrival_time, 0.0))
+        tpot = output.tpot
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def set_core_stats(self, stats) -> None:
+        """The gauges and totals of an engine core step (`core_messages.CoreStats`)."""
+        self.set_gauges(
+            stats.num_running, stats.num_waiting, stats.num_free_blocks, stats.num_blocks
+        )
+        self.set_prefix_cache_totals(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        aborted = self._aborted
+        for key, total, counter in (
+            ("preemptions", stats.num_preemptions, self.preemptions),
+            (
+                "aborted_waiting",
+                stats.num_aborted_waiting,
+                aborted.labels(self._model_name, "waiting"),
+            ),
+            (
+                "aborted_running",
+                stats.num_aborted_running,
+                aborted.labels(self._model_name, "running"),
+            ),
+        ):
+            self._advance(key, total, counter)
+
+    def _advance(self, key: str, total: int, counter) -> None:
+        """Move `counter` up to the running `total` (kept under `key`)."""
+        increase = total - self._totals.get(key, 0)
+        if increase > 0:
+            counter.inc(increase)
+            self._totals[key] = total
 
     def set_gauges(self, num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int):
         """Set the request and KV gauges (blocks only the prefix cache holds count as free)."""
@@ -156,14 +198,8 @@ class EngineMetrics:
 
     def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
         """Advance the prefix-cache counters to the KV manager's running totals [tokens]."""
-        for key, total, counter in (
-            ("prefix_queries", queries, self.prefix_queries),
-            ("prefix_hits", hits, self.prefix_hits),
-        ):
-            increase = total - self._totals.get(key, 0)
-            if increase > 0:
-                counter.inc(increase)
-                self._totals[key] = total
+        self._advance("prefix_queries", queries, self.prefix_queries)
+        self._advance("prefix_hits", hits, self.prefix_hits)
 
     def observe_step(self, record: StepRecord) -> None:
         """A step observer: count the requests the step's scheduling preempted."""

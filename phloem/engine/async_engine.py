@@ -71,10 +71,13 @@ class AsyncLLMEngine:
     """Runs an `LLMEngine` in a background thread and streams each request's outputs.
 
     Args:
-        engine: the engine; from `start()` on only the engine thread touches it.
+        engine: the engine, built with `output_mode=OutputMode.STREAM`; from `start()` on only
+            the engine thread touches it.
         metrics: optional `phloem.metrics_prometheus.EngineMetrics`, updated from the loop (and
             registered as a step observer of `engine`).
         on_death: called on the event loop with the exception when the engine loop dies.
+    Raises:
+        ValueError: the engine was not built in STREAM mode.
     """
 
     def __init__(
@@ -83,8 +86,11 @@ class AsyncLLMEngine:
         metrics: EngineMetrics | None = None,
         on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
+        from phloem.engine.llm_engine import OutputMode
+
+        if engine.output_mode is not OutputMode.STREAM:
+            raise ValueError("AsyncLLMEngine needs an LLMEngine built with OutputMode.STREAM")
         self.engine = engine
-        engine.stream_outputs = True  # every step's tokens reach the streams
         self.metrics = metrics
         self.on_death = on_death
         self.dead_error: BaseException | None = None
@@ -134,6 +140,10 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
 
     # -- the event-loop side ---------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError naming the limit when a prompt cannot run."""
+        self.engine.validate_prompt(prompt_token_ids)
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Raise ValueError when the prompt cannot run (empty, out-of-vocab ids, too long) or

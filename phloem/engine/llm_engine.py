@@ -1,7 +1,8 @@
 """The step loop: schedule -> execute -> update, plus tokenization, text and outputs.
 
 The engine owns the scheduler (pure Python), the executor (tensors) and, per request, the
-detokenizer that applies stop strings. A prompt with n > 1 becomes n sequences; children 1..n-1
+detokenizer that applies stop strings (none in the engine core's DELTA mode, `OutputMode`: the
+server's front makes the text there). A prompt with n > 1 becomes n sequences; children 1..n-1
 share the prompt's full blocks (a `SharedPrefix`), and so do the members of a prefix group that
 the offline planner found (`add_request(..., shared_prefix=...)`).
 
@@ -29,9 +30,9 @@ from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
-from phloem.engine.prompt_entry import PromptEntry, SequenceEntry
+from phloem.engine.prompt_entry import OutputMode, PromptEntry, SequenceEntry, StepOutput
 from phloem.engine.step_observer import LaunchedStep, StepObserver
-from phloem.outputs import RequestMetrics, RequestOutput
+from phloem.outputs import RequestMetrics
 from phloem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class LLMEngine:
         config: the engine config; validated here.
         executor_factory: builds the executor from the loaded worker (default
             `UniProcExecutor`); tests pass one that wraps it (fault injection, other processes).
+        output_mode: what `step()` returns (`OutputMode`; default FINAL, the offline path).
     Raises:
         ValueError: on an invalid config, an unknown architecture or an unloadable model.
     """
@@ -56,7 +58,28 @@ class LLMEngine:
         self,
         config: EngineConfig,
         executor_factory: Callable[[Worker], Executor] | None = None,
+        output_mode: OutputMode = OutputMode.FINAL,
     ) -> None:
+        config.validate()
+        self.config = config
+        self.output_mode = output_mode
+        self._load(config, executor_factory)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
+        self._prompts: dict[str, PromptEntry] = {}
+        self._sequences: dict[str, SequenceEntry] = {}
+        self._ids = itertools.count()
+        # async scheduling: the launched step whose tokens the next step() collects
+        self._in_flight: LaunchedStep | None = None
+        self._num_steps = 0  # non-empty steps launched
+        self._step_observers: list[StepObserver] = []
+
+    @property
+    def stream_outputs(self) -> bool:
+        """True when every step reports every prompt that got a token (STREAM, DELTA)."""
+        return self.output_mode is not OutputMode.FINAL
+
+    def _load(self, config: EngineConfig, executor_factory) -> None:
+        """Tokenizer, model config, worker, executor and KV manager of `config`."""
         from phloem.engine.executor import UniProcExecutor
         from phloem.models.loader import (
             load_hf_config,
@@ -66,7 +89,6 @@ class LLMEngine:
         )
         from phloem.worker.worker import Worker
 
-        config.validate()
         executor_factory = executor_factory or UniProcExecutor
         source = startup_source(resolve_model(config.model.model), config.model)
         self.hf_config = load_hf_config(source)
@@ -105,18 +127,6 @@ class LLMEngine:
             config.cache.block_size,
             enable_prefix_cache=config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager)
-        self.config = config
-        self._prompts: dict[str, PromptEntry] = {}
-        self._sequences: dict[str, SequenceEntry] = {}
-        self._ids = itertools.count()
-        # True: step() returns an output for every prompt that got a token (streaming, kept up
-        # to date text); False (offline): only finished prompts, text decoded once at the end.
-        self.stream_outputs = False
-        # async scheduling: the launched step whose tokens the next step() collects
-        self._in_flight: LaunchedStep | None = None
-        self._num_steps = 0  # non-empty steps launched
-        self._step_observers: list[StepObserver] = []
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -166,29 +176,9 @@ class LLMEngine:
             if sibling_prefix > 0:
                 shared_prefix = SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
         for index in range(n):
-            params = sampling_params
-            if sampling_params.n > 1 and sampling_params.seed is not None:
-                params = sampling_params.clone(seed=sampling_params.generator_seed(index))
-            seq_id = request_id if sampling_params.n == 1 else f"{request_id}#{index}"
-            request = Request(
-                seq_id,
-                entry.prompt_token_ids,
-                params,
-                eos_token_id=self.eos_token_id,
-                arrival_time=now,
-                shared_prefix=shared_prefix,
+            entry.sequences.append(
+                self._new_sequence(entry, sampling_params, index, now, shared_prefix)
             )
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                params.skip_special_tokens,
-                params.stop,
-                incremental=self.stream_outputs,
-            )
-            seq = SequenceEntry(request, index, request_id, detok)
-            if params.logprobs is not None:
-                seq.cumulative_logprob, seq.logprobs = 0.0, []
-            entry.sequences.append(seq)
         added: list[str] = []
         try:
             for seq in entry.sequences:
@@ -201,6 +191,42 @@ class LLMEngine:
         for seq in entry.sequences:
             self._sequences[seq.request.request_id] = seq
         return request_id
+
+    def _new_sequence(
+        self,
+        entry: PromptEntry,
+        sampling_params: SamplingParams,
+        index: int,
+        now: float,
+        shared_prefix: SharedPrefix | None,
+    ) -> SequenceEntry:
+        """Sequence `index` of the prompt: its scheduler request and (unless DELTA) its
+        detokenizer, which applies the stop strings."""
+        params = sampling_params
+        if sampling_params.n > 1 and sampling_params.seed is not None:
+            params = sampling_params.clone(seed=sampling_params.generator_seed(index))
+        seq_id = entry.request_id if sampling_params.n == 1 else f"{entry.request_id}#{index}"
+        request = Request(
+            seq_id,
+            entry.prompt_token_ids,
+            params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=now,
+            shared_prefix=shared_prefix,
+        )
+        detok = None
+        if self.output_mode is not OutputMode.DELTA:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                entry.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                incremental=self.stream_outputs,
+            )
+        seq = SequenceEntry(request, index, entry.request_id, detok)
+        if params.logprobs is not None:
+            seq.cumulative_logprob, seq.logprobs = 0.0, []
+        return seq
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError naming the limit when a prompt cannot run."""
@@ -255,15 +281,30 @@ class LLMEngine:
             for seq_id in ids:
                 self._sequences.pop(seq_id, None)
 
+    def stop_sequences(self, seq_ids: list[str]) -> None:
+        """Finish single sequences ("<request id>#<i>") as stopped and free their blocks, their
+        siblings going on (a front found a stop string in one child of an n > 1 prompt).
+        Unknown or finished ids are ignored."""
+        for seq_id in seq_ids:
+            seq = self._sequences.get(seq_id)
+            if seq is not None and not seq.request.is_finished:
+                self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_STOPPED)
+
+    def is_unfinished(self, request_id: str) -> bool:
+        """True while the prompt `request_id` is queued or running (not finished, aborted or
+        failed)."""
+        return request_id in self._prompts
+
     def has_unfinished_requests(self) -> bool:
         # a step in flight holding only finished requests is collected by the next step()
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every prompt that finished (and, with
-        `stream_outputs`, for every prompt that got a new token).
+    def step(self) -> list[StepOutput]:
+        """Run one iteration; returns an output for every prompt that finished (and, in the
+        STREAM and DELTA modes, for every prompt that got a new token): `RequestOutput`s, or
+        `RequestDelta`s in DELTA mode (`OutputMode`).
 
         One path: schedule, launch, then collect and update the step before it. Synchronous
         scheduling collects the step it just launched; async scheduling collects step N (launched
@@ -308,7 +349,7 @@ class LLMEngine:
             self._num_steps - 1, scheduler_output, handle, schedule_s, time.perf_counter() - start
         )
 
-    def _finish_in_flight(self) -> list[RequestOutput]:
+    def _finish_in_flight(self) -> list[StepOutput]:
         """Wait for the launched step's tokens, update the scheduler, build its outputs, and
         tell the step observers. A step without samples is still updated (prefix holds)."""
         launched = self._in_flight
@@ -330,9 +371,7 @@ class LLMEngine:
                 fn(record)
         return outputs
 
-    def _process_outputs(
-        self, sched: SchedulerOutput, updated, runner_output
-    ) -> list[RequestOutput]:
+    def _process_outputs(self, sched: SchedulerOutput, updated, runner_output) -> list[StepOutput]:
         """Text, log-probs, stop strings and metrics for the requests that got a token; returns
         the outputs of the prompts that finished (all touched ones with `stream_outputs`), in
         the order their first sequence appears in `updated`.
@@ -353,37 +392,8 @@ class LLMEngine:
             failed_prompts.update(
                 sequences[s].prompt_id for s in scheduler.failed_requests if s in sequences
             )
-        touched: dict[str, PromptEntry] = {}
-        maybe_done: set[str] = set()  # prompts with a sequence that finished this step
-        for request in updated:
-            seq = sequences[request.request_id]
-            if failed_prompts and seq.prompt_id in failed_prompts:
-                continue
-            entry = prompts[seq.prompt_id]
-            token_id = request.output_token_ids[-1]
-            finished = request.is_finished
-            try:
-                if seq.logprobs is not None or seq.cumulative_logprob is not None:
-                    seq.record_logprobs(runner_output, token_id)
-                stop = seq.detokenizer.add_token(token_id)
-                if stop is None and finished:
-                    stop = seq.detokenizer.flush()
-            except Exception as e:  # noqa: BLE001 - this sequence's fault: its prompt fails alone
-                logger.exception("request %s: detokenizing failed", entry.request_id)
-                scheduler.fail_request(request, e)
-                failed_prompts.add(entry.request_id)
-                touched.pop(entry.request_id, None)
-                continue
-            if stop is not None:  # wins over a length or EOS finish in this same update
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
-                finished = True
-            metrics = entry.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            touched[entry.request_id] = entry
-            if finished:
-                maybe_done.add(entry.request_id)
-        outputs = []
+        touched, maybe_done = self._apply_tokens(updated, runner_output, failed_prompts, now)
+        outputs: list[StepOutput] = []
         for entry in touched.values():
             if failed_prompts and entry.request_id in failed_prompts:
                 continue
@@ -396,10 +406,57 @@ class LLMEngine:
                 for seq in entry.sequences:
                     sequences.pop(seq.request.request_id, None)
             if entry.finished or self.stream_outputs:
-                outputs.append(entry.to_output())
+                outputs.append(self._output(entry))
         return outputs
 
-    def _fail_prompts(self) -> list[RequestOutput]:
+    def _apply_tokens(
+        self, updated, runner_output, failed_prompts: set[str], now: float
+    ) -> tuple[dict[str, PromptEntry], set[str]]:
+        """Log-probs, text and stop strings (not in DELTA mode) of each updated sequence's new
+        token; returns the touched prompts and those with a sequence that finished. A sequence
+        whose text or log-probs raise fails its prompt (added to `failed_prompts`)."""
+        sequences, prompts, scheduler = self._sequences, self._prompts, self.scheduler
+        touched: dict[str, PromptEntry] = {}
+        maybe_done: set[str] = set()  # prompts with a sequence that finished this step
+        for request in updated:
+            seq = sequences[request.request_id]
+            if failed_prompts and seq.prompt_id in failed_prompts:
+                continue
+            entry = prompts[seq.prompt_id]
+            token_id = request.output_token_ids[-1]
+            finished = request.is_finished
+            detok = seq.detokenizer
+            stop = None
+            try:
+                if seq.logprobs is not None or seq.cumulative_logprob is not None:
+                    seq.record_logprobs(runner_output, token_id)
+                if detok is not None:
+                    stop = detok.add_token(token_id)
+                    if stop is None and finished:
+                        stop = detok.flush()
+            except Exception as e:  # noqa: BLE001 - this sequence's fault: its prompt fails alone
+                logger.exception("request %s: detokenizing failed", entry.request_id)
+                scheduler.fail_request(request, e)
+                failed_prompts.add(entry.request_id)
+                touched.pop(entry.request_id, None)
+                continue
+            if stop is not None:  # wins over a length or EOS finish in this same update
+                scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+                finished = True
+            metrics = entry.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            touched[entry.request_id] = entry
+            if finished:
+                maybe_done.add(entry.request_id)
+        return touched, maybe_done
+
+    def _output(self, entry: PromptEntry) -> StepOutput:
+        if self.output_mode is OutputMode.DELTA:
+            return entry.to_delta()
+        return entry.to_output()
+
+    def _fail_prompts(self) -> list[StepOutput]:
         """Finish the prompts of the sequences in `scheduler.failed_requests` (and clear it):
         every unfinished sibling of a failed sequence finishes with it (FINISHED_ERROR, blocks
         freed); returns one final output per prompt, `error` holding the first reason. Ids of
@@ -426,7 +483,7 @@ class LLMEngine:
             entry.finished = True
             entry.metrics.finished_time = now
             del self._prompts[entry.request_id]
-            outputs.append(entry.to_output())
+            outputs.append(self._output(entry))
         return outputs
 
     def _stamp_first_scheduled(self, sched: SchedulerOutput) -> None:

@@ -6,6 +6,11 @@ then end with an in-band error event and `data: [DONE]` (other requests with a 5
 process exits 0. A second SIGINT (Ctrl-C) quits at once. The process exits 1 when the engine loop
 died: `/health` answers 503 and in-flight requests get their errors during a short grace period
 (`--dead-engine-grace-s`), then uvicorn shuts down.
+
+The engine core runs in its own process by default (`--engine-process`;
+`phloem.engine.core_client`): this process does HTTP, tokenization, detokenization, stop strings
+and SSE; the core process only schedules and runs steps. `--no-engine-process` runs the engine
+in a thread of this process instead (`phloem.engine.async_engine`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ def register(subparsers) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     add_limit_args(p)
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process (default); --no-engine-process runs it "
+        "in a thread of the server process",
+    )
     p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     # Online requests often leave max_tokens at the whole context; reserving it up front would
     # cap concurrency at a handful of requests, so serving admits by the blocks needed now and
@@ -81,20 +93,22 @@ def server_limits(args: argparse.Namespace):
     return limits
 
 
-def build_state(args: argparse.Namespace, on_death=None, executor_factory=None):
-    """Load the engine of the parsed flags and wrap it for serving; returns the server state.
+def build_state(args: argparse.Namespace, on_death=None, executor_factory: str | None = None):
+    """Start the engine of the parsed flags (its own process, or a thread with
+    `--no-engine-process`) and wrap it for serving; returns the server state.
 
     Args:
         args: flags parsed by the `serve` parser.
         on_death: called on the event loop with the exception if the engine loop dies.
-        executor_factory: `LLMEngine`'s executor factory (None: the default executor); tests
-            pass one that injects faults (tests/entrypoints/fault_server.py).
+        executor_factory: "module:attribute" of `LLMEngine`'s executor factory (None: the
+            default executor); tests name one that injects faults (tests/entrypoints/
+            fault_server.py). The engine core process imports it.
     Raises:
-        ValueError: naming the flag or setting, for invalid values.
+        ValueError: naming the flag or setting, for invalid values (also
+            `--data-parallel-size` > 1: the server serves one engine).
+        RuntimeError: the engine core process failed to start.
     """
     import phloem
-    from phloem.engine.async_engine import AsyncLLMEngine
-    from phloem.engine.llm_engine import LLMEngine
     from phloem.engine_args import EngineArgs
     from phloem.entrypoints.openai.limits import max_prompt_chars
     from phloem.entrypoints.openai.server import ServerState
@@ -102,14 +116,24 @@ def build_state(args: argparse.Namespace, on_death=None, executor_factory=None):
     from phloem.metrics_prometheus import EngineMetrics
 
     limits = server_limits(args)
-    config = EngineArgs.from_cli_args(args).create_engine_config()
-    engine = LLMEngine(config, executor_factory=executor_factory)
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.data_parallel_size != 1:
+        raise ValueError(
+            f"--data-parallel-size {engine_args.data_parallel_size}: phloem serve runs one "
+            "engine; start one server per replica behind a load balancer instead"
+        )
     name = args.served_model_name or default_model_name(args.model)
     metrics = EngineMetrics(name)
-    async_engine = AsyncLLMEngine(engine, metrics=metrics, on_death=on_death)
-    tokenizer = copy.deepcopy(engine.tokenizer)
+    if args.engine_process:
+        from phloem.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(engine_args, metrics, on_death, executor_factory)
+        tokenizer = copy.deepcopy(engine.tokenizer)
+    else:
+        engine = _thread_engine(engine_args, metrics, on_death, executor_factory)
+        tokenizer = copy.deepcopy(engine.tokenizer)
     return ServerState(
-        engine=async_engine,
+        engine=engine,
         model_name=name,
         tokenizer=tokenizer,
         metrics=metrics,
@@ -121,7 +145,19 @@ def build_state(args: argparse.Namespace, on_death=None, executor_factory=None):
     )
 
 
-def cmd_serve(args: argparse.Namespace, executor_factory=None) -> int:
+def _thread_engine(engine_args, metrics, on_death, executor_factory: str | None):
+    """The in-thread engine (`--no-engine-process`)."""
+    from phloem.engine.async_engine import AsyncLLMEngine
+    from phloem.engine.engine_core import import_factory
+    from phloem.engine.llm_engine import LLMEngine, OutputMode
+
+    factory = import_factory(executor_factory) if executor_factory else None
+    config = engine_args.create_engine_config()
+    engine = LLMEngine(config, executor_factory=factory, output_mode=OutputMode.STREAM)
+    return AsyncLLMEngine(engine, metrics=metrics, on_death=on_death)
+
+
+def cmd_serve(args: argparse.Namespace, executor_factory: str | None = None) -> int:
     """Run the server until shutdown; returns the exit status (1 if the engine loop died or the
     server never started). `executor_factory`: as `build_state`."""
     import asyncio
@@ -153,12 +189,17 @@ def cmd_serve(args: argparse.Namespace, executor_factory=None) -> int:
             )
             asyncio.get_running_loop().call_later(args.dead_engine_grace_s, server.stop_serving)
 
-    state = build_state(args, on_death, executor_factory)
+    try:
+        state = build_state(args, on_death, executor_factory)
+    except RuntimeError as e:  # the engine core process failed to start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     server = Server(_uvicorn_config(build_app(state), args, state))
     holder["server"] = server
+    where = f"engine core pid {state.engine.pid}" if args.engine_process else "engine thread"
     print(
         f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
-        f"(max_model_len {state.engine.max_model_len})",
+        f"(max_model_len {state.engine.max_model_len}, {where})",
         file=sys.stderr,
         flush=True,
     )

@@ -14,7 +14,7 @@ import pytest
 import phloem.worker.model_runner as model_runner_module
 from phloem import SamplingParams
 from phloem.engine.async_engine import AsyncLLMEngine, RequestFailedError
-from phloem.engine.llm_engine import LLMEngine
+from phloem.engine.llm_engine import LLMEngine, OutputMode
 from phloem.engine_args import EngineArgs
 from phloem.sampling_params import SEED_MAX
 from tests.engine.tiny_models import tiny_model_dir
@@ -33,7 +33,11 @@ def make_engine(model_path, executor_factory=None) -> tuple[AsyncLLMEngine, obje
     from phloem.metrics_prometheus import EngineMetrics
 
     args = EngineArgs(str(model_path), block_size=4, max_num_batched_tokens=32)
-    engine = LLMEngine(args.create_engine_config(), executor_factory=executor_factory)
+    engine = LLMEngine(
+        args.create_engine_config(),
+        executor_factory=executor_factory,
+        output_mode=OutputMode.STREAM,
+    )
     assert engine.scheduler_config.async_scheduling
     metrics = EngineMetrics("tiny")
     return AsyncLLMEngine(engine, metrics=metrics), metrics

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from phloem.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from phloem.engine.core_client import EngineCoreClient
 from phloem.entrypoints.openai.limits import ServerLimits
 from phloem.entrypoints.openai.protocol import (
     APIError,
@@ -72,9 +73,9 @@ _ENGINE_ERRORS = (EngineDeadError, RequestFailedError, ServerShuttingDownError, 
 class ServerState:
     """The server's engine, tokenizer and settings, plus its shutdown state (event loop only)."""
 
-    engine: AsyncLLMEngine
+    engine: EngineCoreClient | AsyncLLMEngine  # the core's process, or an in-thread engine
     model_name: str
-    tokenizer: Any  # the front's own copy: the engine thread decodes with the original
+    tokenizer: Any  # the front's own copy: the streams (or the engine thread) decode with theirs
     metrics: Any = None
     api_key: str | None = None
     version: str = "0"
@@ -92,7 +93,7 @@ class ServerState:
         return self.engine.max_model_len
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        self.engine.engine.validate_prompt(prompt_token_ids)
+        self.engine.validate_prompt(prompt_token_ids)
 
     async def off_loop(self, fn, *args):
         """`fn(*args)` on the request-preparation thread (parsing, validation, tokenization).
@@ -253,7 +254,7 @@ async def wait_disconnect(request: Request) -> None:
 # -- the endpoints' core --------------------------------------------------------------------------
 
 
-async def _merged(engine: AsyncLLMEngine, prep: PreparedRequest, arrival: float):
+async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest, arrival: float):
     """Yield (prompt index, RequestOutput) from all prompts of one API request as they come."""
     gens = [
         engine.generate(ids, params, rid, text, arrival)

@@ -1,0 +1,219 @@
+"""The engine core process: the scheduler and executor loop, fed and read over ZeroMQ.
+
+The server process spawns it (`EngineCoreClient`, engine/core_client.py). It builds an
+`LLMEngine` in DELTA mode (token ids only: no text, no stop strings) from the same `EngineArgs`
+and runs:
+
+    loop:  idle?  block on the input socket (1 s polls: exit if the parent is gone)
+           drain every queued message without blocking: add / abort / stop sequences
+           step()  ->  one CoreStep (every touched request's delta + stats)  ->  output socket
+
+It never waits on a client: the output socket has no high-water mark (the front buffers), and
+the front's aborts arrive as messages between steps. An exception out of `step()` is sent as
+`CoreDead` and the process exits 1; a failure to build the engine is sent the same way before
+`CoreReady`. Prior art: vLLM v1's EngineCore process (ZeroMQ + msgspec), SGLang's scheduler
+process; the code is our own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from phloem.engine.core_messages import (
+    CoreAbort,
+    CoreDead,
+    CoreReady,
+    CoreRequest,
+    CoreShutdown,
+    CoreStats,
+    CoreStep,
+    RequestDelta,
+    core_decoder,
+)
+from phloem.engine.llm_engine import LLMEngine, OutputMode
+from phloem.engine_args import EngineArgs
+from phloem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # how often an idle core checks that its parent still lives
+
+
+def import_factory(path: str):
+    """The object named by "package.module:attribute" (an executor factory for tests)."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"executor factory must be 'module:attribute', got {path!r}")
+    return vars(importlib.import_module(module))[name]
+
+
+@dataclass
+class _Counts:
+    """Totals the core keeps for the front's /metrics."""
+
+    started: set[str] = field(default_factory=set)  # request ids with a step computed
+    num_preemptions: int = 0
+    num_aborted_waiting: int = 0
+    num_aborted_running: int = 0
+
+
+class EngineCore:
+    """The loop of the engine core process over one `LLMEngine` (DELTA mode).
+
+    Args:
+        engine: the engine; only this loop touches it.
+        input_socket: PULL socket of `FrontMessage`s.
+        output_socket: PUSH socket for `CoreMessage`s.
+    """
+
+    def __init__(self, engine: LLMEngine, input_socket, output_socket) -> None:
+        self.engine = engine
+        self.input = input_socket
+        self.output = output_socket
+        self.decoder = core_decoder()
+        self.encoder = msgspec.msgpack.Encoder()
+        self.counts = _Counts()
+        self.parent_pid = os.getppid()
+        self._rejected: list[RequestDelta] = []
+        engine.add_step_observer(self._observe_step)
+
+    def run(self) -> None:
+        """Serve until `CoreShutdown` or the parent's death; exceptions out of `step()` leave."""
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                if self._rejected:
+                    self._send([])
+                while not self.input.poll(_IDLE_POLL_MS):
+                    if os.getppid() != self.parent_pid:
+                        return  # orphaned: the server is gone
+            if not self._drain():
+                return
+            if not engine.has_unfinished_requests():
+                self._send([])  # aborts while idle: the front's gauges go back to zero
+                continue
+            self._send(engine.step())
+
+    def _drain(self) -> bool:
+        """Apply every queued message; False on `CoreShutdown`."""
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            message = self.decoder.decode(frame)
+            if isinstance(message, CoreRequest):
+                self._add(message)
+            elif isinstance(message, CoreAbort):
+                self._abort(message)
+            elif isinstance(message, CoreShutdown):
+                return False
+
+    def _add(self, message: CoreRequest) -> None:
+        rid = message.request_id
+        try:
+            params = SamplingParams.from_dict(message.sampling_params)
+            self.engine.add_request(
+                message.prompt_token_ids, params, rid, arrival_time=message.arrival_time
+            )
+        except ValueError as e:
+            self._rejected.append(RequestDelta(rid, [], True, error=str(e), rejected=True))
+        except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+            logger.exception("request %s could not be queued", rid)
+            error = f"the request could not be queued: {type(e).__name__}: {e}"
+            self._rejected.append(RequestDelta(rid, [], True, error=error))
+
+    def _abort(self, message: CoreAbort) -> None:
+        engine, counts = self.engine, self.counts
+        for rid in message.request_ids:
+            if not engine.is_unfinished(rid):
+                continue
+            if rid in counts.started:
+                counts.num_aborted_running += 1
+            else:
+                counts.num_aborted_waiting += 1
+            counts.started.discard(rid)
+        engine.abort_request(message.request_ids)
+        if message.seq_ids:
+            engine.stop_sequences(message.seq_ids)
+
+    def _observe_step(self, record) -> None:
+        sched = record.scheduler_output
+        self.counts.num_preemptions += len(sched.preempted_seq_ids)
+        started = self.counts.started
+        for s in sched.scheduled:
+            started.add(s.seq_id.split("#", 1)[0])
+
+    def _send(self, deltas: list) -> None:
+        if self._rejected:
+            deltas = self._rejected + deltas
+            self._rejected = []
+        started = self.counts.started
+        for delta in deltas:
+            if delta.finished:
+                started.discard(delta.request_id)
+        self.output.send(self.encoder.encode(CoreStep(deltas, self._stats())), copy=False)
+
+    def _stats(self) -> CoreStats:
+        engine, counts = self.engine, self.counts
+        kv = engine.kv_manager
+        return CoreStats(
+            engine.scheduler.num_running,
+            engine.scheduler.num_waiting,
+            kv.num_reclaimable_blocks,
+            kv.num_blocks,
+            kv.num_prefix_cache_queries,
+            kv.num_prefix_cache_hits,
+            counts.num_preemptions,
+            counts.num_aborted_waiting,
+            counts.num_aborted_running,
+        )
+
+
+def run_engine_core(
+    args: EngineArgs, input_path: str, output_path: str, executor_factory: str | None
+) -> None:
+    """The process's entry point (multiprocessing spawn target): build, announce, loop.
+
+    Args:
+        args: the server's engine settings.
+        input_path / output_path: ipc:// addresses the front bound (PUSH -> our PULL, our PUSH
+            -> its PULL).
+        executor_factory: "module:attribute" of a test executor factory, or None.
+    Exits 1 (after sending `CoreDead`) when building the engine or a step raises.
+    """
+    # Ctrl-C reaches the whole process group: the server drains, then stops us itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context(1)
+    output = context.socket(zmq.PUSH)
+    output.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front
+    output.setsockopt(zmq.LINGER, 5000)
+    output.connect(output_path)
+    input_socket = context.socket(zmq.PULL)
+    input_socket.setsockopt(zmq.RCVHWM, 0)
+    input_socket.connect(input_path)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        factory = import_factory(executor_factory) if executor_factory else None
+        config = args.create_engine_config()
+        engine = LLMEngine(config, executor_factory=factory, output_mode=OutputMode.DELTA)
+        vocab = engine.hf_config.vocab_size
+        output.send(encoder.encode(CoreReady(engine.max_model_len, vocab, os.getpid())))
+        EngineCore(engine, input_socket, output).run()
+    except BaseException as e:  # noqa: BLE001 - any escape ends the core: tell the front
+        logger.exception("engine core died")
+        output.send(encoder.encode(CoreDead(f"{type(e).__name__}: {e}")))
+        time.sleep(0.2)
+        context.destroy(linger=2000)
+        sys.exit(1)
+    context.destroy(linger=2000)
