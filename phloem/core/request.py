@@ -113,6 +113,9 @@ class Request:
         stop_reason: the stop string or stop token id that finished it, if any.
         num_sent_blocks: entries of its block table the worker has been sent (the scheduler
             sends the rest as `ScheduledSequence.new_block_ids`) [blocks].
+        table_prefix: the scheduler's cache of (its group's `block_ids` when worked out,
+            `prefix_len`, `group_id`) for its current block table (None: not worked out since
+            the table was made).
     """
 
     request_id: str
@@ -129,6 +132,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_sent_blocks: int = 0
+    table_prefix: tuple[list[int] | None, int, int] | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -131,27 +131,49 @@ class Scheduler:
         output = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         requests: list[Request] = []  # the scheduled requests, in row order
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(output, requests, self.config.max_num_batched_tokens)
+        num_running_scheduled = len(requests)
+        if not output.preempted_seq_ids:
+            budget = self._admit_waiting(output, requests, budget)
+            if (
+                not output.scheduled
+                and self.waiting
+                and self.prefix_groups.release_idle(self.running)
+            ):
+                budget = self._admit_waiting(output, requests, budget)
+        self._update_after_schedule(output, requests, num_running_scheduled)
+        return output
 
-        # The running requests, in admission order. This loop visits every running request
-        # every step, so it reads each property once, asks the KV manager to allocate only
-        # when the block table is short (a decode token mostly fits the last block), and
-        # builds ScheduledRequest inline.
+    def _schedule_running(
+        self, output: SchedulerOutput, requests: list[Request], budget: int
+    ) -> int:
+        """Schedule the running requests, in admission order, under `budget` tokens (appending
+        to `output.scheduled` and `requests`); returns the budget left. The step counts as
+        computed for each at once (`_update_after_schedule`).
+
+        This loop visits every running request every step, so it reads each attribute once,
+        calls nothing per request in the common case (a decode token that fits its last block,
+        a prefix already worked out for its table) and builds ScheduledSequence inline.
+        """
         kv = self.kv
         block_size = kv.block_size
+        max_model_len = self.config.max_model_len
         running = self.running  # preemption removes from this same list
         chosen = output.scheduled
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
-            if request.num_pending_tokens and self._will_finish_by_length(request):
-                continue  # its pending token ends it: computing another would be waste
-            num_tokens = request.num_tokens
+            num_output = len(request.output_token_ids)
+            pending = request.num_pending_tokens
+            num_tokens = request.num_prompt_tokens + num_output + pending
+            if pending and (
+                num_tokens >= max_model_len
+                or num_output + pending >= (request.sampling_params.max_tokens or num_tokens + 1)
+            ):  # (max_tokens >= 1: `SamplingParams.validate`)
+                continue  # its pending token ends it (length): computing another would be waste
             num_computed = request.num_computed_tokens
-            num_new = num_tokens - num_computed
-            if num_new > budget:
-                num_new = budget
+            num_new = min(num_tokens - num_computed, budget)
             if num_new <= 0:
                 continue
             block_ids = kv.block_ids(request.request_id)
@@ -165,41 +187,41 @@ class Scheduler:
             if len(block_ids) > request.num_sent_blocks:
                 new_blocks = block_ids[request.num_sent_blocks :]
                 request.num_sent_blocks = len(block_ids)
-            scheduled = ScheduledSequence(
-                request.request_id, num_computed, num_new, num_computed + num_new == num_tokens,
-                new_blocks,
-            )  # fmt: skip
-            if request.shared_prefix is not None:
-                _set_prefix(scheduled, request.shared_prefix, block_ids)
+            sample = num_computed + num_new == num_tokens
+            group = request.shared_prefix
+            if group is None:
+                scheduled = ScheduledSequence(
+                    request.request_id, num_computed, num_new, sample, new_blocks
+                )
+            else:
+                cached = request.table_prefix
+                if cached is None or cached[0] is not group.block_ids:
+                    cached = request.table_prefix = _table_prefix(group, block_ids)
+                scheduled = ScheduledSequence(
+                    request.request_id, num_computed, num_new, sample, new_blocks, cached[1],
+                    cached[2],
+                )  # fmt: skip
+            request.num_computed_tokens = num_computed + num_new
+            if sample:
+                request.num_pending_tokens = pending + 1
             chosen.append(scheduled)
             requests.append(request)
             budget -= num_new
+        return budget
 
-        if not output.preempted_seq_ids:
-            budget = self._admit_waiting(output, requests, budget)
-            if not output.scheduled and self.waiting and self.prefix_groups.release_idle(running):
-                budget = self._admit_waiting(output, requests, budget)
-        self._update_after_schedule(output, requests)
-        return output
-
-    def _update_after_schedule(self, output: SchedulerOutput, requests: list[Request]) -> None:
+    def _update_after_schedule(
+        self, output: SchedulerOutput, requests: list[Request], start: int
+    ) -> None:
         """The step is as good as computed for what follows (its update may come later, vLLM
-        v1's `_update_after_schedule`): advance `num_computed_tokens`, count each sample as
-        pending, and remember the scheduled requests for `update_from_output`."""
-        for scheduled, request in zip(output.scheduled, requests):
+        v1's `_update_after_schedule`): advance `num_computed_tokens` and count each sample as
+        pending for the admitted requests (rows `start:`; the running loop did it for its own
+        rows as it went), and remember the scheduled requests for `update_from_output`."""
+        for scheduled, request in zip(output.scheduled[start:], requests[start:]):
             request.num_computed_tokens += scheduled.num_tokens
             if scheduled.sample:
                 request.num_pending_tokens += 1
         if requests:
             self._unapplied[id(output)] = (output, requests)
-
-    def _will_finish_by_length(self, request: Request) -> bool:
-        """True if the request's pending tokens reach its max_tokens or the context."""
-        max_tokens = request.sampling_params.max_tokens
-        num_output = request.num_output_tokens + request.num_pending_tokens
-        if max_tokens is not None and num_output >= max_tokens:
-            return True
-        return request.num_tokens >= self.config.max_model_len
 
     def _preempt_until_allocated(
         self, request: Request, num_new: int, out: SchedulerOutput
@@ -304,7 +326,8 @@ class Scheduler:
             ),
         )
         if request.shared_prefix is not None:
-            _set_prefix(scheduled, request.shared_prefix, block_ids)
+            request.table_prefix = _table_prefix(request.shared_prefix, block_ids)
+            scheduled.prefix_len, scheduled.group_id = request.table_prefix[1:]
         output.scheduled.append(scheduled)
 
     def _preempt(self, request: Request) -> None:
@@ -313,6 +336,7 @@ class Scheduler:
         self.kv.free(request, cache=True)
         request.status = RequestStatus.PREEMPTED
         request.num_sent_blocks = 0
+        request.table_prefix = None
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
@@ -337,18 +361,22 @@ class Scheduler:
         if entry is None:
             return updated  # an empty step, or one dropped by `forget_unapplied`
         max_model_len = self.config.max_model_len
+        is_running = RequestStatus.RUNNING
         for scheduled, request in zip(output.scheduled, entry[1]):
             start = scheduled.num_computed_tokens
-            if start < request.num_prompt_tokens:  # a prompt chunk
+            prompt_chunk = start < request.num_prompt_tokens
+            if prompt_chunk:
                 end = min(start + scheduled.num_tokens, request.num_prompt_tokens)
                 self.num_computed_prompt_tokens += end - start
-            running = request.status is RequestStatus.RUNNING  # async: may be preempted since
+            running = request.status is is_running  # async: may be preempted since
             if not running and request.is_finished:  # aborted (or stopped, async) meanwhile
                 continue
             if running:
-                self.prefix_groups.on_computed(request)
-            if running and scheduled.num_computed_tokens < request.num_prompt_tokens:
-                self.kv.cache_prompt_blocks(request)
+                group = request.shared_prefix
+                if group is not None and group.leader is request:  # (most members: no call)
+                    self.prefix_groups.on_computed(request)
+                if prompt_chunk:
+                    self.kv.cache_prompt_blocks(request)
             if not scheduled.sample:
                 continue
             request.append_output_token(sampled_token_ids[request.request_id])
@@ -412,8 +440,10 @@ class Scheduler:
         self.kv.check_integrity(live)
 
 
-def _set_prefix(scheduled: ScheduledSequence, group: SharedPrefix, block_ids: list[int]) -> None:
-    """Set `prefix_len` and `group_id` when the table starts with the group's held blocks.
+def _table_prefix(group: SharedPrefix, block_ids: list[int]) -> tuple[list[int] | None, int, int]:
+    """(the group's `block_ids` now, `prefix_len`, `group_id`) of a scheduled sequence of
+    `group`: the group's when the table starts with the group's held blocks, else 0 and -1.
+    Stays true for the table while the group holds the same blocks (`Request.table_prefix`).
 
     Comparing the first and the last prefix block is enough: a table holds a group's block at
     the same index only by attaching the group's blocks (or a radix-cache path through them,
@@ -421,8 +451,8 @@ def _set_prefix(scheduled: ScheduledSequence, group: SharedPrefix, block_ids: li
     """
     held = group.block_ids
     if held is None:
-        return
+        return None, 0, -1
     n = len(held)
     if len(block_ids) >= n and block_ids[n - 1] == held[-1] and block_ids[0] == held[0]:
-        scheduled.prefix_len = group.prefix_len
-        scheduled.group_id = group.group_id
+        return held, group.prefix_len, group.group_id
+    return held, 0, -1

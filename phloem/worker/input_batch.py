@@ -42,10 +42,14 @@ class SequenceState:
     params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     row: SamplingRow | None = None
+    num_prompt_tokens: int = field(init=False, repr=False)  # len(prompt_token_ids), stored
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_known_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output (known tokens only)."""
@@ -126,9 +130,12 @@ class HostStep:
 
             |-- computed (start_b) --|-- this step: q_len_b tokens --|-- later --|
 
-        Per-sequence work is a few list slices; per-token work is vectorized (numpy)."""
-        bs = block_size
+        Per-sequence work is a few list slices; per-token work is vectorized (numpy). A step
+        of one token per sequence (decode) takes one loop (`_build_decode`)."""
         scheduled = sched.scheduled
+        if len(scheduled) == sum(s.num_tokens for s in scheduled):
+            return cls._build_decode(sched, states, block_size, prefix_lens)
+        bs = block_size
         ids: list[int] = []
         blocks: list[int] = []  # per sequence, the blocks its new tokens fall in, concatenated
         starts = [s.num_computed_tokens for s in scheduled]
@@ -153,6 +160,50 @@ class HostStep:
             seq_lens=[a + n for a, n in zip(starts, q_lens)],
             block_tables=tables,
             logits_indices=[qsl[i + 1] - 1 for i in sampled],
+            sampled=sampled,
+            prefix_lens=[s.prefix_len for s in scheduled] if prefix_lens else None,
+            pending=pending,
+        )
+
+    @classmethod
+    def _build_decode(
+        cls,
+        sched: SchedulerOutput,
+        states: list[SequenceState],
+        block_size: int,
+        prefix_lens: bool,
+    ) -> HostStep:
+        """`build` of a step in which each sequence computes one token, at position
+        num_computed_tokens (its slot: that position in its block table)."""
+        bs = block_size
+        scheduled = sched.scheduled
+        ids: list[int] = []
+        starts: list[int] = []
+        slots: list[int] = []
+        sampled: list[int] = []
+        pending: list[tuple[int, str]] = []
+        for b, (s, state) in enumerate(zip(scheduled, states)):
+            pos = s.num_computed_tokens
+            starts.append(pos)
+            k = pos - state.num_prompt_tokens
+            if k < 0:
+                ids.append(state.prompt_token_ids[pos])
+            elif k < len(state.output_token_ids):
+                ids.append(state.output_token_ids[k])
+            else:  # sampled by the step in flight
+                pending.append((b, s.seq_id))
+                ids.append(0)
+            slots.append(state.block_ids[pos // bs] * bs + pos % bs)
+            if s.sample:
+                sampled.append(b)
+        return cls(
+            input_ids=np.array(ids, dtype=np.int64),
+            positions=np.array(starts, dtype=np.int64),
+            slots=np.array(slots, dtype=np.int64),
+            query_lens=[1] * len(starts),
+            seq_lens=[pos + 1 for pos in starts],
+            block_tables=[state.block_ids for state in states],
+            logits_indices=list(sampled),  # token b is sequence b's
             sampled=sampled,
             prefix_lens=[s.prefix_len for s in scheduled] if prefix_lens else None,
             pending=pending,

@@ -239,15 +239,17 @@ class ModelRunner:
             return out
         result = launched.sampled.result()
         out.failed = launched.failed
-        for k, seq_id in enumerate(launched.seq_ids):
-            token_id = result.token_ids[k]
-            launched.states[k].output_token_ids.append(token_id)
-            out.sampled_token_ids[seq_id] = token_id
-            out.logprobs[seq_id] = result.logprobs[k]
-            out.top_logprobs[seq_id] = result.top_logprobs[k]
-            if result.num_nonfinite[k]:
-                out.num_nans_in_logits[seq_id] = result.num_nonfinite[k]
-                out.failed.setdefault(seq_id, NON_FINITE_MESSAGE)
+        seq_ids, token_ids = launched.seq_ids, result.token_ids
+        for state, token_id in zip(launched.states, token_ids):
+            state.output_token_ids.append(token_id)
+        out.sampled_token_ids = dict(zip(seq_ids, token_ids))
+        out.logprobs = dict(zip(seq_ids, result.logprobs))
+        out.top_logprobs = dict(zip(seq_ids, result.top_logprobs))
+        if any(result.num_nonfinite):
+            for seq_id, count in zip(seq_ids, result.num_nonfinite):
+                if count:
+                    out.num_nans_in_logits[seq_id] = count
+                    out.failed.setdefault(seq_id, NON_FINITE_MESSAGE)
         return out
 
     def needs_token_history(self, sched: SchedulerOutput) -> bool:
@@ -372,14 +374,16 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         failed: dict[str, str] = {}
         for i in sampled:
-            s, state = sched.scheduled[i], states[i]
-            try:
-                rows.append(
-                    self._sampling_row(s.seq_id, state, s.num_computed_tokens + s.num_tokens)
-                )
-            except Exception as e:  # noqa: BLE001 - this sequence's fault: it fails alone
-                failed[s.seq_id] = f"sampling setup failed: {type(e).__name__}: {e}"
-                rows.append(_placeholder_row(state))
+            state = states[i]
+            row = state.row  # cached when nothing in it depends on the step
+            if row is None:
+                s = sched.scheduled[i]
+                try:
+                    row = self._sampling_row(s.seq_id, state, s.num_computed_tokens + s.num_tokens)
+                except Exception as e:  # noqa: BLE001 - this sequence's fault: it fails alone
+                    failed[s.seq_id] = f"sampling setup failed: {type(e).__name__}: {e}"
+                    row = _placeholder_row(state)
+            rows.append(row)
         return rows, failed
 
     def _sampling_row(self, seq_id: str, state: SequenceState, num_tokens: int) -> SamplingRow:
