@@ -108,7 +108,18 @@ def _sync() -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    """The `bench throughput` subcommand; prints a summary and writes --json / --plot."""
+    """The `bench throughput` subcommand; prints a summary and writes --json / --plot.
+
+    Raises:
+        ValueError: for `--data-parallel-size` > 1 (the bench measures one engine), before
+            anything is loaded.
+    """
+    if args.data_parallel_size != 1:
+        raise ValueError(
+            f"--data-parallel-size {args.data_parallel_size}: phloem bench throughput measures "
+            "one engine on one device; run one bench per replica, or `phloem bench "
+            "plan-scaling` for the data-parallel model"
+        )
     import torch
 
     from phloem.bench import report

@@ -76,6 +76,13 @@ def test_profile_window_on_cpu(tmp_path):
     assert profile.with_suffix(".trace.json").stat().st_size > 0
 
 
+def test_throughput_rejects_data_parallel(tmp_path):
+    """The bench measures one engine: --data-parallel-size > 1 is refused before any load."""
+    args = ["throughput", "--model", str(tmp_path / "absent"), "--device", "cpu"]
+    with pytest.raises(ValueError, match="--data-parallel-size 2: phloem bench throughput"):
+        main([*args, "--data-parallel-size", "2"])
+
+
 def test_gc_pauses_counts_collections():
     import gc
 
