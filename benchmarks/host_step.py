@@ -10,7 +10,7 @@ like the BatchLLM GPU runs (2,200-token prompts in groups of 16 sharing a 2,048-
 Phases (one step each, in the engine's async order: schedule N+1, launch N+1, collect N, update N):
 
 - schedule: `Scheduler.schedule()`.
-- launch: `ModelRunner.launch()` with a stand-in model (zeros; no layers run) and, for decode
+- launch: `ModelRunner.needs_token_history()` and `ModelRunner.launch()` with a stand-in model (zeros; no layers run) and, for decode
   steps, a stand-in CUDA-graph runner whose replay does nothing, so the real host path runs:
   per-sequence state, host inputs, slot mapping, block tables, `plan_decode`, the graph's
   input copy, sampling rows and the sampler's launch (on the CPU, over an 8-token vocabulary).
@@ -183,6 +183,8 @@ class _Tree:
             keep = measure(sched)
             inputs_s = self.time_inputs(sched) if keep else 0.0
             t2 = time.perf_counter()
+            if in_flight is not None:  # the engine asks before it launches beside a step
+                self.runner.needs_token_history(sched)
             launched = self.runner.launch(sched)
             t3 = time.perf_counter()
             step = {"schedule": t1 - t0, "launch": t3 - t2, "inputs": inputs_s}
@@ -325,7 +327,7 @@ def _measure_tree() -> dict:
     gc.collect()
     gc.freeze()
     gc.disable()
-    decode = tree.run(30, lambda sched: all(s.num_tokens == 1 for s in sched.scheduled))
+    decode = tree.run(60, lambda sched: all(s.num_tokens == 1 for s in sched.scheduled))
     gc.enable()
     # mixed: new groups' prompt chunks beside the decoding sequences
     tree.scheduler.abort_requests([r.request_id for r in tree.scheduler.running[600:]])

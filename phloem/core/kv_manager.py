@@ -18,6 +18,8 @@ and the radix cache. A block is free exactly when none of these holds it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from phloem.core.block_allocator import BlockAllocator
 from phloem.core.radix_tree import RadixCache, RadixNode
 from phloem.core.request import Request, SharedPrefix
@@ -68,6 +70,12 @@ class KVManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (its list, not a copy: do not mutate)."""
         return self._block_tables.get(request_id, [])
+
+    @property
+    def block_tables(self) -> Mapping[str, list[int]]:
+        """Request id -> block table, for loops over every running request (read only: the
+        lists themselves, not copies; a request without blocks is absent)."""
+        return self._block_tables
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks to add so that `num_computed_tokens + num_new_tokens` tokens fit [blocks]."""

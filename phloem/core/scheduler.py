@@ -44,6 +44,8 @@ from phloem.core.scheduler_output import (
 )
 from phloem.core.stop_checker import check_stop
 
+NO_TABLE: list[int] = []  # the table of a request without blocks (never mutated)
+
 __all__ = ["NewSequenceData", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
@@ -158,6 +160,7 @@ class Scheduler:
         kv = self.kv
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
+        tables = kv.block_tables
         running = self.running  # preemption removes from this same list
         chosen = output.scheduled
         index = 0
@@ -176,7 +179,7 @@ class Scheduler:
             num_new = min(num_tokens - num_computed, budget)
             if num_new <= 0:
                 continue
-            block_ids = kv.block_ids(request.request_id)
+            block_ids = tables.get(request.request_id, NO_TABLE)
             if len(block_ids) * block_size < num_computed + num_new:
                 if not kv.allocate_slots(request, num_new) and not self._preempt_until_allocated(
                     request, num_new, output

@@ -66,6 +66,9 @@ class InputBatch:
 
     def __init__(self) -> None:
         self.states: dict[str, SequenceState] = {}
+        # states whose sampling reads earlier outputs (penalties): 0 lets
+        # `ModelRunner.needs_token_history` look at a step's new sequences only
+        self.num_with_penalties = 0
 
     def update(self, sched: SchedulerOutput) -> list[SequenceState]:
         """Apply one scheduler output (each exactly once, in order): drop finished and preempted
@@ -76,24 +79,29 @@ class InputBatch:
             KeyError: a scheduled sequence was never sent as new.
         """
         states = self.states
-        for seq_id in sched.finished_seq_ids:
-            states.pop(seq_id, None)
-        for seq_id in sched.preempted_seq_ids:
-            states.pop(seq_id, None)
+        for seq_id in (*sched.finished_seq_ids, *sched.preempted_seq_ids):
+            self._drop(seq_id)
         rows = []
         for s in sched.scheduled:
             new = s.new_sequence
             if new is not None:
+                self._drop(s.seq_id)
                 state = SequenceState(
                     new.prompt_token_ids, list(new.output_token_ids), new.sampling_params
                 )
                 states[s.seq_id] = state
+                self.num_with_penalties += state.params.has_penalties
             else:
                 state = states[s.seq_id]
             if s.new_block_ids:
                 state.block_ids.extend(s.new_block_ids)
             rows.append(state)
         return rows
+
+    def _drop(self, seq_id: str) -> None:
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.num_with_penalties -= state.params.has_penalties
 
 
 @dataclass

@@ -256,10 +256,13 @@ class ModelRunner:
         """True if sampling this step reads earlier output tokens (penalties), so a step in
         flight must be collected (its tokens appended) before this one is launched."""
         states = self.input_batch.states
+        held = self.input_batch.num_with_penalties > 0  # else only new sequences can have them
         for s in sched.scheduled:
             new = s.new_sequence
-            params = new.sampling_params if new is not None else states[s.seq_id].params
-            if params.has_penalties:
+            if new is not None:
+                if new.sampling_params.has_penalties:
+                    return True
+            elif held and states[s.seq_id].params.has_penalties:
                 return True
         return False
 
