@@ -276,7 +276,6 @@ class EngineCoreClient:
     def _on_step(self, step: CoreStep) -> None:
         now = time.monotonic()
         streams, metrics = self._streams, self.metrics
-        stop_whole: list[str] = []
         stop_seqs: list[str] = []
         num_new = 0
         for delta in step.deltas:
@@ -289,17 +288,14 @@ class EngineCoreClient:
             was_started = stream.num_tokens > 0
             new, stopped = stream.apply(delta, now)
             num_new += new
-            if stream.finished and not delta.finished:
-                stop_whole.append(delta.request_id)  # every sequence hit a stop string
-            elif stopped:
-                stop_seqs.extend(stopped)
+            stop_seqs.extend(stopped)
             if metrics is not None:
                 if new and not was_started:
                     metrics.on_first_token(len(stream.prompt_token_ids), stream.metrics.ttft)
                 if stream.finished:
                     metrics.on_finished(stream.output())
-        if stop_whole or stop_seqs:
-            self._send(CoreAbort(stop_whole, stop_seqs))
+        if stop_seqs:
+            self._send(CoreAbort([], stop_seqs))
         self._stats = step.stats
         if metrics is not None:
             metrics.on_generated(num_new)

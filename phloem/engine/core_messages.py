@@ -42,16 +42,17 @@ class CoreRequest(msgspec.Struct, tag="add", array_like=True):
 
 
 class CoreAbort(msgspec.Struct, tag="abort", array_like=True):
-    """Stop requests now and free their KV blocks (client gone, stop string hit).
+    """Stop requests now and free their KV blocks. Unknown or finished ids are ignored.
 
     Attributes:
-        request_ids: whole prompts to abort (unknown or finished ids are ignored).
-        seq_ids: single sequences of an n > 1 prompt to finish as stopped ("<id>#<i>"), their
-            siblings going on.
+        request_ids: whole prompts to abort (the client is gone; counted as aborted).
+        stop_seq_ids: sequences the front found a stop string in, to finish as stopped (the
+            request id when n == 1, "<id>#<i>" for sample i of n > 1); a prompt whose every
+            sequence has finished is forgotten (not counted as aborted).
     """
 
     request_ids: list[str]
-    seq_ids: list[str] = []
+    stop_seq_ids: list[str] = []
 
 
 class CoreShutdown(msgspec.Struct, tag="shutdown", array_like=True):

@@ -143,8 +143,12 @@ class EngineCore:
                 counts.num_aborted_waiting += 1
             counts.started.discard(rid)
         engine.abort_request(message.request_ids)
-        if message.seq_ids:
-            engine.stop_sequences(message.seq_ids)
+        if message.stop_seq_ids:
+            engine.stop_sequences(message.stop_seq_ids)
+            for seq_id in message.stop_seq_ids:
+                rid = seq_id.split("#", 1)[0]
+                if not engine.is_unfinished(rid):
+                    counts.started.discard(rid)
 
     def _observe_step(self, record) -> None:
         sched = record.scheduler_output

@@ -68,8 +68,7 @@ class LLMEngine:
         self._prompts: dict[str, PromptEntry] = {}
         self._sequences: dict[str, SequenceEntry] = {}
         self._ids = itertools.count()
-        # async scheduling: the launched step whose tokens the next step() collects
-        self._in_flight: LaunchedStep | None = None
+        self._in_flight: LaunchedStep | None = None  # async scheduling: collected next step()
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
 
@@ -273,26 +272,31 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str]) -> None:
         """Stop these prompts now and free their KV blocks."""
         for request_id in request_ids:
-            entry = self._prompts.pop(request_id, None)
-            if entry is None:
-                continue
-            ids = [s.request.request_id for s in entry.sequences]
-            self.scheduler.abort_requests(ids)
-            for seq_id in ids:
-                self._sequences.pop(seq_id, None)
+            entry = self._prompts.get(request_id)
+            if entry is not None:
+                self.scheduler.abort_requests([s.request.request_id for s in entry.sequences])
+                self._forget(entry)
 
     def stop_sequences(self, seq_ids: list[str]) -> None:
-        """Finish single sequences ("<request id>#<i>") as stopped and free their blocks, their
-        siblings going on (a front found a stop string in one child of an n > 1 prompt).
-        Unknown or finished ids are ignored."""
+        """Finish sequences as stopped and free their blocks (a front found a stop string:
+        "<request id>#<i>", or the request id when n == 1); a prompt whose sequences have all
+        finished is forgotten (no output). Unknown or finished ids are ignored."""
         for seq_id in seq_ids:
             seq = self._sequences.get(seq_id)
-            if seq is not None and not seq.request.is_finished:
-                self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_STOPPED)
+            if seq is None:
+                continue
+            self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_STOPPED)
+            entry = self._prompts[seq.prompt_id]
+            if all(s.request.is_finished for s in entry.sequences):
+                self._forget(entry)
+
+    def _forget(self, entry: PromptEntry) -> None:  # the prompt and its sequences
+        del self._prompts[entry.request_id]
+        for seq in entry.sequences:
+            self._sequences.pop(seq.request.request_id, None)
 
     def is_unfinished(self, request_id: str) -> bool:
-        """True while the prompt `request_id` is queued or running (not finished, aborted or
-        failed)."""
+        """True while the prompt `request_id` is queued or running."""
         return request_id in self._prompts
 
     def has_unfinished_requests(self) -> bool:
@@ -382,8 +386,7 @@ class LLMEngine:
         """
         now = time.monotonic()
         self._stamp_first_scheduled(sched)
-        sequences, prompts = self._sequences, self._prompts
-        scheduler = self.scheduler
+        sequences, scheduler = self._sequences, self.scheduler
         for seq_id, message in runner_output.failed.items():
             if seq_id in sequences:
                 scheduler.fail_request(sequences[seq_id].request, message)
@@ -402,9 +405,7 @@ class LLMEngine:
             ):
                 entry.finished = True
                 entry.metrics.finished_time = now
-                del prompts[entry.request_id]
-                for seq in entry.sequences:
-                    sequences.pop(seq.request.request_id, None)
+                self._forget(entry)
             if entry.finished or self.stream_outputs:
                 outputs.append(self._output(entry))
         return outputs
@@ -479,10 +480,9 @@ class LLMEngine:
             for seq in entry.sequences:
                 if not seq.request.is_finished:
                     self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ERROR)
-                self._sequences.pop(seq.request.request_id, None)
             entry.finished = True
             entry.metrics.finished_time = now
-            del self._prompts[entry.request_id]
+            self._forget(entry)
             outputs.append(self._output(entry))
         return outputs
 
