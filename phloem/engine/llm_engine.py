@@ -174,10 +174,9 @@ class LLMEngine:
             shared_prefix = None
             if sibling_prefix > 0:
                 shared_prefix = SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
-        for index in range(n):
-            entry.sequences.append(
-                self._new_sequence(entry, sampling_params, index, now, shared_prefix)
-            )
+        entry.sequences = [
+            self._new_sequence(entry, sampling_params, i, now, shared_prefix) for i in range(n)
+        ]
         added: list[str] = []
         try:
             for seq in entry.sequences:
