@@ -6,17 +6,18 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from phloem.layers.compilable import Compilable
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(Compilable):
     """x = [gate | up] along the last dim (each half d) -> silu(gate) * up, shape [..., d].
 
     On CUDA with Triton, one fused kernel (`phloem.ops.activation.silu_and_mul`, float32 math,
     one rounding); elsewhere two torch ops (as transformers computes it).
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and _fused() is not None:
             return _fused()(x)
         gate, up = x.chunk(2, dim=-1)

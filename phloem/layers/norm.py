@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phloem.layers.compilable import Compilable
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(Compilable):
     """y = weight * x / sqrt(mean(x^2) + eps), statistics in float32 (HF `LlamaRMSNorm`).
 
     Args:
@@ -26,7 +28,7 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def forward(
+    def compute(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize over the last dimension.

@@ -13,7 +13,8 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
+
+from phloem.layers.compilable import Compilable
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -70,7 +71,7 @@ def compute_inv_freq(rotary_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     )
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Compilable):
     """Applies RoPE to q and k by absolute position, from a float32 cos/sin table.
 
     Args:
@@ -103,7 +104,7 @@ class RotaryEmbedding(nn.Module):
             parts.append(x[..., self.rotary_dim :].float())
         return torch.cat(parts, dim=-1).to(x.dtype)
 
-    def forward(
+    def compute(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k.

@@ -15,7 +15,6 @@ whole model costs a few compiles, whatever the number of layers and batch sizes.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
@@ -26,10 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 def compile_elementwise_layers(model: nn.Module) -> int:
-    """Replace the forward of each RMSNorm instance of `model` (and of RotaryEmbedding and
-    SiluAndMul where their Triton kernels are unavailable) with a compiled version (mutates the
-    instances; compiles lazily on first call). Returns how many instances were wrapped; 0 when
-    PHLOEM_TORCH_COMPILE=0."""
+    """Hand each RMSNorm instance of `model` (and RotaryEmbedding and SiluAndMul where their
+    Triton kernels are unavailable) a compiled version of its `compute`
+    (`Compilable.use_compiled`: mutates the instances; compiles lazily on first call). Returns
+    how many instances got one; 0 when PHLOEM_TORCH_COMPILE=0."""
     if os.environ.get("PHLOEM_TORCH_COMPILE", "1") == "0":
         return 0
     from phloem.layers.activation import SiluAndMul, _fused
@@ -44,12 +43,12 @@ def compile_elementwise_layers(model: nn.Module) -> int:
     classes = (RMSNorm,)
     classes += (RotaryEmbedding,) if _fused_rope_kv() is None else ()
     classes += (SiluAndMul,) if _fused() is None else ()
-    compiled = {cls: torch.compile(cls.forward, dynamic=True) for cls in classes}
+    compiled = {cls: torch.compile(cls.compute, dynamic=True) for cls in classes}
     count = 0
     for module in model.modules():
         fn = compiled.get(type(module))
         if fn is not None:
-            module.forward = functools.partial(fn, module)
+            module.use_compiled(fn)  # the layers' declared seam (`layers/compilable.py`)
             count += 1
     logger.info(
         "torch.compile: %d elementwise layers share %d compiled functions", count, len(compiled)

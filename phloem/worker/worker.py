@@ -15,7 +15,9 @@ import logging
 import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
+from phloem.layers.attention import Attention
 from phloem.ops.attention import get_attention_backend
+from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.kv_store import FP8_KV_DTYPE
 from phloem.worker.fusion import compile_elementwise_layers
 from phloem.worker.model_runner import ModelRunner
@@ -100,28 +102,14 @@ class Worker:
         if self.device.type == "cuda":
             self.compiled_layers = compile_elementwise_layers(self.model)
         sched = scheduler_config or SchedulerConfig()
-        block_size = cache_config.block_size
         self.kv_dtype = FP8_KV_DTYPE if cache_config.kv_cache_dtype == "fp8" else self.dtype
-        backend = get_attention_backend(
-            model_config.attention_backend,
-            num_heads=_num_heads(self.model),
-            num_kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim,
-            dtype=self.dtype,
-            kv_dtype=self.kv_dtype,
-            device=self.device,
-            max_num_blocks_per_seq=-(
-                -max(sched.max_model_len, _max_positions(hf_config)) // block_size
-            ),
-            max_num_seqs=sched.max_num_seqs,
-            kv_layout=cache_config.kv_layout,
-        )
+        backend = self._attention_backend(model_config, cache_config, sched)
         logger.info("attention backend: %s", backend.name)
         profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         self.model_runner = ModelRunner(
             self.model,
-            num_blocks=-(-profile_tokens // block_size),
-            block_size=block_size,
+            num_blocks=-(-profile_tokens // cache_config.block_size),
+            block_size=cache_config.block_size,
             kv_dtype=self.kv_dtype,
             device=self.device,
             backend=backend,
@@ -129,27 +117,54 @@ class Worker:
             eos_token_id=eos_token_id,
             kv_layout=cache_config.kv_layout,
         )
-        activation_peak = 0
-        if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:
-            activation_peak = self._profile_activations(profile_tokens, sched.max_num_seqs)
-        self.num_blocks = self._num_kv_blocks(cache_config, activation_peak)
-        self.model_runner.allocate_kv_cache(self.num_blocks)
-        tokens = self.num_blocks * block_size
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency %.1f "
-            "requests of %d tokens",
-            self.num_blocks,
-            block_size,
-            tokens,
-            self.num_blocks * kv_bytes_per_block(self.model, block_size, self.kv_dtype) / 2**30,
-            tokens / sched.max_model_len,
-            sched.max_model_len,
-        )
+        self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
         if self.device.type == "cuda":  # compile attention kernels before the first request
             self.model_runner.warmup_attention(_num_heads(self.model))
         self.cuda_graphs = False
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.cuda_graphs = self._capture(sched.max_num_seqs)
+
+    def _attention_backend(
+        self, model_config: ModelConfig, cache_config: CacheConfig, sched: SchedulerConfig
+    ) -> AttentionBackend:
+        """The configured backend, sized for this model and these step limits (no sequence
+        outgrows `sched.max_model_len`: the engine caps it at the model's positions)."""
+        return get_attention_backend(
+            model_config.attention_backend,
+            num_heads=_num_heads(self.model),
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            device=self.device,
+            max_num_blocks_per_seq=-(-sched.max_model_len // cache_config.block_size),
+            max_num_seqs=sched.max_num_seqs,
+            kv_layout=cache_config.kv_layout,
+        )
+
+    def _allocate_kv_cache(
+        self, cache_config: CacheConfig, sched: SchedulerConfig, profile_tokens: int
+    ) -> int:
+        """Size the KV pool (after a memory profile of the largest step, on CUDA without an
+        explicit block count), allocate it in the runner, log it; returns its blocks."""
+        block_size = cache_config.block_size
+        activation_peak = 0
+        if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:
+            activation_peak = self._profile_activations(profile_tokens, sched.max_num_seqs)
+        num_blocks = self._num_kv_blocks(cache_config, activation_peak)
+        self.model_runner.allocate_kv_cache(num_blocks)
+        tokens = num_blocks * block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency %.1f "
+            "requests of %d tokens",
+            num_blocks,
+            block_size,
+            tokens,
+            num_blocks * kv_bytes_per_block(self.model, block_size, self.kv_dtype) / 2**30,
+            tokens / sched.max_model_len,
+            sched.max_model_len,
+        )
+        return num_blocks
 
     def _profile_activations(self, num_tokens: int, num_seqs: int) -> int:
         """Peak bytes allocated above the weights by the largest step (CUDA)."""
@@ -208,13 +223,9 @@ class Worker:
         return num_blocks
 
 
-def _max_positions(hf_config) -> int:
-    return int(getattr(hf_config, "max_position_embeddings", None) or 0)
-
-
 def _num_heads(model) -> int:
     """Query heads per layer of this rank (from the first attention layer)."""
     for module in model.modules():
-        if hasattr(module, "num_heads") and hasattr(module, "num_kv_heads"):
+        if isinstance(module, Attention):
             return module.num_heads
-    raise ValueError("model has no attention layer with num_heads")
+    raise ValueError("model has no attention layer")

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from phloem.config import ATTENTION_BACKENDS as BACKENDS  # the one list of names
 from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
 from phloem.ops.attention.metadata import AttentionMetadata
 
@@ -27,9 +28,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
 
 
 def get_attention_backend(name: str = "reference", **geometry) -> AttentionBackend:
