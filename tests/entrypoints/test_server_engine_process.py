@@ -144,3 +144,18 @@ def test_serve_rejects_data_parallel(capsys):
 
     assert main(["serve", "--data-parallel-size", "2"]) == 2
     assert "--data-parallel-size 2: phloem serve runs one engine" in capsys.readouterr().err
+
+
+def test_no_engine_process_serves_the_same(main_server, tmp_path):
+    """`--no-engine-process` (the engine in a thread of the server) answers as the default."""
+    prompt = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stop": ["\n\n"]}
+    with httpx.Client(base_url=main_server.url, headers=main_server.headers, timeout=60) as c:
+        expected = c.post("/v1/completions", json=prompt).json()["choices"][0]
+    server = ServerProcess(["--max-model-len", "512", "--no-engine-process"], tmp_path / "log")
+    try:
+        server.wait_ready()
+        assert "engine thread" in server.log_tail()
+        got = httpx.post(server.url + "/v1/completions", json=prompt, timeout=60).json()
+        assert got["choices"][0] == expected
+    finally:
+        server.stop()
