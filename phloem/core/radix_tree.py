@@ -139,24 +139,9 @@ class RadixCache:
         self._clock += 1
         bs = self.block_size
         tokens = tuple(token_ids[: len(token_ids) // bs * bs])
-        node = self.root
-        node.last_access = self._clock
+        self.root.last_access = self._clock
         block_ids: list[int] = []
-        pos = 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos : pos + bs])
-            if child is None:
-                break
-            num_blocks = self._num_matching_blocks(child.key, tokens, pos)
-            partial = num_blocks < len(child.block_ids)
-            if partial:
-                child = self._split(child, num_blocks)
-            child.last_access = self._clock
-            block_ids.extend(child.block_ids)
-            pos += len(child.key)
-            node = child
-            if partial:
-                break
+        node, pos = self._descend(self.root, tokens, block_ids)
         return PrefixMatch(block_ids=block_ids, num_tokens=pos, last_node=node)
 
     # ---------------------------------------------------------------------------- insertion
@@ -209,40 +194,64 @@ class RadixCache:
             raise ValueError(f"block_ids repeats a block id: {list(block_ids)}")
         self._clock += 1
         tokens = tuple(token_ids[: len(block_ids) * bs])
-        node = self.root if after is None else after
         # the known part is whole nodes: nothing to split there, only the root path to stamp
-        ancestor = node
-        while ancestor.parent is not None:
-            ancestor.last_access = self._clock
-            ancestor = ancestor.parent
-        if ancestor is not self.root:
-            raise ValueError(f"insert after a node that is not in the tree: {after!r}")
-        ancestor.last_access = self._clock
-        pos = 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos : pos + bs])
-            if child is None:
-                break
-            num_blocks = self._num_matching_blocks(child.key, tokens, pos)
-            if num_blocks < len(child.block_ids):
-                child = self._split(child, num_blocks)
-            child.last_access = self._clock
-            pos += len(child.key)
-            node = child
+        self._stamp_root_path(self.root if after is None else after)
+        node, pos = self._descend(self.root if after is None else after, tokens)
         first_new = pos // bs
         new_block_ids = list(block_ids[first_new:])
         clashes = self._cached_block_ids.intersection(new_block_ids)
         if clashes:
             raise ValueError(f"blocks {sorted(clashes)} are already cached at another position")
         if new_block_ids:
-            leaf = RadixNode(tokens[pos:], new_block_ids, node, self._clock, self._next_node_id)
-            self._next_node_id += 1
-            node.children[tokens[pos : pos + bs]] = leaf
-            self._leaves.discard(node)
-            self._leaves.add(leaf)
-            self._cached_block_ids.update(new_block_ids)
-            self._num_evictable_blocks += len(new_block_ids)
+            self._add_leaf(node, tokens[pos:], new_block_ids)
         return list(block_ids[:first_new])
+
+    def _stamp_root_path(self, node: RadixNode) -> None:
+        """Stamp `node` and its ancestors with the current access time. Raises ValueError when
+        the path does not end at the root (the node was evicted)."""
+        ancestor = node
+        while ancestor.parent is not None:
+            ancestor.last_access = self._clock
+            ancestor = ancestor.parent
+        if ancestor is not self.root:
+            raise ValueError(f"insert after a node that is not in the tree: {node!r}")
+        ancestor.last_access = self._clock
+
+    def _descend(
+        self, node: RadixNode, tokens: tuple[int, ...], block_ids: list[int] | None = None
+    ) -> tuple[RadixNode, int]:
+        """Follow `tokens` down from `node` a whole block at a time: each node on the way is
+        stamped (and its blocks appended to `block_ids` when given); an edge that matches only
+        partly is split at the last matching block, and the walk ends there. Returns the
+        deepest node reached and the number of tokens matched below `node`."""
+        bs = self.block_size
+        pos = 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos : pos + bs])
+            if child is None:
+                break
+            num_blocks = self._num_matching_blocks(child.key, tokens, pos)
+            partial = num_blocks < len(child.block_ids)
+            if partial:
+                child = self._split(child, num_blocks)
+            child.last_access = self._clock
+            if block_ids is not None:
+                block_ids.extend(child.block_ids)
+            pos += len(child.key)
+            node = child
+            if partial:
+                break
+        return node, pos
+
+    def _add_leaf(self, node: RadixNode, key: tuple[int, ...], block_ids: list[int]) -> None:
+        """A new unlocked leaf under `node` holding `block_ids` for the tokens `key`."""
+        leaf = RadixNode(key, block_ids, node, self._clock, self._next_node_id)
+        self._next_node_id += 1
+        node.children[key[: self.block_size]] = leaf
+        self._leaves.discard(node)
+        self._leaves.add(leaf)
+        self._cached_block_ids.update(block_ids)
+        self._num_evictable_blocks += len(block_ids)
 
     # ------------------------------------------------------------------------------ locking
     def lock(self, node: RadixNode) -> None:

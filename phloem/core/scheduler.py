@@ -149,26 +149,21 @@ class Scheduler:
     def _schedule_running(
         self, output: SchedulerOutput, requests: list[Request], budget: int
     ) -> int:
-        """Schedule the running requests, in admission order, under `budget` tokens (appending
-        to `output.scheduled` and `requests`); returns the budget left. The step counts as
-        computed for each at once (`_update_after_schedule`).
-
-        This loop visits every running request every step, so it reads each attribute once,
-        calls nothing per request in the common case (a decode token that fits its last block,
-        a prefix already worked out for its table) and builds ScheduledSequence inline.
-        """
+        """Schedule the running requests in admission order under `budget` tokens (appended
+        to `output.scheduled` and `requests`; each counts as computed at once, as in
+        `_update_after_schedule`); returns the budget left. It visits every running request
+        every step, so it reads each attribute once and calls nothing per request in the common
+        case (a decode token that fits its last block, a table whose prefix is known)."""
         kv = self.kv
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
         tables = kv.block_tables
         running = self.running  # preemption removes from this same list
-        chosen = output.scheduled
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
-            num_output = len(request.output_token_ids)
-            pending = request.num_pending_tokens
+            num_output, pending = len(request.output_token_ids), request.num_pending_tokens
             num_tokens = request.num_prompt_tokens + num_output + pending
             if pending and (
                 num_tokens >= max_model_len
@@ -207,7 +202,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             if sample:
                 request.num_pending_tokens = pending + 1
-            chosen.append(scheduled)
+            output.scheduled.append(scheduled)
             requests.append(request)
             budget -= num_new
         return budget

@@ -114,12 +114,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         ValueError: for `--data-parallel-size` > 1 (the bench measures one engine), before
             anything is loaded.
     """
-    if args.data_parallel_size != 1:
-        raise ValueError(
-            f"--data-parallel-size {args.data_parallel_size}: phloem bench throughput measures "
-            "one engine on one device; run one bench per replica, or `phloem bench "
-            "plan-scaling` for the data-parallel model"
-        )
+    _check_one_engine(args)
     import torch
 
     from phloem.bench import report
@@ -169,6 +164,16 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(result, args.plot)
     return 0
+
+
+def _check_one_engine(args: argparse.Namespace) -> None:
+    """Raise ValueError for `--data-parallel-size` > 1: the bench measures one engine."""
+    if args.data_parallel_size != 1:
+        raise ValueError(
+            f"--data-parallel-size {args.data_parallel_size}: phloem bench throughput measures "
+            "one engine on one device; run one bench per replica, or `phloem bench "
+            "plan-scaling` for the data-parallel model"
+        )
 
 
 def _workload(args: argparse.Namespace, model_dir: str):

@@ -106,10 +106,42 @@ def build_shared_prefix_metadata(
     if tables is None:
         tables = attn_meta.block_tables.tolist()
     qsl, seq_lens = attn_meta.query_start_loc_cpu, attn_meta.seq_lens_cpu
+    candidates = _candidate_groups(attn_meta, tables, prefix_lens, max_member_query_len)
+    seq_group = [-1] * num_seqs
+    sp = SharedPrefixMetadata(bs, [], [], [], [], seq_group, [0] * num_seqs, [], [])
+    for ids, members in candidates:
+        if len(members) < max(min_group_size, 1):
+            continue
+        g, p = sp.num_groups, len(ids) * bs
+        sp.group_block_ids.append(list(ids))
+        sp.group_prefix_lens.append(p)
+        sp.group_seq_ids.append(members)
+        sp.group_query_ranges.append([(qsl[b], qsl[b + 1]) for b in members])
+        for b in members:
+            seq_group[b] = g
+            sp.seq_prefix_lens[b] = p
+    for b in range(num_seqs):
+        p = sp.seq_prefix_lens[b]
+        sp.suffix_lens.append(seq_lens[b] - p)
+        sp.suffix_block_ids.append(list(tables[b][p // bs : -(-seq_lens[b] // bs)]))
+    return sp
+
+
+def _candidate_groups(
+    attn_meta: AttentionMetadata,
+    tables: list[list[int]],
+    prefix_lens: list[int],
+    max_member_query_len: int | None,
+) -> list[tuple[list[int], list[int]]]:
+    """(prefix block ids, members) of each distinct prefix the step's eligible sequences
+    start with, in order of first member (see `build_shared_prefix_metadata`; checks its
+    arguments the same way)."""
+    bs = attn_meta.block_size
+    qsl, seq_lens = attn_meta.query_start_loc_cpu, attn_meta.seq_lens_cpu
     # Bucket by (length, first, last block) -- cheap to hash --, then compare the whole prefix
     # with the bucket's groups (a C-level list compare): same blocks, same group.
     buckets: dict[tuple[int, int, int], list[tuple[list[int], list[int]]]] = {}
-    candidates: list[tuple[list[int], list[int]]] = []  # (prefix block ids, members)
+    candidates: list[tuple[list[int], list[int]]] = []
     for b, p in enumerate(prefix_lens):
         if p < 0 or p % bs:
             raise ValueError(f"sequence {b}: prefix_len {p} is not a multiple of block size {bs}")
@@ -129,24 +161,7 @@ def build_shared_prefix_metadata(
         else:
             bucket.append((prefix, [b]))
             candidates.append(bucket[-1])
-    seq_group = [-1] * num_seqs
-    sp = SharedPrefixMetadata(bs, [], [], [], [], seq_group, [0] * num_seqs, [], [])
-    for ids, members in candidates:
-        if len(members) < max(min_group_size, 1):
-            continue
-        g, p = sp.num_groups, len(ids) * bs
-        sp.group_block_ids.append(list(ids))
-        sp.group_prefix_lens.append(p)
-        sp.group_seq_ids.append(members)
-        sp.group_query_ranges.append([(qsl[b], qsl[b + 1]) for b in members])
-        for b in members:
-            seq_group[b] = g
-            sp.seq_prefix_lens[b] = p
-    for b in range(num_seqs):
-        p = sp.seq_prefix_lens[b]
-        sp.suffix_lens.append(seq_lens[b] - p)
-        sp.suffix_block_ids.append(list(tables[b][p // bs : -(-seq_lens[b] // bs)]))
-    return sp
+    return candidates
 
 
 def pad_groups(sp: SharedPrefixMetadata, meta: AttentionMetadata) -> SharedPrefixMetadata:

@@ -172,31 +172,20 @@ def plan_tiles(
     q_lens = qsl[1:] - qsl[:-1]
     lay = _token_layout(sp, qsl, q_lens, gqa, exclude)
     n_rows = q_lens[lay.active] * gqa
-    narrow = np.zeros(len(lay.active), dtype=bool)
-    if narrow_block_m is not None:
-        narrow = n_rows <= narrow_block_m
+    narrow = n_rows <= (narrow_block_m if narrow_block_m is not None else -1)
     if block_m is None:  # 16 for decode-only singles, up to 64 for large groups / chunks
-        widest = int(max(lay.group_rows.max(initial=0), n_rows[~narrow].max(initial=0)))
-        block_m = min(64, max(16, 1 << max(0, widest - 1).bit_length()))
+        block_m = _auto_block_m(lay, n_rows[~narrow])
     tile_m = np.where(narrow, narrow_block_m or block_m, block_m)
     # Suffix tiles: every sequence with queries, ceil(q_len * gqa / BLOCK_M) row tiles each.
     n_tiles = -(-n_rows // tile_m)
-    suffix_lens = np.array(sp.suffix_lens, dtype=np.int64)[lay.active]
-    suffix_work = int((n_tiles * suffix_lens).sum())
+    suffix_work = int((n_tiles * np.array(sp.suffix_lens, dtype=np.int64)[lay.active]).sum())
     splits = split_counts(sp, lay.group_rows, suffix_work, num_kv_heads, lay.num_grouped, block_m,
                           partial_bytes, device, prefix_splits)  # fmt: skip
-    row_tiles = -(-lay.group_rows // block_m)
     if max_splits is not None:
-        splits = [min(s, max_splits) for s in splits]
-        if max_prefix_tiles is not None and int((row_tiles * splits).sum()) > max_prefix_tiles:
-            splits = [1] * sp.num_groups
+        splits = _graph_splits(splits, -(-lay.group_rows // block_m), max_splits, max_prefix_tiles)
     suffix_slot = max(splits, default=0) if max_splits is None else max_splits
-    prefix_blocks = _concat(sp.group_block_ids)
-    suffix_ids = sp.suffix_block_ids
     active = lay.active.tolist()
-    suffix_blocks = _concat(suffix_ids[b] for b in active)
-    suffix_counts = np.fromiter((len(suffix_ids[b]) for b in active), np.int64, len(active))
-    blk_off = len(prefix_blocks) + np.cumsum(suffix_counts) - suffix_counts
+    prefix_blocks, suffix_blocks, blk_off = _block_arrays(sp, active)
     prefix_tiles = _prefix_tiles(sp, lay, splits, block_m, block_n)
     tile_seq = np.repeat(np.arange(len(active)), n_tiles)
     suffix_tiles = _suffix_tiles(
@@ -205,13 +194,48 @@ def plan_tiles(
     order = np.argsort(-suffix_tiles[:, 5], kind="stable")
     suffix_tiles, tile_narrow = suffix_tiles[order], narrow[tile_seq][order]
     wide = np.concatenate([prefix_tiles, suffix_tiles[~tile_narrow]])
+    blocks, qpos = np.concatenate([prefix_blocks, suffix_blocks]), _query_positions(qsl, seq_lens)
+    return HostPlan(wide, suffix_tiles[tile_narrow], block_m, lay.tokens, blocks, qpos,
+                    lay.num_grouped, suffix_slot + 1)  # fmt: skip
+
+
+def _query_positions(qsl: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """int64 [T]: the position of each query token of the packed step."""
+    q_lens = qsl[1:] - qsl[:-1]
     qpos = np.full(int(qsl[-1]), -1, dtype=np.int64)
     qpos[_ranges(qsl[:-1], q_lens)] = _ranges(seq_lens - q_lens, q_lens)
-    blocks = np.concatenate([prefix_blocks, suffix_blocks])
-    return HostPlan(
-        wide, suffix_tiles[tile_narrow], block_m, lay.tokens, blocks, qpos, lay.num_grouped,
-        suffix_slot + 1,
-    )  # fmt: skip
+    return qpos
+
+
+def _auto_block_m(lay: _TokenLayout, wide_rows: np.ndarray) -> int:
+    """BLOCK_M of the wide tiles: the widest group or wide segment's rows, rounded up to a power
+    of two within [16, 64]."""
+    widest = int(max(lay.group_rows.max(initial=0), wide_rows.max(initial=0)))
+    return min(64, max(16, 1 << max(0, widest - 1).bit_length()))
+
+
+def _graph_splits(
+    splits: list[int], row_tiles: np.ndarray, max_splits: int, max_prefix_tiles: int | None
+) -> list[int]:
+    """Prefix splits of a CUDA-graph step: at most `max_splits` each, and 1 everywhere when the
+    prefix tiles would exceed `max_prefix_tiles`."""
+    splits = [min(s, max_splits) for s in splits]
+    if max_prefix_tiles is not None and int((row_tiles * splits).sum()) > max_prefix_tiles:
+        splits = [1] * len(splits)
+    return splits
+
+
+def _block_arrays(
+    sp: SharedPrefixMetadata, active: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The groups' prefix block ids, the active sequences' suffix block ids (each
+    concatenated), and each active sequence's offset into prefix + suffix blocks."""
+    prefix_blocks = _concat(sp.group_block_ids)
+    suffix_ids = sp.suffix_block_ids
+    suffix_blocks = _concat(suffix_ids[b] for b in active)
+    suffix_counts = np.fromiter((len(suffix_ids[b]) for b in active), np.int64, len(active))
+    blk_off = len(prefix_blocks) + np.cumsum(suffix_counts) - suffix_counts
+    return prefix_blocks, suffix_blocks, blk_off
 
 
 class _TokenLayout(NamedTuple):
