@@ -59,6 +59,16 @@ _FINISHED_STATUSES = (
 _GROUP_IDS = itertools.count()  # SharedPrefix.group_id: unique in the process
 
 
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Token ids at positions [start, end) of prompt + output, without concatenating them."""
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return output[start - num_prompt : end - num_prompt]
+    return prompt[start:] + output[: end - num_prompt]
+
+
 @dataclass(eq=False)
 class SharedPrefix:
     """A prefix whose KV is computed once and shared by its members (BatchLLM §4.2 groups, and
@@ -158,12 +168,7 @@ class Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output (known tokens only)."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     def append_output_token(self, token_id: int) -> None:
         """Append a sampled token; a pending one (async scheduling) stops being pending."""

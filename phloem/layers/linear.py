@@ -32,6 +32,19 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
         )
 
 
+def _per_rank(size: int, what: str) -> int:
+    """`size` split evenly over the TP ranks; ValueError naming `what` when it does not divide."""
+    _, tp_size = _tp_world()
+    if size % tp_size:
+        raise ValueError(f"{what} {size} not divisible by tp_size {tp_size}")
+    return size // tp_size
+
+
+def _check_no_shard(module: nn.Module, shard_id: WeightShardId) -> None:
+    if shard_id is not None:
+        raise ValueError(f"{type(module).__name__} takes no shard id, got {shard_id!r}")
+
+
 def _shard(
     loaded: torch.Tensor, dim: int, rank: int, size: int, total: int, what: str
 ) -> torch.Tensor:
@@ -110,16 +123,12 @@ class ColumnParallelLinear(LinearBase):
         bias: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        _, tp_size = _tp_world()
-        if output_size % tp_size:
-            raise ValueError(f"output_size {output_size} not divisible by tp_size {tp_size}")
-        super().__init__(input_size, output_size // tp_size, bias, dtype)
+        super().__init__(input_size, _per_rank(output_size, "output_size"), bias, dtype)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
     ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        _check_no_shard(self, shard_id)
         size, what = param.shape[0], type(self).__name__
         loaded_weight = _shard(loaded_weight, 0, self.tp_rank, size, size * self.tp_size, what)
         _check_shape(param, loaded_weight, what)
@@ -138,16 +147,12 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        _, tp_size = _tp_world()
-        if input_size % tp_size:
-            raise ValueError(f"input_size {input_size} not divisible by tp_size {tp_size}")
-        super().__init__(input_size // tp_size, output_size, bias, dtype)
+        super().__init__(_per_rank(input_size, "input_size"), output_size, bias, dtype)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
     ) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        _check_no_shard(self, shard_id)
         if param.dim() == 2:
             size, what = param.shape[1], type(self).__name__
             loaded_weight = _shard(loaded_weight, 1, self.tp_rank, size, size * self.tp_size, what)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from phloem.core.request import token_slice
 from phloem.core.scheduler_output import SchedulerOutput
 from phloem.layers.sampler import SamplingRow
 from phloem.sampling_params import SamplingParams
@@ -53,12 +54,7 @@ class SequenceState:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output (known tokens only)."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 class InputBatch:
@@ -152,8 +148,10 @@ class HostStep:
         pending: list[tuple[int, str]] = []
         for s, state, start, q_len, table in zip(scheduled, states, starts, q_lens, tables):
             end = start + q_len
-            ids += state.token_ids(start, end)
-            if end > state.num_known_tokens:  # the last one is pending (one step in flight)
+            ids += token_slice(state.prompt_token_ids, state.output_token_ids, start, end)
+            if end > state.num_prompt_tokens + len(
+                state.output_token_ids
+            ):  # the last one is pending (one step in flight)
                 pending.append((len(ids), s.seq_id))
                 ids.append(0)
             blocks += table[start // bs : (end - 1) // bs + 1]

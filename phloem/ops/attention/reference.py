@@ -25,6 +25,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _geometry(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_heads, head_dim, num_kv_heads, GQA group size) of a query [T, H, D] and a cache
+    [blocks, 2, block_size, H_kv, D]."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    return num_heads, head_dim, num_kv_heads, num_heads // num_kv_heads
+
+
 def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
@@ -88,18 +96,10 @@ class ReferenceAttention(AttentionBackend):
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention of the step's queries over each sequence's paged KV.
+        """Causal paged attention (the `AttentionBackend.forward` contract), for a query of any
+        float dtype: the host lists `query_start_loc_cpu` and `seq_lens_cpu` drive the loop,
+        `block_tables` is indexed on the cache's device.
 
-        Args:
-            query: [T, num_heads, head_dim], any float dtype.
-            kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] with this step's K/V
-                already written; read only.
-            meta: the step's metadata (the host lists `query_start_loc_cpu`, `seq_lens_cpu` drive
-                the loop; `block_tables` is indexed on the cache's device).
-            scale: softmax scale.
-            out: if given, receives the result (and is returned).
-        Returns:
-            [T, num_heads, head_dim] in `query.dtype`.
         Raises:
             ValueError: for inconsistent shapes or metadata (q_len > seq_len, block size mismatch).
         """
@@ -127,11 +127,8 @@ class ReferenceAttention(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         """All q_len == 1 sequences at once: one padded gather, masked past each length."""
-        num_heads, head_dim = query.shape[1:]
-        num_kv_heads = kv_cache.shape[3]
-        group = num_heads // num_kv_heads
-        cdt = _compute_dtype(query.dtype)
-        device = query.device
+        num_heads, head_dim, num_kv_heads, group = _geometry(query, kv_cache)
+        cdt, device = _compute_dtype(query.dtype), query.device
         lens = torch.tensor([meta.seq_lens_cpu[b] for b in seqs], device=device)
         max_len = max(meta.seq_lens_cpu[b] for b in seqs)
         rows = torch.tensor(seqs, device=meta.block_tables.device)
@@ -158,11 +155,8 @@ class ReferenceAttention(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         """One q_len > 1 sequence through SDPA; GQA folds the group into the query length."""
-        num_heads, head_dim = query.shape[1:]
-        num_kv_heads = kv_cache.shape[3]
-        group = num_heads // num_kv_heads
-        cdt = _compute_dtype(query.dtype)
-        device = query.device
+        num_heads, head_dim, num_kv_heads, group = _geometry(query, kv_cache)
+        cdt, device = _compute_dtype(query.dtype), query.device
         start, end = meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1]
         q_len, seq_len = end - start, meta.seq_lens_cpu[b]
         table = meta.block_tables[b : b + 1].to(device=device, dtype=torch.int64)
