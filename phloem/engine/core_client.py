@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_MAX_MESSAGES_PER_CALLBACK = 16  # core steps handled before the event loop's other work
+
 
 class EngineCoreClient:
     """Starts the engine core process and streams each request's outputs from it.
@@ -264,14 +266,20 @@ class EngineCoreClient:
     # -- the core's messages (event loop callbacks) -------------------------------------------------
 
     def _on_readable(self) -> None:
-        """Read every message queued on the socket (its descriptor signals edges only)."""
+        """Read the messages queued on the socket. Its descriptor signals edges only, so a
+        backlog left after `_MAX_MESSAGES_PER_CALLBACK` (other callbacks, HTTP, get their turn)
+        is read by a callback scheduled again."""
         sock = self._from_core
-        while not self._context.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(_MAX_MESSAGES_PER_CALLBACK):
+            if self._context.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             message = self._decoder.decode(sock.recv(zmq.NOBLOCK))
             if isinstance(message, CoreStep):
                 self._on_step(message)
             elif isinstance(message, CoreDead):
                 self._die(RuntimeError(message.error))
+        if self._loop is not None:
+            self._loop.call_soon(self._on_readable)
 
     def _on_step(self, step: CoreStep) -> None:
         now = time.monotonic()
