@@ -86,16 +86,14 @@ class EngineCoreClient:
     ) -> None:
         from phloem.engine.engine_core import run_engine_core
         from phloem.models.loader import (
-            load_hf_config,
             load_tokenizer,
             resolve_model,
             startup_source,
         )
 
         config = args.create_engine_config()  # ValueError naming the field, before spawning
-        source = startup_source(resolve_model(args.model), config.model)
-        self.hf_config = load_hf_config(source)
-        self.tokenizer = load_tokenizer(source)
+        # a GGUF model is converted here once, before the core loads the converted files
+        self.tokenizer = load_tokenizer(startup_source(resolve_model(args.model), config.model))
         self.metrics = metrics
         self.on_death = on_death
         self.dead_error: BaseException | None = None
