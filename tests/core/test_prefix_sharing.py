@@ -352,3 +352,42 @@ def test_an_idle_groups_prefix_does_not_starve_the_running_request(memory_centri
     assert True in a_prefix_held and a_prefix_held[-1] is False  # held, then released
     assert a[1].num_cached_tokens == 0  # a1 recomputed a's prefix
     assert c[1].num_cached_tokens == 8 and b[1].num_cached_tokens == 8
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_scheduled_prefix_matches_the_table_every_step(seed):
+    """Each ScheduledSequence's (prefix_len, group_id) is its group's exactly when its block table
+    starts with the group's held blocks, every step, through holds, idle releases, preemptions
+    and readmissions (the scheduler caches the answer per table and hold:
+    `Request.table_prefix`)."""
+    rng = random.Random(seed)
+    num_blocks = rng.randint(24, 48)
+    prompts, max_tokens = grouped_workload(
+        rng.randint(2, 4), rng.randint(2, 5), rng.randint(4, 10), rng.randint(1, 5), 6, seed
+    )
+    _, requests = planned_requests(prompts, max_tokens, block_size=2)
+    s = make_scheduler(
+        num_blocks=num_blocks, block_size=2, budget=rng.randint(4, 24), max_seqs=8,
+        memory_centric=rng.random() < 0.5, prefix_cache=False, max_len=num_blocks * 2,
+    )  # fmt: skip
+    for r in requests:
+        s.add_request(r)
+    seen = set()
+    for _ in range(2_000):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        for sched in out.scheduled:
+            request = s.requests[sched.seq_id]
+            table, group = s.kv.block_ids(sched.seq_id), request.shared_prefix
+            held = group.block_ids if group is not None else None
+            if held is not None and table[: len(held)] == held:
+                want = (group.prefix_len, group.group_id)
+            else:
+                want = (0, -1)
+            assert (sched.prefix_len, sched.group_id) == want, (sched, table, held)
+            seen.add(want[0] > 0)
+        s.update_from_output(out, fake_sampled(s, out))
+        s.check_integrity()
+    assert not s.has_unfinished_requests()
+    assert True in seen
