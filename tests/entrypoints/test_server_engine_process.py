@@ -69,7 +69,7 @@ def test_greedy_outputs_equal_offline_llm(main_server):
 
 
 async def _stream(client: httpx.AsyncClient, i: int, cancel: bool) -> str:
-    body = {"prompt": f"Request {i}: count to ten.", "max_tokens": 10, "stream": True}
+    body = {"prompt": f"Request {i}: count to ten.", "max_tokens": 8, "stream": True}
     body["ignore_eos"] = True
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
