@@ -1,9 +1,9 @@
-"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF): phloem greedy == transformers."""
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) end to end: chat template, stop
+strings and n, prefix sharing on and off (greedy vs transformers: tests/models/test_gguf.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from phloem import LLM, SamplingParams
 
@@ -23,38 +23,6 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def llm(embedded_llm):
     return embedded_llm  # the session's engine: max_num_batched_tokens=64 (see conftest)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    import transformers
-
-    from phloem.models.loader import resolve_model
-
-    source = resolve_model(None)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32
-    ).eval()
-
-
-def test_greedy_matches_transformers_on_gguf(llm, hf_model):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outputs = llm.chat(PROMPTS, params, use_tqdm=False)
-    tokenizer = llm.get_tokenizer()
-    for conversation, output in zip(PROMPTS, outputs):
-        _, prompt_ids = llm.encode_chat(conversation)
-        assert output.prompt_token_ids == prompt_ids
-        with torch.no_grad():
-            ref = hf_model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.eos_token_id,
-            )[0, len(prompt_ids) :].tolist()
-        got = output.outputs[0].token_ids
-        assert got == ref, (tokenizer.decode(got), tokenizer.decode(ref))
-        assert output.outputs[0].text.strip(), "empty text"
 
 
 def test_chat_template_not_double_bos(llm):

@@ -182,9 +182,18 @@ def test_tiny_gguf_matches_hf(arch: str, config, tmp_path) -> None:
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def embedded_hf_model():
+    """transformers' own load of the embedded GGUF (float32), shared by this file's references."""
+    source = resolve_model(None)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        source.path, gguf_file=source.gguf_file, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
 @pytest.mark.slow
 @torch.no_grad()
-def test_embedded_model_matches_transformers() -> None:
+def test_embedded_model_matches_transformers(embedded_hf_model) -> None:
     source = resolve_model(None)
     config = load_hf_config(source)
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
@@ -200,9 +209,42 @@ def test_embedded_model_matches_transformers() -> None:
     for _ in range(3):  # greedy decode
         tokens.append(int(steps[-1][-1].argmax()))
         steps.append(harness.step([(0, tokens[-1:])])[0])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32, local_files_only=True
-    ).eval()
-    expected = hf(torch.tensor([tokens])).logits[0]
+    expected = embedded_hf_model(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(torch.cat(steps), expected, atol=1e-3, rtol=0)
     assert tokenizer.decode(tokens[len(prompt) :]).strip().startswith("Paris")
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why do cats purr?"},
+    ],
+]
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_gguf(embedded_llm, embedded_hf_model) -> None:
+    """The session's engine (through the converted cache) greedy-decodes chats token for token
+    as transformers does on the GGUF file."""
+    from phloem import SamplingParams
+
+    max_tokens = 24
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outputs = embedded_llm.chat(CHATS, params, use_tqdm=False)
+    tokenizer = embedded_llm.get_tokenizer()
+    for conversation, output in zip(CHATS, outputs):
+        _, prompt_ids = embedded_llm.encode_chat(conversation)
+        assert output.prompt_token_ids == prompt_ids
+        with torch.no_grad():
+            ref = embedded_hf_model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )[0, len(prompt_ids) :].tolist()
+        got = output.outputs[0].token_ids
+        assert got == ref, (tokenizer.decode(got), tokenizer.decode(ref))
+        assert output.outputs[0].text.strip(), "empty text"
