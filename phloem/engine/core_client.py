@@ -49,6 +49,7 @@ from phloem.engine.core_messages import (
     params_to_dict,
 )
 from phloem.engine.core_stream import RequestStream
+from phloem.engine.input_checks import check_params, check_prompt
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
 
@@ -189,19 +190,13 @@ class EngineCoreClient:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError naming the limit when a prompt cannot run (`LLMEngine`'s checks)."""
-        from phloem.engine.data_parallel import validate_prompt
-
-        validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def validate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Raise ValueError when the prompt cannot run or stop_token_ids lie outside the
-        vocabulary (`LLMEngine.validate_prompt` / `validate_params`)."""
-        self.validate_prompt(prompt_token_ids)
-        bad = [t for t in sampling_params.stop_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-            )
+        vocabulary (`input_checks`)."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_params(sampling_params, self.vocab_size)
 
     async def generate(
         self,

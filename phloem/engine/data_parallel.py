@@ -39,6 +39,7 @@ from typing import Any
 
 from phloem.core.prefix_planner import PrefixPlan
 from phloem.core.replica_partition import ReplicaAssignment, assign_groups, group_costs_s
+from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.replica_process import Replica, ReplicaError, receive, shutdown
 from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
@@ -137,23 +138,6 @@ class ReplicaReport:
         }
 
 
-def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError naming the limit when a prompt cannot run (the checks and messages of
-    `LLMEngine.validate_prompt`, for the parent, which has no engine)."""
-    if not prompt_token_ids:
-        raise ValueError("prompt must contain at least one token")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-            f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit"
-        )
-    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        raise ValueError(
-            f"prompt_token_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-        )
-
-
 class DataParallelEngine:
     """N replica processes behind one global prefix plan (module docstring); the parent side
     of `LLM(data_parallel_size=N)`. It offers what the offline path reads of an `LLMEngine`
@@ -207,16 +191,11 @@ class DataParallelEngine:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError naming the limit when a prompt cannot run (on every replica)."""
-        validate_prompt(prompt_token_ids, self.max_model_len, self.hf_config.vocab_size)
+        check_prompt(prompt_token_ids, self.max_model_len, self.hf_config.vocab_size)
 
     def validate_params(self, sampling_params: SamplingParams) -> None:
         """Raise ValueError naming the field when stop_token_ids lie outside the vocabulary."""
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in sampling_params.stop_token_ids or () if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
+        check_params(sampling_params, self.hf_config.vocab_size)
 
     @property
     def num_computed_prompt_tokens(self) -> int:

@@ -30,6 +30,7 @@ from phloem.core.kv_manager import KVManager
 from phloem.core.request import Request, RequestStatus, SharedPrefix
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
+from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.prompt_entry import OutputMode, PromptEntry, SequenceEntry, StepOutput
 from phloem.engine.step_observer import LaunchedStep, StepObserver
 from phloem.outputs import RequestMetrics
@@ -227,31 +228,13 @@ class LLMEngine:
         return seq
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError naming the limit when a prompt cannot run."""
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is "
-                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
-            )
-        vocab = self.hf_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-            raise ValueError(
-                f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
+        """Raise ValueError naming the limit when a prompt cannot run (`input_checks`)."""
+        check_prompt(prompt_token_ids, self.max_model_len, self.hf_config.vocab_size)
 
     def validate_params(self, sampling_params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit when sampling parameters that passed
-        `SamplingParams.validate()` exceed what this model can do (stop_token_ids outside the
-        vocabulary)."""
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in sampling_params.stop_token_ids or () if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
+        """Raise ValueError naming the field when sampling parameters exceed what this model
+        can do (`input_checks.check_params`)."""
+        check_params(sampling_params, self.hf_config.vocab_size)
 
     @property
     def num_computed_prompt_tokens(self) -> int:
