@@ -379,6 +379,7 @@ class LLMEngine:
             )
         touched, maybe_done = self._apply_tokens(updated, runner_output, failed_prompts, now)
         outputs: list[StepOutput] = []
+        stream = self.stream_outputs  # read once a step: this loop runs per touched prompt
         for entry in touched.values():
             if failed_prompts and entry.request_id in failed_prompts:
                 continue
@@ -388,7 +389,7 @@ class LLMEngine:
                 entry.finished = True
                 entry.metrics.finished_time = now
                 self._forget(entry)
-            if entry.finished or self.stream_outputs:
+            if entry.finished or stream:
                 outputs.append(self._output(entry))
         return outputs
 
