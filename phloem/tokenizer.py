@@ -19,7 +19,10 @@ uses, with the same results (tests compare it with `PreTrainedTokenizerFast` on 
 - `eos_token_id`, `bos_token_id`, `pad_token_id`, `get_vocab()`, `chat_template`,
   `convert_tokens_to_ids`, `convert_ids_to_tokens`.
 
-For anything else, load the directory with transformers (`AutoTokenizer.from_pretrained`).
+A directory whose tokenizer_config.json sets anything else that may change how transformers
+builds the tokenizer (`add_bos_token`, `add_prefix_space`, a model-specific tokenizer class, ...)
+is refused (`UnsupportedTokenizer`), and the loader uses transformers for it. For the rest of
+the transformers API, load the directory with `AutoTokenizer.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+# tokenizer_config.json keys whose meaning FastTokenizer reproduces (or that change nothing it
+# does); any other key may change how transformers builds the tokenizer (e.g. add_bos_token or
+# add_prefix_space rewrite the pipeline at load), so such a directory is left to transformers
+_KNOWN_CONFIG_KEYS = frozenset({
+    *_SPECIAL_NAMES, "backend", "tokenizer_class", "model_max_length", "chat_template",
+    "clean_up_tokenization_spaces", "added_tokens_decoder", "additional_special_tokens",
+    "extra_special_tokens", "padding_side", "truncation_side", "model_input_names",
+    "is_local", "local_files_only", "gguf_file",  # how transformers loaded it, nothing more
+})  # fmt: skip
+# the generic classes: a model-specific class (LlamaTokenizerFast, ...) may add behaviour
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
 class UnsupportedTokenizer(ValueError):
@@ -69,6 +85,11 @@ class FastTokenizer:
             if not isinstance(config, dict):
                 raise ValueError(f"{config_path} must hold a JSON object")
         self.special_tokens = {n: t for n in _SPECIAL_NAMES if (t := _token_text(config.get(n)))}
+        unknown = sorted(set(config) - _KNOWN_CONFIG_KEYS)
+        if unknown or config.get("tokenizer_class", "TokenizersBackend") not in _GENERIC_CLASSES:
+            raise UnsupportedTokenizer(
+                f"{directory}: tokenizer_config.json sets {unknown or config['tokenizer_class']}"
+            )
         # transformers applies its word-piece clean-up (dropping spaces before punctuation) for
         # non-BPE models only; it is not reproduced here, so such a directory is refused
         if config.get("clean_up_tokenization_spaces") and not self._is_bpe():

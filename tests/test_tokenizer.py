@@ -206,3 +206,30 @@ def test_converted_checkpoint_starts_without_transformers(embedded_llm) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"add_bos_token": True}, "add_bos_token"),
+        ({"add_prefix_space": True}, "add_prefix_space"),
+        ({"tokenizer_class": "LlamaTokenizerFast"}, "LlamaTokenizerFast"),
+    ],
+)
+def test_config_keys_it_does_not_reproduce_leave_the_directory_to_transformers(
+    tokenizer_dir, tmp_path, change, named
+) -> None:
+    """A tokenizer_config.json key that may change how transformers builds the tokenizer (or a
+    model-specific class) is refused, and the loader falls back to transformers."""
+    from phloem.models import checkpoint_cache, loader
+    from phloem.tokenizer import UnsupportedTokenizer
+
+    shutil.copytree(tokenizer_dir, tmp_path, dirs_exist_ok=True)
+    config_path = tmp_path / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **change}))
+    with pytest.raises(UnsupportedTokenizer, match=named):
+        FastTokenizer(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / checkpoint_cache.MANIFEST).write_text("{}")  # as if phloem wrote it
+    source = loader.ModelSource("hf_dir", str(tmp_path))
+    assert isinstance(loader.load_tokenizer(source), transformers.PreTrainedTokenizerBase)
