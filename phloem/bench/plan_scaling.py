@@ -1,8 +1,10 @@
 """The scaling model of data-parallel prefix sharing: cluster-wide prompt-token reuse and planned
 imbalance of a workload spread over N replicas, by three ways of routing requests, on the CPU.
 
-- `prefix_aware` (phloem): one global prefix plan; whole groups dealt to replicas by LPT
-  (`core.replica_partition`), so each shared prefix is computed once in the cluster;
+- `prefix_aware` (phloem): one global prefix plan; groups dealt to replicas by
+  `core.replica_partition.partition_groups` (whole groups by LPT, so each shared prefix is
+  computed once in the cluster; a group costlier than the mean replica load is split when that
+  lowers the makespan, and its prefix is then counted once per replica holding a piece);
 - `contiguous`: the request list cut into N contiguous slices (vLLM's data-parallel example);
 - `random`: each request to a uniformly random replica (seeded), as a load balancer unaware of
   prefixes does.
@@ -23,19 +25,19 @@ from typing import Any
 from phloem.bench.roofline import ModelShape, batch_work
 from phloem.bench.workloads import Workload
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
-from phloem.core.replica_partition import assign_groups, group_costs_s
+from phloem.core.replica_partition import cost_terms_s, partition_groups
 
 STRATEGIES = ("prefix_aware", "contiguous", "random")
 
 
-def _time_s(plan: PrefixPlan, requests: Sequence[int], group_ids, workload, shape, f, b) -> float:
-    """Roofline time [s] of one replica running groups `group_ids` of `plan`, whose request
-    indices map to the workload's through `requests`."""
+def _time_s(pieces, requests: Sequence[int], workload, shape, f, b) -> float:
+    """Roofline time [s] of one replica running `pieces`, (prefix length, request indices) each,
+    whose request indices map to the workload's through `requests`."""
     groups = [
-        (plan.groups[g].prefix_len,
+        (prefix_len,
          [(len(workload.prompts[requests[i]]), workload.output_lens[requests[i]])
-          for i in plan.groups[g].request_indices])
-        for g in group_ids
+          for i in members])
+        for prefix_len, members in pieces
     ]  # fmt: skip
     if not groups:
         return 0.0
@@ -94,14 +96,19 @@ def scaling_point(
     f, b = flops_per_s, bytes_per_s
     if strategy == "prefix_aware":
         plan = global_plan or plan_prefix_groups(prompts, outs, block_size)
-        lens = [len(p) for p in prompts]
-        costs = group_costs_s(plan, lens, outs, shape, f, b)
-        assignment = assign_groups(costs, replicas)
+        terms = cost_terms_s(plan, [len(p) for p in prompts], outs, shape, f, b)
+        assignment = partition_groups(plan, *terms, replicas)
         everyone = range(len(prompts))
-        times = [_time_s(plan, everyone, ids, workload, shape, f, b)
-                 for ids in assignment.replica_groups]  # fmt: skip
-        point = _summary(strategy, replicas, logical, plan.num_physical_prompt_tokens, times)
+        times = [
+            _time_s([(plan.groups[g].prefix_len, assignment.pieces.get((r, g),
+                      plan.groups[g].request_indices)) for g in groups],
+                    everyone, workload, shape, f, b)
+            for r, groups in enumerate(assignment.replica_groups)
+        ]  # fmt: skip
+        computed = plan.num_physical_prompt_tokens + assignment.extra_prefix_tokens(plan)
+        point = _summary(strategy, replicas, logical, computed, times)
         point["planned_imbalance"] = assignment.imbalance
+        point["split_groups"] = len(assignment.split_groups)
         return point
     computed, times = 0, []
     for requests in _shares(strategy, len(prompts), replicas, seed):
@@ -111,7 +118,8 @@ def scaling_point(
         local = plan_prefix_groups([prompts[i] for i in requests], [outs[i] for i in requests],
                                    block_size)  # fmt: skip
         computed += local.num_physical_prompt_tokens
-        times.append(_time_s(local, requests, range(len(local.groups)), workload, shape, f, b))
+        pieces = [(g.prefix_len, g.request_indices) for g in local.groups]
+        times.append(_time_s(pieces, requests, workload, shape, f, b))
     return _summary(strategy, replicas, logical, computed, times)
 
 

@@ -1,7 +1,9 @@
-"""Whole prefix groups dealt to data-parallel replicas (LPT) and the scaling model built on it:
-groups are never split, every group lands once, LPT stays within Graham's bound of the optimum,
-costs follow the roofline, and prefix-aware routing keeps one replica's reuse at any scale while
-contiguous slicing and random routing lose it."""
+"""Prefix groups dealt to data-parallel replicas (LPT, and McNaughton's wrap-around when a group
+outweighs the mean load) and the scaling model built on it: every group lands once, LPT stays
+within Graham's bound of the optimum, groups are split only when one outweighs the mean load
+(then every replica gets work and the extra prefix tokens are counted), costs follow the
+roofline, and prefix-aware routing keeps one replica's reuse at any scale while contiguous
+slicing and random routing lose it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ from phloem.bench.plan_scaling import STRATEGIES, scaling_point, scaling_table
 from phloem.bench.roofline import ModelShape, batch_work
 from phloem.bench.workloads import make_workload
 from phloem.core.prefix_planner import plan_prefix_groups
-from phloem.core.replica_partition import assign_groups, group_costs_s
+from phloem.core.replica_partition import (
+    assign_groups,
+    cost_terms_s,
+    group_costs_s,
+    partition_groups,
+)
 
 SHAPE = ModelShape(hidden=256, layers=4, q_heads=8, kv_heads=2, head_dim=32, mlp=512, vocab=2000)
 F, B = 1e14, 1e12
@@ -81,6 +88,67 @@ def test_group_costs_follow_the_roofline() -> None:
         group_costs_s(plan, [1], outs, SHAPE, F, B)
 
 
+def _groups_batch(rng: random.Random, sizes: list[int], prefix_len: int = 64):
+    """Prompts of groups of `sizes` members sharing `prefix_len` tokens each (then 8 own
+    tokens), and their output lengths."""
+    prompts = []
+    for size in sizes:
+        prefix = [rng.randrange(100, 900) for _ in range(prefix_len)]
+        prompts += [prefix + [rng.randrange(100, 900) for _ in range(8)] for _ in range(size)]
+    return prompts, [rng.randrange(8, 24) for _ in prompts]
+
+
+@pytest.mark.parametrize(
+    "sizes, replicas, split",
+    [([4], 2, True), ([16, 16, 16], 4, True), ([40, 2, 2, 2], 3, True), ([5], 8, True),
+     ([3, 3], 2, False), ([6, 5, 4, 3, 2], 2, False), ([2, 2, 2, 2], 2, False)],
+)  # fmt: skip
+def test_partition_splits_only_a_group_that_outweighs_the_mean_load(sizes, replicas, split):
+    prompts, outs = _groups_batch(random.Random(len(sizes) * replicas), sizes)
+    plan = plan_prefix_groups(prompts, outs, block_size=16)
+    terms = cost_terms_s(plan, [len(p) for p in prompts], outs, SHAPE, F, B)
+    costs = group_costs_s(plan, [len(p) for p in prompts], outs, SHAPE, F, B)
+    assert costs == pytest.approx([terms[0][g] + sum(terms[1][i] for i in group.request_indices)
+                                   for g, group in enumerate(plan.groups)])  # fmt: skip
+    a = partition_groups(plan, *terms, replicas)
+    whole = assign_groups(costs, replicas)
+    shares = [a.replica_requests(plan, r) for r in range(replicas)]
+    assert sorted(i for share in shares for i in share) == list(range(len(prompts)))
+    assert max(a.planned_cost_s) <= max(whole.planned_cost_s)
+    if max(costs) <= sum(costs) / replicas:  # whole groups balance: none is split
+        assert not split
+    if not split:  # whole groups, or a split that would not lower the makespan
+        assert a == whole and a.split_groups == [] and a.extra_prefix_tokens(plan) == 0
+        return
+    # a group outweighs the mean load: it is split, every replica gets work (as far as there
+    # are requests) and each piece computes its group's prefix once
+    assert a.split_groups and max(a.planned_cost_s) < max(whole.planned_cost_s)
+    assert sum(1 for share in shares if share) == min(replicas, len(prompts))
+    holders = {
+        g: sum(1 for r in range(replicas) if g in a.replica_groups[r]) for g in a.split_groups
+    }
+    assert all(k >= 2 for k in holders.values())
+    assert a.extra_prefix_tokens(plan) == sum(
+        plan.groups[g].prefix_len * (k - 1) for g, k in holders.items()
+    )
+    for (r, g), members in a.pieces.items():
+        assert g in a.replica_groups[r] and set(members) <= set(plan.groups[g].request_indices)
+    assert partition_groups(plan, *terms, replicas) == a  # deterministic
+
+
+def test_one_group_two_replicas_both_get_work() -> None:
+    prompts, outs = _groups_batch(random.Random(1), [6])
+    plan = plan_prefix_groups(prompts, outs, block_size=16)
+    a = partition_groups(plan, *cost_terms_s(plan, [len(p) for p in prompts], outs, SHAPE, F, B),
+                         2)  # fmt: skip
+    assert len(plan.groups) == 1 and a.split_groups == [0]
+    assert [len(a.replica_requests(plan, r)) for r in (0, 1)] in ([3, 3], [2, 4], [4, 2])
+    assert a.extra_prefix_tokens(plan) == plan.groups[0].prefix_len == 64
+    with pytest.raises(ValueError, match="num_replicas must be at least 1"):
+        partition_groups(plan, *cost_terms_s(plan, [len(p) for p in prompts], outs, SHAPE, F, B),
+                         0)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def workload():
     return make_workload("batchllm", SHAPE.vocab, num_groups=24, prefix_len=96, suffix_len=8,
@@ -106,6 +174,19 @@ def test_prefix_aware_keeps_one_replicas_reuse(workload) -> None:
     # 24 equal groups over 4 replicas: exactly balanced
     assert by[4, "prefix_aware"]["planned_imbalance"] == pytest.approx(1.0)
     assert by[4, "prefix_aware"]["makespan_s"] < by[1, "prefix_aware"]["makespan_s"]
+
+
+def test_scaling_model_splits_groups_when_replicas_outnumber_them() -> None:
+    """shared-prefix-like 4 x 16 over 16 replicas: whole groups leave 12 replicas idle; split,
+    every replica works and the reuse counts each repeated prefix."""
+    w = make_workload("shared-prefix", SHAPE.vocab, num_groups=4, prefix_len=64, suffix_len=8,
+                      output_len=4)  # fmt: skip
+    four = scaling_point(w, SHAPE, 4, "prefix_aware", flops_per_s=F, bytes_per_s=B)
+    many = scaling_point(w, SHAPE, 16, "prefix_aware", flops_per_s=F, bytes_per_s=B)
+    assert four["split_groups"] == 0 and many["split_groups"] >= 3
+    assert many["computed_prompt_tokens"] > four["computed_prompt_tokens"]
+    assert many["reuse_ratio"] < four["reuse_ratio"]
+    assert many["imbalance"] < 1.5 and many["makespan_s"] < four["makespan_s"]
 
 
 def test_scaling_point_rejects_bad_input(workload) -> None:
