@@ -155,6 +155,49 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, §3).
+
+    Attributes:
+        tensor_parallel_size: ranks the model is split over (one CUDA device each, or CPU
+            processes); 1 runs in the engine's process alone.
+    """
+
+    tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+
+    def validate_for_model(self, hf_config: object, num_cuda_devices: int | None = None) -> None:
+        """Check that the model splits over `tensor_parallel_size` ranks (and that there are
+        enough CUDA devices, when `num_cuda_devices` is given).
+
+        Raises:
+            ValueError: naming tensor_parallel_size and the limit it breaks: it must divide
+                num_attention_heads and intermediate_size, and divide or be a multiple of
+                num_key_value_heads (KV heads are replicated when fewer than the ranks).
+        """
+        size = self.tensor_parallel_size
+        heads = int(getattr(hf_config, "num_attention_heads", 1))
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        inter = int(getattr(hf_config, "intermediate_size", size))
+        if heads % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={heads}")
+        if kv_heads % size and size % kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={size} must divide num_key_value_heads={kv_heads} or be "
+                "a multiple of it"
+            )
+        if inter % size:
+            raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={inter}")
+        if num_cuda_devices is not None and size > num_cuda_devices:
+            raise ValueError(
+                f"tensor_parallel_size={size} exceeds the {num_cuda_devices} visible CUDA "
+                "devices (one device per rank)"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; `seed` seeds the sampler for requests without their own."""
 
@@ -162,10 +205,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.parallel.validate()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -24,6 +24,7 @@ from phloem.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -141,6 +142,12 @@ class EngineArgs:
         "plan, whole groups dealt to replicas; one CUDA device each, or a share of the CPU "
         "threads (phloem serve and bench run one engine)",
     )
+    tensor_parallel_size: int = _arg(
+        ParallelConfig.tensor_parallel_size,
+        "split the model over this many ranks (Megatron-LM tensor parallelism): one CUDA "
+        "device each, or CPU processes; the engine starts the worker processes itself",
+    )
+
 
     # -- keyword arguments ----------------------------------------------------------------------
 
@@ -215,6 +222,12 @@ class EngineArgs:
         replicas = self.data_parallel_size
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {replicas!r}")
+        if replicas > 1 and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={replicas} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: replicas of a tensor-parallel group are not "
+                "supported yet; use one of the two"
+            )
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = (
@@ -252,6 +265,7 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
             ),
             seed=self.seed,
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
         )
         config.validate()
         return config

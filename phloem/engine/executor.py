@@ -3,15 +3,19 @@
 `Executor` declares every method the engine calls; `UniProcExecutor` runs one worker in this
 process. Tensor-parallel and multi-node executors implement the same methods: `launch` (enqueue
 a step, return a handle), `collect` (wait for a handle's tokens), `execute_model` (both) and
-`needs_token_history`. The engine takes a factory (`LLMEngine(config, executor_factory=...)`),
-so a test can wrap or replace the executor without patching the engine.
+`needs_token_history`, and `shutdown`. The engine takes a factory (`LLMEngine(config,
+executor_factory=...)`), so a test can wrap or replace the executor without patching the engine;
+`build_executor` is the default: one in-process worker, or with tensor_parallel_size > 1 the
+`phloem.engine.tp_executor.TensorParallelExecutor` over spawned rank processes.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
+from phloem.config import EngineConfig, SchedulerConfig
 from phloem.core.scheduler import SchedulerOutput
 from phloem.worker.model_runner import ModelRunnerOutput
 from phloem.worker.worker import Worker
@@ -45,6 +49,9 @@ class Executor(abc.ABC):
         """True if sampling this step reads earlier output tokens (penalties), so the step in
         flight must be collected before this one is launched."""
 
+    def shutdown(self) -> None:  # noqa: B027 - optional: executors without processes hold none
+        """Stop what the executor started (processes, process groups); idempotent."""
+
 
 class UniProcExecutor(Executor):
     """One worker in the engine's own process."""
@@ -61,3 +68,37 @@ class UniProcExecutor(Executor):
 
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)
+
+
+def build_executor(
+    config: EngineConfig,
+    source,
+    hf_config,
+    eos_token_id: int | None,
+    scheduler_config: SchedulerConfig,
+    executor_factory: Callable[[Worker], Executor] | None = None,
+) -> Executor:
+    """The engine's executor: with tensor_parallel_size > 1 a `TensorParallelExecutor` (which
+    starts the rank processes; `executor_factory` must be None), else `executor_factory` (default
+    `UniProcExecutor`) over one `Worker` in this process.
+
+    Raises:
+        ValueError: for an executor_factory with tensor_parallel_size > 1, or a model that does
+            not split over the ranks; see `start_tensor_parallel` and `Worker`.
+    """
+    if config.parallel.tensor_parallel_size > 1:
+        if executor_factory is not None:
+            raise ValueError("executor_factory cannot be combined with tensor_parallel_size > 1")
+        from phloem.engine.tp_executor import start_tensor_parallel
+
+        return start_tensor_parallel(config, source, hf_config, eos_token_id, scheduler_config)
+    worker = Worker(
+        config.model,
+        config.cache,
+        source,
+        hf_config,
+        config.seed,
+        eos_token_id,
+        scheduler_config=scheduler_config,
+    )
+    return (executor_factory or UniProcExecutor)(worker)

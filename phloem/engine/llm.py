@@ -101,10 +101,10 @@ class LLM:
         return engine.last_report if isinstance(engine, DataParallelEngine) else None
 
     def close(self) -> None:
-        """Stop the replica processes (data_parallel_size > 1; idempotent; a no-op for one
-        in-process engine). Also run by `with LLM(...) as llm:` and at interpreter exit."""
-        if isinstance(self.llm_engine, DataParallelEngine):
-            self.llm_engine.close()
+        """Stop the replica processes (data_parallel_size > 1) or the tensor-parallel rank
+        processes (tensor_parallel_size > 1); idempotent; a no-op for one in-process engine.
+        Also run by `with LLM(...) as llm:` and at interpreter exit."""
+        self.llm_engine.close()
 
     def __enter__(self) -> LLM:
         return self

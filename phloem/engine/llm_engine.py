@@ -80,16 +80,13 @@ class LLMEngine:
 
     def _load(self, config: EngineConfig, executor_factory) -> None:
         """Tokenizer, model config, worker, executor and KV manager of `config`."""
-        from phloem.engine.executor import UniProcExecutor
+        from phloem.engine.executor import build_executor
         from phloem.models.loader import (
             load_hf_config,
             load_tokenizer,
             resolve_model,
             startup_source,
         )
-        from phloem.worker.worker import Worker
-
-        executor_factory = executor_factory or UniProcExecutor
         source = startup_source(resolve_model(config.model.model), config.model)
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
@@ -100,16 +97,10 @@ class LLMEngine:
             config.scheduler, max_model_len=self.max_model_len
         )
         self.scheduler_config.validate()
-        worker = Worker(
-            config.model,
-            config.cache,
-            source,
-            self.hf_config,
-            config.seed,
-            self.eos_token_id,
-            scheduler_config=self.scheduler_config,
-        )
-        self.executor = executor_factory(worker)
+        self.executor = build_executor(
+            config, source, self.hf_config, self.eos_token_id, self.scheduler_config,
+            executor_factory,
+        )  # fmt: skip
         capacity = self.executor.num_blocks * config.cache.block_size
         if self.max_model_len > capacity:
             if config.model.max_model_len is not None:
@@ -280,6 +271,11 @@ class LLMEngine:
     def is_unfinished(self, request_id: str) -> bool:
         """True while the prompt `request_id` is queued or running."""
         return request_id in self._prompts
+
+    def close(self) -> None:
+        """Stop the executor's processes (tensor-parallel ranks); idempotent, a no-op for one
+        in-process worker. Also runs when the engine is collected or at interpreter exit."""
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         # a step in flight holding only finished requests is collected by the next step()

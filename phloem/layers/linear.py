@@ -12,19 +12,58 @@ Weights are [out_features, in_features] like `nn.Linear`; parameters are created
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phloem.distributed.communication import tp_all_reduce
+from phloem.distributed.parallel_state import tp_rank, tp_size
+
 WeightShardId = str | int | None
+CheckpointParts = list[tuple[WeightShardId, tuple[int, ...]]]
+
+
+class CheckpointSlice:
+    """A checkpoint tensor not read yet (a safetensors lazy slice, `safe_open().get_slice`):
+    weight loaders `narrow` it to their shard, which reads only that part of the file.
+
+    Attributes:
+        shape: the tensor's full shape.
+    """
+
+    def __init__(self, lazy: Any) -> None:
+        self._lazy = lazy
+        self.shape = torch.Size(lazy.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Elements [start, start + length) along `dim` (all of the other dims), read now."""
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._lazy[index]
+
+    def full(self) -> torch.Tensor:
+        """The whole tensor, read now."""
+        return self._lazy[:]
+
+
+Loaded = torch.Tensor | CheckpointSlice
+
+
+def _tensor(loaded: Loaded) -> torch.Tensor:
+    """The whole checkpoint tensor (read now when it is a `CheckpointSlice`)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.full()
 
 
 def _tp_world() -> tuple[int, int]:
-    """(tp_rank, tp_size); world size 1 until tensor parallelism lands."""
-    return 0, 1
+    """(tp_rank, tp_size) of this process (`phloem.distributed.parallel_state`)."""
+    return tp_rank(), tp_size()
 
 
-def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+def _check_shape(param: torch.Tensor, loaded: Loaded, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
             f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
@@ -45,11 +84,10 @@ def _check_no_shard(module: nn.Module, shard_id: WeightShardId) -> None:
         raise ValueError(f"{type(module).__name__} takes no shard id, got {shard_id!r}")
 
 
-def _shard(
-    loaded: torch.Tensor, dim: int, rank: int, size: int, total: int, what: str
-) -> torch.Tensor:
+def _shard(loaded: Loaded, dim: int, rank: int, size: int, total: int, what: str) -> torch.Tensor:
     """Rank `rank`'s slice [rank*size, (rank+1)*size) of `loaded` along `dim`, after checking
-    that the checkpoint tensor has the full (unsharded) extent `total` there."""
+    that the checkpoint tensor has the full (unsharded) extent `total` there (only that slice
+    is read from a `CheckpointSlice`)."""
     if loaded.dim() <= dim or loaded.shape[dim] != total:
         raise ValueError(
             f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {total} "
@@ -59,9 +97,10 @@ def _shard(
 
 
 def default_weight_loader(
-    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+    param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
 ) -> None:
-    """Copy a checkpoint tensor of exactly the parameter's shape (dtype/device converted).
+    """Copy a checkpoint tensor of exactly the parameter's shape (dtype/device converted): a
+    parameter replicated on every TP rank.
 
     Raises:
         ValueError: for a shard id or a shape mismatch.
@@ -69,7 +108,12 @@ def default_weight_loader(
     if shard_id is not None:
         raise ValueError(f"this parameter takes no shard id, got {shard_id!r}")
     _check_shape(param, loaded_weight, "parameter")
-    param.data.copy_(loaded_weight)
+    param.data.copy_(_tensor(loaded_weight))
+
+
+def default_checkpoint_parts(param: nn.Parameter) -> CheckpointParts:
+    """A replicated parameter is one checkpoint tensor of its own shape."""
+    return [(None, tuple(param.shape))]
 
 
 class LinearBase(nn.Module):
@@ -83,27 +127,32 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.empty(output_size, dtype=dtype), False
             )
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+                param.checkpoint_parts = self.checkpoint_parts  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size], in the parameter dtype."""
         return F.linear(x, self.weight, self.bias)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+        self, param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
     ) -> None:
         """Copy a whole (unsharded-in-TP-sense) tensor into `param`; converts dtype and device."""
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} takes no shard id, got {shard_id!r}")
+        _check_no_shard(self, shard_id)
         _check_shape(param, loaded_weight, type(self).__name__)
-        param.data.copy_(loaded_weight)
+        param.data.copy_(_tensor(loaded_weight))
+
+    def checkpoint_parts(self, param: nn.Parameter) -> CheckpointParts:
+        """The checkpoint tensors (shard id, full shape) that fill `param`, stacked along dim 0."""
+        return default_checkpoint_parts(param)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -126,7 +175,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, _per_rank(output_size, "output_size"), bias, dtype)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+        self, param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
     ) -> None:
         _check_no_shard(self, shard_id)
         size, what = param.shape[0], type(self).__name__
@@ -134,11 +183,13 @@ class ColumnParallelLinear(LinearBase):
         _check_shape(param, loaded_weight, what)
         param.data.copy_(loaded_weight)
 
+    def checkpoint_parts(self, param: nn.Parameter) -> CheckpointParts:
+        return [(None, (param.shape[0] * self.tp_size, *param.shape[1:]))]
+
 
 class RowParallelLinear(LinearBase):
-    """Input features split over TP ranks; partial outputs are summed (all-reduce, when TP lands).
-
-    The bias is added once (it is replicated, not split)."""
+    """Input features split over TP ranks; the partial outputs are summed over the ranks (one
+    all-reduce) before the bias, which is replicated, is added once."""
 
     def __init__(
         self,
@@ -149,15 +200,28 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         super().__init__(_per_rank(input_size, "input_size"), output_size, bias, dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size / tp] (this rank's slice) -> [..., output_size], summed over the
+        ranks (in place, one all-reduce; none at tp_size 1)."""
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+        self, param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
     ) -> None:
         _check_no_shard(self, shard_id)
         if param.dim() == 2:
             size, what = param.shape[1], type(self).__name__
             loaded_weight = _shard(loaded_weight, 1, self.tp_rank, size, size * self.tp_size, what)
         _check_shape(param, loaded_weight, type(self).__name__)
-        param.data.copy_(loaded_weight)
+        param.data.copy_(_tensor(loaded_weight))
+
+    def checkpoint_parts(self, param: nn.Parameter) -> CheckpointParts:
+        if param.dim() == 2:
+            return [(None, (param.shape[0], param.shape[1] * self.tp_size))]
+        return default_checkpoint_parts(param)
 
 
 class MergedColumnLinear(ColumnParallelLinear):
@@ -176,10 +240,15 @@ class MergedColumnLinear(ColumnParallelLinear):
         dtype: torch.dtype | None = None,
     ) -> None:
         self.output_sizes = list(output_sizes)
+        for i, size in enumerate(self.output_sizes):
+            _per_rank(size, f"MergedColumnLinear part {i} output_size")
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
+    def checkpoint_parts(self, param: nn.Parameter) -> CheckpointParts:
+        return [(i, (size, *param.shape[1:])) for i, size in enumerate(self.output_sizes)]
+
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+        self, param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
     ) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
@@ -227,8 +296,14 @@ class QKVLinear(ColumnParallelLinear):
         # Total over ranks so ColumnParallelLinear's per-rank division lands on q_size + 2*kv_size.
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias, dtype)
 
+    def checkpoint_parts(self, param: nn.Parameter) -> CheckpointParts:
+        rest = tuple(param.shape[1:])
+        kv_total = self.kv_size * self.tp_size // self.kv_replicas
+        return [("q", (self.q_size * self.tp_size, *rest)), ("k", (kv_total, *rest)),
+                ("v", (kv_total, *rest))]  # fmt: skip
+
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: WeightShardId = None
+        self, param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
     ) -> None:
         kv_rank = self.tp_rank // self.kv_replicas
         kv_total = self.kv_size * self.tp_size // self.kv_replicas

