@@ -3,7 +3,7 @@
 Memory sizing on CUDA (vLLM's method): load the weights, run one dummy step as large as the
 scheduler allows and record its activation peak, then give the KV pool
 `total * gpu_memory_utilization - in use - peak`. CUDA graphs are captured after that, from the
-headroom the profiled peak left.
+headroom the profiled peak left (their replays include the tensor-parallel all-reduces).
 
 Under tensor parallelism every rank runs one of these (`phloem.engine.tp_executor`): its model
 holds its shards and its KV pool its KV heads; the ranks agree on the smallest block count.
@@ -17,6 +17,7 @@ import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
 from phloem.distributed.communication import tp_min
+from phloem.distributed.parallel_state import tp_size
 from phloem.layers.attention import Attention
 from phloem.ops.attention import get_attention_backend
 from phloem.ops.attention.interface import AttentionBackend
@@ -197,6 +198,8 @@ class Worker:
         try:
             self.model_runner.capture_cuda_graphs(max_num_seqs)
         except Exception:  # an eager engine is slower, not wrong
+            if tp_size() > 1:  # the ranks must all replay or all run eagerly (collectives)
+                raise
             logger.exception("CUDA graph capture failed; running eagerly")
             self.model_runner.graph_runner = None
             return False
