@@ -2,11 +2,12 @@
 and log-probs, grown from the core's deltas, and the `RequestOutput` the server reads.
 
 Per new token the work is O(1) amortized: an append to the sequence's token list, one
-`IncrementalDetokenizer.add_token` (a short decode window) and, only when the request has stop
+`IncrementalDetokenizer.add_token` (one `DecodeStream` step for fast tokenizers) and, only when the request has stop
 strings, a search over the text's tail. A stop string found here finishes that sequence (its
 text cut before the string, finish_reason "stop", stop_reason the string, as `LLMEngine` does
-in-process); the client then tells the core to stop it. Outputs share the live lists (no copy
-per token): a `RequestOutput` handed out is valid until the consumer awaits again.
+in-process); the client then tells the core to stop it. The request's one `RequestOutput` is
+updated in place and shares the live lists (no copy, no new objects per token): what a consumer
+reads is valid until it awaits again.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RequestStream:
         self.dirty = False  # news since the consumer last read
         self.finished = False  # no more news: done, failed or aborted
         self.error: BaseException | None = None
+        self._output: RequestOutput | None = None
 
     def seq_id(self, index: int) -> str:
         """The core's id of sequence `index` (the request id when n == 1)."""
@@ -127,28 +129,28 @@ class RequestStream:
         return num_new, stopped
 
     def output(self) -> RequestOutput:
-        """The cumulative output so far (live lists: valid until the next await)."""
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=s.detokenizer.text,
-                token_ids=s.token_ids,
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+        """The cumulative output so far: one object per request, updated in place (live lists
+        and fields: valid until the next await)."""
+        out = self._output
+        if out is None:
+            out = self._output = RequestOutput(
+                request_id=self.request_id,
+                prompt=self.prompt,
+                prompt_token_ids=self.prompt_token_ids,
+                outputs=[
+                    CompletionOutput(i, "", s.token_ids, s.cumulative_logprob, s.logprobs)
+                    for i, s in enumerate(self.seqs)
+                ],
+                finished=False,
+                metrics=self.metrics,
             )
-            for i, s in enumerate(self.seqs)
-        ]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=self.finished and self.error is None,
-            num_cached_tokens=self.num_cached_tokens,
-            metrics=self.metrics,
-        )
+        for c, s in zip(out.outputs, self.seqs):
+            c.text = s.detokenizer.text
+            c.cumulative_logprob = s.cumulative_logprob
+            c.finish_reason, c.stop_reason = s.finish_reason, s.stop_reason
+        out.finished = self.finished and self.error is None
+        out.num_cached_tokens = self.num_cached_tokens
+        return out
 
     def fail(self, error: BaseException) -> None:
         """End the stream with `error` (raised by its consumer)."""

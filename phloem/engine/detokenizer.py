@@ -7,18 +7,66 @@ holding back text that ends in an incomplete character (U+FFFD).
 
     |-- context --|-- already emitted --|-- new --|
     prefix_offset       read_offset          len(token_ids)
+
+Two ways run this rule, with the same text out:
+
+- the `tokenizers` library's `DecodeStream` (one call per token into Rust: the two decodes of
+  the window happen there), for tokenizers whose `decode` is exactly their `tokenizers`
+  backend's (`stream_backend`: phloem's `FastTokenizer`, a transformers fast tokenizer without
+  `clean_up_tokenization_spaces` and without its own `decode`);
+- two `tokenizer.decode` calls per token in Python, for every other tokenizer (transformers'
+  slow ones), for a prompt context that ends inside a character (its text then ends in U+FFFD,
+  which the completing output token replaces; `DecodeStream` would emit that character, the
+  window rule does not), and for `flush` of held-back tokens (the end of a sequence).
+
+Both rest on one property of the decoders (byte-level BPE, byte-fallback SentencePiece,
+Metaspace, WordLevel): text that ends on a character boundary is a prefix of the text of any
+longer token list. Where it fails (byte-fallback tokens whose bytes are not UTF-8 turn the valid
+bytes grouped with them into U+FFFD), `DecodeStream` raises and the sequence goes on with the
+Python rule from the same offsets. tests/engine/test_detokenizer.py checks that the two ways
+agree token for token on multi-byte text for such tokenizers.
 """
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 _CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+def stream_backend(tokenizer) -> Any:
+    """The `tokenizers.Tokenizer` whose decode equals `tokenizer.decode`, or None.
+
+    Only two kinds are trusted: phloem's `FastTokenizer` (its decode is its backend's), and a
+    transformers fast tokenizer that keeps transformers' `decode` and `_decode` and does not
+    clean up tokenization spaces (its decode is then its backend's too).
+    """
+    from phloem.tokenizer import FastTokenizer
+
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.backend
+    if "transformers" not in sys.modules:  # not a transformers tokenizer: never imported
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return tokenizer.backend_tokenizer
+    return None
 
 
 class IncrementalDetokenizer:
     """Text of one generated sequence, updated a token at a time.
 
     Args:
-        tokenizer: a transformers tokenizer.
+        tokenizer: a transformers tokenizer or phloem's `FastTokenizer`.
         prompt_token_ids: the prompt; its last few tokens give the first output token context.
         skip_special_tokens: drop special tokens from the text.
         stop: stop strings; the text is cut before the first one found.
@@ -41,6 +89,19 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.text = ""
+        self._backend = stream_backend(tokenizer) if self.incremental else None
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            context_text = self._backend.decode(context, skip_special_tokens=skip_special_tokens)
+            if not context_text.endswith(_REPLACEMENT):
+                self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def uses_decode_stream(self) -> bool:
+        """True while tokens go through `DecodeStream` (see the module docstring)."""
+        return self._stream is not None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
@@ -53,7 +114,20 @@ class IncrementalDetokenizer:
         self._token_ids.append(token_id)
         if not self.incremental:
             return None
-        return self._advance(final=False)
+        if self._stream is None:
+            return self._advance(final=False)
+        try:
+            delta = self._stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception: invalid prefix
+            # earlier text changed (byte-fallback tokens of an invalid UTF-8 run turn valid
+            # bytes before them into U+FFFD): the window rule from here on, as before
+            self._stream = None
+            return self._advance(final=False)
+        if delta is None:
+            return None
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        return self._append(delta)
 
     def flush(self) -> str | None:
         """Emit text still held back (the sequence has ended); returns a stop string hit.
@@ -73,11 +147,17 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str | None:
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._token_ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT) and not final):
             return None
-        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
+        return self._append(new_text[len(prefix_text) :])
+
+    def _append(self, delta: str) -> str | None:
+        """Add emitted text; cut it before the first stop string found in the new tail."""
+        if not self.stop:
+            self.text += delta
+            return None
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += delta
         hits = [

@@ -9,7 +9,8 @@ died: `/health` answers 503 and in-flight requests get their errors during a sho
 
 The engine core runs in its own process by default (`--engine-process`;
 `phloem.engine.core_client`): this process does HTTP, tokenization, detokenization, stop strings
-and SSE; the core process only schedules and runs steps. `--no-engine-process` runs the engine
+and SSE (on uvloop's event loop with httptools' parser when they are installed, as they are with
+phloem); the core process only schedules and runs steps. `--no-engine-process` runs the engine
 in a thread of this process instead (`phloem.engine.async_engine`).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import logging
 import signal
 import sys
@@ -196,6 +198,10 @@ def cmd_serve(args: argparse.Namespace, executor_factory: str | None = None) -> 
         return 1
     server = Server(_uvicorn_config(build_app(state), args, state))
     holder["server"] = server
+    # what start-up built (modules, the app, the tokenizer) lives as long as the server: out of
+    # the cycle collector's reach, full collections under load walk only what requests made
+    gc.collect()
+    gc.freeze()
     where = f"engine core pid {state.engine.pid}" if args.engine_process else "engine thread"
     print(
         f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
@@ -229,6 +235,10 @@ def _uvicorn_config(app, args: argparse.Namespace, state):
         timeout_graceful_shutdown=int(state.limits.shutdown_timeout) + 30,
         timeout_keep_alive=30,
         backlog=4096,
+        # "auto" (uvicorn's default, said here because it matters): uvloop's event loop and
+        # httptools' HTTP parser, dependencies of phloem, else asyncio's loop and h11
+        loop="auto",
+        http="auto",
     )
 
 

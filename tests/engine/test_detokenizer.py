@@ -94,3 +94,104 @@ def test_flush_matches_a_final_advance(tokenizer, seed) -> None:
         if hit is None:
             hit, ref_hit = detok.flush(), reference._advance(final=True)
         assert (hit, detok.text) == (ref_hit, reference.text)
+
+
+# -- DecodeStream (the fast path) against the two-decode window rule ------------------------------
+
+TEXT = "Naïve café — 東京タワー 🙂🚀 done. Ünïcödé ✓ €5, 中文字符 und ß. 👩‍💻 end "
+
+
+def sentencepiece_style(directory) -> str:
+    """A Llama-2-style tokenizer.json: BPE with byte fallback (characters outside its small
+    alphabet become <0xNN> tokens), "▁" for spaces, a decoder that strips the first space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials, limit_alphabet=40)
+    corpus = ["the quick brown fox jumps over the lazy dog", "café naïve done end"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    path = directory / "tokenizer.json"
+    tok.save(str(path))
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    return str(directory)
+
+
+def _tokenizers(embedded_tokenizer_dir, tmp_path_factory):
+    import transformers
+
+    from phloem.model_configs import synthetic_tokenizer
+    from phloem.tokenizer import FastTokenizer
+
+    sp_dir = sentencepiece_style(tmp_path_factory.mktemp("sp"))
+    return {
+        "embedded-fast": FastTokenizer(str(embedded_tokenizer_dir)),
+        "embedded-transformers": transformers.AutoTokenizer.from_pretrained(embedded_tokenizer_dir),
+        "sentencepiece-fast": FastTokenizer(sp_dir),
+        "sentencepiece-transformers": transformers.PreTrainedTokenizerFast(
+            tokenizer_file=f"{sp_dir}/tokenizer.json", eos_token="</s>"
+        ),
+        "synthetic-words": synthetic_tokenizer(500, eos_token_id=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def all_tokenizers(embedded_tokenizer_dir, tmp_path_factory):
+    return _tokenizers(embedded_tokenizer_dir, tmp_path_factory)
+
+
+def test_stream_backend_only_where_decode_is_the_backends(all_tokenizers, tokenizer) -> None:
+    from phloem.engine.detokenizer import stream_backend
+
+    for name, tok in all_tokenizers.items():
+        assert stream_backend(tok) is not None, name
+    assert stream_backend(CountingTokenizer(tokenizer)) is None  # no known tokenizer class
+    cleaned = type(tokenizer).from_pretrained(
+        tokenizer.name_or_path, clean_up_tokenization_spaces=True
+    )
+    assert stream_backend(cleaned) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["embedded-fast", "embedded-transformers", "sentencepiece-fast",
+     "sentencepiece-transformers", "synthetic-words"],
+)  # fmt: skip
+def test_decode_stream_equals_the_window_rule(all_tokenizers, name) -> None:
+    """Token for token (returned stop string and text after every token, then the flush) the
+    DecodeStream path equals the two-decode path (a wrapper tokenizer forces it), on emoji, CJK
+    and accented text split into byte tokens, random ids and prompts that end mid-character."""
+    tok = all_tokenizers[name]
+    rng = random.Random(hash(name) % 1000)
+    text_ids = tok.encode(TEXT * 3, add_special_tokens=False)
+    vocab = len(tok)
+    num_fast = 0
+    for case in range(150):
+        start = rng.randrange(len(text_ids) - 1)
+        if case % 3 == 0:  # a prompt cut anywhere in the text: may end inside a character
+            prompt = text_ids[max(0, start - rng.randint(1, 8)) : start]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        outputs = text_ids[start : start + rng.randint(1, 40)]
+        if rng.random() < 0.25:
+            outputs = outputs + [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        stop = [rng.choice(["京", "é", " done", "🙂", "zz", "t1"])] if rng.random() < 0.5 else []
+        skip = rng.random() < 0.8
+        fast = IncrementalDetokenizer(tok, prompt or [0], skip, stop)
+        reference = IncrementalDetokenizer(CountingTokenizer(tok), prompt or [0], skip, stop)
+        assert not reference.uses_decode_stream
+        num_fast += fast.uses_decode_stream
+        hit = None
+        for token_id in outputs:
+            hit = fast.add_token(token_id)
+            assert (hit, fast.text) == (reference.add_token(token_id), reference.text), case
+            if hit is not None:
+                break
+        if hit is None:
+            assert (fast.flush(), fast.text) == (reference.flush(), reference.text), case
+    assert num_fast > 100  # most contexts end on a character boundary

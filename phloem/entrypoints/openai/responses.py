@@ -3,21 +3,45 @@
 Pure formatting over `RequestOutput`s (cumulative: full text and token ids so far); nothing here
 touches the engine. Streams send each choice's new text once, holding back a tail that may be
 the start of a stop string; usage is counted from the prompts and the outputs so far.
+
+SSE frames are bytes, JSON-encoded by msgspec (UTF-8, non-ASCII unescaped, as `json.dumps(...,
+ensure_ascii=False)` but several times faster). The frame of a token's text, the one sent per
+token of every stream, is a template: the chunk's fixed fields encoded once per stream, the text
+encoded into it per frame (`_TextFrame`); the frames parse to the same objects as the generic
+path's (tests/entrypoints/test_sse_frames.py).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+import msgspec
 
 from phloem.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_json = msgspec.json.Encoder()
 
 
-def sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {payload}\n\n"
+def sse(data: dict | str) -> bytes:
+    """One SSE event: `data: <JSON or the string as it is>` and a blank line, UTF-8."""
+    payload = data.encode() if isinstance(data, str) else _json.encode(data)
+    return b"data: " + payload + b"\n\n"
+
+
+class _TextFrame:
+    """The frame of one choice's new text, unfinished, without log-probs: the chunk encoded once
+    with a placeholder text, split around it; `frame(text)` encodes only the text."""
+
+    MARK = "\x00phloem-text\x00"  # the placeholder text (JSON "\u0000phloem-text\u0000")
+
+    def __init__(self, data: dict) -> None:
+        encoded = sse(data)
+        mark = _json.encode(self.MARK)
+        self._head, self._tail = encoded.split(mark)
+
+    def frame(self, text: str) -> bytes:
+        return self._head + _json.encode(text) + self._tail
 
 
 def safe_logprob(value: float | None) -> float:
@@ -186,10 +210,10 @@ def stream_usage_mode(req) -> str | None:
 
 
 def _chunk_maker(front, object_name: str, response_id: str, created: int, usage_mode, usage_now):
-    """A function (choices, final=False) -> one SSE frame of a streamed response; `usage_now()`
-    gives the token counts so far (see `stream_usage_mode` for `usage_mode`)."""
+    """A function (choices, final=False) -> the dict of one chunk of a streamed response;
+    `usage_now()` gives the token counts so far (see `stream_usage_mode` for `usage_mode`)."""
 
-    def chunk(choice_list, final: bool = False):
+    def chunk(choice_list, final: bool = False) -> dict:
         data = {
             "id": response_id,
             "object": object_name,
@@ -199,9 +223,27 @@ def _chunk_maker(front, object_name: str, response_id: str, created: int, usage_
         }
         if usage_mode is not None:
             data["usage"] = usage_now() if final or usage_mode == "every" else None
-        return sse(data)
+        return data
 
     return chunk
+
+
+def _text_frames(prep, usage_mode, template_of) -> dict[int, _TextFrame] | None:
+    """Per choice index, its text frame's template (`template_of(index)`: the chunk with the
+    placeholder text); None where frames vary beyond the text (log-probs, usage every chunk)."""
+    if prep.top_k is not None or usage_mode == "every":
+        return None
+    return _LazyFrames(template_of)
+
+
+class _LazyFrames(dict):
+    def __init__(self, template_of) -> None:
+        super().__init__()
+        self._template_of = template_of
+
+    def __missing__(self, index: int) -> _TextFrame:
+        frame = self[index] = _TextFrame(self._template_of(index))
+        return frame
 
 
 async def _choice_deltas(prep, outputs, finals: list):
@@ -224,29 +266,35 @@ async def _choice_deltas(prep, outputs, finals: list):
 
 
 async def completion_chunks(front, prep, outputs, response_id, created, n, usage_mode):
-    """SSE frames of a streamed /v1/completions response; `outputs` yields (prompt index,
-    RequestOutput) as the engine produces them."""
+    """SSE frames (bytes) of a streamed /v1/completions response; `outputs` yields (prompt
+    index, RequestOutput) as the engine produces them."""
     finals: list = [None] * len(prep.request_ids)
     chunk = _chunk_maker(
         front, "text_completion", response_id, created, usage_mode, lambda: usage_of(prep, finals)
     )
+
+    def item(index: int, text: str, finish_reason=None, stop_reason=None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}  # fmt: skip
+
+    frames = _text_frames(prep, usage_mode, lambda i: chunk([item(i, _TextFrame.MARK)]))
     async for index, c, delta, done, t0, t1, offset in _choice_deltas(prep, outputs, finals):
-        item = {
-            "index": index * n + c.index,
-            "text": delta,
-            "logprobs": None,
-            "finish_reason": c.finish_reason if done else None,
-            "stop_reason": c.stop_reason if done else None,
-        }
+        if frames is not None and not done:
+            yield frames[index * n + c.index].frame(delta)
+            continue
+        choice = item(index * n + c.index, delta)
+        if done:
+            choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
         if prep.top_k is not None:
-            item["logprobs"] = logprobs_completion(front.tokenizer, c, t0, t1, prep.top_k, offset)
-        yield chunk([item])
+            choice["logprobs"] = logprobs_completion(front.tokenizer, c, t0, t1, prep.top_k, offset)
+        yield sse(chunk([choice]))
     if usage_mode is not None:
-        yield chunk([], final=True)
+        yield sse(chunk([], final=True))
 
 
 async def chat_chunks(front, prep, outputs, created, usage_mode):
-    """SSE frames of a streamed /v1/chat/completions response (see `completion_chunks`)."""
+    """SSE frames (bytes) of a streamed /v1/chat/completions response (see
+    `completion_chunks`)."""
     finals: list = [None]
     chunk = _chunk_maker(
         front,
@@ -258,8 +306,17 @@ async def chat_chunks(front, prep, outputs, created, usage_mode):
     )
     for i in range(prep.params[0].n):
         first = {"index": i, "delta": {"role": "assistant", "content": ""}}
-        yield chunk([{**first, "logprobs": None, "finish_reason": None}])
+        yield sse(chunk([{**first, "logprobs": None, "finish_reason": None}]))
+
+    def template(i: int) -> dict:
+        text = {"content": _TextFrame.MARK}
+        return chunk([{"index": i, "delta": text, "logprobs": None, "finish_reason": None}])
+
+    frames = _text_frames(prep, usage_mode, template)
     async for _, c, delta, done, t0, t1, _ in _choice_deltas(prep, outputs, finals):
+        if frames is not None and not done:
+            yield frames[c.index].frame(delta)
+            continue
         item = {
             "index": c.index,
             "delta": {"content": delta} if delta else {},
@@ -270,6 +327,6 @@ async def chat_chunks(front, prep, outputs, created, usage_mode):
             item["stop_reason"] = c.stop_reason
         if prep.top_k is not None:
             item["logprobs"] = logprobs_chat(front.tokenizer, c, t0, t1, prep.top_k)
-        yield chunk([item])
+        yield sse(chunk([item]))
     if usage_mode is not None:
-        yield chunk([], final=True)
+        yield sse(chunk([], final=True))
