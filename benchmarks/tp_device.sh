@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a machine with >= 2 GPUs in one call (<= 10 minutes), from the repo root:
+#   bash benchmarks/tp_device.sh "$OUT/tp"                    # issue 17's TP runs, TP=2
+#   TP=4 STAGES="agree latency" bash benchmarks/tp_device.sh "$OUT/tp4"
+# On Llama-3.1-8B shapes with random weights (load_format dummy draws the same model at every TP
+# size), bf16, one process per run, the stages of STAGES in this order:
+#   agree    benchmarks/tp_agreement.py: greedy reference at TP=1, then TP=$TP teacher-forced top-1
+#            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
+#            replayed CUDA graphs (which capture the all-reduces)
+#   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out) at TP=1 and
+#            TP=$TP: output tokens/s and their ratio (goal >= 1.6x at TP=2)
+#   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
+#            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
+# Writes every run's JSON and summary.json under OUT_DIR; a rank's failure shows as
+# "tensor-parallel rank R ..." in the run's tail. Needs the carried .whl/ (device_setup.sh).
+set -uo pipefail
+OUT=${1:-/tmp/phloem_tp}
+TP=${TP:-2}
+STAGES=${STAGES:-"agree latency batchllm"}
+LIMIT=${LIMIT:-200}
+ENGINE_ARGS=${ENGINE_ARGS:-"--max-num-seqs 2048 --max-num-batched-tokens 8192"}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/device_setup.sh || exit 1
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+bench() {  # NAME TP WORKLOAD_ARGS...
+    local name=$1 tp=$2
+    shift 2
+    echo "=== $name (TP=$tp) $(date +%T)"
+    # shellcheck disable=SC2086
+    timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model llama-3.1-8b "$@" \
+        $ENGINE_ARGS --tensor-parallel-size "$tp" --json "$OUT/$name.json" 2>&1 \
+        | grep -v -i warn | grep -i -E "tok/s|req/s|roofline|graph|rank|error" | tail -8
+}
+for stage in $STAGES; do
+    case $stage in
+    agree)
+        echo "=== agreement TP=1 -> TP=$TP $(date +%T)"
+        timeout "$LIMIT" python3 benchmarks/tp_agreement.py reference --out "$OUT/agree-ref.json" \
+            2>&1 | tail -2
+        timeout "$LIMIT" python3 benchmarks/tp_agreement.py check --ref "$OUT/agree-ref.json" \
+            --tensor-parallel-size "$TP" --out "$OUT/agree-tp$TP.json" 2>&1 | tail -4
+        ;;
+    latency)
+        bench latency-tp1 1 --workload latency
+        bench "latency-tp$TP" "$TP" --workload latency
+        ;;
+    batchllm)
+        bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
+        ;;
+    esac
+done
+python3 - "$OUT" "$TP" <<'PY'
+import json, os, sys
+out, tp = sys.argv[1], sys.argv[2]
+def load(name):
+    path = os.path.join(out, name + ".json")
+    return json.load(open(path)) if os.path.exists(path) else None
+summary = {"tensor_parallel_size": int(tp)}
+agree = load(f"agree-tp{tp}")
+if agree:
+    summary["agreement"] = agree
+    print(f"TP={tp} teacher-forced top-1 agreement {agree['teacher_forced_agreement']:.4f} "
+          f"(goal >= 0.99); free-running exact {agree['free_running_exact']:.3f}; "
+          f"CUDA graphs {agree['cuda_graphs']}")
+keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio")
+for name in ("latency-tp1", f"latency-tp{tp}", f"batchllm100-tp{tp}"):
+    r = load(name)
+    if r:
+        summary[name] = {k: r.get(k) for k in keys}
+        print(name, {k: r.get(k) for k in keys})
+one, many = load("latency-tp1"), load(f"latency-tp{tp}")
+if one and many:
+    ratio = many["output_tokens_per_s"] / one["output_tokens_per_s"]
+    summary["latency_speedup"] = ratio
+    print(f"latency output tok/s TP={tp} / TP=1: {ratio:.3f} (goal >= 1.6 at TP=2)")
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+PY
+echo "=== done $(date +%T)"
