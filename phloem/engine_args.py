@@ -27,6 +27,7 @@ from phloem.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from phloem.core.replica_partition import DATA_PARALLEL_ROUTINGS
 
 
 def _arg(
@@ -140,7 +141,14 @@ class EngineArgs:
         1,
         "replica processes of the offline jobs (generate, run-batch, LLM): one global prefix "
         "plan, whole groups dealt to replicas; one CUDA device each, or a share of the CPU "
-        "threads (phloem serve and bench run one engine)",
+        "threads (phloem serve runs one engine)",
+    )
+    data_parallel_routing: str = _arg(
+        "prefix",
+        "how requests reach the replicas: prefix (the global plan's groups, each prefix "
+        "computed once in the cluster) or contiguous (N contiguous slices of the request list, "
+        "vLLM's way; each replica plans its own)",
+        choices=DATA_PARALLEL_ROUTINGS,
     )
     tensor_parallel_size: int = _arg(
         ParallelConfig.tensor_parallel_size,
@@ -222,6 +230,11 @@ class EngineArgs:
         replicas = self.data_parallel_size
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {replicas!r}")
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTINGS:
+            raise ValueError(
+                f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, "
+                f"got {self.data_parallel_routing!r}"
+            )
         if replicas > 1 and self.tensor_parallel_size != 1:
             raise ValueError(
                 f"data_parallel_size={replicas} with tensor_parallel_size="

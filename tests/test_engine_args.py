@@ -36,6 +36,7 @@ OTHER_VALUES = {
     "gpu_memory_utilization": 0.5, "num_gpu_blocks": 7, "seed": 5, "load_format": "dummy",
     "device": "cpu", "attention_backend": "reference", "kv_cache_dtype": "fp8",
     "kv_layout": "HND", "cache_dir": "/tmp/x", "data_parallel_size": 2,
+    "data_parallel_routing": "contiguous",
     "tensor_parallel_size": 2,
 }  # fmt: skip
 

@@ -21,14 +21,27 @@ def latency_summary(values: list[float]) -> dict | None:
     return {"mean": statistics.fmean(values), **percentiles(values, (50, 90, 99))}
 
 
-def attention_stats(llm) -> dict | None:
+def attention_stats(llm) -> dict | list | None:
     """Which attention path each step took (the shared-prefix backend counts them); None for a
-    backend that keeps no counters."""
-    return llm.llm_engine.executor.worker.model_runner.backend.stats() or None
+    backend that keeps no counters. With data-parallel replicas: each replica's counters, as a
+    list (from the last batch's report)."""
+    from phloem.engine.data_parallel import DataParallelEngine
+
+    engine = llm.llm_engine
+    if isinstance(engine, DataParallelEngine):
+        return engine.last_report.attention if engine.last_report is not None else None
+    return engine.executor.worker.model_runner.backend.stats() or None
 
 
 def engine_info(llm) -> dict:
-    """The settings the run's engine resolved (device, dtypes, backend, KV pool, step limits)."""
+    """The settings the run's engine resolved (device, dtypes, backend, KV pool, step limits);
+    with data-parallel replicas, replica 0's plus their number and routing."""
+    from phloem.engine.data_parallel import DataParallelEngine
+
+    engine = llm.llm_engine
+    if isinstance(engine, DataParallelEngine):
+        return {**engine.replica_engines[0], "data_parallel_size": engine.num_replicas,
+                "data_parallel_routing": engine.routing}  # fmt: skip
     worker = llm.llm_engine.executor.worker
     sched = llm.llm_engine.scheduler_config
     return {
@@ -45,7 +58,37 @@ def engine_info(llm) -> dict:
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "async_scheduling": sched.async_scheduling,
         "max_model_len": sched.max_model_len,
+        "data_parallel_size": 1,
     }
+
+
+def output_digest(outputs) -> str:
+    """A short hash of every output's token ids, in input order: equal digests, equal outputs
+    (DP = 1 against DP = N on one workload)."""
+    import hashlib
+
+    ids = [list(c.token_ids) for o in outputs for c in o.outputs]
+    return hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
+
+
+def cluster_fields(result: dict, num_computed_prompt_tokens: int, replica_report) -> dict:
+    """The result's cluster fields: prompt tokens computed (by every replica) and the
+    cluster-wide reuse ratio (1 - computed / the workload's prompt tokens); with data-parallel
+    replicas (`replica_report` not None) also the per-GPU throughput (the cluster's over N) and
+    the `data_parallel` object (`ReplicaReport.to_dict`: per-replica planned vs achieved time,
+    makespan, imbalance). Units: tokens, requests/s, tokens/s."""
+    num_in = result["input_tokens"]
+    out = {
+        "num_computed_prompt_tokens": num_computed_prompt_tokens,
+        "prompt_reuse_ratio": 1 - num_computed_prompt_tokens / num_in if num_in else 0.0,
+    }
+    if replica_report is None:
+        return out
+    n = len(replica_report.replicas)
+    keys = ("requests_per_s", "input_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s")
+    out.update({f"{k}_per_gpu": result[k] / n for k in keys})
+    out["data_parallel"] = replica_report.to_dict()
+    return out
 
 
 def versions() -> dict:
@@ -72,22 +115,32 @@ def versions() -> dict:
 
 
 def roofline_fields(
-    shape, workload, ceilings: dict, sustained: dict, elapsed_s: float, total_tokens: int
+    shape,
+    workload,
+    ceilings: dict,
+    sustained: dict,
+    elapsed_s: float,
+    total_tokens: int,
+    num_devices: int = 1,
 ) -> dict:
     """The JSON's roofline fields, both ratios of shared/docs/ROOFLINE.md: `ceilings` (burst,
     measured before the model loads, on a cool GPU) give `roofline_ratio`; `sustained` (the
     same matmul and copy back to back for seconds right after the run, on the GPU the run
     heated) give `roofline_ratio_sustained`, the one goals are stated against: a power-capped
-    board holds a lower clock through a long run than through a short burst.
+    board holds a lower clock through a long run than through a short burst. The ceilings are
+    one device's; the roofline of `num_devices` devices (data-parallel replicas) is
+    `num_devices` times that one's, so both ratios are then per-device ratios.
     Units: FLOP/s, bytes/s, seconds."""
     from phloem.bench.roofline import workload_roofline
 
     def bound(c: dict):
-        return workload_roofline(shape, workload, c["flops_per_s"], c["bytes_per_s"])
+        n = num_devices
+        return workload_roofline(shape, workload, n * c["flops_per_s"], n * c["bytes_per_s"])
 
     roof, roof_sustained = bound(ceilings), bound(sustained)
     return {
         "ceilings": ceilings,
+        "roofline_num_devices": num_devices,
         "roofline": roof.to_dict(),
         "bound_total_tokens_per_s": total_tokens / roof.bound_time_s,
         "roofline_ratio": roof.bound_time_s / elapsed_s,
@@ -121,7 +174,12 @@ def print_report(r: dict) -> None:
                 f"  {key[:-2].upper()} ms: p50 {p['p50'] * 1e3:.1f}  p90 {p['p90'] * 1e3:.1f}  "
                 f"p99 {p['p99'] * 1e3:.1f}"
             )
-    lines.append(f"  prefix tokens reused: {r['prefix_tokens_reused']:.1%}")
+    lines.append(
+        f"  prefix tokens reused: {r['prefix_tokens_reused']:.1%}; prompt tokens computed "
+        f"{r['num_computed_prompt_tokens']} of {r['input_tokens']} (reuse "
+        f"{r['prompt_reuse_ratio']:.1%})"
+    )
+    lines += _data_parallel_lines(r)
     if r.get("gc"):
         g = r["gc"]
         lines.append(
@@ -130,6 +188,25 @@ def print_report(r: dict) -> None:
         )
     lines += _power_lines(r.get("power")) + _step_lines(r.get("steps")) + _roofline_lines(r)
     print("\n".join(lines))
+
+
+def _data_parallel_lines(r: dict) -> list[str]:
+    dp = r.get("data_parallel")
+    if not dp:
+        return []
+    lines = [
+        f"  {dp['num_replicas']} replicas ({dp['routing']} routing): per GPU "
+        f"{r['requests_per_s_per_gpu']:.2f} req/s, {r['total_tokens_per_s_per_gpu']:.0f} total "
+        f"tok/s; makespan {dp['makespan_s']:.2f} s, imbalance planned "
+        f"{dp['planned_imbalance']:.3f}, achieved {dp['achieved_imbalance']:.3f}; "
+        f"{dp['num_split_groups']} groups split"
+    ]
+    for s in dp["replicas"]:
+        lines.append(
+            f"    replica {s['replica']}: {s['num_requests']} requests, {s['num_groups']} groups, "
+            f"{s['achieved_s']:.2f} s, {s['num_computed_prompt_tokens']} prompt tokens computed"
+        )
+    return lines
 
 
 def _power_lines(power: dict | None) -> list[str]:
@@ -166,8 +243,11 @@ def _roofline_lines(r: dict) -> list[str]:
     if "roofline" not in r:
         return []
     c, roof = r["ceilings"], r["roofline"]
+    n = r.get("roofline_num_devices", 1)
+    devices = f" (one device; the roofline is of {n} such, ratios per device)" if n > 1 else ""
     lines = [
-        f"  ceilings: {c['flops_per_s'] / 1e12:.0f} TFLOP/s, {c['bytes_per_s'] / 1e12:.2f} TB/s; "
+        f"  ceilings{devices}: {c['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+        f"{c['bytes_per_s'] / 1e12:.2f} TB/s; "
         f"bound {roof['bound_time_s']:.2f} s ({roof['limiter']}) = "
         f"{r['bound_total_tokens_per_s']:.0f} total tok/s; roofline ratio {r['roofline_ratio']:.3f}"
     ]

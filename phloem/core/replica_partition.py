@@ -40,6 +40,7 @@ from typing import Any
 
 from phloem.core.prefix_planner import PrefixPlan
 
+DATA_PARALLEL_ROUTINGS = ("prefix", "contiguous")  # `EngineArgs.data_parallel_routing`
 _BISECTION_STEPS = 40  # the wrap-around target T to within (hi - lo) / 2**40
 
 

@@ -9,11 +9,15 @@ parent (tokenizer + model config, no weights)          replica r (spawned proces
   merge: (index, output) in completion order ◄── pipe ◄── (index, output) as each finishes
 ```
 
-A group is never split, so each shared prefix is computed once in the whole cluster and each
-replica's own planner finds exactly the groups it was dealt. Groups are dealt by
-longest-processing-time-first over their roofline cost (Graham 1969; the cost model and the
-partition are `core.replica_partition`, after BatchLLM arXiv 2412.03594 §4): the costs are
-taken at nominal ceilings, of which only the ratios matter.
+Routing (`data_parallel_routing`): "prefix" (the default) deals the global plan's groups by
+`core.replica_partition.partition_groups`: whole groups by longest-processing-time-first over
+their roofline cost (Graham 1969; after BatchLLM arXiv 2412.03594 §4), so each shared prefix is
+computed once in the whole cluster and each replica's own planner finds exactly the groups it
+was dealt; only a group costlier than the mean replica load is split (each replica holding a
+piece computes its prefix once; the report counts those tokens). The costs are taken at
+nominal ceilings, of which only the ratios matter. "contiguous" cuts the request list into N
+contiguous slices of near-equal counts (vLLM's data-parallel example), each replica planning
+its own slice: the baseline prefix routing is measured against.
 
 Processes: the `spawn` context; replica r runs on CUDA device r (CUDA_VISIBLE_DEVICES set to
 that one device) when the engine's device is CUDA, else on the CPU with the parent's torch
@@ -21,26 +25,28 @@ threads divided among the replicas. Each replica talks to the parent over one du
 parent -> replica ("batch", indices, encoded, params) | ("abort",) | ("stop",); replica ->
 parent ("ready", info) | ("output", index, RequestOutput) | ("done", stats) | ("error", text).
 The parent waits on the pipes and the processes' sentinels together, so a replica that dies
-(killed, or crashed) is noticed at once and raised as `ReplicaError` naming it; a batch's
-outputs that arrived before are yielded first (a resumable job keeps them, and its rerun
-runs the rest). A dead or unresponsive replica is started again at the next batch.
+(killed, or crashed) is noticed at once and raised as `ReplicaError` naming it (with the
+replica's traceback when an exception in it was the cause); a batch's outputs that arrived
+before are yielded first, as each replica finishes each request (a resumable job saves them,
+and its rerun runs the rest). A dead or unresponsive replica is started again at the next
+batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any
 
-from phloem.core.prefix_planner import PrefixPlan
-from phloem.core.replica_partition import ReplicaAssignment, assign_groups, group_costs_s
+from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
+from phloem.core.replica_partition import cost_terms_s, partition_groups
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.replica_process import Replica, ReplicaError, receive, shutdown
+from phloem.engine.replica_report import Deal, ReplicaReport, replica_report
 from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
@@ -50,7 +56,8 @@ from phloem.sampling_params import SamplingParams
 NOMINAL_FLOPS_PER_S = 989e12
 NOMINAL_BYTES_PER_S = 3.35e12
 START_TIMEOUT_S = 900.0  # a replica must load its model within this [s]
-ABORT_TIMEOUT_S = 30.0  # after an early end, a busy replica must stop within this [s]
+ABORT_GRACE_S = 5.0  # after an early end, a busy replica must answer within this [s] (it looks
+# at its pipe after every step), else it is stopped and started again at the next batch
 
 
 def replica_placement(
@@ -80,64 +87,6 @@ def replica_placement(
     return [{"PHLOEM_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ids[r]} for r in range(num_replicas)]
 
 
-@dataclass(frozen=True)
-class ReplicaStats:
-    """One replica's part of one batch.
-
-    Attributes:
-        replica: its index. num_requests / num_groups: what it was dealt (plan groups, whole).
-        planned_cost_s: its groups' roofline cost at the nominal ceilings [s]; compare ratios.
-        achieved_s: wall time from sending its share to its last output [s] (0 without work).
-        num_computed_prompt_tokens: prompt tokens its engine ran for this batch [tokens].
-    """
-
-    replica: int
-    num_requests: int
-    num_groups: int
-    planned_cost_s: float
-    achieved_s: float
-    num_computed_prompt_tokens: int
-
-
-def _imbalance(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean > 0 else 1.0
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """Planned vs achieved work per replica for the last batch (`LLM.last_replica_report`).
-
-    Attributes:
-        replicas: one `ReplicaStats` per replica.
-        request_replica: for each request of the batch (its index), the replica that ran it.
-        request_group: for each request, its group in the batch's global plan.
-    """
-
-    replicas: list[ReplicaStats]
-    request_replica: list[int]
-    request_group: list[int]
-
-    @property
-    def planned_imbalance(self) -> float:
-        """max / mean of the planned costs (1.0 is perfect)."""
-        return _imbalance([s.planned_cost_s for s in self.replicas])
-
-    @property
-    def achieved_imbalance(self) -> float:
-        """max / mean of the achieved wall times (1.0 is perfect)."""
-        return _imbalance([s.achieved_s for s in self.replicas])
-
-    def to_dict(self) -> dict[str, Any]:
-        """The `data_parallel` object of the job summary (without the per-request lists)."""
-        return {
-            "num_replicas": len(self.replicas),
-            "planned_imbalance": self.planned_imbalance,
-            "achieved_imbalance": self.achieved_imbalance,
-            "replicas": [dataclasses.asdict(s) for s in self.replicas],
-        }
-
-
 class DataParallelEngine:
     """N replica processes behind one global prefix plan (module docstring); the parent side
     of `LLM(data_parallel_size=N)`. It offers what the offline path reads of an `LLMEngine`
@@ -147,13 +96,16 @@ class DataParallelEngine:
     Args:
         args: the engine settings (data_parallel_size > 1); each replica builds its engine from
             them with data_parallel_size=1 on its own device.
+        start: start the replicas now (and wait until each has loaded its model); False starts
+            none until the first batch (`phloem generate --plan-only` plans without them), with
+            `max_model_len` the model's own until then.
     Raises:
         ValueError: more replicas than CUDA devices on CUDA (naming both numbers), or what
             loading the model's config and tokenizer raises.
         ReplicaError: a replica failed to start (naming it, with its error) or died starting.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, start: bool = True) -> None:
         import torch
 
         from phloem.models.loader import (
@@ -165,6 +117,7 @@ class DataParallelEngine:
 
         self.config = args.create_engine_config()
         self.num_replicas = args.data_parallel_size
+        self.routing = args.data_parallel_routing
         env = replica_placement(
             args.device,
             self.num_replicas,
@@ -175,7 +128,9 @@ class DataParallelEngine:
         source = startup_source(resolve_model(args.model), self.config.model)
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
-        self.max_model_len = 0  # the replicas' resolved context length [tokens], once started
+        # the context length until the replicas report theirs (capped by their KV pools)
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
         threads = max(1, torch.get_num_threads() // self.num_replicas)
         self._specs = [
             (dataclasses.replace(args, data_parallel_size=1, device=e["PHLOEM_DEVICE"]), e, threads)
@@ -184,8 +139,10 @@ class DataParallelEngine:
         self._replicas: list[Replica | None] = [None] * self.num_replicas
         self._num_computed_prompt_tokens = 0
         self.last_report: ReplicaReport | None = None
+        self.replica_engines: list[dict] = []  # each replica's resolved settings, once started
         self._finalizer = weakref.finalize(self, shutdown, [])
-        self._start_missing()
+        if start:
+            self._start_missing()
 
     # -- what the offline path reads of an engine -------------------------------------------------
 
@@ -220,6 +177,8 @@ class DataParallelEngine:
                     replica.stop()
                 self._replicas[rank] = Replica(rank, *self._specs[rank])
                 started.append(self._replicas[rank])
+        if not started:
+            return
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, shutdown, list(self._replicas))
         try:
@@ -228,6 +187,7 @@ class DataParallelEngine:
             shutdown(started)
             raise
         self.max_model_len = min(r.max_model_len for r in self._replicas if r is not None)
+        self.replica_engines = [r.engine_info for r in self._replicas if r is not None]
 
     def _await_ready(self, replicas: list[Replica]) -> None:
         waiting = {r.rank: r for r in replicas}
@@ -240,15 +200,61 @@ class DataParallelEngine:
                 if replica.conn.poll() or not replica.process.is_alive():
                     message = receive(replica, "while starting")
                     if message[0] == "error":
-                        raise ReplicaError(rank, f"failed to start: {message[1]}")
+                        raise ReplicaError(rank, f"failed to start: {message[1]}", message[2])
                     replica.max_model_len = message[1]["max_model_len"]
+                    replica.engine_info = message[1]["engine"]
                     del waiting[rank]
 
     def close(self) -> None:
-        """Stop the replica processes (idempotent; also at exit and when collected)."""
+        """Stop the replica processes (idempotent; also at exit and when collected). When it
+        returns every replica process has exited (`replica_process.shutdown`)."""
         self._finalizer()
 
     # -- batches ----------------------------------------------------------------------------------
+
+    def deal(
+        self,
+        encoded: Sequence[tuple[str | None, list[int]]],
+        params: Sequence[SamplingParams],
+        plan: PrefixPlan,
+    ) -> Deal:
+        """Which requests each replica runs under this engine's routing (module docstring), with
+        the costs at the nominal ceilings; runs no model and starts no replica.
+
+        Args:
+            encoded / params: the batch's (text, token ids) pairs and sampling parameters.
+            plan: the global plan of `encoded` (every request in one group).
+        """
+        from phloem.bench.roofline import ModelShape
+
+        lens = [len(ids) for _, ids in encoded]
+        max_tokens = [
+            (p.max_tokens if p.max_tokens is not None else self.max_model_len - n) * p.n
+            for n, p in zip(lens, params)
+        ]
+        shape = ModelShape.from_hf(self.hf_config)
+        ceilings = NOMINAL_FLOPS_PER_S, NOMINAL_BYTES_PER_S
+        sharing = self.config.cache.enable_prefix_caching
+        if self.routing == "prefix":
+            terms = cost_terms_s(plan, lens, max_tokens, shape, *ceilings)
+            a = partition_groups(plan, *terms, self.num_replicas)
+            shares = [a.replica_requests(plan, r) for r in range(self.num_replicas)]
+            computed = plan.num_physical_prompt_tokens + a.extra_prefix_tokens(plan)
+            groups = [len(g) for g in a.replica_groups]
+            return Deal(self.routing, shares, groups, a.planned_cost_s, len(a.split_groups),
+                        computed if sharing else sum(lens))  # fmt: skip
+        bounds = [len(encoded) * r // self.num_replicas for r in range(self.num_replicas + 1)]
+        shares = [list(range(bounds[r], bounds[r + 1])) for r in range(self.num_replicas)]
+        costs, groups, computed = [], [], 0
+        for share in shares:  # each slice planned as its replica will plan it
+            local = plan_prefix_groups([encoded[i][1] for i in share],
+                                       [max_tokens[i] for i in share], plan.block_size)  # fmt: skip
+            local_lens, local_out = [lens[i] for i in share], [max_tokens[i] for i in share]
+            prefix, member = cost_terms_s(local, local_lens, local_out, shape, *ceilings)
+            costs.append(sum(prefix) + sum(member))
+            groups.append(len(local.groups))
+            computed += local.num_physical_prompt_tokens if sharing else sum(local_lens)
+        return Deal(self.routing, shares, groups, costs, 0, computed)
 
     def run(
         self,
@@ -256,29 +262,29 @@ class DataParallelEngine:
         params: Sequence[SamplingParams],
         plan: PrefixPlan,
     ) -> Iterator[tuple[int, RequestOutput]]:
-        """Deal the planned batch's whole groups to the replicas by LPT over their roofline
-        cost, send each its share and yield (index, output) as the replicas finish requests.
-        Sets `last_report` when the iteration ends (early too). On an early end (break, an
-        exception) the busy replicas are told to abort; one that does not stop within
-        `ABORT_TIMEOUT_S` is stopped and started again at the next batch.
+        """Deal the planned batch to the replicas (`deal`), send each its share and yield
+        (index, output) as the replicas finish requests. Sets `last_report` when the iteration
+        ends (early too). On an early end (break, an exception) the busy replicas are told to
+        abort; one that does not answer within `ABORT_GRACE_S` is stopped and started again at
+        the next batch.
 
         Args:
             encoded / params: the batch's (text, token ids) pairs, validated, and their
                 sampling parameters. plan: the global plan of `encoded` (every request in one
-                group); its groups are the units of the deal.
+                group); its groups are the units of the prefix routing.
         Raises:
             ReplicaError: naming a replica that died or whose batch raised (outputs that arrived
                 before were yielded).
         """
         self._start_missing()
-        assignment = assign_groups(self._group_costs(encoded, params, plan), self.num_replicas)
-        shares = [assignment.replica_requests(plan, r) for r in range(self.num_replicas)]
+        deal = self.deal(encoded, params, plan)
         start = time.monotonic()
         achieved = [0.0] * self.num_replicas
         computed = [0] * self.num_replicas
+        attention: list[dict | None] = [None] * self.num_replicas
         busy: dict[int, Replica] = {}
         try:
-            for rank, share in enumerate(shares):
+            for rank, share in enumerate(deal.shares):
                 if share:
                     replica = self._replica(rank)
                     batch = [encoded[i] for i in share], [params[i] for i in share]
@@ -294,39 +300,20 @@ class DataParallelEngine:
                         continue
                     del busy[rank]
                     if message[0] == "error":
-                        raise ReplicaError(rank, f"failed in a batch: {message[1]}")
+                        raise ReplicaError(rank, f"failed in a batch: {message[1]}", message[2])
                     achieved[rank] = time.monotonic() - start
                     computed[rank] = message[1]["num_computed_prompt_tokens"]
+                    attention[rank] = message[1]["attention"]
                     self._num_computed_prompt_tokens += computed[rank]
         finally:
             if busy:
                 self._abort(busy)
-            self.last_report = _report(plan, assignment, shares, achieved, computed)
+            self.last_report = replica_report(plan, deal, achieved, computed, attention)
 
     def _replica(self, rank: int) -> Replica:
         replica = self._replicas[rank]
         assert replica is not None, "started by _start_missing"
         return replica
-
-    def _group_costs(
-        self,
-        encoded: Sequence[tuple[str | None, list[int]]],
-        params: Sequence[SamplingParams],
-        plan: PrefixPlan,
-    ) -> list[float]:
-        """Each plan group's roofline cost [s] at the nominal ceilings: its prefix once, each
-        member's prompt and its n sequences' max_tokens (the context's rest when unset)."""
-        from phloem.bench.roofline import ModelShape
-
-        prompt_lens = [len(ids) for _, ids in encoded]
-        max_tokens = [
-            (p.max_tokens if p.max_tokens is not None else self.max_model_len - n) * p.n
-            for n, p in zip(prompt_lens, params)
-        ]
-        shape = ModelShape.from_hf(self.hf_config)
-        return group_costs_s(
-            plan, prompt_lens, max_tokens, shape, NOMINAL_FLOPS_PER_S, NOMINAL_BYTES_PER_S
-        )
 
     def _next_messages(self, busy: dict[int, Replica]) -> Iterator[tuple[int, tuple]]:
         """Wait until a busy replica's pipe or process sentinel is ready; yield (rank, message)
@@ -339,14 +326,14 @@ class DataParallelEngine:
 
     def _abort(self, busy: dict[int, Replica]) -> None:
         """Tell the busy replicas to abort their share and wait for their "done" (dropping
-        their outputs); stop those that do not answer within ABORT_TIMEOUT_S or died (they are
+        their outputs); stop those that do not answer within ABORT_GRACE_S or died (they are
         started again at the next batch)."""
         for replica in busy.values():
             try:
                 replica.conn.send(("abort",))
             except OSError:
                 pass
-        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        deadline = time.monotonic() + ABORT_GRACE_S
         while busy and (remaining := deadline - time.monotonic()) > 0:
             wait([o for r in busy.values() for o in (r.conn, r.process.sentinel)], remaining)
             for rank, replica in list(busy.items()):
@@ -360,32 +347,19 @@ class DataParallelEngine:
                     del busy[rank]
                 if kind == "died":
                     replica.stop()
-        for replica in busy.values():  # unresponsive: started again at the next batch
-            replica.stop()
+        shutdown(list(busy.values()))  # unresponsive: started again at the next batch
 
 
-def _report(
-    plan: PrefixPlan,
-    assignment: ReplicaAssignment,
-    shares: list[list[int]],
-    achieved: list[float],
-    computed: list[int],
-) -> ReplicaReport:
-    """The `ReplicaReport` of one batch from its deal (`ReplicaAssignment`) and what each
-    replica reported."""
-    request_replica = [0] * len(plan.request_group)
-    for rank, share in enumerate(shares):
-        for i in share:
-            request_replica[i] = rank
-    stats = [
-        ReplicaStats(
-            replica=rank,
-            num_requests=len(shares[rank]),
-            num_groups=len(assignment.replica_groups[rank]),
-            planned_cost_s=assignment.planned_cost_s[rank],
-            achieved_s=achieved[rank],
-            num_computed_prompt_tokens=computed[rank],
-        )
-        for rank in range(assignment.num_replicas)
-    ]
-    return ReplicaReport(stats, request_replica, list(plan.request_group))
+def with_progress(
+    outputs: Iterator[tuple[int, RequestOutput]], total: int, use_tqdm: bool
+) -> Iterator[tuple[int, RequestOutput]]:
+    """`outputs` (the replicas' merged stream) under a progress bar of prompts done."""
+    from tqdm.auto import tqdm
+
+    with (
+        contextlib.closing(outputs),
+        tqdm(total=total, desc="Processed prompts", disable=not use_tqdm) as bar,
+    ):
+        for item in outputs:
+            bar.update(1)
+            yield item

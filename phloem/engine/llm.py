@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from phloem.chat_messages import render_chat
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.request import SharedPrefix
-from phloem.engine.data_parallel import DataParallelEngine, ReplicaReport
+from phloem.engine.data_parallel import DataParallelEngine, ReplicaReport, with_progress
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.engine.llm_engine import LLMEngine
 from phloem.engine_args import EngineArgs
@@ -73,13 +73,25 @@ class LLM:
         start = time.perf_counter()
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         config = args.create_engine_config()
-        self.llm_engine: LLMEngine | DataParallelEngine = (
-            DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(config)
-        )
+        engine = DataParallelEngine(args) if args.data_parallel_size > 1 else LLMEngine(config)
+        self._init_state(engine, time.perf_counter() - start)
+
+    def _init_state(self, engine: LLMEngine | DataParallelEngine, load_s: float) -> None:
+        self.llm_engine: LLMEngine | DataParallelEngine = engine
         self.last_plan: PrefixPlan | None = None  # the last batch's global plan
         self._lock = threading.Lock()  # one call at a time (see the module docstring)
         self._owner: int | None = None  # the thread running the current call
-        self.load_s = time.perf_counter() - start  # start-up time [s]: imports, model, KV pool
+        self.load_s = load_s  # start-up time [s]: imports, model, KV pool
+
+    @classmethod
+    def for_planning(cls, engine_args: EngineArgs) -> LLM:
+        """An LLM for `plan` and the input checks (`generate --plan-only`): with
+        data_parallel_size > 1 no replica starts (until a first batch); else `LLM(...)`."""
+        if engine_args.data_parallel_size == 1:
+            return cls.from_engine_args(engine_args)
+        llm = cls.__new__(cls)
+        llm._init_state(DataParallelEngine(engine_args, start=False), 0.0)
+        return llm
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
@@ -271,7 +283,7 @@ class LLM:
         plan = self.plan([ids for _, ids in encoded], params)  # the deal's units, planned once
         planned = engine.config.cache.enable_prefix_caching and len(encoded) > 1
         self.last_plan = plan if planned else None
-        return _counted(engine.run(encoded, params, plan), len(encoded), use_tqdm)
+        return with_progress(engine.run(encoded, params, plan), len(encoded), use_tqdm)
 
     def _params_list(
         self, sampling_params: ParamsArg | Sequence[ParamsArg] | None, num_prompts: int
@@ -482,15 +494,3 @@ class LLM:
         results = {o.request_id: o for o in self.iter_outputs(request_ids, use_tqdm)}
         return [results[r] for r in request_ids]
 
-
-def _counted(
-    outputs: Iterator[tuple[int, RequestOutput]], total: int, use_tqdm: bool
-) -> Iterator[tuple[int, RequestOutput]]:
-    """`outputs` (the replicas' merged stream) under a progress bar of prompts done."""
-    with (
-        contextlib.closing(outputs),
-        tqdm(total=total, desc="Processed prompts", disable=not use_tqdm) as bar,
-    ):
-        for item in outputs:
-            bar.update(1)
-            yield item

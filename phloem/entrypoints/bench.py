@@ -9,6 +9,16 @@ a peer's throughput on the identical workload and weights.
 `phloem.model_configs`) or a checkpoint directory. The roofline is shared/docs/ROOFLINE.md's.
 This module parses the arguments and runs the measurement; tracing, profiling and reporting
 live in `phloem.bench` (`trace`, `profile`, `report`).
+
+`--data-parallel-size N` runs the workload through N replicas (`phloem.engine.data_parallel`:
+one GPU each, or N CPU processes) under `--data-parallel-routing` (prefix: the global plan's
+groups; contiguous: N slices of the request list). The result then holds the cluster's and the
+per-GPU throughput, the cluster-wide prompt reuse (prompt tokens computed by all replicas vs
+the workload's) and the per-replica report (planned vs achieved time, makespan, imbalance).
+The ceilings are measured in this process on one device (the first visible GPU, before the
+replicas start; the sustained ones after they stopped, on the GPU replica 0 heated), and the
+roofline of N GPUs is N times that one's: `roofline_ratio` and `roofline_ratio_sustained` are
+then per-GPU ratios. Step tracing, profiles and `--compare` need one engine (N = 1).
 """
 
 from __future__ import annotations
@@ -111,10 +121,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     """The `bench throughput` subcommand; prints a summary and writes --json / --plot.
 
     Raises:
-        ValueError: for `--data-parallel-size` > 1 (the bench measures one engine), before
-            anything is loaded.
+        ValueError: `--trace-steps`, `--profile`, `--profile-window` or `--compare` with
+            `--data-parallel-size` > 1 (they need one in-process engine), before any load.
     """
-    _check_one_engine(args)
+    _check_data_parallel(args)
     import torch
 
     from phloem.bench import report
@@ -128,29 +138,32 @@ def run_throughput(args: argparse.Namespace) -> int:
     model_dir, shipped = _model_dir(args, tmp)
     hf_config, workload = _workload(args, model_dir)
     on_cuda = torch.cuda.is_available() and args.device != "cpu"
-    ceilings = measure_ceilings() if on_cuda else None
+    ceilings = measure_ceilings() if on_cuda else None  # here, on the first visible GPU
     engine_args = EngineArgs.from_cli_args(args)
     load_format = "dummy" if shipped else engine_args.load_format  # shipped: config only
     llm = LLM.from_engine_args(
         dataclasses.replace(engine_args, model=model_dir, load_format=load_format)
     )
-    _warm_up(llm)
-    window = None
-    if args.profile_window:
-        window = tuple(int(x) for x in args.profile_window.split(":"))
+    _warm_up(llm, args.data_parallel_size)
+    window = tuple(int(x) for x in args.profile_window.split(":")) if args.profile_window else None
     trace = _step_trace(llm, args, window, on_cuda)
     power = sample_power() if on_cuda else None
+    computed_before = llm.llm_engine.num_computed_prompt_tokens
     with GCPauses() as gc_pauses, power or contextlib.nullcontext():
         elapsed, outputs = _generate(llm, workload)
     if trace is not None:
         trace.close()
     result = _result(llm, hf_config, workload, outputs, elapsed, on_cuda)
+    computed = llm.llm_engine.num_computed_prompt_tokens - computed_before
+    result.update(report.cluster_fields(result, computed, llm.last_replica_report))
     result.update(
         model=args.model, gc=gc_pauses.to_dict(), command="phloem " + " ".join(sys.argv[1:])
     )
     result["steps"] = trace.summary() if trace is not None else None
     result["power"] = power.summary() if power is not None else None
-    _device_fields(result, llm, hf_config, workload, ceilings, elapsed, on_cuda)
+    if args.data_parallel_size > 1:
+        llm.close()  # the sustained ceilings need the first GPU's memory back
+    _device_fields(result, hf_config, workload, ceilings, elapsed, on_cuda)
     if args.profile and on_cuda and not window:
         from phloem.bench.profile import profile_steps
 
@@ -166,14 +179,19 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_one_engine(args: argparse.Namespace) -> None:
-    """Raise ValueError for `--data-parallel-size` > 1: the bench measures one engine."""
-    if args.data_parallel_size != 1:
-        raise ValueError(
-            f"--data-parallel-size {args.data_parallel_size}: phloem bench throughput measures "
-            "one engine on one device; run one bench per replica, or `phloem bench "
-            "plan-scaling` for the data-parallel model"
-        )
+def _check_data_parallel(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for what needs one in-process engine with
+    `--data-parallel-size` > 1."""
+    if args.data_parallel_size == 1:
+        return
+    single = {"--trace-steps": args.trace_steps, "--profile": args.profile,
+              "--profile-window": args.profile_window, "--compare": args.compare}  # fmt: skip
+    for flag, value in single.items():
+        if value:
+            raise ValueError(
+                f"{flag} needs one in-process engine; it is not available with "
+                f"--data-parallel-size {args.data_parallel_size}"
+            )
 
 
 def _workload(args: argparse.Namespace, model_dir: str):
@@ -197,11 +215,12 @@ def _workload(args: argparse.Namespace, model_dir: str):
     return hf_config, workload
 
 
-def _warm_up(llm) -> None:
-    """Two short requests, on ids outside the workload's (so no prefix of it gets cached)."""
+def _warm_up(llm, num_replicas: int) -> None:
+    """Two short requests per replica (no two share a block, so each replica gets two), on
+    ids outside the workload's (so no prefix of it gets cached)."""
     from phloem import SamplingParams
 
-    warm = [[100 + (7 * i + j) % 900 for j in range(64)] for i in range(2)]
+    warm = [[100 + (7 * i + j) % 900 for j in range(64)] for i in range(2 * num_replicas)]
     llm.generate(
         [{"prompt_token_ids": p} for p in warm],
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -245,6 +264,7 @@ def _result(llm, hf_config, workload, outputs, elapsed: float, on_cuda: bool) ->
         "ttft_s": report.latency_summary(ttft),
         "tpot_s": report.latency_summary([o.tpot for o in outputs if o.tpot is not None]),
         "prefix_tokens_reused": sum(o.num_cached_tokens for o in outputs) / max(num_in, 1),
+        "output_digest": report.output_digest(outputs),
         "engine": report.engine_info(llm),
         "attention": report.attention_stats(llm),
         "versions": report.versions(),
@@ -252,10 +272,11 @@ def _result(llm, hf_config, workload, outputs, elapsed: float, on_cuda: bool) ->
     }
 
 
-def _device_fields(result: dict, llm, hf_config, workload, ceilings, elapsed: float,
+def _device_fields(result: dict, hf_config, workload, ceilings, elapsed: float,
                    on_cuda: bool) -> None:  # fmt: skip
     """Add the roofline fields (with the sustained ceilings measured now, on the GPU the run
-    heated) and the CUDA allocator's counters to `result`, on CUDA."""
+    heated; for N replicas the roofline of N such GPUs) and, for one in-process engine, the
+    CUDA allocator's counters to `result`, on CUDA."""
     if not on_cuda:
         return
     import torch
@@ -263,12 +284,17 @@ def _device_fields(result: dict, llm, hf_config, workload, ceilings, elapsed: fl
     from phloem.bench.report import roofline_fields
     from phloem.bench.roofline import ModelShape, measure_sustained_ceilings
 
+    num_devices = result["engine"]["data_parallel_size"]
     if ceilings is not None:
-        kv_dtype = llm.llm_engine.executor.worker.kv_dtype
+        kv_dtype = getattr(torch, result["engine"]["kv_cache_dtype"])
         shape = ModelShape.from_hf(hf_config, torch.tensor([], dtype=kv_dtype).element_size())
         sustained = measure_sustained_ceilings()
         total = result["input_tokens"] + result["output_tokens"]
-        result.update(roofline_fields(shape, workload, ceilings, sustained, elapsed, total))
+        result.update(
+            roofline_fields(shape, workload, ceilings, sustained, elapsed, total, num_devices)
+        )
+    if num_devices > 1:  # this process ran no engine
+        return
     stats = torch.cuda.memory_stats()
     result["cuda_allocator"] = {
         k: stats.get(k) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",

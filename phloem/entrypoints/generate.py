@@ -257,14 +257,44 @@ def _write_output(output_path: str, parsed: list[ParsedLine], job: GenerateJob) 
 
 
 def run_plan_only(llm, input_path: str, defaults: dict[str, Any]) -> str:
-    """The global prefix plan of a job, as text, without running the model."""
+    """The global prefix plan of a job, as text, without running the model; with
+    data_parallel_size > 1 also the deal of its requests to the replicas
+    (`DataParallelEngine.deal`)."""
+    from phloem.engine.data_parallel import DataParallelEngine
+
     parsed = [parse_line(llm, raw, n, defaults) for n, raw in read_lines(input_path)]
     good = [p for p in parsed if p.error is None]
-    plan = llm.plan([p.prompt_token_ids for p in good], [p.sampling_params for p in good])
+    ids, params = [p.prompt_token_ids for p in good], [p.sampling_params for p in good]
+    plan = llm.plan(ids, params)
     failed = (
         f"\n  {len(parsed) - len(good)} lines failed validation" if len(good) < len(parsed) else ""
     )
-    return plan.describe() + failed
+    text = plan.describe() + failed
+    if isinstance(llm.llm_engine, DataParallelEngine):
+        encoded = [(p.prompt_text, p.prompt_token_ids) for p in good]
+        text += "\n" + llm.llm_engine.deal(encoded, params, plan).describe()
+    return text
+
+
+EXIT_REPLICA_FAILED = 1  # a data-parallel replica failed or died; finished lines are kept
+
+
+@contextlib.contextmanager
+def replica_failures(progress: JobProgress) -> Iterator[None]:
+    """Turn a `ReplicaError` inside the block into a JobError (exit `EXIT_REPLICA_FAILED`):
+    one line naming the replica and saying what is saved, then the replica's traceback when an
+    exception in it was the cause (`phloem generate` and `phloem run-batch`)."""
+    from phloem.engine.replica_process import ReplicaError
+    from phloem.entrypoints.job_guard import JobError
+
+    try:
+        yield
+    except ReplicaError as e:
+        saved = f"{progress.num_saved} of {progress.num_lines} lines saved in {progress.saved_path}"
+        message = f"{e}; {saved}; rerun the same command to finish"
+        if e.remote_traceback:
+            message += f"\nreplica {e.replica}'s traceback:\n{e.remote_traceback.rstrip()}"
+        raise JobError(message, EXIT_REPLICA_FAILED) from None
 
 
 def register(subparsers) -> None:
@@ -296,9 +326,10 @@ def register(subparsers) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Exit codes: 0 done; 2 the job cannot run as given (nothing written); 74 out of disk
-    space, 75 the output is locked by another job, 130 interrupted, 143 terminated (finished
-    lines are kept: rerun the same command to finish). See `phloem.entrypoints.job_guard`."""
+    """Exit codes: 0 done; 1 a data-parallel replica failed; 2 the job cannot run as given
+    (nothing written); 74 out of disk space, 75 the output is locked by another job, 130
+    interrupted, 143 terminated (finished lines are kept: rerun the same command to finish).
+    See `phloem.entrypoints.job_guard`."""
     from phloem.entrypoints.job_guard import check_paths, job_options, run_job
 
     def plan_only() -> int:
@@ -312,7 +343,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_paths(args.input, args.output, written)
         options = job_options(args, **{"sampling flags": defaults})
         with open_generate_job(args.input, args.output, options, args.recompute_changed) as opened:
-            return _run(args, defaults, opened)
+            with replica_failures(opened.progress):
+                return _run(args, defaults, opened)
 
     if args.plan_only:
         return run_job(plan_only, lambda code: code)
@@ -333,9 +365,10 @@ def _checked_sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _plan_only(args: argparse.Namespace, defaults: dict[str, Any]) -> int:
-    from phloem.entrypoints.cli import build_llm
+    from phloem.engine.llm import LLM
+    from phloem.engine_args import EngineArgs
 
-    with build_llm(args) as llm:
+    with LLM.for_planning(EngineArgs.from_cli_args(args)) as llm:  # starts no replica
         print(run_plan_only(llm, args.input, defaults))
     return 0
 

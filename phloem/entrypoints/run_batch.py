@@ -377,10 +377,12 @@ def register(subparsers) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    """Exit codes as `phloem generate`'s: 0 done; 2 the job cannot run as given (nothing
-    written); 74 out of disk space, 75 the output is locked by another job, 130 interrupted,
-    143 terminated (finished lines are kept: rerun the same command to finish)."""
+    """Exit codes as `phloem generate`'s: 0 done; 1 a data-parallel replica failed; 2 the job
+    cannot run as given (nothing written); 74 out of disk space, 75 the output is locked by
+    another job, 130 interrupted, 143 terminated (finished lines are kept: rerun the same
+    command to finish)."""
     from phloem.entrypoints.cli import build_llm
+    from phloem.entrypoints.generate import replica_failures
     from phloem.entrypoints.job_guard import check_paths, job_options, run_job
     from phloem.entrypoints.openai.serving import default_model_name
 
@@ -388,9 +390,12 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         check_paths(args.input, args.output)
         name = args.served_model_name or default_model_name(args.model)
         options = job_options(args, **{"--served-model-name": name})
-        with open_batch_job(args.input, args.output, options, args.recompute_changed) as opened:
-            with build_llm(args) as llm:  # stops data-parallel replicas when the job ends
-                return run_batch(llm, args.input, args.output, name, not args.no_progress, opened)
+        with (
+            open_batch_job(args.input, args.output, options, args.recompute_changed) as opened,
+            replica_failures(opened.progress),
+            build_llm(args) as llm,  # stops data-parallel replicas when the job ends
+        ):
+            return run_batch(llm, args.input, args.output, name, not args.no_progress, opened)
 
     def report(counts: dict) -> None:
         print(

@@ -76,11 +76,55 @@ def test_profile_window_on_cpu(tmp_path):
     assert profile.with_suffix(".trace.json").stat().st_size > 0
 
 
-def test_throughput_rejects_data_parallel(tmp_path):
-    """The bench measures one engine: --data-parallel-size > 1 is refused before any load."""
+def test_throughput_data_parallel_on_cpu(tmp_path):
+    """--data-parallel-size 2 on the CPU (two replica processes): the cluster and per-GPU
+    fields and the per-replica report; prefix routing gives DP = 1's outputs and computed prompt
+    tokens, contiguous slicing (a shuffled prefix workload) computes more."""
+    model = materialize("llama-3.1-8b", tmp_path / "m", num_hidden_layers=1, hidden_size=64,
+                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                        vocab_size=2000)  # fmt: skip
+    args = ["throughput", "--model", str(model), "--load-format", "dummy", "--device", "cpu"]
+    args += ["--workload", "batchllm", "--num-groups", "3", "--degree", "4", "--prefix-len", "32"]
+    args += ["--suffix-len", "8", "--output-len", "4", "--num-gpu-blocks", "128"]
+    args += ["--block-size", "4", "--dtype", "float32"]
+    runs = {}
+    for name, extra in (("one", ["--data-parallel-size", "1"]),
+                        ("prefix", ["--data-parallel-size", "2"]),
+                        ("contiguous", ["--data-parallel-size", "2", "--data-parallel-routing",
+                                        "contiguous"])):  # fmt: skip
+        out = tmp_path / f"{name}.json"
+        assert main([*args, *extra, "--json", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    one, prefix, contiguous = runs["one"], runs["prefix"], runs["contiguous"]
+    assert "data_parallel" not in one and one["engine"]["data_parallel_size"] == 1
+    assert prefix["output_digest"] == one["output_digest"] == contiguous["output_digest"]
+    assert prefix["num_computed_prompt_tokens"] == one["num_computed_prompt_tokens"]
+    assert prefix["prompt_reuse_ratio"] == one["prompt_reuse_ratio"] > 0.5
+    assert contiguous["prompt_reuse_ratio"] < prefix["prompt_reuse_ratio"]
+    for r, routing in ((prefix, "prefix"), (contiguous, "contiguous")):
+        assert r["engine"]["data_parallel_size"] == 2
+        assert r["engine"]["data_parallel_routing"] == routing
+        assert r["requests_per_s_per_gpu"] == pytest.approx(r["requests_per_s"] / 2)
+        assert r["total_tokens_per_s_per_gpu"] == pytest.approx(r["total_tokens_per_s"] / 2)
+        dp = r["data_parallel"]
+        assert dp["num_replicas"] == 2 and dp["routing"] == routing
+        assert sum(s["num_requests"] for s in dp["replicas"]) == 12
+        assert all(s["num_requests"] > 0 and s["achieved_s"] > 0 for s in dp["replicas"])
+        assert dp["makespan_s"] == max(s["achieved_s"] for s in dp["replicas"])
+        assert dp["planned_imbalance"] >= 1.0 and dp["achieved_imbalance"] >= 1.0
+        assert dp["num_computed_prompt_tokens"] == r["num_computed_prompt_tokens"]
+        assert dp["planned_computed_prompt_tokens"] == r["num_computed_prompt_tokens"]
+    # the prefix routing deals whole groups: 3 groups of 4 -> 8 and 4 requests
+    assert sorted(s["num_requests"] for s in prefix["data_parallel"]["replicas"]) == [4, 8]
+
+
+def test_throughput_data_parallel_refuses_single_engine_flags(tmp_path):
+    """Step tracing, profiles and the peer need one in-process engine: refused before any
+    load (the model path does not exist)."""
     args = ["throughput", "--model", str(tmp_path / "absent"), "--device", "cpu"]
-    with pytest.raises(ValueError, match="--data-parallel-size 2: phloem bench throughput"):
-        main([*args, "--data-parallel-size", "2"])
+    for flag in (["--trace-steps"], ["--compare", "transformers"], ["--profile", "p.txt"]):
+        with pytest.raises(ValueError, match=f"{flag[0]} needs one in-process engine"):
+            main([*args, "--data-parallel-size", "2", *flag])
 
 
 def test_gc_pauses_counts_collections():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -112,11 +113,18 @@ def test_same_outputs_whole_groups_same_computed_tokens(one, two):
 
 
 def test_early_end_aborts_and_the_next_batch_runs(one, two):
+    """The replicas look at their pipe after every step: breaking out of a batch whose other
+    requests run for hundreds of steps reaches them mid-request, and they answer (so they are
+    not stopped: the same processes run the next batch)."""
     prompts, params = prefix_heavy_batch(seed=1)
     batch = [({"prompt_token_ids": p["prompt_token_ids"]}) for p in prompts]
     encoded = [(None, p["prompt_token_ids"]) for p in batch]
-    for _ in two.run_batch(lambda: (encoded, params), use_tqdm=False):
+    long = [SamplingParams(temperature=0, max_tokens=400, ignore_eos=True) for _ in params]
+    long[0] = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    pids = two.llm_engine.pids
+    for _ in two.run_batch(lambda: (encoded, long), use_tqdm=False):
         break  # the replicas abort their shares
+    assert two.llm_engine.pids == pids
     assert _tokens(two.generate(batch, params, use_tqdm=False)) == _tokens(
         one.generate(batch, params, use_tqdm=False)
     )
@@ -213,19 +221,71 @@ def test_bad_values_are_refused(tiny_llama, tmp_path):
     ]
 
 
-def test_replica_that_fails_to_start_is_named(tiny_llama, tmp_path):
+def test_broken_replica_cli_plan_only_starts_none_and_failure_prints_traceback(
+    tiny_llama, tmp_path, capsys
+):
     """The parent reads only the config and tokenizer; the replicas load the weights, so a
-    truncated checkpoint fails in them, and the error names the replica and the file."""
+    truncated checkpoint fails in them. `--plan-only` starts no replica (so it succeeds and
+    prints the deal), while the job fails with one line naming the replica and what is saved,
+    then the replica's traceback (exit 1); `LLM(...)` raises ReplicaError with it as cause."""
     import shutil
+
+    from phloem.engine.replica_process import RemoteTraceback
+    from phloem.entrypoints.cli import main
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(
-        ReplicaError, match=r"replica \d failed to start: ValueError: .*safetensors"
-    ):
+    lines = [{"id": f"q{i}", "prompt": f"A shared preamble of this job, then item {i}"}
+             for i in range(5)]  # fmt: skip
+    _write_job(tmp_path / "in.jsonl", lines)
+    argv = ["generate", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+            "--model", str(broken), "--block-size", "4", "--dtype", "float32", "--max-tokens",
+            "3", "--no-progress", "--data-parallel-size", "2"]  # fmt: skip
+    assert main([*argv, "--plan-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "prefix plan: 5 requests" in printed
+    assert "data-parallel deal (prefix routing) over 2 replicas" in printed
+    assert "replica 0:" in printed and "replica 1:" in printed
+
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    first = next(i for i, line in enumerate(err) if line.startswith("error: "))
+    assert re.match(r"error: data-parallel replica \d failed to start: ValueError: .*safetensors"
+                    r".*; 0 of 5 lines saved in .*; rerun the same command", err[first])  # fmt: skip
+    assert re.match(r"replica \d's traceback:", err[first + 1])
+    assert err[first + 2] == "Traceback (most recent call last):"
+    assert any("safetensors" in line for line in err[first + 3 :])
+
+    with pytest.raises(ReplicaError, match=r"replica \d failed to start: ValueError: .*") as info:
         LLM(str(broken), data_parallel_size=2, **SETTINGS)
+    assert "\n" not in str(info.value)  # one line; the traceback is the cause
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "Traceback (most recent call last)" in info.value.remote_traceback
+
+
+def test_one_group_is_split_so_both_replicas_work(one, two):
+    """One prefix group and two replicas: the group is split, both replicas run half of it and
+    each computes the prefix once; outputs as one engine's."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(24)]
+    prompts = [{"prompt_token_ids": prefix + [rng.randrange(3, VOCAB) for _ in range(3)]}
+               for _ in range(6)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    before = one.llm_engine.num_computed_prompt_tokens
+    expected = one.generate(prompts, params, use_tqdm=False)
+    computed_one = one.llm_engine.num_computed_prompt_tokens - before
+    got = two.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    report = two.last_replica_report
+    assert len(two.last_plan.groups) == 1 and report.deal.num_split_groups == 1
+    assert [s.num_requests for s in report.replicas] == [3, 3]
+    prefix_len = two.last_plan.groups[0].prefix_len
+    assert report.deal.planned_computed_prompt_tokens == computed_one + prefix_len
+    # measured: each replica planned its half and found (at least) the same prefix
+    assert computed_one < report.num_computed_prompt_tokens <= computed_one + prefix_len
+    assert report.to_dict()["num_split_groups"] == 1
 
 
 def test_single_engine_apis_refuse_replicas(two):
@@ -260,3 +320,13 @@ def test_run_batch_job_same_as_one_engine(one, two, tmp_path):
         )  # fmt: skip
     assert bodies["two"] == bodies["one"]
     assert two.generate([], use_tqdm=False) == []  # an empty batch (a finished job's rerun)
+
+
+def test_close_stops_even_a_stopped_replica(two):
+    """The last test of the module: close() returns with every replica process exited, even one
+    that cannot answer (SIGSTOP: it is terminated after the grace, then killed)."""
+    processes = [r.process for r in two.llm_engine._replicas]
+    os.kill(processes[1].pid, signal.SIGSTOP)
+    two.close()
+    assert all(p.exitcode is not None for p in processes)
+    assert processes[0].exitcode == 0 and processes[1].exitcode == -signal.SIGKILL
