@@ -1,7 +1,8 @@
 """`phloem bench serve`: latency and throughput of a running OpenAI-compatible server.
 
-Sends `--num-prompts` streaming requests to `--base-url`, all at once (`--request-rate inf`) or
-as a Poisson process of the given rate, optionally capped at `--max-concurrency` in flight, and
+Sends `--num-prompts` streaming requests to `--base-url` (or, with `--duration S` and a finite
+rate, rate x S of them), all at once (`--request-rate inf`) or as a Poisson process of the given
+rate, optionally capped at `--max-concurrency` in flight, and
 reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99), request and token
 throughput, in vLLM's `benchmark_serving` printout; `--json` writes the result object and
 `--plot` draws the latency distributions (PNG, needs matplotlib).
@@ -11,6 +12,12 @@ the `phloem generate` input format), or random token prompts of `--input-len` to
 optional shared `--prefix-len` prefix and `--output-len` tokens each (EOS ignored).
 
     phloem bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
+
+`--wait-ready S` first waits up to S seconds for the server's `/health` to answer 200 (a server
+still loading its model); `--warmup N` then sends N short requests, not measured (a first start
+compiles kernels and captures graphs on its first requests). `--engine` and `--workload` are
+labels written into the JSON for `phloem bench serve-summary` (bench_serve_summary.py), which
+compares runs of several engines (benchmarks/serving.sh runs the whole comparison).
 
 A server it cannot reach, or one that refuses `/v1/models` (a wrong `--api-key`), is one line
 on stderr and exit status 1, before any request is sent. Requests are not logged one by one.
@@ -56,6 +63,9 @@ def register_serve_bench(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("serve", help="latency/throughput of a running server")
     add_serve_bench_args(p)
     p.set_defaults(func=run_serve_bench)
+    from phloem.entrypoints.bench_serve_summary import register_serve_summary
+
+    register_serve_summary(bench_subparsers)
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +85,28 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per request [s]")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="Poisson runs: send rate x DURATION requests (overrides --num-prompts)",
+    )
+    p.add_argument("--warmup", type=int, default=0, help="unmeasured short requests sent first")
+    p.add_argument(
+        "--wait-ready",
+        type=float,
+        default=0.0,
+        help="wait up to this many seconds for /health to answer 200 first",
+    )
+    p.add_argument("--engine", default=None, help="label of the server's engine (JSON only)")
+    p.add_argument("--workload", default=None, help="label of this run's workload (JSON only)")
     p.add_argument("--json", default=None, help="write the result object to this path")
+    p.add_argument(
+        "--save-requests",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="put every request's timings (inter-token latencies too) in --json",
+    )
     p.add_argument("--plot", default=None, help="draw the latency distributions (PNG)")
 
 
@@ -194,6 +225,37 @@ async def _send(client, endpoint: str, body: dict, timeout: float) -> RequestRes
 # -- the run ----------------------------------------------------------------------------------------
 
 
+async def _wait_ready(client, base_url: str, timeout_s: float) -> None:
+    """Poll /health until it answers 200; ServerUnavailableError after `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if (await client.get("/health", timeout=5)).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerUnavailableError(f"{base_url}/health: not ready after {timeout_s:g} s")
+        await asyncio.sleep(1.0)
+
+
+async def _warm_up(client, args, model: str) -> None:
+    """`args.warmup` short requests at once (other token ids than the run's: no cache hits)."""
+    rng = random.Random(args.seed + 7919)
+    bodies = [
+        {"prompt": [rng.randrange(1000, 20000) for _ in range(args.input_len)], "model": model,
+         "max_tokens": 16, "stream": True, "ignore_eos": True, "temperature": 0.0}
+        for _ in range(args.warmup)
+    ]  # fmt: skip
+    results = await asyncio.gather(*(_send(client, "/v1/completions", b, args.timeout)
+                                     for b in bodies))  # fmt: skip
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise ServerUnavailableError(f"warm-up requests failed: {failed[0]}")
+
+
 async def _run(args) -> tuple[list[RequestResult], float, str]:
     import httpx
 
@@ -201,32 +263,41 @@ async def _run(args) -> tuple[list[RequestResult], float, str]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
                                  timeout=args.timeout) as client:  # fmt: skip
+        if args.wait_ready > 0:
+            await _wait_ready(client, args.base_url, args.wait_ready)
         served = await _server_model(client, args.base_url)  # reachable, and the key is right
         model = args.model or served
+        if args.warmup:
+            await _warm_up(client, args, model)
         if args.dataset:
             items = _load_dataset(args.dataset, args.num_prompts, args.output_len)
         else:
             items = await _random_workload(client, args)
-        rng = random.Random(args.seed + 1)
-        semaphore = asyncio.Semaphore(args.max_concurrency or len(items))
-        ignore_eos = args.dataset is None
+        return await _send_all(client, args, items, model) + (model,)
 
-        async def one(item: dict) -> RequestResult:
-            body = {**item, "model": model, "stream": True, "temperature": args.temperature,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
-            if ignore_eos:
-                body["ignore_eos"] = True
-            async with semaphore:
-                return await _send(client, args.endpoint, body, args.timeout)
 
-        tasks = []
-        start = time.perf_counter()
-        for item in items:
-            tasks.append(asyncio.create_task(one(item)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start, model
+async def _send_all(client, args, items: list[dict], model: str):
+    """Send `items` (all at once or Poisson), return (results, duration [s])."""
+    rng = random.Random(args.seed + 1)
+    semaphore = asyncio.Semaphore(args.max_concurrency or len(items))
+    ignore_eos = args.dataset is None
+
+    async def one(item: dict) -> RequestResult:
+        body = {**item, "model": model, "stream": True, "temperature": args.temperature,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        if ignore_eos:
+            body["ignore_eos"] = True
+        async with semaphore:
+            return await _send(client, args.endpoint, body, args.timeout)
+
+    tasks = []
+    start = time.perf_counter()
+    for item in items:
+        tasks.append(asyncio.create_task(one(item)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -245,11 +316,16 @@ def summarize_serve(results: list[RequestResult], duration: float, args, model: 
     num_in = sum(r.prompt_tokens for r in ok)
     num_out = sum(r.output_tokens for r in ok)
     return {
+        "engine": args.engine,
+        "workload": args.workload,
         "model": model,
         "base_url": args.base_url,
         "endpoint": args.endpoint,
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,
+        "input_len": None if args.dataset else args.input_len,
+        "prefix_len": None if args.dataset else args.prefix_len,
+        "output_len": args.output_len,
         "num_prompts": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -336,6 +412,12 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         raise ValueError("--prefix-len must be in [0, --input-len]")
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be positive (inf: all at once)")
+    if args.duration is not None:
+        if args.duration <= 0 or args.request_rate == float("inf"):
+            raise ValueError("--duration needs a finite --request-rate and must be positive")
+        args.num_prompts = max(1, round(args.request_rate * args.duration))
+    if args.warmup < 0:
+        raise ValueError("--warmup must be at least 0")
     for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -352,8 +434,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             **summary,
             "command": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "requests": [asdict(r) for r in results],
         }
+        if args.save_requests:
+            record["requests"] = [asdict(r) for r in results]
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2)
     if args.plot:

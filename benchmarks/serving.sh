@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The serving benchmark of issue 24 on a GPU machine, from the repository root: phloem's server
+# and (when importable) vLLM's, each started at its defaults on random-weight Llama-3.1-8B
+# (`--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9`, the shipped config
+# and phloem's synthetic tokenizer written to one directory both load), the same client
+# (`phloem bench serve`, streaming /v1/completions, token-id prompts, EOS ignored) against each:
+#   - Poisson arrivals, 512-token prompts, 128 output tokens, at each rate of RATES for DURATION s;
+#   - all at once, BURST_N x 512/128;
+#   - the shared-prefix burst, SHARED_N x (1,024 shared + 256 own tokens), 128 out, all at once;
+# then `phloem bench serve-summary OUT`: summary.json / summary.md (per run, ratios phloem/vLLM,
+# goodput under TTFT p99 <= 300 ms and TPOT p99 <= 25 ms) and latency_throughput.png.
+#
+#   bash benchmarks/serving.sh OUT_DIR                          # everything (~25 min: 2 calls+)
+#   ENGINES=phloem RATES="20 30" BURST=1 SHARED=1 bash benchmarks/serving.sh OUT_DIR
+#   ENGINES=vllm   RATES="20 30" BURST=1 SHARED=1 bash benchmarks/serving.sh OUT_DIR
+#
+# Settings (environment): ENGINES ("phloem vllm"), RATES ("10 20 30 40"), DURATION (30 s per
+# rate), BURST (1: run the all-at-once burst), BURST_N (1000), SHARED (1), SHARED_N (800),
+# WARMUP (32 requests after /health answers, not measured: a first start compiles and captures
+# graphs), READY_S (900: how long a server may take to start), MODEL (llama-3.1-8b: a shipped
+# config name, or a model directory with its tokenizer), SERVER_ARGS (the flags both servers
+# get; default: dummy weights, 4,096 context, 0.9 of GPU memory), PORT (8000), VLLM_SITE
+# (/tmp/vsite: vLLM's unpacked bundle, shared/tools/vllm_bundle.sh), PHLOEM_ARGS / VLLM_ARGS
+# (more flags for one server). Each run's seed
+# differs (its prompts never hit a cache left by another run) and is the same for both engines.
+# Time per engine: start (1-3 min) + len(RATES) x (DURATION + ~10 s) + bursts (~1 min each): one
+# engine with RATES="20 30", DURATION=30 and both bursts fits one 600 s device call.
+# Runs that already have a JSON in OUT_DIR are skipped, so a second call can add the other engine.
+set -uo pipefail
+OUT=${1:-/tmp/phloem_serving}
+ENGINES=${ENGINES:-"phloem vllm"}
+RATES=${RATES:-"10 20 30 40"}
+DURATION=${DURATION:-30}
+BURST=${BURST:-1}
+BURST_N=${BURST_N:-1000}
+SHARED=${SHARED:-1}
+SHARED_N=${SHARED_N:-800}
+WARMUP=${WARMUP:-32}
+READY_S=${READY_S:-900}
+MODEL=${MODEL:-llama-3.1-8b}
+PORT=${PORT:-8000}
+VLLM_SITE=${VLLM_SITE:-/tmp/vsite}
+SERVER_ARGS=${SERVER_ARGS:-"--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.9"}
+mkdir -p "$OUT"
+if command -v nvidia-smi >/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # the GPU machine
+    source benchmarks/device_setup.sh || exit 1
+else
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+fi
+PY=${PYTHON:-python3}
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader \
+    | tee "$OUT/device.txt"
+if [ -f "$MODEL/config.json" ]; then  # a model directory (with a tokenizer) as it is
+    MODEL_DIR=$MODEL MODEL=$(basename "$MODEL")
+else
+    MODEL_DIR=$OUT/model-$MODEL
+    [ -f "$MODEL_DIR/config.json" ] || $PY -c "import sys; import phloem.model_configs as m; \
+m.materialize(sys.argv[1], sys.argv[2])" "$MODEL" "$MODEL_DIR" || exit 1
+fi
+URL=http://127.0.0.1:$PORT
+SERVER_PID=
+
+bench() {  # bench ENGINE WORKLOAD FLAGS...: one measured run into OUT/ENGINE-WORKLOAD.json
+    local engine=$1 workload=$2; shift 2
+    local json=$OUT/$engine-$workload.json
+    if [ -f "$json" ]; then echo "=== $engine $workload: done already"; return; fi
+    echo "=== $engine $workload $(date +%T)"
+    $PY -m phloem.entrypoints.cli bench serve --base-url "$URL" --model "$MODEL" \
+        --engine "$engine" --workload "$workload" --no-save-requests --json "$json" "$@" \
+        | grep -E "Successful|Failed|Request throughput|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT"
+}
+
+start_server() {  # start_server ENGINE: in the background, logging to OUT/ENGINE-server.log
+    local engine=$1
+    # shellcheck disable=SC2086
+    if [ "$engine" = phloem ]; then
+        $PY -m phloem.entrypoints.cli serve --model "$MODEL_DIR" --served-model-name "$MODEL" \
+            --port "$PORT" $SERVER_ARGS ${PHLOEM_ARGS:-} >"$OUT/$engine-server.log" 2>&1 &
+    else
+        PYTHONPATH=$VLLM_SITE VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+            $PY -m vllm.entrypoints.cli.main serve "$MODEL_DIR" --served-model-name "$MODEL" \
+            --port "$PORT" $SERVER_ARGS ${VLLM_ARGS:-} >"$OUT/$engine-server.log" 2>&1 &
+    fi
+    SERVER_PID=$!
+}
+
+stop_server() {
+    [ -n "$SERVER_PID" ] || return 0
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null
+    SERVER_PID=
+}
+trap stop_server EXIT
+
+for engine in $ENGINES; do
+    if [ "$engine" = vllm ] && ! PYTHONPATH=$VLLM_SITE $PY -c "import vllm" 2>/dev/null; then
+        echo "=== vllm: not importable from $VLLM_SITE (shared/tools/vllm_bundle.sh); skipped"
+        continue
+    fi
+    echo "=== $engine: starting $(date +%T)"
+    start=$(date +%s)
+    start_server "$engine"
+    # wait for /health, then warm up (first requests compile kernels, capture graphs): unmeasured
+    if ! $PY -m phloem.entrypoints.cli bench serve --base-url "$URL" --model "$MODEL" \
+        --wait-ready "$READY_S" --warmup "$WARMUP" --num-prompts 1 --input-len 512 \
+        --output-len 8 --seed 99 >/dev/null; then
+        echo "=== $engine: not ready or warm-up failed; server log tail:"
+        tail -20 "$OUT/$engine-server.log"
+        stop_server
+        continue
+    fi
+    echo "=== $engine: ready and warm after $(($(date +%s) - start)) s"
+    for rate in $RATES; do
+        bench "$engine" "poisson-$rate" --request-rate "$rate" --duration "$DURATION" \
+            --input-len 512 --output-len 128 --seed "$((1000 + rate))"
+    done
+    if [ "$BURST" = 1 ]; then
+        bench "$engine" "burst-$BURST_N" --request-rate inf --num-prompts "$BURST_N" \
+            --input-len 512 --output-len 128 --seed 7
+    fi
+    if [ "$SHARED" = 1 ]; then
+        bench "$engine" "shared-prefix-$SHARED_N" --request-rate inf --num-prompts "$SHARED_N" \
+            --input-len 1280 --prefix-len 1024 --output-len 128 --seed 11
+    fi
+    stop_server
+done
+$PY -m phloem.entrypoints.cli bench serve-summary "$OUT"
