@@ -30,7 +30,7 @@ run() {  # NAME DP ROUTING
     # shellcheck disable=SC2086
     timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model llama-3.1-8b \
         --workload batchllm --num-groups "$NUM_GROUPS" $ENGINE_ARGS --data-parallel-size "$2" \
-        --data-parallel-routing "$3" --json "$OUT/$1.json" 2>&1 | grep -v -i warn | tail -16
+        --data-parallel-routing "$3" --json "$OUT/$1.json" 2>&1 | grep -v -i warn | tail -24
 }
 run dp1 1 prefix
 run "dp$N-prefix" "$N" prefix
@@ -54,9 +54,11 @@ for name, r in runs.items():
     row.update({k: dp.get(k) for k in ("makespan_s", "planned_imbalance", "achieved_imbalance",
                                        "num_split_groups")})
     summary["runs"][name] = row
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"
     print(f"{name}: {row['requests_per_s']:.2f} req/s, reuse {row['prompt_reuse_ratio']:.1%}, "
-          f"roofline ratio (per GPU) {row['roofline_ratio']}, sustained "
-          f"{row['roofline_ratio_sustained']}, imbalance {row['achieved_imbalance']}")
+          f"roofline ratio per GPU {fmt(row['roofline_ratio'])} (sustained "
+          f"{fmt(row['roofline_ratio_sustained'])}), makespan {fmt(row['makespan_s'])} s, "
+          f"imbalance {fmt(row['achieved_imbalance'])}")
 def ratio(a, b):
     if a in runs and b in runs:
         value = runs[a]["requests_per_s"] / runs[b]["requests_per_s"]
