@@ -4,7 +4,7 @@ own process (the driver). Spawned with `multiprocessing`'s spawn context, no tor
 Each rank process joins the group, builds its `Worker` (its shards of the weights, its KV heads'
 cache) and then runs the steps the driver sends over its pipe, in the driver's order:
 
-    driver -> rank: pickled ("step", step_no, collected, SchedulerOutput) | ("stop",)
+    driver -> rank: `step_codec` bytes: ("step", step_no, collected) + SchedulerOutput | ("stop",)
     rank -> driver: ("joining", pid) | ("ready", num_blocks) | ("error", traceback text)
 
 `collected` lists the driver's step numbers collected since its last message, so a rank collects
@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
+
+from phloem.core.scheduler_output import SchedulerOutput
+from phloem.distributed.step_codec import decode_step, encode_step
 
 STOP_TIMEOUT_S = 10.0  # a rank told to stop must exit within this before it is terminated
 
@@ -104,10 +106,10 @@ def _serve(worker, conn) -> None:
     handles: dict[int, Any] = {}
     with torch.inference_mode():
         while True:
-            message = pickle.loads(conn.recv_bytes())
-            if message[0] == "stop":
+            header, sched = decode_step(conn.recv_bytes())
+            if header[0] == "stop":
                 return
-            _, step_no, collected, sched = message
+            _, step_no, collected = header
             for no in collected:
                 runner.collect(handles.pop(no, None))
             if collected:  # older steps were dropped by the driver (an aborted step in flight)
@@ -176,7 +178,7 @@ class RankProcess:
 
 def stop_ranks(ranks: list[RankProcess]) -> None:
     """Stop every rank process: "stop", then terminate, then kill (idempotent)."""
-    stop = pickle.dumps(("stop",))
+    stop = encode_step(("stop",), SchedulerOutput())
     for r in ranks:
         if r.process.is_alive():
             try:

@@ -1,7 +1,7 @@
 """Tensor parallelism end to end on the CPU (gloo, spawned rank processes): TP = 2 generates what
-TP = 1 and transformers generate (float32; split and replicated KV heads, tied and untied
-embeddings), a bad tensor_parallel_size is refused naming the field, and a killed rank raises an
-error naming it, with no process left behind."""
+TP = 1 and transformers generate (float32; Llama, Qwen2 with one KV head (replicated), Qwen3;
+tied and untied embeddings), a bad tensor_parallel_size is refused naming the field, and a
+killed rank raises an error naming it, with no process left behind."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from phloem import LLM, SamplingParams
 from phloem.distributed.worker_process import TensorParallelError
 from tests.engine.tiny_models import VOCAB, hf_greedy, tiny_config
 
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def write_model(arch: str, path, tokenizer_dir, num_kv_heads: int):
@@ -57,7 +57,7 @@ def run(llm: LLM, params: SamplingParams):
     return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize(("arch", "num_kv_heads"), [("llama", 2), ("qwen2", 1)])
+@pytest.mark.parametrize(("arch", "num_kv_heads"), [("llama", 2), ("qwen2", 1), ("qwen3", 2)])
 def test_tp2_matches_tp1_and_transformers(arch, num_kv_heads, tmp_path, embedded_tokenizer_dir):
     torch.set_num_threads(2)
     ref = write_model(arch, tmp_path, embedded_tokenizer_dir, num_kv_heads)
