@@ -172,7 +172,7 @@ def start_tensor_parallel(
     """
     import torch
 
-    from phloem.worker.worker import Worker, resolve_device
+    from phloem.worker.worker import resolve_device
 
     size = config.parallel.tensor_parallel_size
     if multiprocessing.current_process().daemon:
@@ -197,24 +197,40 @@ def start_tensor_parallel(
     specs = [RankSpec(r, size, init_method, backend, env, threads, kwargs) for r in range(1, size)]
     group = _Group([RankProcess(spec) for spec in specs])
     try:
-        for r in group.ranks:
-            r.expect("joining", JOIN_TIMEOUT_S)
-        group.watchdog.start()
-        if cuda:
-            torch.cuda.set_device(0)
-        init_tensor_parallel(0, size, init_method, backend)
-        try:
-            worker = Worker(**kwargs)
-        except Exception as e:
-            raise group.failure(e) from e
-        for r in group.ranks:
-            blocks = r.expect("ready", START_TIMEOUT_S)
-            if blocks != worker.num_blocks:
-                raise TensorParallelError(
-                    r.rank, f"holds {blocks} KV blocks, rank 0 {worker.num_blocks}"
-                )
+        worker = _start_driver(group, specs[0], cuda)
     except BaseException:
         group.close()
         raise
     logger.info("tensor parallel: %d ranks over %s", size, backend)
     return TensorParallelExecutor(worker, group)
+
+
+def _start_driver(group: _Group, spec: RankSpec, cuda: bool):
+    """Rank 0's part of the start: wait until every rank is joining, join the group, build the
+    driver's `Worker`, then check every rank is ready with the same KV block count. Returns the
+    `Worker`.
+
+    Raises:
+        TensorParallelError: naming the rank that failed, died or disagrees.
+    """
+    import torch
+
+    from phloem.worker.worker import Worker
+
+    for r in group.ranks:
+        r.expect("joining", JOIN_TIMEOUT_S)
+    group.watchdog.start()
+    if cuda:
+        torch.cuda.set_device(0)
+    init_tensor_parallel(0, spec.size, spec.init_method, spec.backend)
+    try:
+        worker = Worker(**spec.worker_kwargs)
+    except Exception as e:
+        raise group.failure(e) from e
+    for r in group.ranks:
+        blocks = r.expect("ready", START_TIMEOUT_S)
+        if blocks != worker.num_blocks:
+            raise TensorParallelError(
+                r.rank, f"holds {blocks} KV blocks, rank 0 {worker.num_blocks}"
+            )
+    return worker

@@ -1,7 +1,7 @@
 """Tensor parallelism end to end on the CPU (gloo, spawned rank processes): TP = 2 generates what
 TP = 1 and transformers generate (float32; Llama, Qwen2 with one KV head (replicated), Qwen3;
 tied and untied embeddings), a bad tensor_parallel_size is refused naming the field, and a
-killed rank raises an error naming it, with no process left behind."""
+killed rank or one that raises gives an error naming it, with no process left behind."""
 
 from __future__ import annotations
 
@@ -102,3 +102,22 @@ def test_killed_rank_raises_naming_it(tmp_path, embedded_tokenizer_dir):
         run(llm, GREEDY)
     llm.close()
     assert not multiprocessing.active_children()
+
+
+def test_rank_exception_is_reported_naming_the_rank():
+    from phloem.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from phloem.distributed.worker_process import RankProcess, RankSpec, stop_ranks
+    from phloem.engine.tp_executor import _free_port
+
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    spec = RankSpec(1, 2, init_method, "gloo", {}, 1, {"no_such_argument": 1})
+    rank = RankProcess(spec)
+    try:
+        rank.expect("joining", 60)
+        init_tensor_parallel(0, 2, init_method, "gloo")
+        with pytest.raises(TensorParallelError, match=r"(?s)rank 1 failed:.*TypeError.*no_such"):
+            rank.expect("ready", 60)
+    finally:
+        destroy_tensor_parallel()
+        stop_ranks([rank])
+    assert not rank.process.is_alive()
