@@ -4,6 +4,8 @@
 #   TP=4 STAGES="agree latency" bash benchmarks/tp_device.sh "$OUT/tp4"
 # On Llama-3.1-8B shapes with random weights (load_format dummy draws the same model at every TP
 # size), bf16, one process per run, the stages of STAGES in this order:
+#   tests    tests/distributed/test_tp_gpu.py: TP=2 vs TP=1 greedy on tiny models, NCCL, decode
+#            CUDA graphs on and off (output in OUT_DIR/tp-gpu-tests.txt)
 #   agree    benchmarks/tp_agreement.py: greedy reference at TP=1, then TP=$TP teacher-forced top-1
 #            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
 #            replayed CUDA graphs (which capture the all-reduces)
@@ -16,7 +18,7 @@
 set -uo pipefail
 OUT=${1:-/tmp/phloem_tp}
 TP=${TP:-2}
-STAGES=${STAGES:-"agree latency batchllm"}
+STAGES=${STAGES:-"tests agree latency batchllm"}
 LIMIT=${LIMIT:-200}
 ENGINE_ARGS=${ENGINE_ARGS:-"--max-num-seqs 2048 --max-num-batched-tokens 8192"}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -34,6 +36,11 @@ bench() {  # NAME TP WORKLOAD_ARGS...
 }
 for stage in $STAGES; do
     case $stage in
+    tests)
+        echo "=== tests $(date +%T)"
+        timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider tests/distributed/test_tp_gpu.py \
+            2>&1 | tee "$OUT/tp-gpu-tests.txt" | tail -5
+        ;;
     agree)
         echo "=== agreement TP=1 -> TP=$TP $(date +%T)"
         timeout "$LIMIT" python3 benchmarks/tp_agreement.py reference --out "$OUT/agree-ref.json" \
