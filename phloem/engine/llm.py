@@ -493,4 +493,3 @@ class LLM:
         """Step until the given requests finish; returns their outputs in the given order."""
         results = {o.request_id: o for o in self.iter_outputs(request_ids, use_tqdm)}
         return [results[r] for r in request_ids]
-
