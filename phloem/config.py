@@ -133,6 +133,15 @@ class SchedulerConfig:
             costs one wasted token of compute; steps with penalties wait for the previous step.
             False here, so that a scheduler built directly (the core tests, `schedule_sim`) steps
             synchronously; the engine's user-facing default is `EngineArgs.async_scheduling`.
+        online_prefix_grouping: with the radix cache on, group the requests that arrive in the
+            same step by shared prefix and join later arrivals to prefixes still being
+            computed, so each is computed once (`core/arrival_groups.py`); the offline batch
+            path plans its groups itself and is not affected.
+        max_prefill_tokens_per_step: while a running request streams (has sampled a token),
+            prompt chunks get at most this many tokens of a step in all, after one token for
+            each running decode [tokens]; None: no cap (the whole budget). Keeps a mixed step
+            near the time of a decode step (docs/DESIGN.md, "Steady inter-token latency").
+            Needs chunked prefill.
     """
 
     max_num_seqs: int = 256
@@ -141,9 +150,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     memory_centric_admission: bool = True
     async_scheduling: bool = False
+    online_prefix_grouping: bool = True
+    max_prefill_tokens_per_step: int | None = None
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_prefill_tokens_per_step", self.max_prefill_tokens_per_step, True)
+        if self.max_prefill_tokens_per_step is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                "max_prefill_tokens_per_step needs chunked prefill (enable_chunked_prefill), "
+                f"got {self.max_prefill_tokens_per_step} with chunked prefill off"
+            )
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -116,6 +116,17 @@ class EngineArgs:
         True,  # SchedulerConfig's own default is False: see its docstring
         "schedule and launch each step while the previous one runs on the device",
     )
+    online_prefix_grouping: bool = _arg(
+        SchedulerConfig.online_prefix_grouping,
+        "group requests that arrive together by shared prefix, and join later ones to a "
+        "prefix still being computed, so it is computed once (needs prefix caching)",
+    )
+    max_prefill_tokens_per_step: int | None = _arg(
+        SchedulerConfig.max_prefill_tokens_per_step,
+        "while running requests stream, prompt chunks get at most this many tokens a step "
+        "after the decodes (steady inter-token latency; default: no cap)",
+        type=int,
+    )
     kv_cache_dtype: str = _arg(
         CacheConfig.kv_cache_dtype,
         "fp8: KV cache in float8 e4m3 (scale 1): twice the tokens, half the reads; lossy",
@@ -276,6 +287,8 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 memory_centric_admission=self.memory_centric_admission,
                 async_scheduling=self.async_scheduling,
+                online_prefix_grouping=self.online_prefix_grouping,
+                max_prefill_tokens_per_step=self.max_prefill_tokens_per_step,
             ),
             seed=self.seed,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),

@@ -13,6 +13,9 @@ prometheus-client objects are thread-safe.
                 free, as in vLLM), phloem:num_kv_blocks_free
     counters:   phloem:prompt_tokens_total, phloem:generation_tokens_total,
                 phloem:prefix_cache_queries_total, phloem:prefix_cache_hits_total [tokens],
+                phloem:prompt_tokens_computed_total, phloem:prompt_tokens_reused_total
+                [tokens] (engine core only: prompt tokens the model ran, and those admitted
+                requests started with from shared blocks),
                 phloem:request_success_total{finished_reason}, phloem:request_failed_total,
                 phloem:request_aborted_total{phase="waiting"|"running"},
                 phloem:num_preemptions_total
@@ -89,6 +92,12 @@ class EngineMetrics:
         )
         self.prefix_hits = counter(
             "phloem:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.prompt_computed = counter(
+            "phloem:prompt_tokens_computed", "Prompt tokens the model ran (recomputes included)."
+        )
+        self.prompt_reused = counter(
+            "phloem:prompt_tokens_reused", "Prompt tokens started from shared or cached blocks."
         )
         self._success = Counter(
             "phloem:request_success",
@@ -169,6 +178,8 @@ class EngineMetrics:
         aborted = self._aborted
         for key, total, counter in (
             ("preemptions", stats.num_preemptions, self.preemptions),
+            ("prompt_computed", stats.num_computed_prompt_tokens, self.prompt_computed),
+            ("prompt_reused", stats.num_reused_prompt_tokens, self.prompt_reused),
             (
                 "aborted_waiting",
                 stats.num_aborted_waiting,

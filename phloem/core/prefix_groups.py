@@ -87,10 +87,15 @@ class PrefixGroups:
         )
 
     def on_admitted(self, request: Request) -> None:
-        """A member admitted while its group holds nothing computes the prefix: the leader."""
+        """A member admitted while its group holds nothing computes the prefix: the leader.
+        One that starts with the whole prefix (found in the radix cache) hands it to the group
+        at once, so the other members need not wait for a step."""
         group = request.shared_prefix
         if group is not None and group.block_ids is None:
-            group.leader = request
+            if request.num_computed_tokens >= group.prefix_len:
+                self.kv.hold_shared_prefix(group, request)
+            else:
+                group.leader = request
 
     def on_computed(self, request: Request) -> None:
         """After a step of a running request: a leader whose KV now covers the prefix hands it

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from phloem.config import SchedulerConfig
 from phloem.core.admission import Admission
+from phloem.core.arrival_groups import ArrivalGroups
 from phloem.core.kv_manager import KVManager
 from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.request import Request, RequestStatus, SharedPrefix
@@ -80,14 +81,21 @@ class Scheduler:
         self._unapplied: dict[int, tuple[SchedulerOutput, list[Request]]] = {}
         self.num_preemptions = 0  # since start, all requests
         self.num_computed_prompt_tokens = 0  # prompt tokens the model ran (updated steps)
+        self.num_reused_prompt_tokens = 0  # prompt tokens admitted requests started with
+        # online prefix groups of requests arriving together (radix cache on, not planned)
+        self.arrival_groups: ArrivalGroups | None = None
+        if kv_manager.prefix_cache is not None and config.online_prefix_grouping:
+            self.arrival_groups = ArrivalGroups(kv_manager)
         # request id -> error message of requests failed alone since the engine last took them
         self.failed_requests: dict[str, str] = {}
 
     # -- queue management -------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request (WAITING). Raises ValueError on a duplicate id or a prompt that
-        leaves no room to generate within the context."""
+    def add_request(self, request: Request, planned: bool = False) -> None:
+        """Queue a new request (WAITING). Unless `planned` (its batch was planned for prefix
+        sharing as a whole: the offline path) or already in a group, it is grouped with the
+        requests arriving in the same step (`ArrivalGroups`). Raises ValueError on a duplicate
+        id or a prompt that leaves no room to generate within the context."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens >= self.config.max_model_len:
@@ -105,6 +113,8 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.arrival_groups is not None and not planned and request.shared_prefix is None:
+            self.arrival_groups.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish these requests as aborted and free their blocks (unknown ids are ignored)."""
@@ -129,31 +139,59 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's tokens. Mutates block tables, the queues, request status, and the
         scheduled requests' `num_computed_tokens` and `num_pending_tokens` (the step counts as
-        computed from here on)."""
+        computed from here on). New arrivals are first grouped by shared prefix."""
+        if self.arrival_groups is not None and self.arrival_groups.has_arrivals:
+            self.arrival_groups.plan()
         output = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         requests: list[Request] = []  # the scheduled requests, in row order
-        budget = self._schedule_running(output, requests, self.config.max_num_batched_tokens)
+        budget, prefill_left = self._schedule_running(
+            output, requests, self.config.max_num_batched_tokens, self._prefill_cap()
+        )
         num_running_scheduled = len(requests)
         if not output.preempted_seq_ids:
-            budget = self._admit_waiting(output, requests, budget)
+            budget = self._admit_capped(output, requests, budget, prefill_left)
             if (
                 not output.scheduled
                 and self.waiting
                 and self.prefix_groups.release_idle(self.running)
             ):
-                budget = self._admit_waiting(output, requests, budget)
+                budget = self._admit_capped(output, requests, budget, prefill_left)
         self._update_after_schedule(output, requests, num_running_scheduled)
         return output
 
-    def _schedule_running(
-        self, output: SchedulerOutput, requests: list[Request], budget: int
+    def _prefill_cap(self) -> int | None:
+        """`max_prefill_tokens_per_step` while a running request streams (has sampled), else
+        None (with no stream waiting for its next token, prefill takes the whole budget)."""
+        cap = self.config.max_prefill_tokens_per_step
+        if cap is not None:
+            for request in self.running:  # the oldest running request usually decodes already
+                if request.output_token_ids or request.num_pending_tokens:
+                    return cap
+        return None
+
+    def _admit_capped(
+        self, output: SchedulerOutput, requests: list[Request], budget: int, prefill_left: int
     ) -> int:
+        """`_admit_waiting` within `prefill_left` of the `budget`; returns the budget left."""
+        allowed = min(budget, prefill_left)
+        return budget - allowed + self._admit_waiting(output, requests, allowed)
+
+    def _schedule_running(
+        self, output: SchedulerOutput, requests: list[Request], budget: int, cap: int | None
+    ) -> tuple[int, int]:
         """Schedule the running requests in admission order under `budget` tokens (appended
         to `output.scheduled` and `requests`; each counts as computed at once, as in
-        `_update_after_schedule`); returns the budget left. It visits every running request
-        every step, so it reads each attribute once and calls nothing per request in the common
-        case (a decode token that fits its last block, a table whose prefix is known)."""
+        `_update_after_schedule`); returns the budget and the prefill tokens left. It visits
+        every running request every step, so it reads each attribute once and calls nothing
+        per request in the common case (a decode token that fits its last block, a table whose
+        prefix is known).
+
+        With a prefill `cap` (docs/DESIGN.md, "Steady inter-token latency"), chunks of more
+        than one token take at most `cap` tokens in all, and never the one token each later
+        running request may need: decodes are not starved by a long prefill admitted before
+        them."""
+        prefill_left = budget if cap is None else cap
         kv = self.kv
         block_size = kv.block_size
         max_model_len = self.config.max_model_len
@@ -172,6 +210,9 @@ class Scheduler:
                 continue  # its pending token ends it (length): computing another would be waste
             num_computed = request.num_computed_tokens
             num_new = min(num_tokens - num_computed, budget)
+            if num_new > 1 and cap is not None:  # a prompt chunk while streams decode
+                num_new = min(num_new, prefill_left, budget - (len(running) - index))
+                prefill_left -= max(num_new, 0)
             if num_new <= 0:
                 continue
             block_ids = tables.get(request.request_id, NO_TABLE)
@@ -205,7 +246,7 @@ class Scheduler:
             output.scheduled.append(scheduled)
             requests.append(request)
             budget -= num_new
-        return budget
+        return budget, prefill_left
 
     def _update_after_schedule(
         self, output: SchedulerOutput, requests: list[Request], start: int
@@ -301,6 +342,7 @@ class Scheduler:
             return None
         if self.config.memory_centric_admission:
             reserved += self.admission.blocks_to_finish((request,))
+        self.num_reused_prompt_tokens += min(num_computed, request.num_prompt_tokens)
         groups.on_admitted(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -424,6 +466,8 @@ class Scheduler:
         request.status = status
         self.kv.free(request, cache=True)
         self.prefix_groups.on_finished(request)
+        if self.arrival_groups is not None:
+            self.arrival_groups.forget(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 

@@ -123,6 +123,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int  # total
     num_aborted_waiting: int  # total
     num_aborted_running: int  # total
+    # optional (added by issue 24, item 4; older senders omit them)
+    num_computed_prompt_tokens: int = 0  # [tokens] the model ran, total (recomputes included)
+    num_reused_prompt_tokens: int = 0  # [tokens] admitted requests started with, total
 
 
 class CoreStep(msgspec.Struct, tag="step", array_like=True, gc=False):

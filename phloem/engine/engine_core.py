@@ -180,6 +180,8 @@ class EngineCore:
             counts.num_preemptions,
             counts.num_aborted_waiting,
             counts.num_aborted_running,
+            engine.scheduler.num_computed_prompt_tokens,
+            engine.scheduler.num_reused_prompt_tokens,
         )
 
 

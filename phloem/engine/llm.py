@@ -435,6 +435,7 @@ class LLM:
                         prompt=text,
                         shared_prefix=groups.get(i),
                         validated=validated,
+                        planned=True,
                     )
                     added.append(request_ids[i])
             except BaseException:

@@ -131,6 +131,7 @@ class LLMEngine:
         shared_prefix: SharedPrefix | None = None,
         *,
         validated: bool = False,
+        planned: bool = False,
     ) -> str:
         """Queue one prompt; returns its request id. The engine keeps its own copy of
         `prompt_token_ids` (the caller may reuse the list).
@@ -139,7 +140,9 @@ class LLMEngine:
         `prefix_len` tokens are computed once for the whole group); the caller sets the group's
         `num_unfinished` to its member count. With n > 1 the n sequences share their prompt's
         full blocks instead (the group is ignored). `validated`: the caller already ran
-        `validate_prompt` on these ids (skips a second pass over them).
+        `validate_prompt` on these ids (skips a second pass over them). `planned`: the
+        caller planned prefix sharing over the request's whole batch (the offline `LLM`);
+        otherwise the scheduler groups it with requests arriving in the same step.
 
         Sequence i of n > 1 is seeded with `sampling_params.generator_seed(i)` ((seed + i) mod
         2^64). Nothing is queued when this raises.
@@ -172,7 +175,7 @@ class LLMEngine:
         added: list[str] = []
         try:
             for seq in entry.sequences:
-                self.scheduler.add_request(seq.request)
+                self.scheduler.add_request(seq.request, planned)
                 added.append(seq.request.request_id)
         except BaseException:
             self.scheduler.abort_requests(added)
