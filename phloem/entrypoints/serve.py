@@ -198,17 +198,7 @@ def cmd_serve(args: argparse.Namespace, executor_factory: str | None = None) -> 
         return 1
     server = Server(_uvicorn_config(build_app(state), args, state))
     holder["server"] = server
-    # what start-up built (modules, the app, the tokenizer) lives as long as the server: out of
-    # the cycle collector's reach, full collections under load walk only what requests made
-    gc.collect()
-    gc.freeze()
-    where = f"engine core pid {state.engine.pid}" if args.engine_process else "engine thread"
-    print(
-        f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
-        f"(max_model_len {state.engine.max_model_len}, {where})",
-        file=sys.stderr,
-        flush=True,
-    )
+    _started(state, args)
     # uvicorn re-raises the signal it shut down for once it restores the handlers it found: with
     # these, a drained shutdown exits 0 instead of dying of the signal (143 / 130).
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -220,6 +210,23 @@ def cmd_serve(args: argparse.Namespace, executor_factory: str | None = None) -> 
     if not server.started:
         return 1
     return 0
+
+
+def _started(state, args: argparse.Namespace) -> None:
+    """Start-up is done: freeze what it built out of the cycle collector, print where we serve.
+
+    What start-up built (modules, the app, the tokenizer) lives as long as the server; frozen,
+    the collections that load sets off walk only what requests made.
+    """
+    gc.collect()
+    gc.freeze()
+    where = f"engine core pid {state.engine.pid}" if args.engine_process else "engine thread"
+    print(
+        f"phloem: serving {state.model_name} on http://{args.host}:{args.port} "
+        f"(max_model_len {state.engine.max_model_len}, {where})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _uvicorn_config(app, args: argparse.Namespace, state):

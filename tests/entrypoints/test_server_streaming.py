@@ -259,3 +259,66 @@ def test_n_logprobs_stop_seed(openai_client):
     )
     finished = {c.choices[0].index for c in streamed_n if c.choices[0].finish_reason}
     assert finished == {0, 1}
+
+
+# -- a slow reader holds back neither the engine nor other clients ---------------------------------
+
+
+def _dechunk(data: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response (`data`: everything after the headers)."""
+    body, pos = b"", 0
+    while True:
+        end = data.index(b"\r\n", pos)
+        size = int(data[pos:end], 16)
+        if size == 0:
+            return body
+        body += data[end + 2 : end + 2 + size]
+        pos = end + 2 + size + 2
+
+
+def test_slow_reader_never_holds_back_the_core_or_others(main_server, client):
+    """A stream whose client reads nothing (a tiny receive window: the server's writes back up
+    into uvicorn's buffer, then its send waits) still runs to its end in the core while another
+    request is served; read later, its frames (coalesced while it waited) give the same text as
+    the same request unstreamed."""
+    import socket
+
+    main_server.wait_idle()
+    body = {"prompt": "Tell me a very long story about a lighthouse keeper.", "max_tokens": 420,
+            "ignore_eos": True, "temperature": 0, "logprobs": 5}  # fmt: skip
+    data = json.dumps({**body, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: small window
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", main_server.port))
+    head = ["POST /v1/completions HTTP/1.1", f"Host: 127.0.0.1:{main_server.port}",
+            "Content-Type: application/json", f"Content-Length: {len(data)}",
+            *(f"{k}: {v}" for k, v in main_server.headers.items())]  # fmt: skip
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    try:
+        # another client is served meanwhile, and the core finishes the slow one unread
+        assert greedy(client, PROMPTS[0], max_tokens=8)["finish_reason"] == "length"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = main_server.metrics()
+            if m["phloem:num_requests_running"] == 0 and m["phloem:num_requests_waiting"] == 0:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the core did not finish the slow reader's request")
+        raw = b""
+        while b"data: [DONE]" not in raw or not raw.endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed early"
+            raw += chunk
+    finally:
+        sock.close()
+    headers, _, rest = raw.partition(b"\r\n\r\n")
+    assert headers.startswith(b"HTTP/1.1 200"), headers
+    events = [e[len(b"data: ") :] for e in _dechunk(rest).split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    choices = [json.loads(e)["choices"] for e in events[:-1]]
+    text = "".join(c[0]["text"] for c in choices if c)
+    assert choices[-1][0]["finish_reason"] == "length"
+    unstreamed = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert text == unstreamed["text"]

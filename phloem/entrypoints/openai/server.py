@@ -255,7 +255,13 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest, arrival: float):
-    """Yield (prompt index, RequestOutput) from all prompts of one API request as they come."""
+    """Yield (prompt index, RequestOutput) from all prompts of one API request as they come.
+
+    Outputs are cumulative, so only each prompt's newest matters: one pump task per prompt
+    keeps it in `newest` (never waiting on this consumer), and the consumer takes what is there
+    in prompt order. A slow reader thus holds at most one output per prompt, and no engine
+    stream waits for it.
+    """
     gens = [
         engine.generate(ids, params, rid, text, arrival)
         for rid, (text, ids), params in zip(prep.request_ids, prep.prompts, prep.params)
@@ -264,28 +270,36 @@ async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedReque
         async for output in gens[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    newest: dict[int, Any] = {}
+    errors: list[BaseException] = []
+    news = asyncio.Event()
+    running = len(gens)
 
     async def pump(index: int, gen) -> None:
+        nonlocal running
         try:
             async for output in gen:
-                await queue.put((index, output, None))
+                newest[index] = output
+                news.set()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, None, e))
+            errors.append(e)
         finally:
-            await queue.put((index, None, StopAsyncIteration()))
+            running -= 1
+            news.set()
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, output, error = await queue.get()
-            if isinstance(error, StopAsyncIteration):
-                remaining -= 1
-            elif error is not None:
-                raise error
-            else:
+        while newest or running:
+            await news.wait()
+            news.clear()
+            ready = sorted(newest.items())
+            newest.clear()
+            for index, output in ready:
                 yield index, output
+            if errors:
+                raise errors[0]
+        if errors:
+            raise errors[0]
     finally:
         for task in tasks:
             task.cancel()
