@@ -162,7 +162,9 @@ class Scheduler:
 
     def _prefill_cap(self) -> int | None:
         """`max_prefill_tokens_per_step` while a running request streams (has sampled), else
-        None (with no stream waiting for its next token, prefill takes the whole budget)."""
+        None (with no stream waiting for its next token, prefill takes the whole budget); the
+        rule of docs/DESIGN.md, "Steady inter-token latency": decodes keep their pace while
+        prompts arrive."""
         cap = self.config.max_prefill_tokens_per_step
         if cap is not None:
             for request in self.running:  # the oldest running request usually decodes already
@@ -171,33 +173,23 @@ class Scheduler:
         return None
 
     def _admit_capped(
-        self, output: SchedulerOutput, requests: list[Request], budget: int, prefill_left: int
+        self, output: SchedulerOutput, requests: list[Request], budget: int, prefill: int | None
     ) -> int:
-        """`_admit_waiting` within `prefill_left` of the `budget`; returns the budget left."""
-        allowed = min(budget, prefill_left)
+        """`_admit_waiting` within `prefill` (None: all) of `budget`; returns what is left."""
+        allowed = budget if prefill is None else min(budget, prefill)
         return budget - allowed + self._admit_waiting(output, requests, allowed)
 
     def _schedule_running(
-        self, output: SchedulerOutput, requests: list[Request], budget: int, cap: int | None
-    ) -> tuple[int, int]:
-        """Schedule the running requests in admission order under `budget` tokens (appended
-        to `output.scheduled` and `requests`; each counts as computed at once, as in
-        `_update_after_schedule`); returns the budget and the prefill tokens left. It visits
-        every running request every step, so it reads each attribute once and calls nothing
-        per request in the common case (a decode token that fits its last block, a table whose
-        prefix is known).
-
-        With a prefill `cap` (docs/DESIGN.md, "Steady inter-token latency"), chunks of more
-        than one token take at most `cap` tokens in all, and never the one token each later
-        running request may need: decodes are not starved by a long prefill admitted before
-        them."""
-        prefill_left = budget if cap is None else cap
-        kv = self.kv
-        block_size = kv.block_size
-        max_model_len = self.config.max_model_len
-        tables = kv.block_tables
-        running = self.running  # preemption removes from this same list
-        index = 0
+        self, output: SchedulerOutput, requests: list[Request], budget: int, prefill: int | None
+    ) -> tuple[int, int | None]:
+        """Schedule the running requests in admission order under `budget` tokens (appended to
+        `output.scheduled` and `requests`; each counts as computed at once); returns the budget
+        and prefill tokens left. Chunks of more than one token take at most `prefill` (None:
+        no cap, `_prefill_cap`), never the token each later running request may need. Reads each
+        attribute once, calls nothing per request in the common case (a decode in its block)."""
+        kv, max_model_len = self.kv, self.config.max_model_len
+        block_size, tables = kv.block_size, kv.block_tables
+        running, index = self.running, 0  # preemption removes from this same list
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
@@ -210,9 +202,9 @@ class Scheduler:
                 continue  # its pending token ends it (length): computing another would be waste
             num_computed = request.num_computed_tokens
             num_new = min(num_tokens - num_computed, budget)
-            if num_new > 1 and cap is not None:  # a prompt chunk while streams decode
-                num_new = min(num_new, prefill_left, budget - (len(running) - index))
-                prefill_left -= max(num_new, 0)
+            if num_new > 1 and prefill is not None:  # a prompt chunk while streams decode
+                num_new = min(num_new, prefill, budget - (len(running) - index))
+                prefill -= max(num_new, 0)
             if num_new <= 0:
                 continue
             block_ids = tables.get(request.request_id, NO_TABLE)
@@ -246,7 +238,7 @@ class Scheduler:
             output.scheduled.append(scheduled)
             requests.append(request)
             budget -= num_new
-        return budget, prefill_left
+        return budget, prefill
 
     def _update_after_schedule(
         self, output: SchedulerOutput, requests: list[Request], start: int
