@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on the CPU (gloo, spawned rank processes): TP = 2 generates what
 TP = 1 and transformers generate (float32; Llama, Qwen2 with one KV head (replicated), Qwen3;
-tied and untied embeddings), a bad tensor_parallel_size is refused naming the field, and a
-killed rank or one that raises gives an error naming it, with no process left behind."""
+tied and untied embeddings), and so does the embedded model at TP = 3; a bad
+tensor_parallel_size is refused naming the field, and a killed rank or one that raises gives an
+error naming it, with no process left behind."""
 
 from __future__ import annotations
 
@@ -121,3 +122,16 @@ def test_rank_exception_is_reported_naming_the_rank():
         destroy_tensor_parallel()
         stop_ranks([rank])
     assert not rank.process.is_alive()
+
+
+def test_embedded_model_at_tp3_matches_tp1(embedded_llm):
+    """The embedded SmolLM2 (GGUF through its converted checkpoint: 9 query and 3 KV heads, so
+    TP = 3) generates the session engine's greedy tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids for o in embedded_llm.generate(prompts, params, use_tqdm=False)
+    ]
+    with LLM(tensor_parallel_size=3, max_num_batched_tokens=64, dtype="float32") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
