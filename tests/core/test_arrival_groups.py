@@ -72,6 +72,20 @@ def test_simultaneous_arrivals_compute_the_common_prefix_once():
     assert first["r0"] == 0 and all(first[r.request_id] == 1 for r in requests[1:])
 
 
+def test_members_decode_as_one_prefix_group():
+    """The step after the leader's prefill, every member's row names the group's prefix (the
+    worker's prefix-shared attention groups them), as for an offline planned group."""
+    requests = requests_of(prompts_with_prefix(4, prefix_blocks=3, seed=6), max_tokens=6)
+    s = scheduler()
+    for r in requests:
+        s.add_request(r)
+    step(s)
+    step(s)  # the members' admission
+    rows = step(s).scheduled  # everyone decodes
+    assert len(rows) == 4 and {x.prefix_len for x in rows} == {3 * BS}
+    assert len({x.group_id for x in rows}) == 1 and rows[0].group_id >= 0
+
+
 def test_without_grouping_the_same_arrivals_compute_it_each_time():
     """The reference the dedup is measured against: the radix cache alone knows nothing of
     blocks not yet computed, so every request admitted in the first step computes the prefix."""

@@ -31,16 +31,21 @@ def prompts(num=4, seed=0):
     ]
 
 
-def serve(model_path, batch, **kw) -> tuple[LLMEngine, dict[str, list[int]]]:
-    """Add every prompt before the first step (the core's drain), step to the end in DELTA mode
-    (the core's), return the engine and each request's token ids."""
+def serve(model_path, batch, every=0, **kw) -> tuple[LLMEngine, dict[str, list[int]]]:
+    """Add the prompts before the first step (the core's drain), or one every `every` steps,
+    step to the end in DELTA mode (the core's), return the engine and each request's token
+    ids."""
     args = EngineArgs(str(model_path), block_size=BS, max_num_batched_tokens=32, **kw)
     engine = LLMEngine(args.create_engine_config(), output_mode=OutputMode.DELTA)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for i, p in enumerate(batch):
-        engine.add_request(p, params, f"r{i}")
+    arrivals = [(i * every, f"r{i}", p) for i, p in enumerate(batch)]
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(batch))}
-    while engine.has_unfinished_requests():
+    num_steps = 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= num_steps:
+            _, request_id, prompt = arrivals.pop(0)
+            engine.add_request(prompt, params, request_id)
+        num_steps += 1
         for delta in engine.step():
             for seq in delta.seqs:
                 tokens[delta.request_id] += seq.token_ids
@@ -58,6 +63,14 @@ def test_simultaneous_arrivals_compute_the_prefix_once(model_path, async_schedul
     assert stats.num_computed_prompt_tokens == 3 * BS + suffixes
     assert stats.num_reused_prompt_tokens == (len(batch) - 1) * 3 * BS
     _, alone = serve(model_path, batch, enable_prefix_caching=False)
+    assert tokens == alone
+
+
+def test_arrivals_over_steps_reuse_the_prefix(model_path):
+    batch = prompts(num=3, seed=2)
+    engine, tokens = serve(model_path, batch, every=2)
+    assert engine.num_computed_prompt_tokens == 3 * BS + sum(len(p) - 3 * BS for p in batch)
+    _, alone = serve(model_path, batch, every=2, enable_prefix_caching=False)
     assert tokens == alone
 
 
