@@ -18,7 +18,9 @@ own `EngineCoreClient` with the embedded model's tokenizer; it imports `run_engi
 holding the stand-in first (both trees alike), so no model loads. Measured: `time.process_time`
 of the front's process (the core is another process) from the first request to the last frame,
 divided by the tokens streamed; the median over `--repeats` runs per tree, old and new
-interleaved, each run in a fresh process.
+interleaved, each run in a fresh process. The new tree's front freezes its start-up objects out
+of the cycle collector before the rounds, as `phloem serve` does once started (`serve._started`;
+`--no-freeze-new` leaves that out).
 
 Run from the repository root, with the old tree extracted beside it:
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -144,9 +147,10 @@ async def _round(engine, front, num_streams: int, num_tokens: int, tag: str) -> 
     }
 
 
-def run_front(num_streams: int, num_tokens: int, profile: bool, loop: str) -> dict:
+def run_front(num_streams: int, num_tokens: int, profile: bool, loop: str, freeze: bool) -> dict:
     """Start the tree's front over the stand-in core; a warm-up round, then the measured one,
-    on asyncio's own event loop or uvloop's (`loop`)."""
+    on asyncio's own event loop or uvloop's (`loop`); `freeze`: start-up objects frozen out of
+    the cycle collector first, as `phloem serve` now does once it has started."""
     sys.modules["phloem.engine.engine_core"] = types.ModuleType("phloem.engine.engine_core")
     sys.modules["phloem.engine.engine_core"].run_engine_core = stand_in_core  # type: ignore[attr-defined]
     from phloem.engine.core_client import EngineCoreClient
@@ -155,6 +159,9 @@ def run_front(num_streams: int, num_tokens: int, profile: bool, loop: str) -> di
 
     engine = EngineCoreClient(EngineArgs(), EngineMetrics("front-path"))
     front = types.SimpleNamespace(model_name="front-path", tokenizer=engine.tokenizer)
+    if freeze:
+        gc.collect()
+        gc.freeze()
 
     async def main() -> dict:
         await _round(engine, front, 8, 16, "warm")
@@ -197,6 +204,8 @@ def _token_file(path: Path) -> None:
 def _child(tree: Path, args, env: dict) -> dict:
     cmd = [sys.executable, __file__, "--child", str(tree), "--streams", str(args.streams),
            "--tokens", str(args.tokens), "--loop", args.loop]  # fmt: skip
+    if tree == ROOT and args.freeze_new:
+        cmd.append("--freeze")
     if args.profile:
         cmd.append("--profile")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, timeout=600)
@@ -221,13 +230,21 @@ def main() -> int:
         default="asyncio",
         help="the front's event loop (the server runs uvloop when it is installed)",
     )
+    p.add_argument(
+        "--freeze-new",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the new tree's front freezes start-up objects (serve.py does since)",
+    )
+    p.add_argument("--freeze", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         sys.path.insert(0, str(args.child))
-        print(json.dumps(run_front(args.streams, args.tokens, args.profile, args.loop)))
+        result = run_front(args.streams, args.tokens, args.profile, args.loop, args.freeze)
+        print(json.dumps(result))
         return 0
     trees = {"new": ROOT}
     if args.old is not None:
@@ -257,6 +274,7 @@ def main() -> int:
         "tokens_per_stream": args.tokens,
         "step_ms": args.step_ms,
         "loop": args.loop,
+        "new_tree_freezes_startup_objects": args.freeze_new,
         "median_cpu_us_per_token": summary,
         "runs": runs,
     }
