@@ -22,8 +22,10 @@ depends on the order an unstable sort leaves equal values in.
 
 Assumes at least one token of every row survives banning (the engine bans only EOS and stop ids).
 
-Non-finite logits: each row's count of NaN/inf values is computed on the device and copied to
-the host behind the step's tokens (no extra sync); a row with any is sampled from zeros instead
+Non-finite logits: each row is flagged on the device by one read-only reduction (its float32 sum
+is NaN/inf exactly when the row holds a NaN or an inf, or when finite logits overflow float32:
+|sum| > 3.4e38, which no working model produces) and the flags are copied to the host behind the
+step's tokens (no extra sync, no [B, V] temporary); a flagged row is sampled from zeros instead
 (greedy rows: argmax is defined on NaN, so nothing is replaced), and its caller fails that row's
 request alone (`SamplerOutput.num_nonfinite`, `NON_FINITE_MESSAGE`).
 """
@@ -90,8 +92,8 @@ class SamplerOutput:
             when no row asked for logprobs (the log-softmax over the vocabulary is then skipped).
         top_logprobs: [B] for rows with params.logprobs = k: {token_id: raw log-prob} for the k
             most likely tokens plus the sampled one (k or k + 1 entries); None for other rows.
-        num_nonfinite: [B] NaN/inf values in each row of the input logits (a row with any is
-            sampled from zeros: its token is a placeholder).
+        num_nonfinite: [B] 1 where the row of input logits holds a NaN/inf (see the module
+            docstring), else 0; a flagged row is sampled from zeros (its token is a placeholder).
     """
 
     token_ids: list[int]
@@ -265,7 +267,7 @@ class Sampler:
             is plain greedy), B == len(rows); not modified.
         Advances each random row's generator (or the sampler's) by one draw; greedy rows advance
         nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
-        Rows with NaN/inf logits are counted (`SamplerOutput.num_nonfinite`), not raised on.
+        Rows with NaN/inf logits are flagged (`SamplerOutput.num_nonfinite`), not raised on.
         """
         return self.launch(logits, rows).result()
 
@@ -277,7 +279,7 @@ class Sampler:
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
             )
-        num_nonfinite = torch.isfinite(logits).logical_not_().sum(dim=-1)  # int64 [B]
+        num_nonfinite = logits.sum(dim=-1, dtype=torch.float32).isfinite().logical_not_().long()
         if all(
             r.params.temperature < _GREEDY_TEMPERATURE
             and r.params.logprobs is None
@@ -411,7 +413,7 @@ class SampledTokens:
         rows: list[SamplingRow],
         num_nonfinite: torch.Tensor,
     ) -> SampledTokens:
-        """Enqueue what the host needs: the tokens with each row's non-finite count (int64
+        """Enqueue what the host needs: the tokens with each row's non-finite flag (int64
         [2, B], one copy), and for logprob rows the raw log-probs of the sampled and of the
         top-k tokens (one log-softmax pass, only if a row asked)."""
         parts = [torch.stack((tokens, num_nonfinite))]
