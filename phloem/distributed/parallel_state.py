@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # a collective waits at most this long for the other ranks [s] (a dead peer is noticed sooner:
@@ -56,7 +57,9 @@ def tp_backend() -> str:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> None:
-    """Join the group of `size` ranks as `rank` (blocks until every rank has joined).
+    """Join the group of `size` ranks as `rank` (blocks until every rank has joined). With NCCL
+    the rank's device is CUDA device `rank` (made current first) and the communicator is
+    created now, not at the first collective.
 
     Args:
         init_method: the rendezvous, e.g. "tcp://127.0.0.1:PORT" (rank 0 hosts the store).
@@ -75,8 +78,17 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
             "process already has one (close the other engine, or run without torchrun)"
         )
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    device = None
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+        device_id=device,
     )
     _state = TensorParallelState(rank, size, dist.group.WORLD, backend)
 

@@ -82,8 +82,6 @@ def _rank_main(spec: RankSpec, conn) -> None:
         from phloem.distributed.parallel_state import init_tensor_parallel
         from phloem.worker.worker import Worker
 
-        if spec.backend == "nccl":
-            torch.cuda.set_device(spec.rank)
         init_tensor_parallel(spec.rank, spec.size, spec.init_method, spec.backend)
         worker = Worker(**spec.worker_kwargs)
         conn.send(("ready", worker.num_blocks))

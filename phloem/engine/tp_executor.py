@@ -197,7 +197,7 @@ def start_tensor_parallel(
     specs = [RankSpec(r, size, init_method, backend, env, threads, kwargs) for r in range(1, size)]
     group = _Group([RankProcess(spec) for spec in specs])
     try:
-        worker = _start_driver(group, specs[0], cuda)
+        worker = _start_driver(group, specs[0])
     except BaseException:
         group.close()
         raise
@@ -205,7 +205,7 @@ def start_tensor_parallel(
     return TensorParallelExecutor(worker, group)
 
 
-def _start_driver(group: _Group, spec: RankSpec, cuda: bool):
+def _start_driver(group: _Group, spec: RankSpec):
     """Rank 0's part of the start: wait until every rank is joining, join the group, build the
     driver's `Worker`, then check every rank is ready with the same KV block count. Returns the
     `Worker`.
@@ -213,15 +213,11 @@ def _start_driver(group: _Group, spec: RankSpec, cuda: bool):
     Raises:
         TensorParallelError: naming the rank that failed, died or disagrees.
     """
-    import torch
-
     from phloem.worker.worker import Worker
 
     for r in group.ranks:
         r.expect("joining", JOIN_TIMEOUT_S)
     group.watchdog.start()
-    if cuda:
-        torch.cuda.set_device(0)
     init_tensor_parallel(0, spec.size, spec.init_method, spec.backend)
     try:
         worker = Worker(**spec.worker_kwargs)
