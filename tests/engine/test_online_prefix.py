@@ -80,3 +80,18 @@ def test_grouping_off_computes_the_prefix_per_request(model_path):
     assert engine.num_computed_prompt_tokens == sum(map(len, batch))
     _, grouped = serve(model_path, batch)
     assert tokens == grouped
+
+
+def test_offline_batches_are_not_regrouped(model_path):
+    """`LLM` plans its batch as a whole: its requests never reach the online grouping."""
+    from phloem import LLM
+
+    llm = LLM(str(model_path), block_size=BS)
+    batch = prompts(seed=3) + [[5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.add_requests([(None, p) for p in batch], [params] * len(batch))
+    groups = llm.llm_engine.scheduler.arrival_groups
+    assert groups is not None and not groups.has_arrivals
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert not groups._index
