@@ -6,6 +6,7 @@ error naming it, with no process left behind."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import random
@@ -64,15 +65,17 @@ def test_tp2_matches_tp1_and_transformers(arch, num_kv_heads, tmp_path, embedded
     ref = write_model(arch, tmp_path, embedded_tokenizer_dir, num_kv_heads)
     results = {}
     for size in (1, 2):
-        with LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", block_size=4,
-                 max_num_batched_tokens=32) as llm:  # fmt: skip
-            results[size] = (run(llm, GREEDY), run(llm, SAMPLED))
-            ranks = llm.llm_engine.executor._group.ranks if size == 2 else []
+        llm = LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", block_size=4,
+                  max_num_batched_tokens=32)  # fmt: skip
+        results[size] = (run(llm, GREEDY), run(llm, SAMPLED))
+        ranks = llm.llm_engine.executor._group.ranks if size == 2 else []
+        del llm  # collecting the LLM stops its rank processes (no close())
+        gc.collect()
     assert ranks and all(not r.process.is_alive() for r in ranks)
     (greedy1, sampled1), (greedy2, sampled2) = results[1], results[2]
     assert [[c[0] for c in o] for o in greedy2] == [[c[0] for c in o] for o in greedy1]
     for o1, o2 in zip(greedy1, greedy2):
-        assert o2[0][1] == pytest.approx(o1[0][1], abs=1e-4)
+        assert o2[0][1] == pytest.approx(o1[0][1], abs=1e-5)
     assert [[c[0] for c in o] for o in sampled2] == [[c[0] for c in o] for o in sampled1]
     expected = [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts()]
     assert [o[0][0] for o in greedy2] == expected
