@@ -24,16 +24,15 @@ def profile_steps(llm, workload, steps: int, path: str) -> dict:
         engine.add_request(p[::-1], SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
         for p, o in zip(workload.prompts[:n], workload.output_lens[:n])
     ]
-    seen: set[str] = set()
 
     def step() -> None:
-        seen.update(o.request_id for o in engine.step())
+        engine.step()
 
     result, tables = {}, []
     step()
     result["prefill_steps"] = _phase(engine, step, steps, tables, "prefill")
     for _ in range(2000):
-        if len(seen) >= n or not engine.has_unfinished_requests():
+        if _all_decoding(engine.scheduler) or not engine.has_unfinished_requests():
             break
         step()
     result["decode_steps"] = _phase(engine, step, steps, tables, "decode")
@@ -41,6 +40,15 @@ def profile_steps(llm, workload, steps: int, path: str) -> dict:
     torch.cuda.synchronize()
     Path(path).write_text("\n\n".join(tables))
     return result
+
+
+def _all_decoding(scheduler) -> bool:
+    """True once no request waits and every running one has its first output token (sampled or
+    pending): the next steps are pure decode. (The engine's outputs cannot say it: the offline
+    engine reports a request only when it finishes.)"""
+    return not scheduler.waiting and all(
+        r.num_tokens > r.num_prompt_tokens for r in scheduler.running
+    )
 
 
 def _phase(engine, step, steps: int, tables: list[str], label: str) -> dict:
