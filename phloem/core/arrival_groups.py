@@ -83,17 +83,7 @@ class ArrivalGroups:
         ]
         self._arrivals = []
         hashes = [block_hashes(r.prompt_token_ids, self.block_size) for r in arrivals]
-        grouped = 0
-        if len(arrivals) > 1:
-            plan = plan_prefix_groups(
-                [r.prompt_token_ids for r in arrivals], [0] * len(arrivals), self.block_size
-            )
-            for group in plan.shared_groups:
-                members = [arrivals[i] for i in group.request_indices]
-                num_blocks = group.prefix_len // self.block_size
-                first = group.request_indices[0]
-                self._join(members, hashes[first][num_blocks - 1], num_blocks)
-                grouped += len(members)
+        grouped = self._group_together(arrivals, hashes) if len(arrivals) > 1 else 0
         for request, keys in zip(arrivals, hashes):
             if request.shared_prefix is None:
                 num_blocks = self._deepest_match(keys)
@@ -114,6 +104,24 @@ class ArrivalGroups:
                 del index[key]
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _group_together(self, arrivals: list[Request], hashes: list[list[int]]) -> int:
+        """The offline planner's groups among this step's arrivals (BatchLLM §4.1-4.2), each
+        joined to a prefix in flight where there is one; returns the arrivals grouped."""
+        try:
+            plan = plan_prefix_groups(
+                [r.prompt_token_ids for r in arrivals], [0] * len(arrivals), self.block_size
+            )
+        except ValueError:  # a token id outside [0, 2**32): they share through the index only
+            return 0
+        grouped = 0
+        for group in plan.shared_groups:
+            members = [arrivals[i] for i in group.request_indices]
+            num_blocks = group.prefix_len // self.block_size
+            first = group.request_indices[0]
+            self._join(members, hashes[first][num_blocks - 1], num_blocks)
+            grouped += len(members)
+        return grouped
 
     def _register(self, request: Request, keys: list[int]) -> None:
         """Index the request's prefixes that no unfinished request owns yet."""

@@ -259,3 +259,12 @@ def test_cap_needs_chunked_prefill():
         ).validate()
     with pytest.raises(ValueError, match="max_prefill_tokens_per_step"):
         SchedulerConfig(max_prefill_tokens_per_step=0).validate()
+
+
+def test_ids_the_planner_refuses_only_skip_the_grouping():
+    """Token ids outside [0, 2**32) (the planner's encoding) leave the arrivals ungrouped among
+    themselves; scheduling goes on."""
+    prefix = [2**33 + i for i in range(3 * BS)]
+    requests = requests_of([prefix + [1, 2], prefix + [3, 4]])
+    computed, first = run(scheduler(), {0: requests})
+    assert computed == sum(r.num_prompt_tokens for r in requests) and set(first.values()) == {0}
