@@ -221,8 +221,7 @@ class EngineCoreClient:
         self._send(CoreRequest(request_id, ids, params_to_dict(sampling_params), now))
         try:
             while True:
-                await stream.event.wait()
-                stream.event.clear()
+                await stream.wait()
                 if stream.error is not None:
                     raise stream.error
                 if stream.dirty:

@@ -77,7 +77,7 @@ class RequestStream:
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.num_tokens = 0  # output tokens over all sequences
-        self.event = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's, while it waits
         self.dirty = False  # news since the consumer last read
         self.finished = False  # no more news: done, failed or aborted
         self.error: BaseException | None = None
@@ -125,7 +125,7 @@ class RequestStream:
             self.finished = True
             self.metrics.finished_time = now
         self.dirty = True
-        self.event.set()
+        self._wake()
         return num_new, stopped
 
     def output(self) -> RequestOutput:
@@ -158,4 +158,23 @@ class RequestStream:
             return
         self.finished = True
         self.error = error
-        self.event.set()
+        self._wake()
+
+    async def wait(self) -> None:
+        """Return once there is news (`dirty` or `error` set): at once if there is already.
+
+        One consumer at a time. A future per wait, set by `apply` / `fail` (an `asyncio.Event`
+        does the same with more work per token).
+        """
+        if self.dirty or self.error is not None:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
