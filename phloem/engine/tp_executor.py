@@ -3,13 +3,15 @@
 `SchedulerOutput` (Megatron-LM, Shoeybi et al. 2019, §3 for what each rank holds).
 
 Each step the driver encodes the scheduler output once (`distributed/step_codec.py`: ~0.4 us a
-sequence) and writes it to every rank's pipe, then runs its own share; the ranks meet in the model's collectives (NCCL on CUDA, gloo on the CPU).
-Every rank samples the all-gathered logits with the same seeds, so only the driver's tokens are
-returned and no tokens travel back. A watchdog thread waits on the rank processes: when one dies
-it aborts an NCCL group (whose collectives would wait for the dead peer); gloo's fail on their
-own. Any failure of a step, on any rank, stops the group and raises `TensorParallelError` naming
-the rank; the executor refuses later steps. `shutdown` (also at garbage collection and exit)
-stops the processes and leaves the process group.
+sequence) and writes it to every rank's pipe, then runs its own share; the ranks meet in the
+model's collectives (NCCL on CUDA, gloo on the CPU). Every rank samples the all-gathered logits
+with the same seeds, so only the driver's tokens are returned and no tokens travel back. A
+watchdog thread waits on the rank processes: when one dies it aborts an NCCL group (whose
+collectives would wait for the dead peer); gloo's fail on their own. Any failure of a step, on
+any rank, stops the group and raises `TensorParallelError` naming the rank; the executor refuses
+later steps (so does an interrupt in the middle of a launch, after which the ranks could wait in
+collectives the driver never reaches). `shutdown` (also at garbage collection and exit) stops
+the processes and leaves the process group.
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ class TensorParallelExecutor(Executor):
             inner = self.worker.model_runner.launch(scheduler_output)
         except Exception as e:
             raise self._fail(e) from e
+        except BaseException:  # an interrupt: the ranks may wait in this step's collectives
+            self.shutdown()
+            raise
         return _Handle(self._step_no, inner)
 
     def collect(self, launched: _Handle | None) -> ModelRunnerOutput:
