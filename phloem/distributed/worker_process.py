@@ -86,7 +86,7 @@ def _rank_main(spec: RankSpec, conn) -> None:
         worker = Worker(**spec.worker_kwargs)
         conn.send(("ready", worker.num_blocks))
         _serve(worker, conn)
-    except (EOFError, OSError):  # the driver is gone
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the driver is gone
         return
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which names this rank
         try:
