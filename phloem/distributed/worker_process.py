@@ -164,13 +164,14 @@ class RankProcess:
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return TensorParallelError(self.rank, f"(pid {self.process.pid}) died {when} ({how})")
 
-    def failure(self) -> TensorParallelError | None:
-        """Why this rank stopped, when it did: its error message, or its death; else None."""
+    def failure(self, when: str = "during a step") -> TensorParallelError | None:
+        """Why this rank stopped, when it did: its error message, or its death `when`; else
+        None."""
         message = self.error_message()
         if message is not None and message[0] == "error":
             return TensorParallelError(self.rank, f"failed:\n{message[1]}")
         if not self.process.is_alive():
-            return self.died("during a step")
+            return self.died(when)
         return None
 
 

@@ -76,11 +76,11 @@ class _Group:
         if self._stop_r not in ready:
             abort_tensor_parallel()
 
-    def failure(self, error: BaseException | None) -> TensorParallelError:
+    def failure(self, error: BaseException, when: str = "during a step") -> TensorParallelError:
         """The error to raise for a failed step: the first rank that reports one or died, else
         the driver's own (rank 0)."""
         for r in self.ranks:
-            found = r.failure()
+            found = r.failure(when)
             if found is not None:
                 return found
         return TensorParallelError(0, f"failed: {type(error).__name__}: {error}")
@@ -227,7 +227,7 @@ def _start_driver(group: _Group, spec: RankSpec):
     try:
         worker = Worker(**spec.worker_kwargs)
     except Exception as e:
-        raise group.failure(e) from e
+        raise group.failure(e, "while starting") from e
     for r in group.ranks:
         blocks = r.expect("ready", START_TIMEOUT_S)
         if blocks != worker.num_blocks:
