@@ -167,7 +167,6 @@ class EngineArgs:
         "device each, or CPU processes; the engine starts the worker processes itself",
     )
 
-
     # -- keyword arguments ----------------------------------------------------------------------
 
     @classmethod
