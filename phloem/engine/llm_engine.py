@@ -87,6 +87,7 @@ class LLMEngine:
             resolve_model,
             startup_source,
         )
+
         source = startup_source(resolve_model(config.model.model), config.model)
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
