@@ -1,10 +1,17 @@
 """Linear layers that load HF checkpoints through a per-parameter `weight_loader`.
 
 Every parameter carries `param.weight_loader(param, loaded_weight, shard_id=None)`, so a model's
-`load_weights` only maps names; fusing (q,k,v into one matrix, gate/up into one) and, later, tensor
-parallel sharding live here. TP is not implemented yet: `tp_size` is 1 and `tp_rank` 0, but every
-loader already narrows the checkpoint tensor to this rank's shard, so adding TP means setting them
-from the process group of this rank and all-reducing in `RowParallelLinear.forward`.
+`load_weights` only maps names; fusing (q,k,v into one matrix, gate/up into one) and
+tensor-parallel sharding (Megatron-LM, Shoeybi et al. 2019, §3) live here. Column-parallel layers
+hold a slice of the output features, row-parallel ones a slice of the input features and sum
+their partial outputs over the ranks (one all-reduce per layer). The rank and size are read from
+`phloem.distributed.parallel_state` when a layer is built; every loader narrows the checkpoint
+tensor to this rank's shard. A checkpoint tensor is a `torch.Tensor` or a `CheckpointSlice` (not
+read yet): a loader then reads only its shard from the file.
+
+Each parameter also carries `param.checkpoint_parts(param)`: the checkpoint tensors (shard id,
+full shape) that fill it, which random ("dummy") weights draw at full size and load through the
+same loader, so every TP size holds shards of the same model.
 
 Weights are [out_features, in_features] like `nn.Linear`; parameters are created uninitialized
 (`torch.empty`) because loading (or the dummy init in `phloem.models.loader`) overwrites them.
@@ -73,10 +80,10 @@ def _check_shape(param: torch.Tensor, loaded: Loaded, what: str) -> None:
 
 def _per_rank(size: int, what: str) -> int:
     """`size` split evenly over the TP ranks; ValueError naming `what` when it does not divide."""
-    _, tp_size = _tp_world()
-    if size % tp_size:
-        raise ValueError(f"{what} {size} not divisible by tp_size {tp_size}")
-    return size // tp_size
+    _, ranks = _tp_world()
+    if size % ranks:
+        raise ValueError(f"{what} {size} not divisible by tp_size {ranks}")
+    return size // ranks
 
 
 def _check_no_shard(module: nn.Module, shard_id: WeightShardId) -> None:
@@ -282,19 +289,19 @@ class QKVLinear(ColumnParallelLinear):
         bias: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        tp_rank, tp_size = _tp_world()
-        if num_heads % tp_size or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+        _, ranks = _tp_world()
+        if num_heads % ranks or (num_kv_heads % ranks and ranks % num_kv_heads):
             raise ValueError(
-                f"heads ({num_heads} q, {num_kv_heads} kv) cannot be split over tp_size {tp_size}"
+                f"heads ({num_heads} q, {num_kv_heads} kv) cannot be split over tp_size {ranks}"
             )
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
-        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        self.num_heads = num_heads // ranks
+        self.num_kv_heads = max(1, num_kv_heads // ranks)
+        self.kv_replicas = max(1, ranks // num_kv_heads)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         # Total over ranks so ColumnParallelLinear's per-rank division lands on q_size + 2*kv_size.
-        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias, dtype)
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * ranks, bias, dtype)
 
     def checkpoint_parts(self, param: nn.Parameter) -> CheckpointParts:
         rest = tuple(param.shape[1:])
