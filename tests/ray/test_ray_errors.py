@@ -56,3 +56,36 @@ def test_unreachable_address(tmp_path, capsys):
 def test_bad_config(fields, message):
     with pytest.raises(ValueError, match=message):
         PhloemProcessorConfig(**fields).engine_args()
+
+
+def test_rows_are_encoded_from_ray_data_values_and_bad_rows_are_named():
+    """The driver's row encoding without a cluster: Ray Data hands lists back as numpy arrays;
+    a row needs exactly one prompt field and n = 1."""
+    np = pytest.importorskip("numpy")
+    from phloem.ray.processor import Processor, plain
+
+    processor = Processor(PhloemProcessorConfig(engine_kwargs={"dtype": "float32"}))
+    message = {"role": "user", "content": "Hi"}
+    row = plain({"messages": np.array([message], dtype=object),
+                 "sampling_params": {"max_tokens": np.int64(3), "stop": None}})  # fmt: skip
+    ids, params = processor._encode(row)
+    assert ids == processor.planner.encode_chat([message])[1] and params.max_tokens == 3
+    ids, _ = processor._encode(plain({"prompt_token_ids": np.array([5, 6, 7])}))
+    assert ids == [5, 6, 7]
+    with pytest.raises(ValueError, match="exactly one of"):
+        processor._encode({"prompt": "a", "messages": [message]})
+    with pytest.raises(ValueError, match="sampling_params.n must be 1"):
+        processor._encode({"prompt": "a", "sampling_params": {"n": 2}})
+
+
+def test_share_blocks_cut_only_where_a_group_ends():
+    from phloem.engine.replica_report import Deal
+    from phloem.ray.engine import share_blocks
+
+    request_group = [0, 0, 0, 1, 2, 2, 3]
+    deal = Deal("prefix", [[0, 1, 2, 3], [4, 5, 6]], [2, 2], [1.0, 1.0], 0, 0)
+    assert share_blocks(deal, request_group, None) == [(0, [0, 1, 2, 3]), (1, [4, 5, 6])]
+    # a group larger than batch_size stays whole; blocks of the two shares interleave
+    assert share_blocks(deal, request_group, 2) == [
+        (0, [0, 1, 2]), (1, [4, 5]), (0, [3]), (1, [6])
+    ]  # fmt: skip
