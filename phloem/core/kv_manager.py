@@ -137,6 +137,13 @@ class KVManager:
         self.attach_blocks(request, match.block_ids, match.num_tokens)
         self.num_prefix_cache_hits += match.num_tokens
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of the request's prompt (all but its last) the radix cache holds, whole blocks
+        [tokens]; 0 without a cache. Reads only."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.num_matching_tokens(request.prompt_token_ids[:-1])
+
     def cache_prompt_blocks(self, request: Request) -> None:
         """Offer the request's newly completed full prompt blocks to the radix cache while it
         still runs, so requests admitted later reuse them at once (not only after it finishes).

@@ -40,12 +40,18 @@ class PrefixGroups:
         """Start a fresh request from reusable KV: its group's held prefix, else the radix
         cache. Returns False when the group's prefix is being computed by a running leader (the
         request waits for it rather than computing it again). Mutates the request's block table
-        and `num_computed_tokens`."""
+        and `num_computed_tokens`.
+
+        A member readmitted after preemption starts from the radix cache when it holds more of
+        its prompt than the group's prefix (its own blocks, cached when it was preempted): from
+        the group's blocks alone it would compute them again beside the cached copy, which its
+        cache lock then pins, and a pool that fits it once may not fit both (it would preempt
+        itself for ever)."""
         if request.num_computed_tokens > 0:
             return True
         group = request.shared_prefix
         if group is not None:
-            if group.block_ids is not None:
+            if group.block_ids is not None and not self._cache_covers_more(request, group):
                 self.kv.attach_blocks(request, group.block_ids, group.prefix_len)
                 return True
             leader = group.leader
@@ -57,6 +63,13 @@ class PrefixGroups:
                 return False
         self.kv.match_prefix_cache(request)
         return True
+
+    def _cache_covers_more(self, request: Request, group: SharedPrefix) -> bool:
+        """A member readmitted after preemption whose prompt the radix cache holds beyond the
+        group's prefix (see `attach`); False at once for a request never preempted."""
+        return bool(request.num_preemptions) and (
+            self.kv.num_cached_prefix_tokens(request) > group.prefix_len
+        )
 
     def detach(self, request: Request) -> None:
         """Undo `attach` for a request that could not be admitted this step."""
@@ -81,6 +94,8 @@ class PrefixGroups:
         group = request.shared_prefix
         if request.num_computed_tokens or group is None or group.block_ids is None:
             return None
+        if self._cache_covers_more(request, group):
+            return None  # it starts from the radix cache (`attach`): attached, then checked
         num_blocks = len(group.block_ids)
         return self.admission.admissible(
             request, budget, reserved, group.prefix_len, running, num_blocks

@@ -144,6 +144,23 @@ class RadixCache:
         node, pos = self._descend(self.root, tokens, block_ids)
         return PrefixMatch(block_ids=block_ids, num_tokens=pos, last_node=node)
 
+    def num_matching_tokens(self, token_ids: Sequence[int]) -> int:
+        """Length of the longest cached prefix of `token_ids` made of whole blocks [tokens], as
+        `match_prefix` would find it. Reads only: no split, no access stamp, no clock tick."""
+        bs = self.block_size
+        tokens = tuple(token_ids[: len(token_ids) // bs * bs])
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos : pos + bs])
+            if child is None:
+                break
+            num_blocks = self._num_matching_blocks(child.key, tokens, pos)
+            pos += num_blocks * bs
+            if num_blocks < len(child.block_ids):
+                break
+            node = child
+        return pos
+
     # ---------------------------------------------------------------------------- insertion
     def insert(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -403,3 +405,20 @@ RadixCacheModel.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
 test_radix_cache_against_dict_model = RadixCacheModel.TestCase
+
+
+def test_num_matching_tokens_reads_what_match_prefix_finds() -> None:
+    """The read-only peek agrees with `match_prefix` and changes nothing (no split, no stamp)."""
+    rng = random.Random(3)
+    cache = RadixCache(block_size=2)
+    next_block = 0
+    for _ in range(30):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(2, 12))]
+        before = snapshot(cache)
+        peek = cache.num_matching_tokens(tokens)
+        assert snapshot(cache) == before
+        match = cache.match_prefix(tokens)
+        assert peek == match.num_tokens
+        blocks = list(range(next_block, next_block + len(tokens) // 2))
+        next_block += len(blocks)
+        cache.insert(tokens, blocks)
