@@ -242,13 +242,17 @@ async def _wait_ready(client, base_url: str, timeout_s: float) -> None:
 
 
 async def _warm_up(client, args, model: str) -> None:
-    """`args.warmup` short requests at once (other token ids than the run's: no cache hits)."""
+    """`args.warmup` short requests at once, every other one sharing the first half of its
+    prompt (so kernels of shared-prefix steps compile here too); other token ids than the run's,
+    so the run finds nothing of them in a prefix cache."""
     rng = random.Random(args.seed + 7919)
-    bodies = [
-        {"prompt": [rng.randrange(1000, 20000) for _ in range(args.input_len)], "model": model,
-         "max_tokens": 16, "stream": True, "ignore_eos": True, "temperature": 0.0}
-        for _ in range(args.warmup)
-    ]  # fmt: skip
+    shared = [rng.randrange(1000, 20000) for _ in range(args.input_len // 2)]
+    bodies = []
+    for i in range(args.warmup):
+        head = shared if i % 2 else [rng.randrange(1000, 20000) for _ in shared]
+        own = [rng.randrange(1000, 20000) for _ in range(args.input_len - len(head))]
+        bodies.append({"prompt": head + own, "model": model, "max_tokens": 16, "stream": True,
+                       "ignore_eos": True, "temperature": 0.0})  # fmt: skip
     results = await asyncio.gather(*(_send(client, "/v1/completions", b, args.timeout)
                                      for b in bodies))  # fmt: skip
     failed = [r.error for r in results if not r.ok]
@@ -273,10 +277,11 @@ async def _run(args) -> tuple[list[RequestResult], float, str]:
             items = _load_dataset(args.dataset, args.num_prompts, args.output_len)
         else:
             items = await _random_workload(client, args)
-        return await _send_all(client, args, items, model) + (model,)
+        results, duration = await _send_all(client, args, items, model)
+        return results, duration, model
 
 
-async def _send_all(client, args, items: list[dict], model: str):
+async def _send_all(client, args, items: list[dict], model: str) -> tuple[list, float]:
     """Send `items` (all at once or Poisson), return (results, duration [s])."""
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(args.max_concurrency or len(items))

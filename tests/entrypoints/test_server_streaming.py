@@ -277,14 +277,14 @@ def _dechunk(data: bytes) -> bytes:
 
 
 def test_slow_reader_never_holds_back_the_core_or_others(main_server, client):
-    """A stream whose client reads nothing (a tiny receive window: the server's writes back up
-    into uvicorn's buffer, then its send waits) still runs to its end in the core while another
-    request is served; read later, its frames (coalesced while it waited) give the same text as
-    the same request unstreamed."""
+    """A stream whose client reads nothing (a tiny receive window; whether the server's send
+    then waits depends on the kernel's buffers) still runs to its end in the core while another
+    request is served; read later, its frames give the same text as the same request
+    unstreamed. (The coalescing itself: test_server_merge.py and `RequestStream`'s one output.)"""
     import socket
 
     main_server.wait_idle()
-    body = {"prompt": "Tell me a very long story about a lighthouse keeper.", "max_tokens": 420,
+    body = {"prompt": "Tell me a very long story about a lighthouse keeper.", "max_tokens": 120,
             "ignore_eos": True, "temperature": 0, "logprobs": 5}  # fmt: skip
     data = json.dumps({**body, "stream": True}).encode()
     sock = socket.socket()
@@ -298,7 +298,7 @@ def test_slow_reader_never_holds_back_the_core_or_others(main_server, client):
     try:
         # another client is served meanwhile, and the core finishes the slow one unread
         assert greedy(client, PROMPTS[0], max_tokens=8)["finish_reason"] == "length"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # generous: CI runs two test workers on 2 cores
         while time.monotonic() < deadline:
             m = main_server.metrics()
             if m["phloem:num_requests_running"] == 0 and m["phloem:num_requests_waiting"] == 0:

@@ -237,6 +237,8 @@ def _text_frames(prep, usage_mode, template_of) -> dict[int, _TextFrame] | None:
 
 
 class _LazyFrames(dict):
+    """Choice index -> its `_TextFrame`, built on first use."""
+
     def __init__(self, template_of) -> None:
         super().__init__()
         self._template_of = template_of
