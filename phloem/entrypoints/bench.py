@@ -122,7 +122,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: `--trace-steps`, `--profile`, `--profile-window` or `--compare` with
-            `--data-parallel-size` > 1 (they need one in-process engine), before any load.
+            `--data-parallel-size` > 1 (they need one in-process engine), or `--compare` with
+            `--tensor-parallel-size` > 1, before any load.
     """
     _check_data_parallel(args)
     import torch
@@ -181,7 +182,13 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 def _check_data_parallel(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for what needs one in-process engine with
-    `--data-parallel-size` > 1."""
+    `--data-parallel-size` > 1, and for `--compare` with `--tensor-parallel-size` > 1 (the peer
+    would read rank 0's weight shards only)."""
+    if args.compare and args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"--compare needs the whole model in this process; it is not available with "
+            f"--tensor-parallel-size {args.tensor_parallel_size}"
+        )
     if args.data_parallel_size == 1:
         return
     single = {"--trace-steps": args.trace_steps, "--profile": args.profile,

@@ -53,8 +53,9 @@ class ModelRunnerOutput:
     """Per sampled sequence (by seq id): the new token, its log-prob under the model's raw
     distribution, and the top-k log-probs when the request asked for them; `failed` maps the
     sequences that failed alone this step to the reason (their token is a placeholder);
-    `num_nans_in_logits` counts the NaN/inf values of each sampled row that had any (vLLM's
-    name; those sequences are in `failed` with `NON_FINITE_MESSAGE`). Plain data (picklable)."""
+    `num_nans_in_logits` is 1 for each sampled row whose logits hold a NaN/inf (vLLM's name; the
+    sampler flags rows, it does not count values; those sequences are in `failed` with
+    `NON_FINITE_MESSAGE`). Plain data (picklable)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float | None] = field(default_factory=dict)

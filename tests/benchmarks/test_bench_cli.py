@@ -119,12 +119,14 @@ def test_throughput_data_parallel_on_cpu(tmp_path):
 
 
 def test_throughput_data_parallel_refuses_single_engine_flags(tmp_path):
-    """Step tracing, profiles and the peer need one in-process engine: refused before any
-    load (the model path does not exist)."""
+    """Step tracing, profiles and the peer need one in-process engine (the peer also the whole
+    model, so not at TP > 1): refused before any load (the model path does not exist)."""
     args = ["throughput", "--model", str(tmp_path / "absent"), "--device", "cpu"]
     for flag in (["--trace-steps"], ["--compare", "transformers"], ["--profile", "p.txt"]):
         with pytest.raises(ValueError, match=f"{flag[0]} needs one in-process engine"):
             main([*args, "--data-parallel-size", "2", *flag])
+    with pytest.raises(ValueError, match="--compare needs the whole model"):
+        main([*args, "--tensor-parallel-size", "2", "--compare", "transformers"])
 
 
 def test_gc_pauses_counts_collections():

@@ -10,7 +10,6 @@ import gc
 import multiprocessing
 import os
 import random
-import shutil
 import signal
 
 import pytest
@@ -18,28 +17,12 @@ import torch
 
 from phloem import LLM, SamplingParams
 from phloem.distributed.worker_process import TensorParallelError
-from tests.engine.tiny_models import VOCAB, hf_greedy, tiny_config
-
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+from tests.engine.tiny_models import VOCAB, hf_greedy, write_tiny_model
 
 
 def write_model(arch: str, path, tokenizer_dir, num_kv_heads: int):
     """A seeded random float32 `arch` model with `num_kv_heads` KV heads, saved with tokenizer."""
-    import transformers
-
-    torch.manual_seed(11)
-    config = tiny_config(arch)
-    config.num_key_value_heads = num_kv_heads
-    config.architectures = [ARCHS[arch]]
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    return model
+    return write_tiny_model(arch, path, tokenizer_dir, seed=11, num_kv_heads=num_kv_heads)
 
 
 def prompts() -> list[list[int]]:

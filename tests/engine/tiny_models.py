@@ -33,8 +33,11 @@ def tiny_config(arch: str):
     raise ValueError(arch)
 
 
-def write_tiny_model(arch: str, path, tokenizer_dir, seed: int = 0):
-    """Save a seeded random `arch` model (float32, safetensors) plus tokenizer files to `path`.
+def write_tiny_model(
+    arch: str, path, tokenizer_dir, seed: int = 0, num_kv_heads: int | None = None
+):
+    """Save a seeded random `arch` model (float32, safetensors) plus tokenizer files to `path`
+    (`num_kv_heads`: instead of the config's 2).
 
     Returns the transformers model (float32, eval) as the reference.
     """
@@ -42,6 +45,8 @@ def write_tiny_model(arch: str, path, tokenizer_dir, seed: int = 0):
 
     torch.manual_seed(seed)
     config = tiny_config(arch)
+    if num_kv_heads is not None:
+        config.num_key_value_heads = num_kv_heads
     config.architectures = [
         {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
             arch
