@@ -38,7 +38,8 @@ EXIT_LOCKED = 75  # another process holds the output's lock (EX_TEMPFAIL); try a
 EXIT_INTERRUPTED = 130  # SIGINT (128 + 2); finished lines are kept
 EXIT_TERMINATED = 143  # SIGTERM (128 + 15); finished lines are kept
 EXIT_CODES_HELP = (
-    "exit codes: 0 done; 2 cannot run as given (bad paths or options, or saved results of "
+    "exit codes: 0 done; 1 a data-parallel replica failed or died (finished lines are kept: "
+    "rerun the same command to finish); 2 cannot run as given (bad paths or options, or saved results of "
     "another input or options: nothing written); 74 out of disk space, 130 interrupted (finished "
     "lines are kept: rerun the same command to finish), 143 terminated (likewise); 75 another job "
     "holds the output's lock"

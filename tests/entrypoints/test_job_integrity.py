@@ -376,3 +376,20 @@ def test_file_size_limit_mid_job_then_rerun_finishes(tmp_path, model):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert [r["id"] for r in records(out)] == [f"g{i}" for i in range(num)]
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.jsonl"]
+
+
+def test_exit_codes_help_names_every_exit_code():
+    """`--help` of the jobs lists every exit code they use (the job_guard and generate ones)."""
+    import re
+
+    from phloem.entrypoints import generate, job_guard
+
+    codes = {
+        value
+        for module in (job_guard, generate)
+        for name, value in vars(module).items()
+        if name.startswith("EXIT_") and isinstance(value, int)
+    }
+    listed = {int(c) for c in re.findall(r"(?:^|[;,] )(\d+) ", job_guard.EXIT_CODES_HELP)}
+    listed |= {int(c) for c in re.findall(r"codes: (\d+) ", job_guard.EXIT_CODES_HELP)}
+    assert codes - {0} <= listed, sorted(codes - listed)
