@@ -228,15 +228,8 @@ class EngineArgs:
 
     # -- the engine's config --------------------------------------------------------------------
 
-    def create_engine_config(self) -> EngineConfig:
-        """The validated `EngineConfig` of these settings. `max_num_batched_tokens` None becomes
-        `SchedulerConfig`'s default with chunked prefill, else `max_model_len` (or
-        `SchedulerConfig.max_model_len` when that is None too). The scheduler's `max_model_len`
-        is a placeholder that the engine replaces with the model's resolved context length.
-
-        Raises:
-            ValueError: naming the field, for an invalid value.
-        """
+    def _check_parallel(self) -> None:
+        """ValueError naming the field for a bad data-parallel setting or combination."""
         replicas = self.data_parallel_size
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {replicas!r}")
@@ -251,6 +244,17 @@ class EngineArgs:
                 f"{self.tensor_parallel_size}: replicas of a tensor-parallel group are not "
                 "supported yet; use one of the two"
             )
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated `EngineConfig` of these settings. `max_num_batched_tokens` None becomes
+        `SchedulerConfig`'s default with chunked prefill, else `max_model_len` (or
+        `SchedulerConfig.max_model_len` when that is None too). The scheduler's `max_model_len`
+        is a placeholder that the engine replaces with the model's resolved context length.
+
+        Raises:
+            ValueError: naming the field, for an invalid value.
+        """
+        self._check_parallel()
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = (

@@ -162,14 +162,8 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.monotonic()
         entry = PromptEntry(request_id, prompt, list(prompt_token_ids), [], RequestMetrics(now))
         n = sampling_params.n
-        block_size = self.kv_manager.block_size
-        sibling_prefix = (len(prompt_token_ids) - 1) // block_size * block_size
         if n > 1:
-            if shared_prefix is not None:  # the planned group loses this member
-                shared_prefix.num_unfinished -= 1
-            shared_prefix = None
-            if sibling_prefix > 0:
-                shared_prefix = SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
+            shared_prefix = self._siblings_prefix(len(prompt_token_ids), n, shared_prefix)
         entry.sequences = [
             self._new_sequence(entry, sampling_params, i, now, shared_prefix) for i in range(n)
         ]
@@ -185,6 +179,20 @@ class LLMEngine:
         for seq in entry.sequences:
             self._sequences[seq.request.request_id] = seq
         return request_id
+
+    def _siblings_prefix(
+        self, prompt_len: int, n: int, planned: SharedPrefix | None
+    ) -> SharedPrefix | None:
+        """The group of the n > 1 sequences of one prompt: its full blocks [tokens] shared by
+        the siblings (None when the prompt has no full block before its last token). A planned
+        group the request was counted in loses it as a member."""
+        if planned is not None:
+            planned.num_unfinished -= 1
+        block_size = self.kv_manager.block_size
+        sibling_prefix = (prompt_len - 1) // block_size * block_size
+        if sibling_prefix <= 0:
+            return None
+        return SharedPrefix(prefix_len=sibling_prefix, num_unfinished=n)
 
     def _new_sequence(
         self,

@@ -169,6 +169,14 @@ def run_throughput(args: argparse.Namespace) -> int:
         from phloem.bench.profile import profile_steps
 
         result["profile"] = profile_steps(llm, workload, args.profile_steps, args.profile)
+    _report(args, llm, hf_config, workload, result)
+    return 0
+
+
+def _report(args: argparse.Namespace, llm, hf_config, workload, result: dict) -> None:
+    """Print and write the result, then run the in-run peer (`--compare`) and the plot."""
+    from phloem.bench import report
+
     report.print_report(result)
     report.write_json(args.json, result)  # before the peer: a slow peer must not cost phloem's
     if args.compare == "transformers":
@@ -177,7 +185,6 @@ def run_throughput(args: argparse.Namespace) -> int:
         report.write_json(args.json, result)
     if args.plot:
         report.plot(result, args.plot)
-    return 0
 
 
 def _check_data_parallel(args: argparse.Namespace) -> None:
