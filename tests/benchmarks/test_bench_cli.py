@@ -10,7 +10,7 @@ from phloem.model_configs import available_model_configs, materialize, model_con
 
 
 def test_shipped_configs():
-    assert available_model_configs() == ["llama-3.1-8b", "qwen2.5-7b", "qwen3-8b"]
+    assert available_model_configs() == ["llama-3.1-70b", "llama-3.1-8b", "qwen2.5-7b", "qwen3-8b"]
     assert model_config_dir("Llama-3.1-8B") is not None and model_config_dir("nope") is None
 
 
