@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ import torch.distributed as dist
 # a collective waits at most this long for the other ranks [s] (a dead peer is noticed sooner:
 # gloo raises when its connection closes, and the driver aborts an NCCL group on a death)
 COLLECTIVE_TIMEOUT_S = 1800.0
+# Seconds `destroy_tensor_parallel` waits for the group's teardown before aborting it.
+DESTROY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,22 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
     _state = TensorParallelState(rank, size, dist.group.WORLD, backend)
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the group (idempotent); the state goes back to rank 0 of 1."""
+def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> None:
+    """Leave the group (idempotent); the state goes back to rank 0 of 1.
+
+    Every member must call it (the driver after sending "stop", each rank on "stop"): NCCL's
+    communicator teardown waits for its peers, and one that left first would make it wait
+    forever. A teardown still running after `timeout_s` seconds (a peer died) is aborted."""
     global _state
     _state = TensorParallelState()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, name="phloem-tp-destroy",
+                            daemon=True)  # fmt: skip
+    done.start()
+    done.join(timeout=timeout_s)
+    if done.is_alive():
+        abort_tensor_parallel()
 
 
 def abort_tensor_parallel() -> None:

@@ -105,7 +105,10 @@ def _serve(worker, conn) -> None:
     with torch.inference_mode():
         while True:
             header, sched = decode_step(conn.recv_bytes())
-            if header[0] == "stop":
+            if header[0] == "stop":  # leave the group with the driver (it waits for its peers)
+                from phloem.distributed.parallel_state import destroy_tensor_parallel
+
+                destroy_tensor_parallel()
                 return
             _, step_no, collected = header
             for no in collected:
@@ -175,8 +178,8 @@ class RankProcess:
         return None
 
 
-def stop_ranks(ranks: list[RankProcess]) -> None:
-    """Stop every rank process: "stop", then terminate, then kill (idempotent)."""
+def send_stop(ranks: list[RankProcess]) -> None:
+    """Tell every live rank to leave the group and exit (its `_serve` returns)."""
     stop = encode_step(("stop",), SchedulerOutput())
     for r in ranks:
         if r.process.is_alive():
@@ -184,6 +187,13 @@ def stop_ranks(ranks: list[RankProcess]) -> None:
                 r.conn.send_bytes(stop)
             except (OSError, ValueError):
                 pass
+
+
+def stop_ranks(ranks: list[RankProcess], send: bool = True) -> None:
+    """Stop every rank process: "stop" (unless `send` is False: `send_stop` was called), then
+    terminate, then kill (idempotent)."""
+    if send:
+        send_stop(ranks)
     for r in ranks:
         r.process.join(timeout=STOP_TIMEOUT_S)
         for end in (r.process.terminate, r.process.kill):

@@ -38,6 +38,7 @@ from phloem.distributed.worker_process import (
     RankProcess,
     RankSpec,
     TensorParallelError,
+    send_stop,
     stop_ranks,
 )
 from phloem.engine.executor import Executor
@@ -90,12 +91,13 @@ class _Group:
             return
         self.closed = True
         os.write(self._stop_w, b"x")
-        stop_ranks(self.ranks)
         if self.watchdog.is_alive():
             self.watchdog.join(timeout=5.0)
         os.close(self._stop_r)
         os.close(self._stop_w)
+        send_stop(self.ranks)  # the ranks leave the group as the driver does: NCCL waits for all
         destroy_tensor_parallel()
+        stop_ranks(self.ranks, send=False)
 
 
 class TensorParallelExecutor(Executor):

@@ -28,6 +28,8 @@ def write_model(path, arch: str, num_kv_heads: int) -> None:
     torch.manual_seed(5)
     config = tiny_config(arch)
     config.num_key_value_heads = num_kv_heads
+    # head_dim 64: FlashInfer's kernels (which the CUDA graphs replay) compile 64, 128 and 256 only
+    config.hidden_size, config.head_dim, config.intermediate_size = 256, 64, 512
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

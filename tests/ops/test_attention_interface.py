@@ -217,3 +217,13 @@ def test_decode_plan_is_typed_and_reads_as_before():
     plan = DecodePlan(DecodePath.EAGER, None)
     assert plan.path is DecodePath.EAGER and plan == ("eager", None)
     assert [p.value for p in DecodePath] == ["graph", "shared_graph", "eager"]
+
+
+@pytest.mark.parametrize("head_dim", [16, 96])
+def test_auto_on_cuda_uses_the_reference_for_head_dims_flashinfer_cannot_compile(head_dim, caplog):
+    # FlashInfer builds 64/128/256 only: asking it for head_dim 16 fails at JIT compile time on
+    # the GPU, so "auto" must not pick it (checked without a GPU: nothing touches the device)
+    backend = get_attention_backend("auto", device="cuda", head_dim=head_dim, num_heads=4,
+                                    num_kv_heads=2)  # fmt: skip
+    assert isinstance(backend, ReferenceAttention)
+    assert f"head_dim {head_dim}" in caplog.text

@@ -30,6 +30,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+# Head dims FlashInfer's Hopper and Ampere paged kernels compile for (others fail to build).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 def get_attention_backend(name: str = "reference", **geometry) -> AttentionBackend:
     """Create an attention backend by name; fast backends import their library here, lazily.
 
@@ -76,7 +80,7 @@ def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> Attentio
     for an FP8 KV cache."""
     device = geometry.get("device")
     if plain.name != "flashinfer" or torch.cuda.get_device_capability(device)[0] != 9:
-        return None
+        return None  # (FlashInfer is the plain backend only for head dims it compiles)
     if geometry.get("kv_dtype", geometry.get("dtype")) != geometry.get("dtype"):
         return None  # fa3 reads a cache of the query's dtype; an FP8 cache stays on our kernel
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
@@ -99,7 +103,11 @@ def _plain_backend(name: str, geometry: dict) -> AttentionBackend:
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "auto":
         name = "reference"
-        if on_cuda:
+        head_dim = geometry.get("head_dim")
+        if on_cuda and head_dim not in FLASHINFER_HEAD_DIMS:
+            logger.warning("head_dim %s: FlashInfer compiles %s only; using the reference "
+                           "attention", head_dim, FLASHINFER_HEAD_DIMS)  # fmt: skip
+        elif on_cuda:
             try:
                 import flashinfer  # noqa: F401
 
