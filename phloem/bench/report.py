@@ -59,6 +59,7 @@ def engine_info(llm) -> dict:
         "async_scheduling": sched.async_scheduling,
         "max_model_len": sched.max_model_len,
         "data_parallel_size": 1,
+        "tensor_parallel_size": llm.llm_engine.config.parallel.tensor_parallel_size,
     }
 
 
@@ -128,7 +129,8 @@ def roofline_fields(
     same matmul and copy back to back for seconds right after the run, on the GPU the run
     heated) give `roofline_ratio_sustained`, the one goals are stated against: a power-capped
     board holds a lower clock through a long run than through a short burst. The ceilings are
-    one device's; the roofline of `num_devices` devices (data-parallel replicas) is
+    one device's; the roofline of `num_devices` devices (data-parallel replicas times
+    tensor-parallel ranks) is
     `num_devices` times that one's, so both ratios are then per-device ratios.
     Units: FLOP/s, bytes/s, seconds."""
     from phloem.bench.roofline import workload_roofline

@@ -286,11 +286,17 @@ def _result(llm, hf_config, workload, outputs, elapsed: float, on_cuda: bool) ->
     }
 
 
+def roofline_num_devices(engine: dict) -> int:
+    """The GPUs a run used (its roofline is that many times one's): data-parallel replicas
+    times tensor-parallel ranks, from the result's "engine" settings."""
+    return engine["data_parallel_size"] * engine.get("tensor_parallel_size", 1)
+
+
 def _device_fields(result: dict, hf_config, workload, ceilings, elapsed: float,
                    on_cuda: bool) -> None:  # fmt: skip
     """Add the roofline fields (with the sustained ceilings measured now, on the GPU the run
-    heated; for N replicas the roofline of N such GPUs) and, for one in-process engine, the
-    CUDA allocator's counters to `result`, on CUDA."""
+    heated; for N replicas of TP ranks each, the roofline of N * TP such GPUs) and, for one
+    in-process engine, the CUDA allocator's counters to `result`, on CUDA."""
     if not on_cuda:
         return
     import torch
@@ -298,7 +304,8 @@ def _device_fields(result: dict, hf_config, workload, ceilings, elapsed: float,
     from phloem.bench.report import roofline_fields
     from phloem.bench.roofline import ModelShape, measure_sustained_ceilings
 
-    num_devices = result["engine"]["data_parallel_size"]
+    engine = result["engine"]
+    num_devices = roofline_num_devices(engine)
     if ceilings is not None:
         kv_dtype = getattr(torch, result["engine"]["kv_cache_dtype"])
         shape = ModelShape.from_hf(hf_config, torch.tensor([], dtype=kv_dtype).element_size())
@@ -307,7 +314,7 @@ def _device_fields(result: dict, hf_config, workload, ceilings, elapsed: float,
         result.update(
             roofline_fields(shape, workload, ceilings, sustained, elapsed, total, num_devices)
         )
-    if num_devices > 1:  # this process ran no engine
+    if engine["data_parallel_size"] > 1:  # this process ran no engine
         return
     stats = torch.cuda.memory_stats()
     result["cuda_allocator"] = {

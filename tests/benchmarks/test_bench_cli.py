@@ -97,6 +97,7 @@ def test_throughput_data_parallel_on_cpu(tmp_path):
         runs[name] = json.loads(out.read_text())
     one, prefix, contiguous = runs["one"], runs["prefix"], runs["contiguous"]
     assert "data_parallel" not in one and one["engine"]["data_parallel_size"] == 1
+    assert one["engine"]["tensor_parallel_size"] == 1
     assert prefix["output_digest"] == one["output_digest"] == contiguous["output_digest"]
     assert prefix["num_computed_prompt_tokens"] == one["num_computed_prompt_tokens"]
     assert prefix["prompt_reuse_ratio"] == one["prompt_reuse_ratio"] > 0.5
@@ -162,3 +163,11 @@ def test_one_percentile_definition_for_jobs_bench_and_bench_serve():
     assert serve["median"] == pytest.approx(2.5) and serve["p90"] == pytest.approx(3.7)
     assert serve["p99"] == pytest.approx(job["p99"] * 1000) and serve["mean"] == pytest.approx(2.5)
     assert _percentiles([]) is None and _stats([])["median"] is None
+
+
+def test_roofline_counts_every_gpu_of_a_run():
+    from phloem.entrypoints.bench import roofline_num_devices
+
+    assert roofline_num_devices({"data_parallel_size": 1, "tensor_parallel_size": 2}) == 2
+    assert roofline_num_devices({"data_parallel_size": 2, "tensor_parallel_size": 4}) == 8
+    assert roofline_num_devices({"data_parallel_size": 3}) == 3  # replicas' settings omit TP
