@@ -4,13 +4,15 @@
 engine flags of every `phloem` subcommand (`add_cli_args`) and the keyword arguments of
 `LLM(**kwargs)` (`from_kwargs`) are derived from it, and `create_engine_config()` turns it into
 the validated `EngineConfig`. Defaults are read from the per-concern configs of `phloem.config`
-(one set of defaults), and so are the accepted values of the string settings. Imports no torch.
+(one set of defaults), and so are the accepted values of the string settings. Imports no torch
+(`step_limit_defaults` asks torch for the GPU's memory when it is called).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,16 @@ from phloem.config import (
     SchedulerConfig,
 )
 from phloem.core.replica_partition import DATA_PARALLEL_ROUTINGS
+
+logger = logging.getLogger(__name__)
+
+
+# Offline defaults of (max_num_seqs, max_num_batched_tokens) on a GPU with >= LARGE_GPU_GIB GiB:
+# the settings tuned on H100/H200 (issue 19: the serving-sized 256 / 4,096 ran the batchllm and
+# shared-prefix workloads 11-13% slower). Usage-context defaults as in vLLM's `EngineArgs`.
+OFFLINE_LARGE_GPU_LIMITS = (2048, 8192)
+LARGE_GPU_GIB = 70
+USAGE_CONTEXTS = ("offline", "serve")
 
 
 def _arg(
@@ -64,12 +76,17 @@ class EngineArgs:
         ModelConfig.max_model_len, "context length [tokens] (default: the model's)", type=int
     )
     block_size: int = _arg(CacheConfig.block_size, "tokens per KV block")
-    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most sequences per step")
+    max_num_seqs: int | None = _arg(
+        None,
+        f"most sequences per step (default: {OFFLINE_LARGE_GPU_LIMITS[0]} for offline jobs on a "
+        f"GPU with >= {LARGE_GPU_GIB} GiB, else {SchedulerConfig.max_num_seqs})",
+        type=int,
+    )
     max_num_batched_tokens: int | None = _arg(
         None,
-        "token budget per step (prefill chunks + decode tokens) "
-        f"(default: {SchedulerConfig.max_num_batched_tokens} with chunked prefill, else "
-        "max_model_len)",
+        "token budget per step (prefill chunks + decode tokens) (default with chunked prefill: "
+        f"{OFFLINE_LARGE_GPU_LIMITS[1]} for offline jobs on a GPU with >= {LARGE_GPU_GIB} GiB, "
+        f"else {SchedulerConfig.max_num_batched_tokens}; without: max_model_len)",
         type=int,
     )
     kv_cache_memory_bytes: int | None = _arg(
@@ -245,23 +262,26 @@ class EngineArgs:
                 "supported yet; use one of the two"
             )
 
-    def create_engine_config(self) -> EngineConfig:
-        """The validated `EngineConfig` of these settings. `max_num_batched_tokens` None becomes
-        `SchedulerConfig`'s default with chunked prefill, else `max_model_len` (or
-        `SchedulerConfig.max_model_len` when that is None too). The scheduler's `max_model_len`
-        is a placeholder that the engine replaces with the model's resolved context length.
+    def create_engine_config(self, usage_context: str = "offline") -> EngineConfig:
+        """The validated `EngineConfig` of these settings. `max_num_seqs` None, and
+        `max_num_batched_tokens` None with chunked prefill, become `step_limit_defaults`'s for
+        `usage_context` ("offline": `LLM`, `phloem generate`, `phloem bench`; "serve": the HTTP
+        server); `max_num_batched_tokens` None without chunked prefill becomes `max_model_len`
+        (or `SchedulerConfig.max_model_len` when that is None too). The scheduler's
+        `max_model_len` is a placeholder that the engine replaces with the model's resolved
+        context length.
 
         Raises:
-            ValueError: naming the field, for an invalid value.
+            ValueError: naming the field, for an invalid value or usage context.
         """
         self._check_parallel()
-        budget = self.max_num_batched_tokens
+        seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs is None or (budget is None and self.enable_chunked_prefill):
+            default_seqs, default_budget = step_limit_defaults(usage_context, self.device)
+            seqs = default_seqs if seqs is None else seqs
+            budget = default_budget if budget is None and self.enable_chunked_prefill else budget
         if budget is None:
-            budget = (
-                SchedulerConfig.max_num_batched_tokens
-                if self.enable_chunked_prefill
-                else self.max_model_len or SchedulerConfig.max_model_len
-            )
+            budget = self.max_model_len or SchedulerConfig.max_model_len
         config = EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -284,7 +304,7 @@ class EngineArgs:
                 kv_layout=self.kv_layout,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=seqs,
                 max_num_batched_tokens=budget,
                 max_model_len=_placeholder_model_len(budget),
                 enable_chunked_prefill=self.enable_chunked_prefill,
@@ -298,6 +318,37 @@ class EngineArgs:
         )
         config.validate()
         return config
+
+
+def step_limit_defaults(usage_context: str, device: str) -> tuple[int, int]:
+    """Default (max_num_seqs, max_num_batched_tokens [tokens]) for `usage_context` on `device`
+    ("auto", "cuda" or "cpu"): `OFFLINE_LARGE_GPU_LIMITS` for offline jobs when the engine will
+    run on a CUDA GPU (device 0) with >= `LARGE_GPU_GIB` GiB, else `SchedulerConfig`'s (sized for
+    serving latency and for CPUs). Logs what it picked and why.
+
+    Raises:
+        ValueError: naming `usage_context` when it is not one of `USAGE_CONTEXTS`.
+    """
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
+    limits = (SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens)
+    why = usage_context if usage_context == "serve" else "offline on a CPU or a small GPU"
+    gib = _cuda_memory_gib(device) if usage_context == "offline" else None
+    if gib is not None and gib >= LARGE_GPU_GIB:
+        limits, why = OFFLINE_LARGE_GPU_LIMITS, f"offline on a GPU with {gib:.0f} GiB"
+    logger.info("max_num_seqs=%d, max_num_batched_tokens=%d (defaults: %s)", *limits, why)
+    return limits
+
+
+def _cuda_memory_gib(device: str) -> float | None:
+    """Total memory of CUDA device 0 [GiB] when `device` will run on CUDA, else None."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def _placeholder_model_len(budget: Any) -> Any:

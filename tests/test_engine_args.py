@@ -162,3 +162,49 @@ def test_readme_documents_every_engine_flag():
     flags = {s for a in _engine_actions(_engine_parser()) for s in a.option_strings}
     missing = sorted(flag for flag in flags if f"`{flag}" not in readme)
     assert not missing, f"README.md does not document {missing}"
+
+
+def test_offline_defaults_on_a_large_gpu_are_the_tuned_step_limits(monkeypatch, caplog):
+    import logging
+
+    from phloem import engine_args
+
+    caplog.set_level(logging.INFO, logger="phloem.engine_args")
+    monkeypatch.setattr(engine_args, "_cuda_memory_gib", lambda device: 139.8)
+    sched = EngineArgs().create_engine_config().scheduler
+    assert (
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+    ) == engine_args.OFFLINE_LARGE_GPU_LIMITS
+    assert "max_num_seqs=2048, max_num_batched_tokens=8192" in caplog.text
+    assert "GPU with 140 GiB" in caplog.text
+    # the server keeps its latency-sized defaults; explicit values always win
+    sched = EngineArgs().create_engine_config("serve").scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
+    sched = EngineArgs(max_num_seqs=64).create_engine_config().scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (64, 8192)
+    sched = EngineArgs(max_num_batched_tokens=1024).create_engine_config().scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (2048, 1024)
+    # without chunked prefill a step must hold a whole prompt: the budget is max_model_len
+    args = EngineArgs(enable_chunked_prefill=False, max_model_len=16384)
+    assert args.create_engine_config().scheduler.max_num_batched_tokens == 16384
+
+
+@pytest.mark.parametrize("gib", [None, 24.0])
+def test_offline_defaults_on_a_cpu_or_small_gpu_are_the_scheduler_defaults(monkeypatch, gib):
+    from phloem import engine_args
+
+    monkeypatch.setattr(engine_args, "_cuda_memory_gib", lambda device: gib)
+    sched = EngineArgs().create_engine_config().scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
+
+
+def test_cpu_device_never_asks_cuda():
+    from phloem.engine_args import _cuda_memory_gib
+
+    assert _cuda_memory_gib("cpu") is None
+
+
+def test_unknown_usage_context_is_named():
+    with pytest.raises(ValueError, match="usage_context"):
+        EngineArgs().create_engine_config("online")

@@ -92,7 +92,7 @@ class EngineCoreClient:
             startup_source,
         )
 
-        config = args.create_engine_config()  # ValueError naming the field, before spawning
+        config = args.create_engine_config("serve")  # ValueError naming the field, before spawning
         # a GGUF model is converted here once, before the core loads the converted files
         self.tokenizer = load_tokenizer(startup_source(resolve_model(args.model), config.model))
         self.metrics = metrics

@@ -211,7 +211,7 @@ def run_engine_core(
     encoder = msgspec.msgpack.Encoder()
     try:
         factory = import_factory(executor_factory) if executor_factory else None
-        config = args.create_engine_config()
+        config = args.create_engine_config("serve")
         engine = LLMEngine(config, executor_factory=factory, output_mode=OutputMode.DELTA)
         vocab = engine.hf_config.vocab_size
         output.send(encoder.encode(CoreReady(engine.max_model_len, vocab, os.getpid())))

@@ -154,7 +154,7 @@ def _thread_engine(engine_args, metrics, on_death, executor_factory: str | None)
     from phloem.engine.llm_engine import LLMEngine, OutputMode
 
     factory = import_factory(executor_factory) if executor_factory else None
-    config = engine_args.create_engine_config()
+    config = engine_args.create_engine_config("serve")
     engine = LLMEngine(config, executor_factory=factory, output_mode=OutputMode.STREAM)
     return AsyncLLMEngine(engine, metrics=metrics, on_death=on_death)
 
