@@ -11,7 +11,9 @@ Each request is (prompt token ids, output length); requests of a prefix group sh
 |                 | out 256                                                                    |
 | `decode-heavy`  | 1000 requests, 1000 in / 1000 out                                          |
 | `prefill-heavy` | 1000 requests, 2048 in / 128 out                                           |
-| `random`        | 1000 requests, input uniform in [128, 2048], output uniform in [16, 512]   |
+| `random`        | 1000 requests, no sharing, ShareGPT-like lengths: lognormal, input median  |
+|                 | 150 (sigma 1.0, in [4, 4096]), output median 128 (sigma 0.9, in [4, 1024]); |
+|                 | means about 240 in / 190 out, as ShareGPT V3 conversations are             |
 | `latency`       | batch 1: one request of 128 in / 256 out, run alone                        |
 
 `num_requests` (or `num_groups` for the prefix workloads) scales a workload down; shapes stay.
@@ -60,6 +62,17 @@ class Workload:
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(_LOW_ID, vocab) for _ in range(n)]
+
+
+def _lognormal_lens(
+    rng: random.Random, n: int, median: int, sigma: float, bounds: tuple[int, int]
+) -> list[int]:
+    """`n` lengths [tokens] drawn from a lognormal of this median and sigma, rounded and clipped
+    to `bounds` (the long-tailed lengths of real chat traffic)."""
+    import math
+
+    lo, hi = bounds
+    return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
 def _lone(name, shape, prompts, outs, sequential=False) -> Workload:
@@ -117,10 +130,9 @@ def make_workload(
     degree: int | None = None,
     prefix_len: int | None = None,
     suffix_len: int | None = None,
-    input_range: tuple[int, int] = (128, 2048),
-    output_range: tuple[int, int] = (16, 512),
 ) -> Workload:
-    """Build a named workload (see the module table); None keeps each default.
+    """Build a named workload (see the module table); None keeps each default. For `random`,
+    `input_len` / `output_len` set the medians of the lognormal lengths.
 
     Raises:
         ValueError: for an unknown name or non-positive sizes.
@@ -145,10 +157,11 @@ def make_workload(
         )
     if name == "random":
         n = num_requests or 1000
-        prompts = [_ids(rng, rng.randint(*input_range), vocab_size) for _ in range(n)]
-        outs = [rng.randint(*output_range) for _ in range(n)]
-        shape = dict(num_requests=n, input_range=list(input_range), output_range=list(output_range))
-        return _lone(name, shape, prompts, outs)
+        ins = _lognormal_lens(rng, n, input_len or 150, 1.0, (4, 4096))
+        outs = _lognormal_lens(rng, n, output_len or 128, 0.9, (4, 1024))
+        shape = dict(num_requests=n, input_median=input_len or 150, input_sigma=1.0,
+                     output_median=output_len or 128, output_sigma=0.9)  # fmt: skip
+        return _lone(name, shape, [_ids(rng, k, vocab_size) for k in ins], outs)
     defaults = {"decode-heavy": (1000, 1000, 1000), "prefill-heavy": (1000, 2048, 128)}
     n, i, o = defaults.get(name, (1, 128, 256))
     n, i, o = num_requests or n, input_len or i, output_len or o

@@ -47,3 +47,17 @@ def test_seeded_and_in_vocab():
 def test_unknown_name():
     with pytest.raises(ValueError, match="unknown workload"):
         make_workload("nope", 5000)
+
+
+def test_random_has_sharegpt_like_long_tailed_lengths():
+    import statistics
+
+    w = make_workload("random", 50_000, seed=3, num_requests=4000)
+    ins, outs = [len(p) for p in w.prompts], w.output_lens
+    assert 130 <= statistics.median(ins) <= 170 and 210 <= statistics.mean(ins) <= 270
+    assert 112 <= statistics.median(outs) <= 144 and 165 <= statistics.mean(outs) <= 215
+    assert min(ins) >= 4 and max(ins) <= 4096 and max(ins) > 1500  # a long tail, clipped
+    assert min(outs) >= 4 and max(outs) <= 1024
+    assert {len(g[1]) for g in w.groups} == {1}  # nothing shared
+    doubled = make_workload("random", 50_000, seed=3, num_requests=4000, input_len=300)
+    assert 260 <= statistics.median(len(p) for p in doubled.prompts) <= 340
