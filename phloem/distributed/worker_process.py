@@ -56,8 +56,9 @@ class RankSpec:
     worker_kwargs: dict[str, Any]
 
 
-def _exit_with_parent() -> None:
-    """Exit this process (at once, no cleanup) when the parent process dies."""
+def exit_with_parent() -> None:
+    """Exit this process (at once, no cleanup) when the parent process dies (a thread waits on
+    the parent's sentinel; for non-daemon children, which nothing else would stop)."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -73,7 +74,7 @@ def _rank_main(spec: RankSpec, conn) -> None:
     """A rank's process: join the group, build the worker, say "ready", serve steps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles interrupts
     os.environ.update(spec.env)
-    _exit_with_parent()
+    exit_with_parent()
     try:
         conn.send(("joining", os.getpid()))
         import torch

@@ -25,6 +25,7 @@ Prior art: vLLM v1's AsyncLLM / EngineCoreClient; SGLang's tokenizer manager. Ou
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import shutil
@@ -113,9 +114,10 @@ class EngineCoreClient:
             target=run_engine_core,
             args=(args, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", executor_factory),
             name="phloem-engine-core",
-            daemon=True,
+            daemon=False,  # it starts tensor-parallel ranks; it exits with this process
         )
         self.process.start()
+        atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the core
         ready = self._wait_ready(ready_timeout_s)
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -136,14 +138,14 @@ class EngineCoreClient:
                 if isinstance(message, CoreReady):
                     return message
                 if isinstance(message, CoreDead):
-                    self._close()
+                    self._abandon()
                     raise RuntimeError(f"the engine core failed to start: {message.error}")
             if not self.process.is_alive():
-                self._close()
+                self._abandon()
                 raise RuntimeError(
                     f"the engine core exited with {self.process.exitcode} while starting"
                 )
-        self._close()
+        self._abandon()
         raise RuntimeError(f"the engine core did not start within {timeout_s:g} s")
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -180,6 +182,14 @@ class EngineCoreClient:
             if self.process.is_alive():
                 self.process.terminate()
                 self.process.join(5)
+        self._close()
+
+    def _abandon(self) -> None:
+        """A core that failed to start: stop it at once and release the sockets."""
+        self._stopping = True
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
         self._close()
 
     def _close(self) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from phloem.distributed.worker_process import exit_with_parent
 from phloem.engine.core_messages import (
     CoreAbort,
     CoreDead,
@@ -199,6 +200,7 @@ def run_engine_core(
     """
     # Ctrl-C reaches the whole process group: the server drains, then stops us itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()  # not a daemon (it may start tensor-parallel ranks): never outlive the front
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context(1)
     output = context.socket(zmq.PUSH)

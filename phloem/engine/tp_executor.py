@@ -184,8 +184,8 @@ def start_tensor_parallel(
     size = config.parallel.tensor_parallel_size
     if multiprocessing.current_process().daemon:
         raise ValueError(
-            f"tensor_parallel_size={size} starts rank processes, which a daemon process (phloem "
-            "serve's engine core process) cannot: run `phloem serve` with --no-engine-process"
+            f"tensor_parallel_size={size} starts rank processes, which a daemon process cannot "
+            "(start the engine from a non-daemon process)"
         )
     cuda = resolve_device(config.model.device).type == "cuda"
     config.parallel.validate_for_model(hf_config, torch.cuda.device_count() if cuda else None)
