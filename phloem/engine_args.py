@@ -255,12 +255,6 @@ class EngineArgs:
                 f"data_parallel_routing must be one of {DATA_PARALLEL_ROUTINGS}, "
                 f"got {self.data_parallel_routing!r}"
             )
-        if replicas > 1 and self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size={replicas} with tensor_parallel_size="
-                f"{self.tensor_parallel_size}: replicas of a tensor-parallel group are not "
-                "supported yet; use one of the two"
-            )
 
     def create_engine_config(self, usage_context: str = "offline") -> EngineConfig:
         """The validated `EngineConfig` of these settings. `max_num_seqs` None, and

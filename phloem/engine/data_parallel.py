@@ -61,30 +61,41 @@ ABORT_GRACE_S = 5.0  # after an early end, a busy replica must answer within thi
 
 
 def replica_placement(
-    device: str, num_replicas: int, num_cuda_devices: int, visible: str | None
+    device: str,
+    num_replicas: int,
+    num_cuda_devices: int,
+    visible: str | None,
+    devices_per_replica: int = 1,
 ) -> list[dict[str, str]]:
     """Where each replica runs: per replica, the environment it starts with (`PHLOEM_DEVICE`
-    "cuda" or "cpu", and CUDA_VISIBLE_DEVICES for one device on CUDA).
+    "cuda" or "cpu", and on CUDA the CUDA_VISIBLE_DEVICES of its `devices_per_replica`
+    devices: one, or one per rank of a tensor-parallel group, consecutive).
 
     Args:
         device: the engine's device setting ("auto", "cuda", "cpu").
         num_cuda_devices: CUDA devices visible to the parent; visible: its CUDA_VISIBLE_DEVICES.
+        devices_per_replica: the tensor-parallel size.
     Raises:
-        ValueError: naming both numbers, when `num_replicas` exceeds the CUDA devices on CUDA,
-            or when device is "cuda" and there is none.
+        ValueError: naming the numbers, when the replicas need more CUDA devices than there are
+            on CUDA, or when device is "cuda" and there is none.
     """
     on_cuda = device == "cuda" or (device == "auto" and num_cuda_devices > 0)
     if not on_cuda:
         return [{"PHLOEM_DEVICE": "cpu"} for _ in range(num_replicas)]
-    if num_replicas > num_cuda_devices:
+    per = devices_per_replica
+    if num_replicas * per > num_cuda_devices:
+        each = "one device per replica" if per == 1 else f"{per} devices per replica (TP={per})"
         raise ValueError(
-            f"data_parallel_size={num_replicas} exceeds the {num_cuda_devices} visible CUDA "
-            "devices (one device per replica)"
+            f"data_parallel_size={num_replicas} needs {num_replicas * per} CUDA devices ({each}); "
+            f"{num_cuda_devices} are visible"
         )
     ids = [d for d in (visible or "").split(",") if d.strip()] or [
         str(i) for i in range(num_cuda_devices)
     ]
-    return [{"PHLOEM_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ids[r]} for r in range(num_replicas)]
+    return [
+        {"PHLOEM_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ",".join(ids[r * per : (r + 1) * per])}
+        for r in range(num_replicas)
+    ]
 
 
 class DataParallelEngine:
@@ -123,6 +134,7 @@ class DataParallelEngine:
             self.num_replicas,
             torch.cuda.device_count() if torch.cuda.is_available() else 0,
             os.environ.get("CUDA_VISIBLE_DEVICES"),
+            args.tensor_parallel_size,
         )
         # a GGUF model is converted here once, before the replicas would race to convert it
         source = startup_source(resolve_model(args.model), self.config.model)

@@ -72,8 +72,6 @@ def test_bad_tensor_parallel_size(tmp_path, embedded_tokenizer_dir):
         LLM(str(tmp_path), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(tmp_path), tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="data_parallel_size=2 with tensor_parallel_size=2"):
-        LLM(str(tmp_path), tensor_parallel_size=2, data_parallel_size=2)
     assert not multiprocessing.active_children()
 
 
@@ -121,3 +119,17 @@ def test_embedded_model_at_tp3_matches_tp1(embedded_llm):
     with LLM(tensor_parallel_size=3, max_num_batched_tokens=64, dtype="float32") as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
+
+
+def test_data_parallel_replicas_of_tp_groups_match_tp1(tmp_path, embedded_tokenizer_dir):
+    """DP = 2 replicas, each a TP = 2 group (4 processes on gloo), under one plan: TP = 1's
+    greedy tokens, and each replica reports its TP size."""
+    write_model("llama", tmp_path, embedded_tokenizer_dir, 2)
+    with LLM(str(tmp_path), dtype="float32", block_size=4) as llm:
+        expected = [[c[0] for c in o] for o in run(llm, GREEDY)]
+    with LLM(str(tmp_path), data_parallel_size=2, tensor_parallel_size=2, dtype="float32",
+             block_size=4) as llm:  # fmt: skip
+        got = [[c[0] for c in o] for o in run(llm, GREEDY)]
+        assert [e["tensor_parallel_size"] for e in llm.llm_engine.replica_engines] == [2, 2]
+    assert got == expected
+    assert not multiprocessing.active_children()

@@ -204,10 +204,14 @@ def test_bad_values_are_refused(tiny_llama, tmp_path):
             EngineArgs(data_parallel_size=value).create_engine_config()
     with pytest.raises(ValueError, match="data_parallel_size"):
         LLM(str(tiny_llama), data_parallel_size=0)
-    with pytest.raises(ValueError, match=r"data_parallel_size=3 exceeds the 2 visible CUDA"):
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 needs 3 CUDA devices .*2 are"):
         replica_placement("cuda", 3, 2, None)
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 exceeds the 0 visible CUDA"):
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 needs 2 CUDA devices .*0 are"):
         replica_placement("cuda", 2, 0, None)
+    with pytest.raises(ValueError, match=r"needs 4 CUDA devices \(2 devices per replica \(TP=2"):
+        replica_placement("cuda", 2, 3, None, devices_per_replica=2)
+    placed = replica_placement("auto", 2, 4, "4,5,6,7", devices_per_replica=2)
+    assert [p["CUDA_VISIBLE_DEVICES"] for p in placed] == ["4,5", "6,7"]
     assert replica_placement("auto", 2, 0, None) == [{"PHLOEM_DEVICE": "cpu"}] * 2
     assert replica_placement("cpu", 2, 8, None) == [{"PHLOEM_DEVICE": "cpu"}] * 2
     assert [p["CUDA_VISIBLE_DEVICES"] for p in replica_placement("auto", 2, 4, "4,5,6,7")] == [
