@@ -18,6 +18,7 @@ i-th of n sequences uses `(seed + i) mod 2^64`, so seed + i never leaves the ran
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,112 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on what a request may generate (vLLM's `StructuredOutputsParams`).
+
+    Exactly one field is set:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
+            against it.
+        regex: a regular expression the whole output matches.
+        choice: a non-empty list of non-empty strings; the output is one of them.
+        grammar: a grammar in EBNF (GBNF) text, whose start rule is `root`.
+        json_object: True: the output is any JSON object (OpenAI's `{"type": "json_object"}`).
+
+    Checked here: the kinds and types. Whether the schema, regex or grammar compiles is checked
+    by the grammar library when a request is admitted (`phloem.structured_output`).
+
+    Raises:
+        ValueError: from the constructor, naming the field (`structured_outputs.<field>`), when
+            none or several are set, or one has the wrong type or is empty.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [n for n in _CONSTRAINT_FIELDS if getattr(self, n) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {set_fields or 'none'}"
+            )
+        if self.json is not None:
+            _check_schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}"
+                )
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice:
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of strings, got {choice!r}"
+                )
+            if not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(
+                    f"structured_outputs.choice must hold non-empty strings, got {choice!r}"
+                )
+            object.__setattr__(self, "choice", tuple(choice))
+        if self.json_object not in (None, True, False):
+            raise ValueError(
+                f"structured_outputs.json_object must be a boolean, got {self.json_object!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(n for n in _CONSTRAINT_FIELDS if getattr(self, n) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for equal constraints (a schema dict and its JSON text
+        give one key); what compiled grammars are cached by."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)  # type: ignore[arg-type]
+            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice))  # type: ignore[arg-type]
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> StructuredOutputsParams:
+        """Build from a JSON-like dict; unknown keys raise ValueError naming the key."""
+        if isinstance(values, cls):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"structured_outputs must be an object, got {type(values).__name__}")
+        for key in values:
+            if key not in _CONSTRAINT_FIELDS:
+                raise ValueError(
+                    f"unknown structured_outputs field {key!r}; known: {list(_CONSTRAINT_FIELDS)}"
+                )
+        return cls(**values)
+
+
+def _check_schema(schema: Any) -> None:
+    """structured_outputs.json must be a JSON object (a dict or its JSON text)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(
+            f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}"
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -69,6 +176,9 @@ class SamplingParams:
         presence_penalty, frequency_penalty: OpenAI-style additive penalties in [-2, 2].
         repetition_penalty: multiplicative penalty (> 0; 1 disables), CTRL-style.
         skip_special_tokens: drop special tokens when detokenizing.
+        structured_outputs: a constraint on the output (`StructuredOutputsParams`, or a dict of
+            its fields); None: unconstrained. The grammar decides where EOS is allowed, and
+            the sequence finishes "stop" when the grammar is complete.
 
     Raises:
         ValueError: from `validate()` (called by the constructor), naming the bad field and its
@@ -91,6 +201,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _frozen: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +221,8 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
             )
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         for name in _FLOAT_FIELDS:  # ints become floats here (a huge int has no float value)
             value = getattr(self, name)
             if isinstance(value, int) and not isinstance(value, bool):

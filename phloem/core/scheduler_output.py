@@ -89,11 +89,17 @@ class SchedulerOutput:
             the worker drops their state and generators.
         preempted_seq_ids: sequences preempted while scheduling this step: the worker drops their
             state (not their generators); they come back as new sequences.
+        structured_seq_ids: the sampled sequences whose token is constrained by a grammar, in
+            row order (set by the engine after `schedule()`). When non-empty, the worker runs the
+            forward pass at launch and samples only when handed the step's grammar bitmask
+            (`ModelRunner.sample`), which the engine fills after the previous step's tokens
+            advanced the grammars.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)
     preempted_seq_ids: list[str] = field(default_factory=list)
+    structured_seq_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

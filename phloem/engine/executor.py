@@ -17,6 +17,7 @@ from typing import Any
 
 from phloem.config import EngineConfig, SchedulerConfig
 from phloem.core.scheduler import SchedulerOutput
+from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.model_runner import ModelRunnerOutput
 from phloem.worker.worker import Worker
 
@@ -41,8 +42,14 @@ class Executor(abc.ABC):
         """Wait for a launched step's tokens; an empty output for None."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for it."""
+        """Run one step and wait for it (a step without constrained samples)."""
         return self.collect(self.launch(scheduler_output))
+
+    @abc.abstractmethod
+    def sample(self, launched: Any, grammar: GrammarBitmask) -> None:
+        """Enqueue the sampling of a launched step with constrained samples
+        (`SchedulerOutput.structured_seq_ids`) under its grammar bitmask; before `collect` and
+        before the next `launch`."""
 
     @abc.abstractmethod
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
@@ -65,6 +72,9 @@ class UniProcExecutor(Executor):
 
     def collect(self, launched) -> ModelRunnerOutput:
         return self.worker.model_runner.collect(launched)
+
+    def sample(self, launched, grammar: GrammarBitmask) -> None:
+        self.worker.model_runner.sample(launched, grammar)
 
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)

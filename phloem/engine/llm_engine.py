@@ -1,19 +1,19 @@
 """The step loop: schedule -> execute -> update, plus tokenization, text and outputs.
 
-The engine owns the scheduler (pure Python), the executor (tensors) and, per request, the
-detokenizer that applies stop strings (none in the engine core's DELTA mode, `OutputMode`: the
-server's front makes the text there). A prompt with n > 1 becomes n sequences; children 1..n-1
+The engine owns the scheduler (pure Python), the executor (tensors), the grammars of structured
+outputs and, per request, the detokenizer that applies stop strings (none in DELTA mode,
+`OutputMode`: the server's front makes the text there). A prompt with n > 1 becomes n sequences; children 1..n-1
 share the prompt's full blocks (a `SharedPrefix`), and so do the members of a prefix group that
 the offline planner found (`add_request(..., shared_prefix=...)`).
 
-Failure isolation: an exception that belongs to one request fails that request alone, and the
-step goes on for the others. The scheduler fails a request whose admission or stop rules raise,
-the executor reports per-request failures in `ModelRunnerOutput.failed` (its sampling setup
-raised, or the sampler flagged its logits row non-finite), and the engine fails a
-sequence whose detokenization or log-probs raise. A failed prompt (all its sequences) finishes
-at the end of the step with `RequestOutput.error` set and finish_reason "error". Only an
-exception outside any one request's work (the forward pass, the batched sampler, the device)
-leaves `step()`; `abort_all()` then resets the engine for later requests.
+Failure isolation: an exception that belongs to one request fails that request alone, and the step
+goes on for the others. The scheduler fails a request whose admission or stop rules raise, the
+executor reports per-request failures in `ModelRunnerOutput.failed` (its sampling setup raised, or
+the sampler flagged its logits row non-finite), and the engine fails a sequence whose
+detokenization, log-probs or grammar (`engine/structured_outputs.py`) fail. A failed prompt (all
+its sequences) finishes at the end of the step with `RequestOutput.error` set and finish_reason
+"error". Only an exception outside any one request's work (the forward pass, the batched sampler,
+the device) leaves `step()`; `abort_all()` then resets the engine for later requests.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from phloem.engine.detokenizer import IncrementalDetokenizer
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.prompt_entry import OutputMode, PromptEntry, SequenceEntry, StepOutput
 from phloem.engine.step_observer import LaunchedStep, StepObserver
+from phloem.engine.structured_outputs import StructuredOutputs
 from phloem.outputs import RequestMetrics
 from phloem.sampling_params import SamplingParams
 
@@ -72,6 +73,8 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # async scheduling: collected next step()
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
+        self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
+                                            self.hf_config.vocab_size)  # fmt: skip
 
     @property
     def stream_outputs(self) -> bool:
@@ -178,6 +181,7 @@ class LLMEngine:
         self._prompts[request_id] = entry
         for seq in entry.sequences:
             self._sequences[seq.request.request_id] = seq
+            self.structured.register(seq.request.request_id, sampling_params)
         return request_id
 
     def _siblings_prefix(
@@ -235,9 +239,9 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.max_model_len, self.hf_config.vocab_size)
 
     def validate_params(self, sampling_params: SamplingParams) -> None:
-        """Raise ValueError naming the field when sampling parameters exceed what this model
-        can do (`input_checks.check_params`)."""
+        """ValueError naming the field: `input_checks.check_params`, `StructuredOutputs.check`."""
         check_params(sampling_params, self.hf_config.vocab_size)
+        self.structured.check(sampling_params, self.config.parallel.tensor_parallel_size)
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -279,14 +283,15 @@ class LLMEngine:
         del self._prompts[entry.request_id]
         for seq in entry.sequences:
             self._sequences.pop(seq.request.request_id, None)
+            self.structured.forget(seq.request.request_id)
 
     def is_unfinished(self, request_id: str) -> bool:
         """True while the prompt `request_id` is queued or running."""
         return request_id in self._prompts
 
     def close(self) -> None:
-        """Stop the executor's processes (tensor-parallel ranks); idempotent, a no-op for one
-        in-process worker. Also runs when the engine is collected or at interpreter exit."""
+        """Stop the executor's processes (TP ranks) and grammar threads; idempotent, also at exit."""
+        self.structured.close()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -309,12 +314,15 @@ class LLMEngine:
         """
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.structured.mark(scheduler_output)
         outputs = []
         if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
             outputs = self._finish_in_flight()  # penalties read the step before's tokens
         launched = self._launch(scheduler_output, time.perf_counter() - start)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
+        if launched is not None and scheduler_output.structured_seq_ids:
+            self.executor.sample(launched.handle, self.structured.bitmask(scheduler_output))
         self._in_flight = launched
         if not self.scheduler_config.async_scheduling and launched is not None:
             outputs += self._finish_in_flight()  # synchronous: collect right after launch
@@ -356,6 +364,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
         )
+        self.structured.advance(updated)
         outputs = self._process_outputs(scheduler_output, updated, runner_output)
         if self._step_observers:
             record = launched.record(

@@ -143,6 +143,11 @@ class TensorParallelExecutor(Executor):
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)
 
+    def sample(self, launched: _Handle, grammar) -> None:
+        """Not yet: every rank would need the bitmask (the engine refuses structured outputs
+        under tensor parallelism, `LLMEngine.validate_params`)."""
+        raise RuntimeError("structured outputs are not supported with tensor_parallel_size > 1")
+
     def shutdown(self) -> None:
         """Stop the rank processes and leave the process group (idempotent)."""
         self._finalizer()

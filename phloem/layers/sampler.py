@@ -2,7 +2,7 @@
 
 Owns the per-step sampling pipeline, applied to a private copy of the `[B, V]` logits:
 
-    banned ids -> repetition penalty -> frequency / presence penalties
+    grammar bitmask (structured outputs: disallowed tokens -> -inf) -> banned ids -> repetition penalty -> frequency / presence penalties
       -> temperature == 0: argmax                      (greedy rows: no randomness consumed)
       -> else: / temperature -> min_p -> top_k -> top_p -> exponential-race draw
 
@@ -11,8 +11,9 @@ applied after temperature and before `apply_top_k_top_p`, which does top-k then 
 therefore measured on the full tempered distribution, and top_p on the distribution left after
 min_p and top_k, renormalized.
 
-Returned log-probs are vLLM's default `raw_logprobs`: `log_softmax` of the caller's logits, before
-banning, penalties, temperature and truncation.
+Returned log-probs are vLLM's default `raw_logprobs`: `log_softmax` of the caller's logits after the
+grammar mask (as vLLM v1 masks before its sampler), before banning, penalties, temperature and
+truncation.
 
 Determinism: a row with its own `torch.Generator` draws exactly one `exponential_` vector of
 length V per step from it, so its tokens do not depend on batch size, position or neighbours.
@@ -118,6 +119,25 @@ def apply_banned(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]
     if row_idx:
         idx = _device_tensor([row_idx, col_idx], dtype=torch.long, device=logits.device)
         logits[idx[0], idx[1]] = float("-inf")
+    return logits
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor
+) -> torch.Tensor:
+    """Set `logits[row_indices[i], t] = -inf` for every token t that row i of `bitmask` does not
+    allow; modified in place and returned.
+
+    logits: [B, V] float; bitmask: int32 [R, ceil(V / 32)] on logits' device, bit t % 32 of word
+    t // 32 set = token t allowed (xgrammar's and llguidance's layout; little-endian words, so
+    byte b of a row holds tokens 8b..8b+7, least significant bit first); row_indices: int64 [R].
+    Unpacks through a uint8 [R, V] temporary (no [R, V] int32), pure torch on any device.
+    """
+    num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
+    disallowed = bits.view(num_rows, -1)[:, :vocab_size] == 0
+    logits[row_indices] = logits[row_indices].masked_fill(disallowed, float("-inf"))
     return logits
 
 
@@ -271,15 +291,26 @@ class Sampler:
         """
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    def launch(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SampledTokens:
         """`__call__` without waiting: enqueues the sampling and the copy of its results to
         the host; `SampledTokens.tokens` (int64 [B], on the logits' device) can feed the next
-        step's inputs on the device before the host has the ids."""
+        step's inputs on the device before the host has the ids.
+
+        grammar: (bitmask int32 [R, ceil(V / 32)], row indices int64 [R]) on logits' device:
+        the structured-output rows' allowed tokens (`apply_token_bitmask`), applied to a copy
+        before everything else; the non-finite flags are taken before it (-inf is a mask)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
             )
         num_nonfinite = logits.sum(dim=-1, dtype=torch.float32).isfinite().logical_not_().long()
+        if grammar is not None:
+            logits = apply_token_bitmask(logits.clone(), *grammar)
         if all(
             r.params.temperature < _GREEDY_TEMPERATURE
             and r.params.logprobs is None

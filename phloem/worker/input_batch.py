@@ -293,14 +293,15 @@ def sampling_row(
     eos_token_id: int | None,
 ) -> SamplingRow:
     """The sequence's sampling row for a step whose sample is output number
-    `num_outputs_before` (0-based): EOS and the stop ids are banned below `min_tokens`. The row
+    `num_outputs_before` (0-based): EOS and the stop ids are banned below `min_tokens`, except
+    in a structured-output row (its grammar alone decides where it may end). The row
     reads the state's output list in place (penalties see every token sampled so far). Cached
     on the state when nothing in it depends on the step."""
     if state.row is not None:
         return state.row
     params = state.params
     banned: list[int] = []
-    if num_outputs_before < params.min_tokens:
+    if num_outputs_before < params.min_tokens and params.structured_outputs is None:
         banned = list(params.stop_token_ids)
         if eos_token_id is not None:
             banned.append(eos_token_id)

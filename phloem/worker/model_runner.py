@@ -6,6 +6,13 @@ and reads its attention metadata from the forward context. Each step calls the b
 `begin_step` once (planning backends such as FlashInfer); decode-only steps replay a captured
 CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
 
+Structured outputs: a step with constrained samples (`SchedulerOutput.structured_seq_ids`) is
+launched in two parts: `launch` enqueues the forward pass and keeps the logits, `sample` gets the
+step's grammar bitmask (data: `GrammarBitmask`, filled by the engine once the previous step's
+tokens advanced the grammars) and enqueues the sampling. Under async scheduling the forward pass
+of step N+1 still overlaps the host's wait for step N; only the constrained step's sampling waits
+for the host.
+
 A request whose own sampling setup (its generator, its row) or sampling raises, or whose logits
 row holds NaN or inf (counted on the device by the sampler, copied behind the step's tokens),
 fails alone: its row is sampled as a placeholder so the batch goes on, and its id lands in
@@ -34,6 +41,7 @@ from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.sampling_params import SamplingParams
+from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.cuda_graph import CUDAGraphRunner
 from phloem.worker.input_batch import HostStep, InputBatch, SequenceState, sampling_row
 
@@ -70,8 +78,10 @@ class LaunchedStep:
 
     seq_ids: list[str]  # the sampled sequences, in row order
     states: list[SequenceState]  # their states when launched (the tokens are appended there)
-    sampled: SampledTokens
+    sampled: SampledTokens | None  # None until `ModelRunner.sample` (a constrained step)
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed
+    # a constrained step's logits [S, V] and sampling rows, until its grammar bitmask comes
+    deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
 
 
 @dataclass
@@ -227,9 +237,37 @@ class ModelRunner:
         seq_ids = [scheduled[i].seq_id for i in host.sampled]
         sampled_states = [states[i] for i in host.sampled]
         rows, failed = self._sampling_rows(sched, host.sampled, states)
+        if sched.structured_seq_ids:  # sampled by `sample`, with the grammar bitmask
+            return LaunchedStep(seq_ids, sampled_states, None, failed, deferred=(logits, rows))
         handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
         self._last_sampled = (handle.tokens, {seq_id: k for k, seq_id in enumerate(seq_ids)})
         return LaunchedStep(seq_ids, sampled_states, handle, failed)
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep | None, grammar: GrammarBitmask) -> None:
+        """Enqueue the sampling of a launched constrained step with its grammar bitmask (rows
+        `grammar.seq_ids`; the others are unconstrained). Must come before the next `launch`
+        (whose pending input ids are this step's tokens).
+
+        Raises:
+            ValueError: the step is not waiting for a bitmask, or names a row it did not sample.
+        """
+        if launched is None or launched.deferred is None:
+            raise ValueError("sample() needs a launched step waiting for its grammar bitmask")
+        logits, rows = launched.deferred
+        launched.deferred = None
+        seq_ids = launched.seq_ids
+        index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
+        try:
+            row_indices = np.array([index[s] for s in grammar.seq_ids], dtype=np.int64)
+        except KeyError as e:
+            raise ValueError(
+                f"grammar bitmask names {e}, which this step does not sample"
+            ) from None
+        mask = (to_device(grammar.bitmask, self.device), to_device(row_indices, self.device))
+        handle = self._launch_sampler(logits, rows, seq_ids, launched.states, launched.failed, mask)
+        launched.sampled = handle
+        self._last_sampled = (handle.tokens, index)
 
     @staticmethod
     def collect(launched: LaunchedStep | None) -> ModelRunnerOutput:
@@ -238,6 +276,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if launched is None:
             return out
+        if launched.sampled is None:
+            raise RuntimeError("a constrained step was collected before `sample` was called")
         result = launched.sampled.result()
         out.failed = launched.failed
         seq_ids, token_ids = launched.seq_ids, result.token_ids
@@ -338,8 +378,9 @@ class ModelRunner:
         seq_ids: list[str],
         states: list[SequenceState],
         failed: dict[str, str],
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SampledTokens:
-        """`sampler.launch(logits, rows)`, failing alone each row whose sampling raises.
+        """`sampler.launch(logits, rows, grammar)`, failing alone each row whose sampling raises.
 
         When the batch raises, each row is tried alone (the others replaced by greedy
         placeholders, every generator's state restored after each trial, so the rows that go on
@@ -348,7 +389,7 @@ class ModelRunner:
         real launch. A fault no single row causes, or one that survives the replacement, is the
         step's own: it propagates. Mutates `rows` and `failed` only on that path."""
         try:
-            return self.sampler.launch(logits, rows)
+            return self.sampler.launch(logits, rows, grammar)
         except Exception:  # noqa: BLE001 - find out whether one sequence causes it
             placeholders = [_placeholder_row(state) for state in states]
             generators = {id(g): g for g in [self._shared_generator] + [r.generator for r in rows]}
@@ -357,7 +398,7 @@ class ModelRunner:
             for i in range(len(rows)):
                 trial = [*placeholders[:i], rows[i], *placeholders[i + 1 :]]
                 try:
-                    self.sampler.launch(logits, trial)
+                    self.sampler.launch(logits, trial, grammar)
                 except Exception as e:  # noqa: BLE001 - row i's own fault
                     culprits[i] = f"sampling failed: {type(e).__name__}: {e}"
                 for generator, state in saved:
@@ -367,7 +408,7 @@ class ModelRunner:
         for i, message in culprits.items():
             failed[seq_ids[i]] = message
             rows[i] = placeholders[i]
-        return self.sampler.launch(logits, rows)
+        return self.sampler.launch(logits, rows, grammar)
 
     def _sampling_rows(
         self, sched: SchedulerOutput, sampled: list[int], states: list[SequenceState]

@@ -1,0 +1,115 @@
+"""The engine's hooks for structured outputs: which rows of a step are constrained, the step's
+grammar bitmask, and the grammars advanced by the tokens the scheduler appended.
+
+    step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward only) -> collect(N) -> update(N)
+            -> advance(N's tokens) -> sample(N+1, bitmask filled now) -> ...
+
+The bitmask of a row is filled after the row's previous token was accepted: under async
+scheduling the forward pass of step N+1 runs on the device while the host waits for step N's
+tokens, and only step N+1's sampling waits for the host's bitmask (no extra device sync). The
+grammar library (and its tokenizer info) is loaded with the first constrained request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from phloem.core.request import Request, RequestStatus
+from phloem.core.scheduler import Scheduler, SchedulerOutput
+from phloem.sampling_params import SamplingParams
+from phloem.structured_output.manager import GrammarBitmask, StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputs:
+    """Args: scheduler: the engine's (requests fail or stop through it); tokenizer, eos_token_id,
+    vocab_size: the model's (for the grammar library's tokenizer info); num_compile_threads:
+    threads compiling grammars."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer,
+        eos_token_id: int | None,
+        vocab_size: int,
+        num_compile_threads: int = 2,
+    ) -> None:
+        self.scheduler = scheduler
+        self._tokenizer_args = (tokenizer, vocab_size, eos_token_id)  # tokenizer_data's
+        self._num_threads = num_compile_threads
+        self.manager: StructuredOutputManager | None = None
+
+    @staticmethod
+    def check(params: SamplingParams, tensor_parallel_size: int) -> None:
+        """Raise ValueError naming the field when the request's constraint cannot run here: it
+        does not compile (`validate_constraint`), or the engine is tensor-parallel (not yet:
+        every rank would need the bitmask)."""
+        if params.structured_outputs is None:
+            return
+        if tensor_parallel_size > 1:
+            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
+        from phloem.structured_output import validate_constraint
+
+        validate_constraint(params.structured_outputs)
+
+    def register(self, seq_id: str, params: SamplingParams) -> None:
+        """Start compiling a new sequence's constraint, if it has one (in the background)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if self.manager is None:
+            from phloem.structured_output import make_backend, tokenizer_data
+
+            backend = make_backend(tokenizer_data(*self._tokenizer_args), self._num_threads)
+            self.manager = StructuredOutputManager(
+                backend, self._tokenizer_args[1], self._num_threads
+            )
+        self.manager.register(seq_id, constraint)
+
+    def forget(self, seq_id: str) -> None:
+        if self.manager is not None:
+            self.manager.forget(seq_id)
+
+    def mark(self, sched: SchedulerOutput) -> None:
+        """Set `sched.structured_seq_ids`: its sampled rows that are constrained (row order)."""
+        manager = self.manager
+        if manager is None or not manager.num_live:
+            return
+        is_constrained = manager.is_constrained
+        sched.structured_seq_ids = [
+            s.seq_id for s in sched.scheduled if s.sample and is_constrained(s.seq_id)
+        ]
+
+    def bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
+        """The step's `GrammarBitmask` (after the previous step's tokens were advanced); rows
+        that cannot be constrained fail their sequence alone (`Scheduler.fail_request`)."""
+        assert self.manager is not None
+        grammar, failed = self.manager.bitmask(sched.structured_seq_ids)
+        for seq_id, message in failed.items():
+            request = self.scheduler.requests.get(seq_id)
+            if request is not None and not request.is_finished:
+                self.scheduler.fail_request(request, message)
+        return grammar
+
+    def advance(self, updated: list[Request]) -> None:
+        """Accept each updated constrained request's new token: the grammar complete finishes
+        it "stop"; a token the grammar rejects fails it alone."""
+        manager = self.manager
+        if manager is None or not manager.num_live:
+            return
+        for request in updated:
+            seq_id = request.request_id
+            if not manager.is_constrained(seq_id):
+                continue
+            token_id = request.output_token_ids[-1]
+            done = manager.accept(seq_id, token_id)
+            if done is None:
+                message = f"structured output: the grammar rejected token {token_id}"
+                self.scheduler.fail_request(request, message)
+            elif done and not request.is_finished:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown()

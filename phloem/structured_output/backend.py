@@ -1,0 +1,103 @@
+"""The grammar-library interface: every method phloem calls on a grammar backend, declared once.
+
+A backend turns a `StructuredOutputsParams` into a compiled grammar for one tokenizer
+(`compile`, the expensive part: run in a thread pool), checks a constraint without the tokenizer
+(`validate`: cheap, at admission, so a bad schema is a ValueError before any step), and makes
+per-sequence matchers. A matcher walks the grammar token by token: `fill_bitmask` writes the
+allowed next tokens as bits (bit t % 32 of int32 word t // 32 set = token t allowed, the layout
+xgrammar and llguidance share), `accept_token` advances it, `rollback` undoes accepted tokens
+(for speculative decoding), `is_terminated` says the grammar accepted its stop token.
+
+The implementation in use is `xgrammar_backend.XGrammarBackend` (the choice and its numbers:
+benchmarks/results/2026-11-25-cpu-structured-outputs/); another library plugs in by
+implementing these two classes.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from phloem.sampling_params import StructuredOutputsParams
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row for a vocabulary of `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass(frozen=True)
+class TokenizerData:
+    """What a backend needs of the model's tokenizer.
+
+    Attributes:
+        tokenizer: a transformers `PreTrainedTokenizerFast` (the vocabulary and its decoding).
+        vocab_size: width of the model's logits [tokens] (may exceed the tokenizer's length).
+        stop_token_ids: the ids that end a sequence (EOS), the only tokens a complete grammar
+            allows.
+    """
+
+    tokenizer: object
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+
+
+class GrammarMatcher(abc.ABC):
+    """One sequence's position in its grammar (not thread-safe: one sequence, one thread)."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (int32 [R, W], W =
+        `bitmask_width(vocab_size)`): bit t % 32 of word t // 32 set = token t allowed."""
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (and no change) when the grammar does not allow it."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding's rejected drafts).
+
+        Raises:
+            ValueError: more tokens than the matcher keeps history for.
+        """
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and its stop token was accepted."""
+
+
+class GrammarBackend(abc.ABC):
+    """A grammar library for one tokenizer (see the module docstring)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Check that the constraint compiles (schema features, regex syntax, grammar syntax)
+        without the tokenizer.
+
+        Raises:
+            ValueError: naming the field (`structured_outputs.json`, ...) and the library's
+                reason.
+        """
+
+    @abc.abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> object:
+        """The compiled grammar for this tokenizer (opaque; thread-safe to call from a pool).
+
+        Raises:
+            ValueError: as `validate`.
+        """
+
+    @abc.abstractmethod
+    def matcher(self, compiled: object) -> GrammarMatcher:
+        """A fresh matcher at the start of `compiled`."""
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
+        """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i] (one after
+        the other here; a library with a batched fill overrides this)."""
+        for i, m in enumerate(matchers):
+            m.fill_bitmask(bitmask, i)

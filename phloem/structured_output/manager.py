@@ -1,0 +1,164 @@
+"""The engine's side of structured outputs: compiled grammars cached by constraint, one matcher
+per sequence, and each step's bitmask.
+
+    add_request ─► register(seq, params): compile(key) submitted to the pool once per distinct
+                   constraint (a batch under one schema compiles it once), while prompts prefill
+    step N+1    ─► bitmask(seq_ids): waits for a grammar only here (its first sampled token),
+                   fills the rows of the step's constrained samples, after step N's tokens were
+                   accepted (`LLMEngine.step`)
+    update(N)   ─► accept(seq, token): advance; the grammar complete -> the sequence stops
+
+Matchers are keyed by sequence id, so n > 1 siblings walk their own, and a preempted sequence
+keeps its matcher (its output tokens are kept, so its grammar state is still right). A
+constraint that fails to compile (rare: `validate` ran at admission) fails the sequence alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from phloem.sampling_params import StructuredOutputsParams
+from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_width
+
+logger = logging.getLogger(__name__)
+
+# why a sequence fails when its grammar allows no token of the vocabulary
+NO_TOKEN_MESSAGE = "structured output: the grammar allows no token of the vocabulary here"
+
+
+@dataclass
+class GrammarBitmask:
+    """The constrained rows of one step, as data for the worker.
+
+    Attributes:
+        seq_ids: the sequences whose sample is constrained, in the step's row order.
+        bitmask: int32 [len(seq_ids), ceil(V / 32)]; bit t % 32 of word t // 32 set = token t
+            allowed.
+    """
+
+    seq_ids: list[str]
+    bitmask: np.ndarray
+
+
+class _Sequence:
+    """One constrained sequence: its constraint's future grammar, then its matcher."""
+
+    __slots__ = ("future", "matcher")
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+        self.matcher: GrammarMatcher | None = None
+
+
+class StructuredOutputManager:
+    """Compiles constraints in a thread pool and keeps the matchers of constrained sequences.
+
+    Args:
+        backend: the grammar library over the model's tokenizer.
+        vocab_size: the logits' width [tokens].
+        num_compile_threads: threads compiling grammars (the pool starts with the first one).
+    """
+
+    def __init__(self, backend: GrammarBackend, vocab_size: int, num_compile_threads: int = 2):
+        self.backend = backend
+        self.width = bitmask_width(vocab_size)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=num_compile_threads, thread_name_prefix="phloem-grammar"
+        )
+        self._compiled: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self.num_compiled = 0  # distinct constraints submitted for compilation
+
+    def register(self, seq_id: str, params: StructuredOutputsParams) -> None:
+        """Start compiling the sequence's constraint unless the cache has it; returns at once."""
+        key = params.key()
+        future = self._compiled.get(key)
+        if future is None:
+            future = self._pool.submit(self.backend.compile, params)
+            self._compiled[key] = future
+            self.num_compiled += 1
+        self._sequences[seq_id] = _Sequence(future)
+
+    def forget(self, seq_id: str) -> None:
+        """Drop a finished sequence's matcher (unknown ids are ignored)."""
+        self._sequences.pop(seq_id, None)
+
+    def is_constrained(self, seq_id: str) -> bool:
+        return seq_id in self._sequences
+
+    @property
+    def num_live(self) -> int:
+        """Constrained sequences registered and not forgotten."""
+        return len(self._sequences)
+
+    def _matcher(self, seq: _Sequence) -> GrammarMatcher:
+        """The sequence's matcher, made (after waiting for its grammar) on first use.
+
+        Raises:
+            ValueError: its constraint did not compile.
+        """
+        if seq.matcher is None:
+            seq.matcher = self.backend.matcher(seq.future.result())
+        return seq.matcher
+
+    def bitmask(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
+        """The bitmask of these sampled rows (waiting for grammars not compiled yet), and
+        {seq id: reason} for rows that must fail alone (no grammar, or none of the vocabulary
+        allowed); those rows, and rows of sequences no longer known (finished after this step
+        was scheduled), allow every token."""
+        bitmask = np.full((len(seq_ids), self.width), -1, dtype=np.int32)
+        failed: dict[str, str] = {}
+        rows: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        for i, seq_id in enumerate(seq_ids):
+            seq = self._sequences.get(seq_id)
+            if seq is None:
+                continue
+            try:
+                matcher = self._matcher(seq)
+            except Exception as e:  # noqa: BLE001 - this constraint's fault: it fails alone
+                failed[seq_id] = f"structured output: {e}"
+                continue
+            if matcher.is_terminated():
+                continue
+            rows.append(i)
+            matchers.append(matcher)
+        if matchers:
+            filled = np.zeros((len(matchers), self.width), dtype=np.int32)
+            self.backend.fill_bitmasks(matchers, filled)
+            empty = ~filled.any(axis=1)
+            bitmask[rows] = filled
+            for k in np.flatnonzero(empty):
+                failed[seq_ids[rows[k]]] = NO_TOKEN_MESSAGE
+                bitmask[rows[k]] = -1
+        return GrammarBitmask(list(seq_ids), bitmask), failed
+
+    def accept(self, seq_id: str, token_id: int) -> bool | None:
+        """Advance the sequence's matcher by its new token. Returns True when the grammar is
+        complete (the sequence should stop), False to go on, None for a token the grammar
+        rejects (a sequence whose row was unconstrained after a failure).
+
+        A sequence whose matcher was never made (no constrained sample yet) is ignored."""
+        seq = self._sequences.get(seq_id)
+        if seq is None or seq.matcher is None:
+            return False
+        matcher = seq.matcher
+        if matcher.is_terminated():
+            return True
+        if not matcher.accept_token(token_id):
+            return None
+        return matcher.is_terminated()
+
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        """Undo the sequence's last `num_tokens` accepted tokens (speculative decoding)."""
+        seq = self._sequences.get(seq_id)
+        if seq is not None and seq.matcher is not None:
+            seq.matcher.rollback(num_tokens)
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (pending compilations are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

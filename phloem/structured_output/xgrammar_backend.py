@@ -1,0 +1,128 @@
+"""The xgrammar backend (Dong et al., "XGrammar: Flexible and Efficient Structured Generation
+Engine for Large Language Models", arXiv 2411.15100): a pushdown automaton over byte-level
+grammars with a per-state cache of context-independent token masks (§3.1-3.2), so a mask fill
+checks only the few context-dependent tokens.
+
+JSON is compiled without free whitespace (`any_whitespace=False`: compact separators), so a
+model cannot spend its token budget on spaces and newlines inside a value. A choice list becomes
+the grammar `root ::= "c1" | "c2" | ...`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from phloem.sampling_params import StructuredOutputsParams
+from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, TokenizerData
+
+_JSON_OBJECT = '{"type": "object"}'
+MAX_ROLLBACK_TOKENS = 16  # history a matcher keeps for `rollback` [tokens]
+
+
+def _choice_ebnf(choice) -> str:
+    """The grammar whose only sentences are the strings of `choice` (JSON string escapes are
+    xgrammar's EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+def _error(params: StructuredOutputsParams, error: Exception) -> ValueError:
+    """The ValueError naming the field for a library error (whose message starts with a log
+    prefix "[time] file:line: ")."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "] " in message and message.startswith("["):
+        message = message.split(": ", 1)[-1]
+    return ValueError(f"structured_outputs.{params.kind} is invalid or unsupported: {message}")
+
+
+class XGrammarMatcher(GrammarMatcher):
+    """An `xgrammar.GrammarMatcher` (rollback history `MAX_ROLLBACK_TOKENS`)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self.inner.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.inner.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > MAX_ROLLBACK_TOKENS:
+            raise ValueError(
+                f"rollback of {num_tokens} tokens exceeds the kept history of {MAX_ROLLBACK_TOKENS}"
+            )
+        self.inner.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+
+class XGrammarBackend(GrammarBackend):
+    """xgrammar over one tokenizer. Compilation runs in xgrammar's C++ (thread-safe: the engine
+    calls `compile` from its pool); xgrammar's own cache is off (phloem's manager caches by
+    constraint). `fill_bitmasks` fills many rows on `num_threads` C++ threads."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: TokenizerData, num_threads: int = 1) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer.tokenizer,
+            vocab_size=tokenizer.vocab_size,
+            stop_token_ids=list(tokenizer.stop_token_ids) or None,
+        )
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, num_threads))
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        kind = params.kind
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(_schema_text(params), any_whitespace=False)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(params.regex)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(params.grammar)
+            elif kind == "choice":
+                xgr.Grammar.from_ebnf(_choice_ebnf(params.choice))
+        except Exception as e:  # noqa: BLE001 - the library raises RuntimeError for bad input
+            raise _error(params, e) from None
+
+    def compile(self, params: StructuredOutputsParams):
+        compiler = self.compiler
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(_schema_text(params), any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema(_JSON_OBJECT, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(_choice_ebnf(params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except Exception as e:  # noqa: BLE001 - as in validate
+            raise _error(params, e) from None
+
+    def matcher(self, compiled) -> XGrammarMatcher:
+        return XGrammarMatcher(
+            self._xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        )
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
+        """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i], filled on the
+        backend's threads."""
+        inner = [m.inner for m in matchers]  # type: ignore[attr-defined]
+        self._batch.batch_fill_next_token_bitmask(inner, bitmask)
+
+
+def _schema_text(params: StructuredOutputsParams) -> str:
+    schema = params.json
+    return schema if isinstance(schema, str) else json.dumps(schema)
