@@ -10,7 +10,8 @@
 #            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
 #            replayed CUDA graphs (which capture the all-reduces)
 #   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out) at TP=1 and
-#            TP=$TP: output tokens/s and their ratio (goal >= 1.6x at TP=2)
+#            TP=$TP, and TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the one-shot symmetric-memory
+#            all-reduce for small messages): output tokens/s and their ratio (goal >= 1.6x at TP=2)
 #   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
 #            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
 # Writes every run's JSON and summary.json under OUT_DIR; a rank's failure shows as
@@ -51,6 +52,7 @@ for stage in $STAGES; do
     latency)
         bench latency-tp1 1 --workload latency
         bench "latency-tp$TP" "$TP" --workload latency
+        PHLOEM_TP_ALLREDUCE=symm_mem bench "latency-tp$TP-symm" "$TP" --workload latency
         ;;
     batchllm)
         bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
@@ -71,7 +73,7 @@ if agree:
           f"(goal >= 0.99); free-running exact {agree['free_running_exact']:.3f}; "
           f"CUDA graphs {agree['cuda_graphs']}")
 keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio")
-for name in ("latency-tp1", f"latency-tp{tp}", f"batchllm100-tp{tp}"):
+for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"batchllm100-tp{tp}"):
     r = load(name)
     if r:
         summary[name] = {k: r.get(k) for k in keys}
@@ -81,6 +83,11 @@ if one and many:
     ratio = many["output_tokens_per_s"] / one["output_tokens_per_s"]
     summary["latency_speedup"] = ratio
     print(f"latency output tok/s TP={tp} / TP=1: {ratio:.3f} (goal >= 1.6 at TP=2)")
+symm = load(f"latency-tp{tp}-symm")
+if one and symm:
+    ratio = symm["output_tokens_per_s"] / one["output_tokens_per_s"]
+    summary["latency_speedup_symm_mem"] = ratio
+    print(f"latency output tok/s TP={tp} (symmetric-memory all-reduce) / TP=1: {ratio:.3f}")
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
 echo "=== done $(date +%T)"

@@ -10,13 +10,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phloem.distributed.parallel_state import tp_group, tp_size
+from phloem.distributed.parallel_state import tp_group, tp_size, tp_small_all_reduce
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks in place (any shape and dtype the backend reduces); returns `x`."""
+    """The sum of `x` over the ranks (any shape and dtype the backend reduces): a new tensor
+    from the symmetric-memory all-reduce when the group has one and `x` fits it, else `x`
+    itself, summed in place by the process group's backend. Callers use the returned tensor."""
     if tp_size() == 1:
         return x
+    small = tp_small_all_reduce()
+    if small is not None and small.fits(x):
+        return small(x)
     dist.all_reduce(x, group=tp_group())
     return x
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phloem.distributed.symm_all_reduce import OneShotAllReduce, all_reduce_choice
+
 # a collective waits at most this long for the other ranks [s] (a dead peer is noticed sooner:
 # gloo raises when its connection closes, and the driver aborts an NCCL group on a death)
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -28,12 +30,15 @@ DESTROY_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class TensorParallelState:
-    """rank in [0, size); group: the process group (None while size is 1 or in a layer test)."""
+    """rank in [0, size); group: the process group (None while size is 1 or in a layer test);
+    small_all_reduce: the symmetric-memory all-reduce for small messages, or None (NCCL or
+    gloo for every message; `phloem.distributed.symm_all_reduce`)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     backend: str = ""
+    small_all_reduce: Any = None
 
 
 _state = TensorParallelState()
@@ -54,6 +59,11 @@ def tp_group() -> Any:
     return _state.group
 
 
+def tp_small_all_reduce() -> Any:
+    """The group's `OneShotAllReduce` for small CUDA messages, or None."""
+    return _state.small_all_reduce
+
+
 def tp_backend() -> str:
     """ "nccl", "gloo", or "" without a group."""
     return _state.backend
@@ -67,6 +77,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
     Args:
         init_method: the rendezvous, e.g. "tcp://127.0.0.1:PORT" (rank 0 hosts the store).
         backend: "nccl" (CUDA) or "gloo" (CPU).
+    With NCCL and PHLOEM_TP_ALLREDUCE=symm_mem, every rank also sets up the symmetric-memory
+    all-reduce for small messages here (collectively).
+
     Raises:
         RuntimeError: this process already belongs to a process group (one started by torchrun,
             or an earlier engine's that was not closed).
@@ -93,7 +106,10 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
         timeout=timeout,
         device_id=device,
     )
-    _state = TensorParallelState(rank, size, dist.group.WORLD, backend)
+    small = None
+    if backend == "nccl" and all_reduce_choice()[0] == "symm_mem":
+        small = OneShotAllReduce(dist.group.WORLD, device, all_reduce_choice()[1])
+    _state = TensorParallelState(rank, size, dist.group.WORLD, backend, small)
 
 
 def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> None:

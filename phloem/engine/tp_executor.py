@@ -34,6 +34,7 @@ from phloem.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from phloem.distributed.step_codec import encode_step
+from phloem.distributed.symm_all_reduce import all_reduce_choice
 from phloem.distributed.worker_process import (
     RankProcess,
     RankSpec,
@@ -179,7 +180,8 @@ def start_tensor_parallel(
 
     Raises:
         ValueError: the model does not split over tensor_parallel_size, (CUDA) there are
-            fewer visible devices than ranks, or this is a daemon process.
+            fewer visible devices than ranks, this is a daemon process, or
+            PHLOEM_TP_ALLREDUCE(_MAX_KB) is not a valid choice.
         TensorParallelError: naming the rank, when one fails or dies while starting.
     """
     import torch
@@ -194,6 +196,7 @@ def start_tensor_parallel(
         )
     cuda = resolve_device(config.model.device).type == "cuda"
     config.parallel.validate_for_model(hf_config, torch.cuda.device_count() if cuda else None)
+    all_reduce_choice()  # a bad PHLOEM_TP_ALLREDUCE* is named before any rank starts
     backend = "nccl" if cuda else "gloo"
     env = {"PHLOEM_TP_RANKS": str(size)}
     if cuda:

@@ -40,8 +40,16 @@ def write_model(path, arch: str, num_kv_heads: int) -> None:
     synthetic_tokenizer(config.vocab_size, config.eos_token_id).save_pretrained(path)
 
 
-@pytest.mark.parametrize(("arch", "num_kv_heads"), [("llama", 2), ("qwen2", 1)])
-def test_tp2_matches_tp1_on_cuda(arch, num_kv_heads, tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "num_kv_heads", "all_reduce"),
+    [("llama", 2, "nccl"), ("qwen2", 1, "nccl"), ("llama", 2, "symm_mem")],
+)
+def test_tp2_matches_tp1_on_cuda(arch, num_kv_heads, all_reduce, tmp_path, monkeypatch):
+    """symm_mem: decode steps' all-reduces through the one-shot symmetric-memory kernel, captured
+    in the CUDA graphs (the ranks inherit PHLOEM_TP_ALLREDUCE)."""
+    from phloem.distributed.parallel_state import tp_small_all_reduce
+
+    monkeypatch.setenv("PHLOEM_TP_ALLREDUCE", all_reduce)
     write_model(tmp_path, arch, num_kv_heads)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(5 + 3 * i)]}
@@ -52,6 +60,7 @@ def test_tp2_matches_tp1_on_cuda(arch, num_kv_heads, tmp_path):
         with LLM(str(tmp_path), tensor_parallel_size=size, dtype="bfloat16", enforce_eager=eager,
                  max_num_seqs=16, num_gpu_blocks=512) as llm:  # fmt: skip
             assert llm.llm_engine.executor.worker.cuda_graphs is not eager
+            assert (tp_small_all_reduce() is not None) == (size == 2 and all_reduce == "symm_mem")
             outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[size, eager] = [o.outputs[0].token_ids for o in outs]
         del llm
