@@ -18,7 +18,6 @@ from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, TokenizerData
 
 _JSON_OBJECT = '{"type": "object"}'
-MAX_ROLLBACK_TOKENS = 16  # history a matcher keeps for `rollback` [tokens]
 
 
 def _choice_ebnf(choice) -> str:
@@ -37,7 +36,7 @@ def _error(params: StructuredOutputsParams, error: Exception) -> ValueError:
 
 
 class XGrammarMatcher(GrammarMatcher):
-    """An `xgrammar.GrammarMatcher` (rollback history `MAX_ROLLBACK_TOKENS`)."""
+    """An `xgrammar.GrammarMatcher` (its rollback history is unbounded)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -49,11 +48,10 @@ class XGrammarMatcher(GrammarMatcher):
         return bool(self.inner.accept_token(token_id))
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens > MAX_ROLLBACK_TOKENS:
-            raise ValueError(
-                f"rollback of {num_tokens} tokens exceeds the kept history of {MAX_ROLLBACK_TOKENS}"
-            )
-        self.inner.rollback(num_tokens)
+        try:
+            self.inner.rollback(num_tokens)
+        except Exception as e:  # noqa: BLE001 - the library raises RuntimeError
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {e}") from None
 
     def is_terminated(self) -> bool:
         return bool(self.inner.is_terminated())
@@ -112,9 +110,7 @@ class XGrammarBackend(GrammarBackend):
             raise _error(params, e) from None
 
     def matcher(self, compiled) -> XGrammarMatcher:
-        return XGrammarMatcher(
-            self._xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
-        )
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
         """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i], filled on the

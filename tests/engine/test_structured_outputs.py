@@ -1,0 +1,195 @@
+"""Structured outputs end to end: a batch mixing JSON schemas, a regex, a choice and
+unconstrained requests, greedy and seeded sampling, n > 1, async and synchronous scheduling,
+prefix sharing and preemption. Every constrained output parses and validates (`jsonschema`),
+matches its regex or is one of its choices, and finishes "stop"; the unconstrained outputs equal
+those of a run without constrained requests."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from phloem import LLM, SamplingParams
+from phloem.sampling_params import StructuredOutputsParams
+from tests.engine.tiny_models import VOCAB, tiny_model_dir
+
+# held-out schemas: never used while building the feature
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "user": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "active": {"type": "boolean"},
+            },
+            "required": ["name", "active"],
+        },
+    },
+    "required": ["id", "user"],
+}
+LABELS = {
+    "type": "object",
+    "properties": {
+        "labels": {
+            "type": "array",
+            "items": {"enum": ["red", "green", "blue"]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "level": {"enum": [1, 2, 3]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["labels", "level", "ok"],
+}
+NUMBERS = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": -5, "maximum": 5},
+    "maxItems": 4,
+}
+REGEX = r"[A-Z]{2}-\d{3}"
+CHOICE = ["positive", "negative", "neutral"]
+
+
+def constraint_cases() -> list[tuple[str, object, StructuredOutputsParams]]:
+    return [
+        ("json", NESTED, StructuredOutputsParams(json=NESTED)),
+        ("json", LABELS, StructuredOutputsParams(json=json.dumps(LABELS))),  # as JSON text
+        ("json", NUMBERS, StructuredOutputsParams(json=NUMBERS)),
+        ("regex", REGEX, StructuredOutputsParams(regex=REGEX)),
+        ("choice", CHOICE, StructuredOutputsParams(choice=CHOICE)),
+        ("json_object", None, StructuredOutputsParams(json_object=True)),
+    ]
+
+
+def check_output(kind: str, spec, text: str) -> None:
+    """Assert `text` satisfies the constraint."""
+    if kind == "json":
+        jsonschema.validate(json.loads(text), spec)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(spec, text), text
+    else:
+        assert text in spec, text
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_so", 5)
+
+
+def prompts(num: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(20)]  # a shared prefix
+    return [
+        system + [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(num)
+    ]
+
+
+def mixed_batch(sampled: bool):
+    """(prompts, params, cases): per constraint two requests, plus four unconstrained ones
+    (indices -4..-1). Sampled batches leave out json_object: its keys and strings have no
+    length bound, which a random-weight model sampling freely need not reach in any budget."""
+    cases = [c for c in constraint_cases() for _ in range(2)]
+    if sampled:
+        cases = [c for c in cases if c[0] != "json_object"]
+    params = [
+        SamplingParams(
+            temperature=0.8 if sampled else 0.0,
+            seed=100 + i if sampled else None,
+            max_tokens=60,
+            structured_outputs=c[2],
+        )
+        for i, c in enumerate(cases)
+    ]
+    free = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5),
+        SamplingParams(temperature=1.0, seed=11, top_p=0.9, max_tokens=6),
+    ]
+    return prompts(len(params) + len(free)), params + free, cases
+
+
+def generate(llm, batch, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    llm.llm_engine.scheduler.check_integrity()
+    assert not llm.llm_engine.has_unfinished_requests()
+    return outs
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_mixed_batch_every_output_valid(tiny_llama, async_scheduling, sampled):
+    llm = LLM(
+        str(tiny_llama), block_size=4, max_num_batched_tokens=32, async_scheduling=async_scheduling
+    )
+    batch, params, cases = mixed_batch(sampled)
+    outs = generate(llm, batch, params)
+    for (kind, spec, _), out in zip(cases, outs):
+        completion = out.outputs[0]
+        assert out.error is None
+        assert completion.finish_reason == "stop", (kind, completion.text)
+        check_output(kind, spec, completion.text)
+    free = len(cases)
+    alone = generate(llm, batch[free:], params[free:])
+    assert [o.outputs[0].token_ids for o in outs[free:]] == [o.outputs[0].token_ids for o in alone]
+    manager = llm.llm_engine.structured.manager
+    assert manager.num_compiled == len({c[2].key() for c in cases})  # once per constraint
+    assert manager.num_live == 0  # every matcher forgotten
+
+
+def test_n_samples_preemption_and_prefix_sharing(tiny_llama):
+    """n = 3 seeded samples walk their own matchers; a pool too small for the batch preempts
+    requests mid-grammar; async equals sync."""
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=3, max_tokens=60, structured_outputs={"json": NESTED}
+    )
+    common = dict(
+        block_size=4,
+        max_num_batched_tokens=32,
+        num_gpu_blocks=40,
+        memory_centric_admission=False,
+    )
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(tiny_llama), async_scheduling=async_scheduling, **common)
+        outs = generate(llm, prompts(6, seed=1), params)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+        for out in outs:
+            assert len(out.outputs) == 3
+            for c in out.outputs:
+                assert c.finish_reason == "stop"
+                check_output("json", NESTED, c.text)
+        results.append([[c.token_ids for c in o.outputs] for o in outs])
+    assert results[0] == results[1]
+    assert len({tuple(t) for o in results[0] for t in o}) > 1  # the samples differ
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field"),
+    [
+        ({"json": {"type": "unknown-type"}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"json": ["a list"]}, "structured_outputs.json"),
+        ({"regex": "(unclosed"}, "structured_outputs.regex"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": ["a", 3]}, "structured_outputs.choice"),
+        ({"grammar": "root ::= "}, "structured_outputs.grammar"),
+        ({"json_object": "yes"}, "structured_outputs.json_object"),
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+        ({"jsn": {}}, "unknown structured_outputs field"),
+    ],
+)
+def test_bad_constraint_names_the_field(embedded_llm, constraint, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        params = SamplingParams(structured_outputs=constraint)
+        embedded_llm.llm_engine.validate_params(params)
