@@ -28,9 +28,15 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
 def check_params(sampling_params: SamplingParams, vocab_size: int) -> None:
     """Raise ValueError naming the field and the limit when sampling parameters that passed
     `SamplingParams.validate()` exceed what the model can do (stop_token_ids outside the
-    vocabulary)."""
+    vocabulary), or whose structured-output constraint does not compile (an unsupported schema
+    feature, a bad regex or grammar: `phloem.structured_output.validate_constraint`, the message
+    names `structured_outputs.<field>`)."""
     bad = [t for t in sampling_params.stop_token_ids or () if t >= vocab_size]
     if bad:
         raise ValueError(
             f"stop_token_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         )
+    if sampling_params.structured_outputs is not None:
+        from phloem.structured_output import validate_constraint
+
+        validate_constraint(sampling_params.structured_outputs)

@@ -42,16 +42,11 @@ class StructuredOutputs:
 
     @staticmethod
     def check(params: SamplingParams, tensor_parallel_size: int) -> None:
-        """Raise ValueError naming the field when the request's constraint cannot run here: it
-        does not compile (`validate_constraint`), or the engine is tensor-parallel (not yet:
-        every rank would need the bitmask)."""
-        if params.structured_outputs is None:
-            return
-        if tensor_parallel_size > 1:
+        """Raise ValueError naming the field when the request's constraint cannot run on this
+        engine: not yet under tensor parallelism (every rank would need the bitmask). Whether it
+        compiles is `input_checks.check_params`'s."""
+        if params.structured_outputs is not None and tensor_parallel_size > 1:
             raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
-        from phloem.structured_output import validate_constraint
-
-        validate_constraint(params.structured_outputs)
 
     def register(self, seq_id: str, params: SamplingParams) -> None:
         """Start compiling a new sequence's constraint, if it has one (in the background)."""

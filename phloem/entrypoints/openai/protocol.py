@@ -19,7 +19,7 @@ from phloem.chat_messages import (
     CONTENT_PART_TYPES,
     content_text,
 )
-from phloem.sampling_params import SamplingParams
+from phloem.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_ERROR_MESSAGE_CHARS = 500
 
@@ -80,6 +80,33 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema` (OpenAI): the schema and its name."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (`json_schema` required)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(_Strict):
+    """vLLM's `structured_outputs` request field (`StructuredOutputsParams`' names)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
 
@@ -103,6 +130,40 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _constraint(self) -> StructuredOutputsParams | None:
+        """The request's one structured-output constraint, checked by the grammar library; a
+        400 naming the field when it is bad or when several fields set one."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                message = "response_format.json_schema is required when type is 'json_schema'"
+                raise APIError(400, message, param="response_format.json_schema")
+            given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            given.append(("structured_outputs", fields))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            message = f"set at most one structured-output field, got {names}"
+            raise APIError(400, message, param=given[1][0])
+        return _checked_constraint(*given[0])
 
     def _common_params(self) -> dict[str, Any]:
         if self.logit_bias:
@@ -120,7 +181,30 @@ class _SamplingFields(_Strict):
             value = getattr(self, name)
             if value is not None:
                 values[name] = value
+        constraint = self._constraint()
+        if constraint is not None:
+            values["structured_outputs"] = constraint
         return values
+
+
+def _checked_constraint(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
+    """`StructuredOutputsParams(**fields)` checked by the grammar library; a ValueError becomes
+    a 400 naming `param` (`structured_outputs.<field>` for vLLM's object, else the request
+    field that carried the constraint)."""
+    from phloem.structured_output import validate_constraint
+
+    try:
+        constraint = StructuredOutputsParams.from_dict(fields)
+        validate_constraint(constraint)
+    except ValueError as e:
+        message = str(e)
+        prefix = "structured_outputs."
+        if message.startswith(prefix) and param != "structured_outputs":
+            message = param + message[message.index(" ") :]
+        elif message.startswith(prefix):
+            param = message.split(" ", 1)[0]
+        raise APIError(400, message, param=param) from None
+    return constraint
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
@@ -202,10 +286,6 @@ class ChatMessage(_Strict):
         return content_text(self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -214,7 +294,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
