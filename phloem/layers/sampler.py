@@ -23,10 +23,11 @@ depends on the order an unstable sort leaves equal values in.
 
 Assumes at least one token of every row survives banning (the engine bans only EOS and stop ids).
 
-Non-finite logits: each row is flagged on the device by one read-only reduction (its float32 sum
-is NaN/inf exactly when the row holds a NaN or an inf, or when finite logits overflow float32:
-|sum| > 3.4e38, which no working model produces) and the flags are copied to the host behind the
-step's tokens (no extra sync, no [B, V] temporary); a flagged row is sampled from zeros instead
+Non-finite logits: each row is flagged on the device by its max (NaN/inf exactly when the row
+holds a NaN or +inf, max propagating NaN, or is all -inf; a -inf entry alone is a mask); on a
+plain greedy step that max is the argmax pass itself (no extra read of the logits). The flags are
+copied to the host behind the step's tokens (no extra sync, no [B, V] temporary); a flagged row is
+sampled from zeros instead
 (greedy rows: argmax is defined on NaN, so nothing is replaced), and its caller fails that row's
 request alone (`SamplerOutput.num_nonfinite`, `NON_FINITE_MESSAGE`).
 """
@@ -93,8 +94,9 @@ class SamplerOutput:
             when no row asked for logprobs (the log-softmax over the vocabulary is then skipped).
         top_logprobs: [B] for rows with params.logprobs = k: {token_id: raw log-prob} for the k
             most likely tokens plus the sampled one (k or k + 1 entries); None for other rows.
-        num_nonfinite: [B] 1 where the row of input logits holds a NaN/inf (see the module
-            docstring), else 0; a flagged row is sampled from zeros (its token is a placeholder).
+        num_nonfinite: [B] 1 where the row of input logits holds a NaN or +inf, or is all -inf
+            (see the module docstring), else 0; a flagged row is sampled from zeros (its token
+            is a placeholder). A -inf entry alone is a mask, not a fault.
     """
 
     token_ids: list[int]
@@ -269,6 +271,12 @@ def _truncate_sorted(
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+def _non_finite(row_values: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: 1 where a row's max ([B]) is NaN or infinite, i.e. where the row holds a NaN
+    or +inf (max propagates NaN) or is all -inf; -inf entries alone are masks, not faults."""
+    return row_values.isfinite().logical_not_().long()
+
+
 class Sampler:
     """Samples one token per row of a logits matrix; see the module docstring for the order.
 
@@ -308,21 +316,26 @@ class Sampler:
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
             )
-        num_nonfinite = logits.sum(dim=-1, dtype=torch.float32).isfinite().logical_not_().long()
-        if grammar is not None:
-            logits = apply_token_bitmask(logits.clone(), *grammar)
-        if all(
+        plain_greedy = all(
             r.params.temperature < _GREEDY_TEMPERATURE
             and r.params.logprobs is None
             and not r.banned_token_ids
             and not r.params.has_penalties
             for r in rows
-        ):
-            # Plain greedy step (the offline batch's usual case): argmax of the logits in their own
-            # dtype. Upcasting is exact and monotone, so the ids (first index among ties) equal
-            # argmax of the float32 copy, which costs a [B, V] float32 write and read (1 GiB each
-            # for a 2,048-row step of a 128K vocabulary).
-            # argmax of a row holding NaN is still an id: nothing to replace.
+        )
+        if plain_greedy and grammar is None:
+            # Plain greedy step (the offline batch's usual case): one pass over the logits in
+            # their own dtype gives the ids and the flags. Upcasting is exact and monotone, so the
+            # ids (first index among ties) equal argmax of a float32 copy, which would cost a
+            # [B, V] float32 write and read (1 GiB each for a 2,048-row step of a 128K vocabulary).
+            # max propagates NaN, so a row's max is non-finite when it holds a NaN or +inf (or
+            # is all -inf); its id is still an id: nothing to replace.
+            values, tokens = logits.max(dim=-1)
+            return SampledTokens.start(logits, tokens, rows, _non_finite(values))
+        num_nonfinite = _non_finite(logits.amax(dim=-1))
+        if grammar is not None:
+            logits = apply_token_bitmask(logits.clone(), *grammar)
+        if plain_greedy:
             return SampledTokens.start(logits, logits.argmax(dim=-1), rows, num_nonfinite)
         # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the
         # caller's logits stay as they were)

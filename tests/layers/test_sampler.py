@@ -417,3 +417,17 @@ def test_non_finite_rows_are_flagged_and_leave_the_others_alone(params):
         assert got.token_ids[i] == want.token_ids[i]
         assert got.logprobs[i] == want.logprobs[i]
     assert torch.isnan(logits[1, 7])  # the caller's logits are not modified
+
+
+def test_plain_greedy_picks_the_first_of_tied_maxima_and_flags_only_nan_or_inf():
+    """The plain greedy step takes ids and non-finite flags from one max pass: ties go to the
+    first index (as argmax), a row with NaN or +inf is flagged, a -inf mask entry is not."""
+    logits = torch.zeros(4, 12, dtype=torch.bfloat16)
+    logits[0, [3, 7]] = 2.0  # tie: 3
+    logits[1, 5] = float("-inf")  # a masked entry, max 0 at index 0
+    logits[2, 9] = float("nan")
+    logits[3, 4] = float("inf")
+    rows = [row(SamplingParams(temperature=0)) for _ in range(4)]
+    out = Sampler(seed=0).launch(logits, rows).result()
+    assert out.token_ids[:2] == [3, 0] == logits[:2].float().argmax(dim=-1).tolist()
+    assert out.num_nonfinite == [0, 0, 1, 1]
