@@ -193,3 +193,27 @@ def test_bad_constraint_names_the_field(embedded_llm, constraint, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         params = SamplingParams(structured_outputs=constraint)
         embedded_llm.llm_engine.validate_params(params)
+
+
+def test_embedded_model_mixed_batch(embedded_llm):
+    """The embedded model (SmolLM2-135M): three held-out schemas, a regex and a choice, greedy
+    and seeded, beside unconstrained requests whose outputs equal a run without the others."""
+    texts = ["Describe a user account as JSON.", "Classify this sentence: I love it.",
+             "List some small numbers.", "Give a code like AB-123.", "How does this sound?"]  # fmt: skip
+    cases = constraint_cases()[:5]
+    params, expected = [], []
+    for temperature, seed in ((0.0, None), (0.7, 21)):
+        for kind, spec, constraint in cases:
+            params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=80,
+                                         structured_outputs=constraint))  # fmt: skip
+            expected.append((kind, spec))
+    prompts_ = [texts[i % len(texts)] for i in range(len(params))]
+    free_prompts = ["The capital of France is", "Once upon a time"]
+    free = [SamplingParams(temperature=0.0, max_tokens=12),
+            SamplingParams(temperature=0.8, seed=5, max_tokens=12)]  # fmt: skip
+    outs = embedded_llm.generate(prompts_ + free_prompts, params + free, use_tqdm=False)
+    for (kind, spec), out in zip(expected, outs):
+        assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
+        check_output(kind, spec, out.outputs[0].text)
+    alone = embedded_llm.generate(free_prompts, free, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[-2:]] == [o.outputs[0].token_ids for o in alone]
