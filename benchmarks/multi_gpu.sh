@@ -7,7 +7,8 @@
 #   dp1             --data-parallel-size 1 (one GPU)
 #   dpN-prefix      --data-parallel-size N, the global plan's groups dealt to the replicas
 #   dpN-contiguous  --data-parallel-size N --data-parallel-routing contiguous (vLLM's slicing)
-# N = the visible GPUs (override with N=...); with N = 1 the three runs are all one engine, which
+# N = the visible GPUs / TP (override with N=...; TP=2 makes each replica a TP=2 group, so dp1 is
+# one TP group); with N = 1 the three runs are all one engine, which
 # still checks the script end to end. Prints each run's summary, then the speed-ups over dp1,
 # prefix over contiguous, the cluster-wide prompt reuse of each run and whether the outputs agree
 # (the runs' output digests), and writes every run's JSON plus summary.json under OUT_DIR.
@@ -23,14 +24,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 source benchmarks/device_setup.sh || exit 1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-N=${N:-$(nvidia-smi -L | wc -l)}
-echo "=== N=$N GPUs, batchllm $NUM_GROUPS x 16 ($((NUM_GROUPS * 16)) requests; DP=1 at ~76 req/s: ~$((NUM_GROUPS * 16 / 76)) s of generation)"
+TP=${TP:-1}  # each replica a tensor-parallel group of TP GPUs (DP x TP = the visible GPUs)
+N=${N:-$(($(nvidia-smi -L | wc -l) / TP))}
+echo "=== N=$N replicas of TP=$TP GPUs, batchllm $NUM_GROUPS x 16 ($((NUM_GROUPS * 16)) requests; DP=1 at ~76 req/s: ~$((NUM_GROUPS * 16 / 76)) s of generation)"
 run() {  # NAME DP ROUTING
     echo "=== $1 $(date +%T)"
     # shellcheck disable=SC2086
     timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model llama-3.1-8b \
         --workload batchllm --num-groups "$NUM_GROUPS" $ENGINE_ARGS --data-parallel-size "$2" \
-        --data-parallel-routing "$3" --json "$OUT/$1.json" 2>&1 | grep -v -i warn | tail -24
+        --data-parallel-routing "$3" --tensor-parallel-size "$TP" --json "$OUT/$1.json" 2>&1 \
+        | grep -v -i warn | tail -24
 }
 run dp1 1 prefix
 run "dp$N-prefix" "$N" prefix
