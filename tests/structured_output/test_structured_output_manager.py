@@ -1,0 +1,176 @@
+"""The structured-output manager over a fake backend (compile cache, matchers per sequence,
+bitmask rows, failures), the xgrammar backend's matcher (rollback, termination), and the
+sampler's bitmask against a plain reference."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from phloem.layers.sampler import Sampler, SamplingRow, apply_token_bitmask
+from phloem.sampling_params import SamplingParams, StructuredOutputsParams
+from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_width
+from phloem.structured_output.manager import NO_TOKEN_MESSAGE, StructuredOutputManager
+
+VOCAB = 70  # not a multiple of 32: the last word is partial
+
+
+class CountingMatcher(GrammarMatcher):
+    """Allows exactly the tokens of its grammar, in order, then terminates on token 0."""
+
+    def __init__(self, sequence: list[int]) -> None:
+        self.sequence, self.pos = sequence + [0], 0
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+        if self.pos < len(self.sequence):
+            t = self.sequence[self.pos]
+            bitmask[row, t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+    def accept_token(self, token_id):
+        if self.pos >= len(self.sequence) or token_id != self.sequence[self.pos]:
+            return False
+        self.pos += 1
+        return True
+
+    def rollback(self, num_tokens):
+        self.pos -= num_tokens
+
+    def is_terminated(self):
+        return self.pos == len(self.sequence)
+
+
+class FakeBackend(GrammarBackend):
+    """Grammar = the regex field read as comma-separated token ids ("" = nothing allowed)."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self.lock = threading.Lock()
+
+    def validate(self, params):
+        pass
+
+    def compile(self, params):
+        with self.lock:
+            self.compiled.append(params.regex)
+        if params.regex == "fail":
+            raise ValueError("structured_outputs.regex does not compile")
+        return [int(t) for t in params.regex.split(",")] if params.regex != "none" else []
+
+    def matcher(self, compiled):
+        return CountingMatcher(list(compiled)) if compiled else EmptyMatcher([])
+
+
+class EmptyMatcher(CountingMatcher):
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+
+
+def allowed(row: np.ndarray) -> list[int]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB]
+    return np.flatnonzero(bits).tolist()
+
+
+def test_one_compilation_per_constraint_and_own_matchers():
+    backend = FakeBackend()
+    manager = StructuredOutputManager(backend, VOCAB)
+    for i in range(5):  # one schema for the whole batch; n > 1 siblings are sequences too
+        manager.register(f"r{i}", StructuredOutputsParams(regex="5,66,7"))
+    manager.register("other", StructuredOutputsParams(regex="9"))
+    grammar, failed = manager.bitmask(["r0", "r1", "gone", "other"])
+    assert failed == {} and backend.compiled.count("5,66,7") == 1 and manager.num_compiled == 2
+    assert grammar.seq_ids == ["r0", "r1", "gone", "other"]
+    assert grammar.bitmask.shape == (4, bitmask_width(VOCAB)) == (4, 3)
+    assert allowed(grammar.bitmask[0]) == [5] == allowed(grammar.bitmask[1])
+    assert allowed(grammar.bitmask[2]) == list(range(VOCAB))  # unknown: unconstrained
+    assert allowed(grammar.bitmask[3]) == [9]
+    assert manager.accept("r0", 5) is False and manager.accept("r0", 66) is False
+    assert allowed(manager.bitmask(["r0", "r1"])[0].bitmask[0]) == [7]  # r1 did not move
+    assert manager.accept("r0", 3) is None  # rejected
+    manager.rollback("r0", 1)
+    assert allowed(manager.bitmask(["r0"])[0].bitmask[0]) == [66]
+    assert manager.accept("r0", 66) is False and manager.accept("r0", 7) is False
+    assert manager.accept("r0", 0) is True  # the stop token: complete
+    manager.forget("r0")
+    assert not manager.is_constrained("r0") and manager.num_live == 5
+    manager.shutdown()
+
+
+def test_failures_are_per_sequence():
+    manager = StructuredOutputManager(FakeBackend(), VOCAB)
+    manager.register("bad", StructuredOutputsParams(regex="fail"))
+    manager.register("empty", StructuredOutputsParams(regex="none"))
+    manager.register("ok", StructuredOutputsParams(regex="3"))
+    grammar, failed = manager.bitmask(["bad", "empty", "ok"])
+    assert "does not compile" in failed["bad"] and failed["empty"] == NO_TOKEN_MESSAGE
+    assert allowed(grammar.bitmask[0]) == allowed(grammar.bitmask[1]) == list(range(VOCAB))
+    assert allowed(grammar.bitmask[2]) == [3]
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_token_bitmask_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, VOCAB, generator=gen).to(dtype)
+    keep = torch.rand(3, VOCAB, generator=gen) < 0.3
+    bitmask = np.zeros((3, bitmask_width(VOCAB)), dtype=np.int32)
+    for r in range(3):
+        for t in keep[r].nonzero().flatten().tolist():
+            bitmask[r, t // 32] |= np.uint32(1 << (t % 32)).view(np.int32)
+    rows = torch.tensor([4, 0, 2])
+    out = apply_token_bitmask(logits.clone(), torch.from_numpy(bitmask), rows)
+    expected = logits.clone()
+    for r, row in enumerate(rows.tolist()):
+        expected[row] = logits[row].masked_fill(~keep[r], float("-inf"))
+    assert torch.equal(out, expected)
+
+
+def test_sampler_samples_only_allowed_tokens_and_flags_no_row():
+    logits = torch.randn(4, VOCAB)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [1], [], None),
+        SamplingRow(SamplingParams(temperature=1.0), [1], [], torch.Generator().manual_seed(1)),
+        SamplingRow(SamplingParams(temperature=0.0), [1], [], None),
+        SamplingRow(SamplingParams(temperature=1.0, top_k=3), [1], [], None),
+    ]
+    bitmask = np.zeros((3, bitmask_width(VOCAB)), dtype=np.int32)
+    bitmask[0, 2] = 1 << 1  # token 65
+    bitmask[1, 0] = (1 << 3) | (1 << 9)  # tokens 3, 9
+    bitmask[2, 1] = 1 << 0  # token 32
+    grammar = (torch.from_numpy(bitmask), torch.tensor([0, 1, 3]))
+    out = Sampler(seed=0).launch(logits, rows, grammar).result()
+    assert out.token_ids[0] == 65 and out.token_ids[1] in (3, 9) and out.token_ids[3] == 32
+    assert out.token_ids[2] == int(logits[2].argmax())  # unconstrained row untouched
+    assert out.num_nonfinite == [0, 0, 0, 0]  # -inf from the mask is not a model fault
+    assert out.logprobs[0] == pytest.approx(0.0)  # the only allowed token
+
+
+def test_xgrammar_backend_walk_rollback_and_termination(embedded_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
+    vocab = len(tok)
+    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id))
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(choice=["yes", "no"])))
+    ids = tok.encode("yes", add_special_tokens=False)
+    bitmask = np.zeros((1, bitmask_width(vocab)), dtype=np.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
+    assert bits[ids[0]] and not bits[tok.eos_token_id]  # EOS only where the grammar accepts
+    for t in ids:
+        assert matcher.accept_token(t)
+    assert not matcher.accept_token(ids[0])  # nothing but the stop token after "yes"
+    matcher.rollback(len(ids))
+    assert matcher.accept_token(tok.encode("no", add_special_tokens=False)[0])
+    matcher.rollback(1)
+    for t in ids:
+        matcher.accept_token(t)
+    assert not matcher.is_terminated() and matcher.accept_token(tok.eos_token_id)
+    assert matcher.is_terminated()
