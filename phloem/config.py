@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("NHD", "HND")
+QUANTIZATIONS = ("fp8",)  # `ModelConfig.quantization` (None: the checkpoint's own)
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -50,6 +51,10 @@ class ModelConfig:
             takes $PHLOEM_CACHE_DIR, else $XDG_CACHE_HOME/phloem or ~/.cache/phloem.
         checkpoint_cache: load a GGUF model from its converted HF directory in the cache
             (written on first use); False parses the GGUF file at every start.
+        quantization: None (as the checkpoint is: dense, or an FP8 checkpoint's own format) or
+            "fp8": FP8 e4m3 W8A8 linear layers (a dense checkpoint is quantized at load with
+            per-output-channel weight scales; activations per token, in the step; LM head,
+            embeddings and norms stay in `dtype`). On CUDA it needs compute capability >= 8.9.
     """
 
     model: str | None = None
@@ -61,9 +66,12 @@ class ModelConfig:
     attention_backend: str = "auto"
     cache_dir: str | None = None
     checkpoint_cache: bool = True
+    quantization: str | None = None
 
     def validate(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("device", self.device, DEVICES)

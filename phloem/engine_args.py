@@ -23,6 +23,7 @@ from phloem.config import (
     KV_CACHE_DTYPES,
     KV_LAYOUTS,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -143,6 +144,13 @@ class EngineArgs:
         "while running requests stream, prompt chunks get at most this many tokens a step "
         "after the decodes (steady inter-token latency; default: no cap)",
         type=int,
+    )
+    quantization: str | None = _arg(
+        ModelConfig.quantization,
+        "fp8: FP8 e4m3 weights and activations in the linear layers (W8A8; a bf16/fp16 "
+        "checkpoint is quantized at load; default: as the checkpoint is)",
+        type=str,
+        choices=QUANTIZATIONS,
     )
     kv_cache_dtype: str = _arg(
         CacheConfig.kv_cache_dtype,
@@ -287,6 +295,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 cache_dir=self.cache_dir,
                 checkpoint_cache=self.checkpoint_cache,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

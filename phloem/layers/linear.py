@@ -15,6 +15,13 @@ same loader, so every TP size holds shards of the same model.
 
 Weights are [out_features, in_features] like `nn.Linear`; parameters are created uninitialized
 (`torch.empty`) because loading (or the dummy init in `phloem.models.loader`) overwrites them.
+
+Quantization plugs in through one declared seam: every layer computes through its
+`quant_method` (`phloem.layers.quantization.base.LinearMethod`; dense by default), and
+`set_quant_method` hands a layer to another method before its weights load. The method's
+parameters (an FP8 weight, its scales) load through the same loaders, so they fuse and shard
+like the dense weight: a per-output-channel scale [out] is sharded like a bias (sliced by
+column-parallel layers, whole in row-parallel ones).
 """
 
 from __future__ import annotations
@@ -22,11 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phloem.distributed.communication import tp_all_reduce
 from phloem.distributed.parallel_state import tp_rank, tp_size
+from phloem.layers.quantization.base import LinearMethod, UnquantizedLinearMethod
 
 WeightShardId = str | int | None
 CheckpointParts = list[tuple[WeightShardId, tuple[int, ...]]]
@@ -124,7 +131,16 @@ def default_checkpoint_parts(param: nn.Parameter) -> CheckpointParts:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W [output_size, input_size] (this rank's shard), uninitialized."""
+    """y = x W^T + b with W [output_size, input_size] (this rank's shard), uninitialized.
+
+    Attributes:
+        input_is_sharded: True when the input features are split over the TP ranks (the
+            row-parallel layers): a weight's per-output-channel statistics then span ranks.
+        quant_method: how the weight is stored and multiplied (`UnquantizedLinearMethod`
+            unless `set_quant_method` was called).
+    """
+
+    input_is_sharded = False
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype | None
@@ -144,10 +160,31 @@ class LinearBase(nn.Module):
             if param is not None:
                 param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
                 param.checkpoint_parts = self.checkpoint_parts  # type: ignore[attr-defined]
+        self.quant_method: LinearMethod = UnquantizedLinearMethod()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., input_size] -> [..., output_size], in the parameter dtype."""
-        return F.linear(x, self.weight, self.bias)
+        """x [..., input_size] -> [..., output_size], in x's dtype."""
+        return self.quant_method.apply(self, x, self.bias)
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Compute through `method` from now on; it replaces the weight parameters with its own
+        (`LinearMethod.create_weights`). Call before the weights load. Mutates the layer."""
+        self.quant_method = method
+        method.create_weights(self)
+
+    def set_parameter(self, name: str, data: torch.Tensor, weight_loader: Any = None) -> None:
+        """Register (or replace) parameter `name` holding `data` (no grad), loaded by
+        `weight_loader` (default: the layer's own, which fuses and shards along dim 0 like the
+        weight's rows) and described by the layer's `checkpoint_parts`."""
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = weight_loader or self.weight_loader  # type: ignore[attr-defined]
+        param.checkpoint_parts = self.checkpoint_parts  # type: ignore[attr-defined]
+        setattr(self, name, param)
+
+    def part_shapes(self) -> CheckpointParts:
+        """The checkpoint tensors (shard id, full unsharded shape) the weight is made of, in
+        order: [(None, (out, in))] for an unfused layer, one per part for a fused one."""
+        return self.checkpoint_parts(self.weight)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Loaded, shard_id: WeightShardId = None
@@ -198,6 +235,8 @@ class RowParallelLinear(LinearBase):
     """Input features split over TP ranks; the partial outputs are summed over the ranks (one
     all-reduce) before the bias, which is replicated, is added once."""
 
+    input_is_sharded = True
+
     def __init__(
         self,
         input_size: int,
@@ -211,8 +250,8 @@ class RowParallelLinear(LinearBase):
         """x [..., input_size / tp] (this rank's slice) -> [..., output_size], summed over the
         ranks (in place, one all-reduce; none at tp_size 1)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return self.quant_method.apply(self, x, self.bias)
+        out = tp_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
 
     def weight_loader(

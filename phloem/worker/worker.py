@@ -99,7 +99,12 @@ class Worker:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
         self.model = load_model(
-            source, hf_config, self.dtype, self.device, load_format=model_config.load_format
+            source,
+            hf_config,
+            self.dtype,
+            self.device,
+            load_format=model_config.load_format,
+            quantization=model_config.quantization,
         )
         self.compiled_layers = 0
         if self.device.type == "cuda":

@@ -1,0 +1,90 @@
+"""The seam between linear layers and quantization: a `LinearMethod` owns a layer's weight
+parameters and its matmul; a `QuantizationConfig` says which method each linear layer gets.
+
+Life of a quantized linear layer (vLLM's `LinearMethodBase` life cycle):
+    1. the model builds the layer (dense, in the model dtype);
+    2. `LinearBase.set_quant_method(method)` (from `phloem.models.loader`, before any weight is
+       read): the method replaces the layer's parameters with the ones the checkpoint holds
+       (`create_weights`), each with a `weight_loader` that fuses and shards like the layer's own;
+    3. the checkpoint (or dummy weights) fills them through those loaders;
+    4. `process_weights_after_loading(layer)`: the method turns them into what its GEMM reads
+       (e.g. quantizes model-dtype weights to FP8, or converts checkpoint scales);
+    5. every forward calls `apply(layer, x, bias)`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from phloem.layers.linear import LinearBase
+
+
+class LinearMethod(ABC):
+    """How one linear layer stores its weight and computes y = x W^T + b."""
+
+    @abstractmethod
+    def create_weights(self, layer: LinearBase) -> None:
+        """Replace `layer`'s parameters (registered on it) with the ones the checkpoint fills,
+        each carrying `weight_loader` and `checkpoint_parts`. Mutates `layer`."""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Turn the loaded parameters into what `apply` reads (mutates `layer`).
+
+        Raises:
+            ValueError: naming the layer, for loaded values the method cannot use.
+        """
+
+    @abstractmethod
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size] in x's dtype (this rank's part: a
+        row-parallel layer's caller sums it over the ranks)."""
+
+    def weight_bytes(self, layer: LinearBase) -> int:
+        """Bytes this layer's weight and its scales occupy [bytes]."""
+        return sum(p.numel() * p.element_size() for n, p in layer.named_parameters()
+                   if n != "bias")  # fmt: skip
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The dense layer: W in the model dtype, `F.linear`."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        """Nothing to do: `LinearBase` builds the dense weight itself."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Nothing to do."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """The quantization of a model: its name and each linear layer's method."""
+
+    name: str
+
+    @abstractmethod
+    def get_method(self, module_name: str, hf_names: list[str]) -> LinearMethod | None:
+        """The method of the linear layer `module_name` (phloem's name, e.g.
+        "model.layers.0.self_attn.qkv_proj"), whose checkpoint modules are `hf_names` (e.g. the
+        q_proj, k_proj and v_proj it fuses); None leaves it dense.
+
+        Raises:
+            ValueError: naming the layer, when its fused parts are quantized differently.
+        """
+
+    @abstractmethod
+    def check_device(self, capability: tuple[int, int] | None) -> None:
+        """Raise ValueError naming the requirement when a CUDA device of compute
+        `capability` (None: not CUDA) cannot run this quantization."""
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Whether the checkpoint tensor `name` is read by nothing (e.g. static activation
+        scales of a scheme that quantizes activations dynamically). Default: none is skipped."""
+        return False

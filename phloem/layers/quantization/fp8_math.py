@@ -1,0 +1,143 @@
+"""FP8 (e4m3) quantization arithmetic and the two GEMMs that use it, as plain functions.
+
+Symmetric scaling, as in vLLM's and llm-compressor's FP8 W8A8 (Micikevicius et al., "FP8
+Formats for Deep Learning", arXiv 2209.05433, §3: e4m3 for weights and activations): a tensor x
+with scale s is stored as q = clamp(x / s, -448, 448) cast to float8_e4m3fn (round to nearest
+even), and read back as q * s. Weights get one fp32 scale per output channel (row), activations
+one per token (row of the [T, K] input), computed in the step from the token's max |x|.
+
+`fp8_linear_reference` is the CPU path and the oracle: it quantizes the activations exactly as
+the GPU path does, dequantizes both operands to fp32, multiplies in fp32 and casts to the output
+dtype. `fp8_linear_scaled_mm` is the CUDA path (`torch._scaled_mm`, row-wise scales: cuBLASLt /
+CUTLASS FP8 tensor-core GEMM, fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# A row whose max |x| is 0 gets this scale (its values quantize to 0 either way).
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# torch._scaled_mm on CUDA needs K and N to be multiples of this (cuBLASLt alignment).
+SCALED_MM_ALIGNMENT = 16
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (any float dtype) / scale (broadcast), clamped to +-448, as float8_e4m3fn."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, 1] scales of the rows of a 2-D tensor: max |x| over the row / 448."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    return (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization of activations x [T, K] -> (fp8 [T, K], fp32 [T, 1])."""
+    scale = row_scales(x)
+    return quantize(x, scale), scale
+
+
+def quantize_per_channel(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel quantization of a weight w [N, K] -> (fp8 [N, K], fp32 [N]).
+
+    Args:
+        amax: optional fp32 [N] row maxima to use instead of w's own (a row-parallel shard
+            passes the max over every rank's columns, so its scales are the whole row's).
+    """
+    if amax is None:
+        scale = row_scales(w)
+    else:
+        scale = (amax.float() / FP8_MAX).clamp(min=MIN_SCALE).unsqueeze(1)
+    return quantize(w, scale), scale.squeeze(1)
+
+
+def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size):
+    """Block scales [ceil(N/bn), ceil(K/bk)] -> one scale per element, fp32 [N, K]."""
+    rows = scale.float().repeat_interleave(block[0], dim=0)[: shape[0]]
+    return rows.repeat_interleave(block[1], dim=1)[:, : shape[1]]
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_k: int | None):
+    """fp8 weight [N, K] -> fp32 [N, K]. `scale` is fp32 [N] (per channel) or, with `block_k`,
+    fp32 [N, ceil(K / block_k)] (one scale per row and block of block_k columns)."""
+    if block_k is None:
+        return weight.float() * scale.unsqueeze(1)
+    per_column = scale.repeat_interleave(block_k, dim=1)[:, : weight.shape[1]]
+    return weight.float() * per_column
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """y = dequant(quant(x)) @ dequant(W)^T + b in fp32, cast to x.dtype (the CPU path).
+
+    Args:
+        x: [..., K] activations (model dtype); weight: fp8 [N, K];
+        weight_scale: fp32 [N], or [N, ceil(K / block_k)] with `block_k`;
+        input_scale: None (dynamic per-token scales) or fp32 scalar (a static scale);
+        bias: [N] or None.
+    Returns:
+        [..., N] in x.dtype.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if input_scale is None:
+        x_q, x_scale = quantize_per_token(x2)
+    else:
+        x_scale = input_scale.float().reshape(1, 1)
+        x_q = quantize(x2, x_scale)
+    out = (x_q.float() * x_scale) @ dequantize_weight(weight, weight_scale, block_k).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm_supported(weight: torch.Tensor) -> bool:
+    """Whether `fp8_linear_scaled_mm` can run this [N, K] weight: on CUDA, N and K multiples of
+    `SCALED_MM_ALIGNMENT`."""
+    n, k = weight.shape
+    return weight.is_cuda and n % SCALED_MM_ALIGNMENT == 0 and k % SCALED_MM_ALIGNMENT == 0
+
+
+def fp8_linear_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same product through `torch._scaled_mm` with row-wise scales (CUDA path; also runs on
+    the CPU, which tests use to check the call's contract).
+
+    A = quant(x) [M, K] fp8 row-major with scale_a fp32 [M, 1]; B = W^T: the transpose of the
+    contiguous [N, K] weight, so column-major [K, N], with scale_b fp32 [1, N]; fp32
+    accumulation; out in bfloat16 (the row-wise kernels' output type), cast to x.dtype.
+
+    Args: as `fp8_linear_reference` (per-channel weight scales only).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if input_scale is None:
+        x_q, x_scale = quantize_per_token(x2)
+    else:  # the row-wise kernel wants one scale per row: broadcast the static one
+        x_scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+        x_q = quantize(x2, x_scale)
+    out = torch._scaled_mm(
+        x_q,
+        weight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale.reshape(1, -1),
+        out_dtype=torch.bfloat16,
+    )
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
