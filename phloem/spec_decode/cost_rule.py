@@ -1,0 +1,269 @@
+"""The cost rule of speculative decoding: how many drafts each request verifies this step (0 =
+off), chosen to maximize the step's expected output tokens per second. Pure Python.
+
+Step time (the model of docs/DESIGN.md "Steady inter-token latency", `benchmarks/itl_sim.py`),
+plus what drafts cost beyond their tokens:
+
+    t = t_host + max(t_weights, c_token x T) + c_kv x K + c_draft x D + t_verify x [D > 0]
+
+T = tokens the step computes (scheduled tokens plus D drafts), K = KV tokens read, D = drafts.
+Below the knee (c_token x T < t_weights: the step is bound by reading the weights) a draft costs
+only c_draft; past it, a full token of compute too.
+
+Expected tokens (Leviathan et al. 2023, arXiv 2211.17192, §3.1, with an i.i.d. per-token
+acceptance rate a): a request verifying k drafts emits 1 + a + a^2 + ... + a^k tokens, so its
+(j+1)-th draft adds a^(j+1). The rule hands out drafts one at a time to the request whose next
+draft adds the most, while the ratio (sampled sequences + sum of those gains) / (t - t_prefill)
+grows, where t_prefill = t(T) - t(sampled sequences) is what the step's prompt chunks add to it
+without drafts: their time is spent anyway, and charging it to the drafts would make any draft
+look cheap beside a long chunk. Gains fall and, after the first draft (which also pays
+t_verify), time increments do not fall, so the ratio rises then falls along that order: stopping
+at its first fall finds its best prefix.
+
+Acceptance rates are exponential moving averages per request and per proposer (one
+`AcceptanceTracker` per proposer), a request's estimate leaning on the proposer's global rate
+until it has trials of its own. A request held at k = 0 is probed again after `probe_after`
+steps at the prior rate, so a rate that fell once can recover.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """t(T, K, D) [s]; see the module docstring.
+
+    Attributes:
+        t_host_s: host time per step [s].
+        t_weights_s: reading the weights once [s].
+        c_token_s: compute per token [s / token].
+        c_kv_s: reading one token's KV (all layers) [s / token].
+        c_draft_s: proposing and verifying one draft on top of its token [s / token].
+        t_verify_s: fixed cost of a step that verifies any drafts (the rejection sampler) [s].
+    """
+
+    t_host_s: float
+    t_weights_s: float
+    c_token_s: float
+    c_kv_s: float
+    c_draft_s: float = 2e-6
+    t_verify_s: float = 1e-4
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first negative field."""
+        for name, value in asdict(self).items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+    def step_time_s(self, num_tokens: int, num_kv_tokens: int, num_drafts: int = 0) -> float:
+        """The step's time [s]: `num_tokens` computed (drafts included), `num_kv_tokens` read."""
+        compute = max(self.t_weights_s, self.c_token_s * num_tokens)
+        verify = self.c_draft_s * num_drafts + (self.t_verify_s if num_drafts else 0.0)
+        return self.t_host_s + compute + self.c_kv_s * num_kv_tokens + verify
+
+
+# Llama-3.1-8B, bf16, one H100 (benchmarks/itl_sim.py): 16.06 GB of weights at 85 % of 3.35 TB/s,
+# 2 x 8.03e9 FLOP per token at 60 % of 989 TFLOP/s, 128 KiB of KV per token at 85 % of 3.35 TB/s.
+LLAMA_8B_H100 = StepTimeModel(
+    t_host_s=1.0e-3,
+    t_weights_s=16.06e9 / (0.85 * 3.35e12),
+    c_token_s=2 * 8.03e9 / (0.60 * 989e12),
+    c_kv_s=131072 / (0.85 * 3.35e12),
+)
+
+
+@dataclass(frozen=True)
+class CostRuleConfig:
+    """Settings of the cost rule.
+
+    Attributes:
+        max_draft_tokens: the most drafts one request verifies per step (the user's
+            `num_speculative_tokens`) [tokens], >= 1.
+        min_gain: speculate only where the expected tokens per second beat no drafts by this
+            factor (a margin for the model's error), >= 1.
+    """
+
+    max_draft_tokens: int = 5
+    min_gain: float = 1.02
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field out of range."""
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be >= 1, got {self.min_gain}")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCandidate:
+    """One sampled sequence of the step that could verify drafts.
+
+    Attributes:
+        acceptance_rate: its estimated per-draft acceptance rate, in [0, 1].
+        max_draft_tokens: drafts available (proposed already, or a draft model's budget)
+            [tokens].
+    """
+
+    acceptance_rate: float
+    max_draft_tokens: int
+
+
+def expected_tokens(acceptance_rate: float, num_drafts: int) -> float:
+    """Tokens one verify of `num_drafts` drafts emits on average: sum of a^j, j = 0..k
+    (Leviathan et al. 2023 §3.1, i.i.d. acceptance)."""
+    return sum(acceptance_rate**j for j in range(num_drafts + 1))
+
+
+def choose_num_drafts(
+    candidates: Sequence[DraftCandidate],
+    num_sampled: int,
+    num_scheduled_tokens: int,
+    num_kv_tokens: int,
+    model: StepTimeModel,
+    config: CostRuleConfig,
+) -> list[int]:
+    """Drafts per candidate (0 = no speculation), maximizing expected tokens per second.
+
+    Args:
+        candidates: the step's sampled sequences that have drafts to offer, in any order.
+        num_sampled: sequences the step samples (candidates or not; each emits one token
+            without drafts) [sequences], >= len(candidates).
+        num_scheduled_tokens: tokens the step computes without drafts (decode tokens and
+            prompt chunks) [tokens].
+        num_kv_tokens: KV tokens the step reads without drafts [tokens].
+        model, config: the step time model and the rule's settings.
+
+    Returns one k per candidate, 0 <= k <= min(its max_draft_tokens, config.max_draft_tokens);
+    all 0 unless the best choice beats no drafts by `config.min_gain`. Raises ValueError on an
+    acceptance rate outside [0, 1] or num_sampled < len(candidates).
+    """
+    if num_sampled < len(candidates):
+        raise ValueError(f"num_sampled must be >= len(candidates) = {len(candidates)}")
+    for c in candidates:
+        if not 0.0 <= c.acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must lie in [0, 1], got {c.acceptance_rate}")
+    caps = [min(c.max_draft_tokens, config.max_draft_tokens) for c in candidates]
+    drafts = [0] * len(candidates)
+    order: list[int] = []  # the candidate of each draft handed out, in order
+    tokens = float(num_sampled)
+    # the prompt chunks' own share of the step is charged to them, not to the drafts
+    prefill_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
+    prefill_s -= model.step_time_s(min(num_sampled, num_scheduled_tokens), num_kv_tokens)
+    base_rate = tokens / (model.step_time_s(num_scheduled_tokens, num_kv_tokens) - prefill_s)
+    best_rate, best_num_drafts, previous = base_rate, 0, base_rate
+    heap = [(-c.acceptance_rate, i) for i, c in enumerate(candidates) if caps[i] > 0]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        tokens -= neg_gain
+        drafts[i] += 1
+        order.append(i)
+        num_drafts = len(order)
+        step_s = model.step_time_s(
+            num_scheduled_tokens + num_drafts, num_kv_tokens + num_drafts, num_drafts
+        )
+        rate = tokens / (step_s - prefill_s)
+        if rate > best_rate:
+            best_rate, best_num_drafts = rate, num_drafts
+        if num_drafts > 1 and rate < previous:
+            break  # past the first draft the ratio only falls from here (module docstring)
+        previous = rate
+        if drafts[i] < caps[i]:
+            heapq.heappush(heap, (neg_gain * candidates[i].acceptance_rate, i))
+    chosen = [0] * len(candidates)
+    if best_rate >= config.min_gain * base_rate:
+        for i in order[:best_num_drafts]:
+            chosen[i] += 1
+    return chosen
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    """Settings of the acceptance estimates.
+
+    Attributes:
+        ema_weight: weight of each new draft trial in the moving averages, in (0, 1].
+        prior: the rate assumed before any trial, in [0, 1].
+        prior_trials: how many trials of its own a request needs before its estimate leans
+            equally on its own rate and the proposer's global one [trials], >= 0.
+        probe_after: steps at k = 0 after which a request's estimate is raised to the prior
+            once, so it is tried again [steps], >= 1.
+    """
+
+    ema_weight: float = 0.1
+    prior: float = 0.5
+    prior_trials: float = 4.0
+    probe_after: int = 32
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field out of range."""
+        if not 0.0 < self.ema_weight <= 1.0:
+            raise ValueError(f"ema_weight must lie in (0, 1], got {self.ema_weight}")
+        if not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"prior must lie in [0, 1], got {self.prior}")
+        if self.prior_trials < 0:
+            raise ValueError(f"prior_trials must be >= 0, got {self.prior_trials}")
+        if self.probe_after < 1:
+            raise ValueError(f"probe_after must be >= 1, got {self.probe_after}")
+
+
+@dataclass
+class _RequestRate:
+    rate: float
+    num_trials: int = 0
+    steps_off: int = 0
+
+
+class AcceptanceTracker:
+    """Per-draft acceptance rates of one proposer: one EMA per request and one global.
+
+    A verify of k drafts with a accepted is a + [a < k] Bernoulli trials: a successes, then the
+    rejection (none when all k were accepted; the bonus token is not a trial).
+    """
+
+    def __init__(self, config: AcceptanceConfig | None = None) -> None:
+        self.config = config or AcceptanceConfig()
+        self.config.validate()
+        self.global_rate = self.config.prior
+        self._requests: dict[str, _RequestRate] = {}
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Record one verify; raises ValueError unless 0 <= num_accepted <= num_drafts."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(f"num_accepted must lie in [0, num_drafts = {num_drafts}]")
+        state = self._state(request_id)
+        state.steps_off = 0
+        outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_drafts else [])
+        w = self.config.ema_weight
+        for x in outcomes:
+            state.rate += w * (x - state.rate)
+            self.global_rate += w * (x - self.global_rate)
+        state.num_trials += len(outcomes)
+
+    def skipped(self, request_id: str) -> None:
+        """The request had drafts to offer but verified none this step (k = 0)."""
+        self._state(request_id).steps_off += 1
+
+    def rate(self, request_id: str) -> float:
+        """The request's estimate: its EMA and the global one weighted by its trials against
+        `prior_trials`; at least the prior once it has been off for `probe_after` steps."""
+        state = self._state(request_id)
+        n, n0 = state.num_trials, self.config.prior_trials
+        estimate = (n * state.rate + n0 * self.global_rate) / (n + n0) if n + n0 else state.rate
+        if state.steps_off >= self.config.probe_after:
+            return max(estimate, self.config.prior)
+        return estimate
+
+    def finish(self, request_id: str) -> None:
+        """Forget the request (its trials stay in the global rate)."""
+        self._requests.pop(request_id, None)
+
+    def _state(self, request_id: str) -> _RequestRate:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestRate(self.global_rate)
+        return state

@@ -1,0 +1,154 @@
+"""The speculation cost rule: on at batch 1 with a good acceptance rate, off at large
+compute-bound batches and at low acceptance, k growing with acceptance, the greedy choice equal
+to exhaustive search; acceptance-rate tracking (EMA, global prior, probes)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from phloem.spec_decode.cost_rule import (
+    LLAMA_8B_H100,
+    AcceptanceConfig,
+    AcceptanceTracker,
+    CostRuleConfig,
+    DraftCandidate,
+    StepTimeModel,
+    choose_num_drafts,
+    expected_tokens,
+)
+
+CONTEXT = 600  # KV tokens per sequence
+
+
+def _decode_step(rates, k_available=8, config=None, context=CONTEXT):
+    """k per sequence for a pure decode step of len(rates) sequences of `context` tokens."""
+    candidates = [DraftCandidate(a, k_available) for a in rates]
+    n = len(rates)
+    return choose_num_drafts(
+        candidates, n, n, n * context, LLAMA_8B_H100, config or CostRuleConfig(max_draft_tokens=8)
+    )
+
+
+def test_on_at_batch_one_with_good_acceptance() -> None:
+    assert _decode_step([0.8]) == [8]
+    assert _decode_step([0.8], k_available=3) == [3]  # never more than were proposed
+
+
+def test_off_at_low_acceptance_even_at_batch_one() -> None:
+    assert _decode_step([0.01]) == [0]
+
+
+def test_off_at_large_compute_bound_batches() -> None:
+    # 1,024 short sequences: the step's time is its tokens' compute, a draft costs a full token
+    assert _decode_step([0.6] * 1024, context=128) == [0] * 1024
+    assert _decode_step([0.0] * 1600) == [0] * 1600  # batchllm-like: drafts never accepted
+    # the same acceptance pays at a small batch
+    assert all(k > 0 for k in _decode_step([0.6] * 8, context=128))
+    # and at a large batch of long contexts, where reading the KV dominates the step (each
+    # draft reads the KV its sequence reads anyway)
+    assert sum(_decode_step([0.6] * 1024, context=2048)) > 0
+
+
+def test_k_grows_with_acceptance() -> None:
+    for batch in (1, 64, 192):
+        totals = [sum(_decode_step([a] * batch)) for a in (0.2, 0.4, 0.6, 0.8, 0.95)]
+        assert totals == sorted(totals), (batch, totals)
+    mixed = _decode_step([0.3, 0.9, 0.6] * 64)
+    assert mixed[1] >= mixed[2] >= mixed[0]
+
+
+def test_prefill_tokens_in_the_step_make_drafts_cost_compute() -> None:
+    """Beside a long prompt chunk the step is compute-bound: each draft costs a full token, so a
+    low acceptance rate that pays in a decode-only step does not pay there."""
+    candidates = [DraftCandidate(0.15, 8)] * 64
+    quiet = choose_num_drafts(candidates, 64, 64, 64 * CONTEXT, LLAMA_8B_H100, CostRuleConfig(8))
+    busy = choose_num_drafts(  # a 4,000-token prompt chunk shares the step
+        candidates, 65, 4064, 64 * CONTEXT, LLAMA_8B_H100, CostRuleConfig(8)
+    )
+    assert sum(quiet) > 0 and sum(busy) == 0
+    # a high acceptance rate still pays beside the chunk
+    good = [DraftCandidate(0.9, 8)] * 4
+    assert sum(choose_num_drafts(good, 5, 4004, 4 * CONTEXT, LLAMA_8B_H100, CostRuleConfig(8))) > 0
+
+
+def _rate(candidates, ks, num_sampled, tokens, kv, model):
+    emitted = num_sampled - len(candidates)
+    emitted += sum(expected_tokens(c.acceptance_rate, k) for c, k in zip(candidates, ks))
+    d = sum(ks)
+    prefill = model.step_time_s(tokens, kv) - model.step_time_s(min(num_sampled, tokens), kv)
+    return emitted / (model.step_time_s(tokens + d, kv + d, d) - prefill)
+
+
+def test_greedy_choice_equals_exhaustive_search() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        model = StepTimeModel(
+            t_host_s=rng.uniform(0, 2e-3), t_weights_s=rng.uniform(1e-4, 6e-3),
+            c_token_s=rng.uniform(1e-6, 5e-5), c_kv_s=rng.uniform(0, 1e-7),
+            c_draft_s=rng.uniform(0, 2e-4), t_verify_s=rng.uniform(0, 1e-3),
+        )  # fmt: skip
+        candidates = [DraftCandidate(rng.random(), rng.randint(0, 3)) for _ in range(3)]
+        num_sampled, tokens = 3 + rng.randint(0, 50), rng.randint(3, 600)
+        kv = rng.randint(0, 20000)
+        chosen = choose_num_drafts(
+            candidates, num_sampled, tokens, kv, model, CostRuleConfig(3, 1.0)
+        )
+        ranges = [range(c.max_draft_tokens + 1) for c in candidates]
+        best = max(
+            _rate(candidates, ks, num_sampled, tokens, kv, model)
+            for ks in itertools.product(*ranges)
+        )
+        got = _rate(candidates, chosen, num_sampled, tokens, kv, model)
+        assert got == pytest.approx(best, rel=1e-9)
+
+
+def test_min_gain_keeps_marginal_speculation_off() -> None:
+    strict = CostRuleConfig(max_draft_tokens=8, min_gain=10.0)
+    assert _decode_step([0.9], config=strict) == [0]
+
+
+def test_acceptance_tracker_moves_from_the_prior_to_the_request() -> None:
+    tracker = AcceptanceTracker(AcceptanceConfig(ema_weight=0.5, prior=0.5, prior_trials=2))
+    assert tracker.rate("a") == 0.5
+    tracker.observe("a", num_drafts=4, num_accepted=4)  # 4 successes, no rejection trial
+    assert tracker.rate("a") > 0.8
+    tracker.observe("b", num_drafts=3, num_accepted=0)  # one failed trial
+    assert tracker.rate("b") < tracker.rate("a")
+    for _ in range(20):
+        tracker.observe("b", 3, 0)
+    assert tracker.rate("b") < 0.1
+    tracker.finish("b")
+    assert 0.0 < tracker.global_rate < 1.0
+
+
+def test_a_request_held_off_is_probed_again() -> None:
+    tracker = AcceptanceTracker(AcceptanceConfig(prior=0.5, probe_after=3))
+    for _ in range(50):
+        tracker.observe("a", 5, 0)
+    low = tracker.rate("a")
+    assert low < 0.1
+    for _ in range(3):
+        tracker.skipped("a")
+    assert tracker.rate("a") == 0.5
+    tracker.observe("a", 1, 0)
+    assert tracker.rate("a") < 0.1
+
+
+def test_bad_input_raises_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        choose_num_drafts([DraftCandidate(1.5, 2)], 1, 1, 0, LLAMA_8B_H100, CostRuleConfig())
+    with pytest.raises(ValueError, match="num_sampled"):
+        choose_num_drafts([DraftCandidate(0.5, 2)], 0, 1, 0, LLAMA_8B_H100, CostRuleConfig())
+    with pytest.raises(ValueError, match="num_accepted"):
+        AcceptanceTracker().observe("a", 2, 3)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        CostRuleConfig(max_draft_tokens=0).validate()
+    with pytest.raises(ValueError, match="min_gain"):
+        CostRuleConfig(min_gain=0.5).validate()
+    with pytest.raises(ValueError, match="c_token_s"):
+        StepTimeModel(1e-3, 1e-3, -1.0, 0.0).validate()
+    with pytest.raises(ValueError, match="ema_weight"):
+        AcceptanceConfig(ema_weight=0.0).validate()
