@@ -150,12 +150,12 @@ def _compressed_tensors(cfg: dict) -> Fp8Config:
 
     ct = CTConfig.model_validate(cfg)
     source = "quantization_config (quant_method 'compressed-tensors')"
-    if ct.format not in ("float-quantized", None):
-        raise ValueError(f"{source}: format {ct.format!r} is not supported ('float-quantized')")
     schemes = list(ct.config_groups.values())
     if not schemes:
         raise ValueError(f"{source}: config_groups is empty")
     parsed = {_ct_scheme(s, source) for s in schemes}
+    if ct.format not in ("float-quantized", None):
+        raise ValueError(f"{source}: format {ct.format!r} is not supported ('float-quantized')")
     if len(parsed) != 1:
         raise ValueError(f"{source}: config groups with different FP8 schemes are not supported")
     targets = [t for s in schemes for t in s.targets]
