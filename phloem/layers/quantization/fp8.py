@@ -16,7 +16,10 @@ Two sources of FP8 weights:
   rounding to e4m3, ~2^-4 relative on the elements whose block scale was not the row's).
 
 Activations: per token, dynamic (scale = max |x| over the token / 448), or one static scale
-from the checkpoint (`input_scale`; a fused layer takes the largest of its parts'). GEMM: on
+from the checkpoint (`input_scale`; a fused layer takes the largest of its parts'). A
+row-parallel layer's input is split over the TP ranks; its per-token maxima are combined over
+the ranks (one all-gather of T floats per layer and step), so every TP size rounds the same
+numbers and TP = N computes what TP = 1 does, up to the order of the fp32 sums. GEMM: on
 CUDA, `torch._scaled_mm` with row-wise scales when N and K are multiples of 16; else (and on the
 CPU) `fp8_linear_reference`, exact with respect to the same quantized operands.
 """
@@ -185,13 +188,27 @@ class Fp8LinearMethod(LinearMethod):
 
     # -- forward --------------------------------------------------------------------------------
 
+    @staticmethod
+    def _sharded_token_scales(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, 1] per-token scales of a row-parallel layer's input x [..., K / tp] (this
+        rank's slice): the token's max |x| over every rank's slice (one all-gather of T floats),
+        so each rank quantizes its slice exactly as one GPU quantizes the whole row."""
+        amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=1, keepdim=True).float()
+        amax = tp_all_gather(amax, dim=1).amax(dim=1, keepdim=True)
+        return (amax / fp8_math.FP8_MAX).clamp_(min=fp8_math.MIN_SCALE)
+
     def weight_scale(self, layer: LinearBase) -> torch.Tensor:
         """The loaded weight scale: fp32 [N], or [N, ceil(K / bk)] while block-scaled."""
         name = self.scheme.weight_scale_name if self.block_k is not None else "weight_scale"
         return getattr(layer, name)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        input_scale = layer.input_scale if self.scheme.static_input else None
+        if self.scheme.static_input:
+            input_scale: torch.Tensor | None = layer.input_scale
+        elif layer.input_is_sharded and layer.tp_size > 1:
+            input_scale = self._sharded_token_scales(layer, x)
+        else:
+            input_scale = None  # per token, in the GEMM function
         scale = self.weight_scale(layer)
         if self.block_k is None and fp8_math.scaled_mm_supported(layer.weight):
             return fp8_math.fp8_linear_scaled_mm(x, layer.weight, scale, input_scale, bias)

@@ -86,7 +86,8 @@ def fp8_linear_reference(
     Args:
         x: [..., K] activations (model dtype); weight: fp8 [N, K];
         weight_scale: fp32 [N], or [N, ceil(K / block_k)] with `block_k`;
-        input_scale: None (dynamic per-token scales) or fp32 scalar (a static scale);
+        input_scale: None (dynamic per-token scales, computed here), an fp32 scalar (a static
+            scale) or fp32 [M, 1] (per-token scales computed by the caller; M = x's rows);
         bias: [N] or None.
     Returns:
         [..., N] in x.dtype.
@@ -95,7 +96,7 @@ def fp8_linear_reference(
     if input_scale is None:
         x_q, x_scale = quantize_per_token(x2)
     else:
-        x_scale = input_scale.float().reshape(1, 1)
+        x_scale = input_scale.float().reshape(-1, 1)
         x_q = quantize(x2, x_scale)
     out = (x_q.float() * x_scale) @ dequantize_weight(weight, weight_scale, block_k).t()
     if bias is not None:
@@ -129,8 +130,8 @@ def fp8_linear_scaled_mm(
     x2 = x.reshape(-1, x.shape[-1])
     if input_scale is None:
         x_q, x_scale = quantize_per_token(x2)
-    else:  # the row-wise kernel wants one scale per row: broadcast the static one
-        x_scale = input_scale.float().reshape(1, 1).expand(x2.shape[0], 1).contiguous()
+    else:  # the row-wise kernel wants one scale per row: broadcast a static one
+        x_scale = input_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
         x_q = quantize(x2, x_scale)
     out = torch._scaled_mm(
         x_q,
