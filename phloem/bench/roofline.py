@@ -12,6 +12,12 @@ Per prefix group (prefix p, counted once) and per request (prompt n, output o):
     weights        weight bytes * max(o) over the batch
 bound time = max(FLOPs / FLOP/s, bytes / bandwidth); ratio = bound time / measured time.
 A sequential workload (batch 1, requests one after another) is the sum of one-request batches.
+
+Precision (ROOFLINE.md): the FLOP ceiling is measured in the precision of the run's GEMMs
+(`precision="fp8"`: an e4m3 `torch._scaled_mm` of the same n^3 shape with row-wise scales, as
+the FP8 linear layers run), and weights are counted at their dtype plus scales: an FP8 model's
+linear weights at 1 byte per parameter plus one fp32 scale per output channel, its embeddings
+and LM head (kept in the model dtype) at 2.
 """
 
 from __future__ import annotations
@@ -21,10 +27,18 @@ from typing import Any
 
 from phloem.bench.workloads import Workload
 
+PRECISIONS = ("bf16", "fp8")
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the roofline needs of a decoder-only model."""
+    """What the roofline needs of a decoder-only model.
+
+    Attributes:
+        bytes_per_element: bytes of one KV-cache element (2 bf16, 1 fp8).
+        linear_bytes_per_element: bytes of one linear-layer weight (2 bf16; 1 fp8, which adds
+            one fp32 scale per output channel).
+    """
 
     hidden: int
     layers: int
@@ -34,9 +48,12 @@ class ModelShape:
     mlp: int
     vocab: int
     bytes_per_element: int = 2
+    linear_bytes_per_element: int = 2
 
     @classmethod
-    def from_hf(cls, hf_config: Any, bytes_per_element: int = 2) -> ModelShape:
+    def from_hf(
+        cls, hf_config: Any, bytes_per_element: int = 2, linear_bytes_per_element: int = 2
+    ) -> ModelShape:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         return cls(
@@ -48,6 +65,7 @@ class ModelShape:
             hf_config.intermediate_size,
             hf_config.vocab_size,
             bytes_per_element,
+            linear_bytes_per_element,
         )
 
     @property
@@ -65,8 +83,20 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_element
 
     @property
+    def linear_scale_bytes(self) -> int:
+        """fp32 per-output-channel scales of FP8 linear weights (0 for bf16) [bytes]: q, k, v,
+        o, gate, up and down outputs of every layer."""
+        if self.linear_bytes_per_element == 2:
+            return 0
+        d, hd = self.hidden, self.head_dim
+        outputs = (self.q_heads + 2 * self.kv_heads) * hd + d + 2 * self.mlp + d
+        return 4 * self.layers * outputs
+
+    @property
     def weight_bytes(self) -> int:
-        return 2 * (self.p_lin + 2 * self.lm_head)
+        """Linear weights at their dtype plus scales; embeddings and LM head in bf16 [bytes]."""
+        linear = self.linear_bytes_per_element * self.p_lin + self.linear_scale_bytes
+        return linear + 2 * 2 * self.lm_head
 
 
 @dataclass
@@ -163,12 +193,19 @@ def cuda_time_s(fn, repeats: int = 10, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure_ceilings(device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int = 2 << 30) -> dict:
-    """The burst ceilings of shared/docs/ROOFLINE.md: matmul FLOP/s (bf16 n^3, ten timed repeats
-    after warm-up, random data) and copy bandwidth (device-to-device copy of copy_bytes, counting
-    bytes read + written), timed with CUDA events; medians of the repeats. The chip at full clock.
-    Returns {"flops_per_s", "bytes_per_s", "matmul_n", "copy_bytes"}."""
-    return _ceilings(cuda_time_s, cuda_time_s, device, matmul_n, copy_bytes)
+def measure_ceilings(
+    device: Any = "cuda", matmul_n: int = 8192, copy_bytes: int = 2 << 30, precision: str = "bf16"
+) -> dict:
+    """The burst ceilings of shared/docs/ROOFLINE.md: matmul FLOP/s (n^3 in `precision`: "bf16"
+    or "fp8" (e4m3 `torch._scaled_mm`, row-wise scales); ten timed repeats after warm-up, random
+    data) and copy bandwidth (device-to-device copy of copy_bytes, counting bytes read +
+    written), timed with CUDA events; medians of the repeats. The chip at full clock.
+    Returns {"flops_per_s", "bytes_per_s", "matmul_n", "copy_bytes", "precision"}.
+
+    Raises:
+        ValueError: for a precision not in `PRECISIONS`.
+    """
+    return _ceilings(cuda_time_s, cuda_time_s, device, matmul_n, copy_bytes, precision)
 
 
 def measure_sustained_ceilings(
@@ -177,6 +214,7 @@ def measure_sustained_ceilings(
     copy_bytes: int = 2 << 30,
     matmul_s: float = 8.0,
     copy_s: float = 4.0,
+    precision: str = "bf16",
 ) -> dict:
     """The sustained ceilings of shared/docs/ROOFLINE.md: the same matmul back to back for at
     least `matmul_s` seconds and the same copy for at least `copy_s` seconds, each rate the
@@ -189,16 +227,24 @@ def measure_sustained_ceilings(
         device,
         matmul_n,
         copy_bytes,
+        precision,
     )
     return {**ceilings, "matmul_s": matmul_s, "copy_s": copy_s}
 
 
-def _ceilings(matmul_time_s, copy_time_s, device: Any, matmul_n: int, copy_bytes: int) -> dict:
-    """FLOP/s of the bf16 n^3 matmul timed by `matmul_time_s(fn)` and bytes/s (read + written)
-    of the copy timed by `copy_time_s(fn)` (each: seconds per call of fn)."""
+def _ceilings(
+    matmul_time_s,
+    copy_time_s,
+    device: Any,
+    matmul_n: int,
+    copy_bytes: int,
+    precision: str = "bf16",
+) -> dict:
+    """FLOP/s of the n^3 matmul in `precision` timed by `matmul_time_s(fn)` and bytes/s (read +
+    written) of the copy timed by `copy_time_s(fn)` (each: seconds per call of fn)."""
     import torch
 
-    t_mm = matmul_time_s(_matmul_fn(matmul_n, device))
+    t_mm = matmul_time_s(matmul_fn(matmul_n, device, precision))
     t_copy = copy_time_s(_copy_fn(copy_bytes, device))
     torch.cuda.empty_cache()
     return {
@@ -206,6 +252,7 @@ def _ceilings(matmul_time_s, copy_time_s, device: Any, matmul_n: int, copy_bytes
         "bytes_per_s": 2 * copy_bytes / t_copy,
         "matmul_n": matmul_n,
         "copy_bytes": copy_bytes,
+        "precision": precision,
     }
 
 
@@ -238,13 +285,29 @@ def _cuda_back_to_back(fn, k: int) -> list[float]:
     return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
 
 
-def _matmul_fn(n: int, device):
+def matmul_fn(n: int, device, precision: str = "bf16"):
+    """A call of the n^3 ceiling matmul in `precision`: bf16 `torch.mm`, or for "fp8" the FP8
+    linear layers' GEMM (e4m3 A [n, n] row-major times B = W^T column-major, row-wise fp32
+    scales, bf16 out: `torch._scaled_mm`).
+
+    Raises:
+        ValueError: for a precision not in `PRECISIONS`.
+    """
     import torch
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    return lambda: torch.mm(a, b, out=out)
+    if precision == "bf16":
+        out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+        return lambda: torch.mm(a, b, out=out)
+    a8, w8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)  # w8: [N, K] contiguous
+    scale_a = torch.ones(n, 1, device=device)
+    scale_b = torch.ones(1, n, device=device)
+    return lambda: torch._scaled_mm(
+        a8, w8.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16
+    )
 
 
 def _copy_fn(nbytes: int, device):

@@ -139,9 +139,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     model_dir, shipped = _model_dir(args, tmp)
     hf_config, workload = _workload(args, model_dir)
     on_cuda = torch.cuda.is_available() and args.device != "cpu"
-    ceilings = measure_ceilings() if on_cuda else None  # here, on the first visible GPU
     engine_args = EngineArgs.from_cli_args(args)
     load_format = "dummy" if shipped else engine_args.load_format  # shipped: config only
+    precision = gemm_precision(engine_args.quantization, hf_config, load_format)
+    # here, on the first visible GPU, in the precision of the run's GEMMs
+    ceilings = measure_ceilings(precision=precision) if on_cuda else None
     llm = LLM.from_engine_args(
         dataclasses.replace(engine_args, model=model_dir, load_format=load_format)
     )
@@ -160,6 +162,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     result.update(
         model=args.model, gc=gc_pauses.to_dict(), command="phloem " + " ".join(sys.argv[1:])
     )
+    result["engine"]["quantization"] = precision if precision == "fp8" else None
     result["steps"] = trace.summary() if trace is not None else None
     result["power"] = power.summary() if power is not None else None
     if args.data_parallel_size > 1:
@@ -286,6 +289,19 @@ def _result(llm, hf_config, workload, outputs, elapsed: float, on_cuda: bool) ->
     }
 
 
+def gemm_precision(quantization: str | None, hf_config, load_format: str) -> str:
+    """The precision of a run's linear-layer GEMMs, which its roofline is measured in: "fp8"
+    for `--quantization fp8` or an FP8 checkpoint, else "bf16" (shared/docs/ROOFLINE.md).
+
+    Raises:
+        ValueError: as `phloem.layers.quantization.formats.resolve_quantization`.
+    """
+    from phloem.layers.quantization.formats import resolve_quantization
+
+    quant = resolve_quantization(quantization, hf_config, load_format)
+    return "bf16" if quant is None else quant.name
+
+
 def roofline_num_devices(engine: dict) -> int:
     """The GPUs a run used (its roofline is that many times one's): data-parallel replicas
     times tensor-parallel ranks, from the result's "engine" settings."""
@@ -308,8 +324,12 @@ def _device_fields(result: dict, hf_config, workload, ceilings, elapsed: float,
     num_devices = roofline_num_devices(engine)
     if ceilings is not None:
         kv_dtype = getattr(torch, result["engine"]["kv_cache_dtype"])
-        shape = ModelShape.from_hf(hf_config, torch.tensor([], dtype=kv_dtype).element_size())
-        sustained = measure_sustained_ceilings()
+        linear_bytes = 1 if ceilings["precision"] == "fp8" else 2
+        shape = ModelShape.from_hf(
+            hf_config, torch.tensor([], dtype=kv_dtype).element_size(), linear_bytes
+        )
+        sustained = measure_sustained_ceilings(precision=ceilings["precision"])
+        result["weight_bytes"] = shape.weight_bytes
         total = result["input_tokens"] + result["output_tokens"]
         result.update(
             roofline_fields(shape, workload, ceilings, sustained, elapsed, total, num_devices)
