@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from phloem.spec_decode.proposer import DraftRequest, Proposer, check_draft_request
-from phloem.spec_decode.suffix_tree import SharedSuffixTrie, SuffixNode, SuffixTrie
+from phloem.spec_decode.suffix_tree import SharedSuffixTrie, SuffixTrie
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class _RequestState:
     """A request's own trie and how much of its history the tries have seen."""
 
     trie: SuffixTrie
-    open_paths: list[SuffixNode]
+    open_paths: list[int]  # node ids (see `SuffixTrie.append`)
     num_indexed: int  # tokens of the history in its own trie
     num_shared: int  # output tokens given to the shared trie
 
@@ -113,14 +113,23 @@ class SuffixProposer(Proposer):
             state.num_shared = len(tokens) - request.num_prompt_tokens
 
     def _draft(self, request: DraftRequest) -> list[int]:
-        """The better-scoring of the own and shared tries' drafts, cut to max_draft_tokens."""
+        """The better-scoring of the own and shared tries' drafts, cut to max_draft_tokens.
+
+        The request's open paths in each trie are the nodes of its history's suffixes, so only
+        suffixes longer than its part in the shared trie (its outputs) are looked up."""
         if request.max_draft_tokens == 0:
             return []
         cfg = self.config
-        args = (request.token_ids, cfg.max_pattern_len, cfg.spec_factor, cfg.min_token_prob)
-        best, best_score = self._requests[request.request_id].trie.draft(*args)
+        state = self._requests[request.request_id]
+        own = state.trie.suffix_nodes(
+            request.token_ids, cfg.max_pattern_len, state.open_paths[::-1]
+        )
+        best, best_score = state.trie.draft(own, cfg.spec_factor, cfg.min_token_prob)
         if cfg.use_shared:
-            draft, score = self.shared.trie.draft(*args)
+            trie = self.shared.trie
+            known = self.shared.open_paths(request.request_id)[::-1]
+            nodes = trie.suffix_nodes(request.token_ids, cfg.max_pattern_len, known)
+            draft, score = trie.draft(nodes, cfg.spec_factor, cfg.min_token_prob)
             if score > best_score:
                 best = draft
         return best[: request.max_draft_tokens]

@@ -5,8 +5,11 @@ shared trie under its node cap by evicting the oldest requests' outputs."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from phloem.spec_decode.proposer import DraftRequest
 from phloem.spec_decode.suffix_proposer import SuffixConfig, SuffixProposer
@@ -59,13 +62,13 @@ def test_the_threshold_cuts_an_uncertain_continuation() -> None:
     paths = []
     for token in text:
         paths = trie.append(paths, token)
-    draft, score = trie.draft(text, max_pattern_len=2, spec_factor=8.0, min_prob=0.4)
+    draft, score = trie.draft(trie.suffix_nodes(text, 2), spec_factor=8.0, min_prob=0.4)
     # P(3) = 3/4, P(3 4) = 3/4 x 2/3 = 1/2; 9 1 2 3 always follow "1 2 3 4" here (1/2 each);
     # then 4 and 5 split 1/1: 1/4 < 0.4 stops the draft
     assert draft == [3, 4, 9, 1, 2, 3]
     assert score == pytest.approx(0.75 + 5 * 0.5)
-    assert trie.draft(text, max_pattern_len=2, spec_factor=8.0, min_prob=0.6)[0] == [3]
-    assert trie.draft(text, max_pattern_len=2, spec_factor=8.0, min_prob=0.8) == ([], 0.0)
+    assert trie.draft(trie.suffix_nodes(text, 2), spec_factor=8.0, min_prob=0.6)[0] == [3]
+    assert trie.draft(trie.suffix_nodes(text, 2), spec_factor=8.0, min_prob=0.8) == ([], 0.0)
 
 
 def test_counts_and_removal_match_a_rebuild() -> None:
@@ -80,16 +83,16 @@ def test_counts_and_removal_match_a_rebuild() -> None:
     rebuilt = SharedSuffixTrie(max_depth=5, max_nodes=10**6)
     for i, seq in enumerate(seqs[2:]):
         rebuilt.extend(str(i), seq)
-    assert _dump(shared.trie.root) == _dump(rebuilt.trie.root)
-    assert shared.trie.num_nodes == rebuilt.trie.num_nodes == _size(rebuilt.trie.root) - 1
-
-
-def _dump(node):
-    return {t: (c.count, _dump(c)) for t, c in sorted(node.children.items())}
-
-
-def _size(node):
-    return 1 + sum(_size(c) for c in node.children.values())
+    shared.trie.refresh_best()
+    shared.trie.check_integrity()
+    assert shared.trie.substring_counts() == rebuilt.trie.substring_counts()
+    assert shared.trie.num_nodes == rebuilt.trie.num_nodes == len(rebuilt.trie.substring_counts())
+    # the freed node ids are reused by later appends, and the trie stays consistent
+    for i, seq in enumerate(seqs[:2]):
+        shared.extend(f"again{i}", seq)
+        rebuilt.extend(f"again{i}", seq)
+    shared.trie.check_integrity()
+    assert shared.trie.substring_counts() == rebuilt.trie.substring_counts()
 
 
 def test_the_shared_trie_stays_under_its_cap_evicting_oldest_first() -> None:
@@ -103,14 +106,16 @@ def test_the_shared_trie_stays_under_its_cap_evicting_oldest_first() -> None:
         assert proposer.shared.trie.num_nodes <= cfg.max_shared_nodes
     kept = proposer.shared.contribution_ids()
     assert kept and kept[-1] == "r9" and "r0" not in kept
-    assert _size(proposer.shared.trie.root) - 1 == proposer.shared.trie.num_nodes
+    proposer.shared.trie.check_integrity()
+    assert len(proposer.shared.trie.substring_counts()) == proposer.shared.trie.num_nodes
 
     def probe(output):
-        return proposer.propose([DraftRequest("x", [7] + output[:3], 1, 4)])[0]
+        rid = f"probe{outputs.index(output)}"
+        return proposer.propose([DraftRequest(rid, [7] + output[:3], 1, 4)])[0]
 
     assert probe(outputs[9]) == outputs[9][3:7]  # the newest is remembered
     assert probe(outputs[0]) == []  # the oldest was evicted
-    proposer.finish("x")
+    proposer.finish("probe0")
 
 
 def test_bad_config_raises_naming_the_field() -> None:
@@ -118,3 +123,27 @@ def test_bad_config_raises_naming_the_field() -> None:
                          ("min_token_prob", 0.0), ("max_shared_nodes", 0)]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             SuffixConfig(**{field: value}).validate()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), max_size=25), min_size=1, max_size=5),
+    depth=st.integers(2, 6),
+    evict=st.integers(0, 4),
+)
+def test_counts_equal_substring_occurrences(seqs, depth, evict) -> None:
+    """Every node's count is the number of occurrences of its substring (<= depth tokens) in
+    the contributions still held, after random evictions; best children stay exact."""
+    shared = SharedSuffixTrie(max_depth=depth, max_nodes=10**6)
+    for i, seq in enumerate(seqs):
+        shared.extend(str(i), seq)
+    for _ in range(min(evict, len(shared.contribution_ids()))):
+        shared.evict_oldest()
+    shared.trie.refresh_best()
+    shared.trie.check_integrity()
+    held = [seqs[int(i)] for i in shared.contribution_ids()]
+    want = Counter(
+        tuple(seq[s : s + n]) for seq in held for s in range(len(seq))
+        for n in range(1, depth + 1) if s + n <= len(seq)
+    )  # fmt: skip
+    assert shared.trie.substring_counts() == dict(want)
