@@ -50,3 +50,21 @@ def test_bench_measures_in_the_precision_of_the_run():
     assert gemm_precision(None, dense, "dummy") == "bf16"
     assert gemm_precision("fp8", dense, "dummy") == "fp8"
     assert gemm_precision(None, fp8_ckpt, "auto") == "fp8"
+
+
+def test_bench_throughput_with_quantization_fp8_on_cpu(tmp_path):
+    import json
+
+    from phloem.entrypoints.bench import main
+    from phloem.model_configs import materialize
+
+    model = materialize("llama-3.1-8b", tmp_path / "m", num_hidden_layers=1, hidden_size=64,
+                        num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                        vocab_size=2000)  # fmt: skip
+    out = tmp_path / "r.json"
+    args = ["throughput", "--model", str(model), "--load-format", "dummy", "--device", "cpu",
+            "--workload", "decode-heavy", "--num-requests", "2", "--input-len", "16",
+            "--output-len", "4", "--num-gpu-blocks", "32", "--quantization", "fp8"]  # fmt: skip
+    assert main([*args, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["engine"]["quantization"] == "fp8" and r["output_tokens"] == 8
