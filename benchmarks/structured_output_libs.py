@@ -3,8 +3,9 @@ tokens): xgrammar vs llguidance, same run, CPU only.
 
 Measures, per library: building the tokenizer info from the HF tokenizer, compiling a typical
 JSON schema (nested object, array, enum, numbers) the first time (no cache), filling one token
-bitmask (mean over a greedy walk of the grammar: each step fills the mask, then accepts the
-first allowed token), and the installed size of the package and its own dependencies.
+bitmask (mean over seeded random walks of the grammar: each step fills the mask, then accepts a
+random allowed token, as a sampling model would: string contents included), and the installed
+size of the package and its own dependencies.
 
     python benchmarks/structured_output_libs.py --out benchmarks/results/DATE/libs.json
 """
@@ -37,7 +38,8 @@ SCHEMA = {
     },
     "required": ["name", "age", "kind", "address"],
 }
-NUM_STEPS = 60  # tokens walked per library
+NUM_STEPS = 60  # tokens walked per walk
+NUM_WALKS = 5
 
 
 def _dist_size(name: str) -> int:
@@ -51,25 +53,22 @@ def _dist_size(name: str) -> int:
     return total
 
 
-def _walk(fill, accept, first_allowed, steps: int) -> float:
-    """Mean seconds of one mask fill over a greedy walk of `steps` tokens."""
+def _walk(new_matcher, fill, accept, stops: set[int]) -> float:
+    """Mean seconds of one mask fill over NUM_WALKS seeded random walks of NUM_STEPS tokens
+    (`new_matcher()` starts a walk and returns its matcher)."""
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        mask = fill()
-        times.append(time.perf_counter() - start)
-        token = first_allowed(mask)
-        if token is None or not accept(token):
-            break
+    rng = np.random.default_rng(0)
+    for _ in range(NUM_WALKS):
+        matcher = new_matcher()
+        for _ in range(NUM_STEPS):
+            start = time.perf_counter()
+            mask = fill(matcher)
+            times.append(time.perf_counter() - start)
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+            allowed = [int(t) for t in np.flatnonzero(bits) if int(t) not in stops]
+            if not allowed or not accept(matcher, int(rng.choice(allowed))):
+                break
     return float(np.mean(times))
-
-
-def _first_allowed(bitmask: np.ndarray, skip: set[int]) -> int | None:
-    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")
-    for t in np.flatnonzero(bits):
-        if int(t) not in skip:
-            return int(t)
-    return int(np.flatnonzero(bits)[0]) if bits.any() else None
 
 
 def bench_xgrammar(hf_tok, vocab_size: int) -> dict:
@@ -81,18 +80,18 @@ def bench_xgrammar(hf_tok, vocab_size: int) -> dict:
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     compiled = compiler.compile_json_schema(json.dumps(SCHEMA))
     t2 = time.perf_counter()
-    matcher = xgr.GrammarMatcher(compiled)
     bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
-    import torch
 
-    bm_t = torch.from_numpy(bitmask)
-
-    def fill():
-        matcher.fill_next_token_bitmask(bm_t)
+    def fill(matcher):
+        matcher.fill_next_token_bitmask(bitmask)
         return bitmask[0]
 
-    stops = set(info.stop_token_ids)
-    fill_s = _walk(fill, matcher.accept_token, lambda m: _first_allowed(m, stops), NUM_STEPS)
+    fill_s = _walk(
+        lambda: xgr.GrammarMatcher(compiled),
+        fill,
+        lambda m, t: m.accept_token(t),
+        set(info.stop_token_ids),
+    )
     return {
         "version": metadata.version("xgrammar"),
         "tokenizer_info_s": t1 - t0,
@@ -118,12 +117,16 @@ def bench_llguidance(hf_tok, vocab_size: int) -> dict:
         raise RuntimeError(matcher.get_error())
     bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
 
-    def fill():
-        bitmask[0] = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: bitmask.shape[1]]
+    def fill(m):
+        bitmask[0] = np.frombuffer(m.compute_bitmask(), dtype=np.int32)[: bitmask.shape[1]]
         return bitmask[0]
 
-    stops = {tok.eos_token}
-    fill_s = _walk(fill, matcher.consume_token, lambda m: _first_allowed(m, stops), NUM_STEPS)
+    fill_s = _walk(
+        lambda: llg.LLMatcher(tok, grammar),
+        fill,
+        lambda m, t: m.consume_token(t),
+        {tok.eos_token},
+    )
     return {
         "version": metadata.version("llguidance"),
         "tokenizer_info_s": t1 - t0,

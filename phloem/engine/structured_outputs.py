@@ -13,6 +13,7 @@ grammar library (and its tokenizer info) is loaded with the first constrained re
 from __future__ import annotations
 
 import logging
+import os
 
 from phloem.core.request import Request, RequestStatus
 from phloem.core.scheduler import Scheduler, SchedulerOutput
@@ -22,10 +23,16 @@ from phloem.structured_output.manager import GrammarBitmask, StructuredOutputMan
 logger = logging.getLogger(__name__)
 
 
+def default_num_threads() -> int:
+    """Half the CPUs, 1 to 8: grammar threads beside the engine loop and the device's feeders."""
+    return min(8, max(1, (os.cpu_count() or 2) // 2))
+
+
 class StructuredOutputs:
     """Args: scheduler: the engine's (requests fail or stop through it); tokenizer, eos_token_id,
     vocab_size: the model's (for the grammar library's tokenizer info); num_compile_threads:
-    threads compiling grammars."""
+    threads compiling grammars and filling bitmasks (the library releases the GIL in both;
+    default `default_num_threads()`)."""
 
     def __init__(
         self,
@@ -33,11 +40,11 @@ class StructuredOutputs:
         tokenizer,
         eos_token_id: int | None,
         vocab_size: int,
-        num_compile_threads: int = 2,
+        num_compile_threads: int | None = None,
     ) -> None:
         self.scheduler = scheduler
         self._tokenizer_args = (tokenizer, vocab_size, eos_token_id)  # tokenizer_data's
-        self._num_threads = num_compile_threads
+        self._num_threads = num_compile_threads or default_num_threads()
         self.manager: StructuredOutputManager | None = None
 
     @staticmethod

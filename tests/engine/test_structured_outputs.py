@@ -182,7 +182,7 @@ def test_n_samples_preemption_and_prefix_sharing(tiny_llama):
         ({"regex": ""}, "structured_outputs.regex"),
         ({"choice": []}, "structured_outputs.choice"),
         ({"choice": ["a", 3]}, "structured_outputs.choice"),
-        ({"grammar": "root ::= "}, "structured_outputs.grammar"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
         ({"json_object": "yes"}, "structured_outputs.json_object"),
         ({}, "exactly one of"),
         ({"regex": "a", "choice": ["a"]}, "exactly one of"),

@@ -94,7 +94,7 @@ def test_completions_structured_outputs_and_guided_fields(openai_client):
         ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_choice": []}, "guided_choice"),
-        ({"guided_grammar": "root ::= "}, "guided_grammar"),
+        ({"guided_grammar": "root ::= \"a\" | ("}, "guided_grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ],
 )  # fmt: skip

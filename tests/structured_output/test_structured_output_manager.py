@@ -150,27 +150,31 @@ def test_sampler_samples_only_allowed_tokens_and_flags_no_row():
     assert out.logprobs[0] == pytest.approx(0.0)  # the only allowed token
 
 
-def test_xgrammar_backend_walk_rollback_and_termination(embedded_tokenizer_dir):
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_backend_walk_rollback_and_termination(embedded_tokenizer_dir, name):
     from transformers import AutoTokenizer
 
     from phloem.structured_output import make_backend, tokenizer_data
 
     tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
     vocab = len(tok)
-    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id))
+    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), name=name)
     matcher = backend.matcher(backend.compile(StructuredOutputsParams(choice=["yes", "no"])))
     ids = tok.encode("yes", add_special_tokens=False)
+    no = tok.encode("no", add_special_tokens=False)
     bitmask = np.zeros((1, bitmask_width(vocab)), dtype=np.int32)
     matcher.fill_bitmask(bitmask, 0)
     bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
-    assert bits[ids[0]] and not bits[tok.eos_token_id]  # EOS only where the grammar accepts
-    for t in ids:
+    assert bits[ids[0]] and bits[no[0]] and not bits[tok.eos_token_id]  # EOS only at the end
+    assert not matcher.accept_token(tok.encode("maybe", add_special_tokens=False)[0])
+    for t in ids:  # a rejected token changed nothing
         assert matcher.accept_token(t)
     assert not matcher.accept_token(ids[0])  # nothing but the stop token after "yes"
     matcher.rollback(len(ids))
-    assert matcher.accept_token(tok.encode("no", add_special_tokens=False)[0])
+    assert matcher.accept_token(no[0])
     matcher.rollback(1)
     for t in ids:
-        matcher.accept_token(t)
-    assert not matcher.is_terminated() and matcher.accept_token(tok.eos_token_id)
+        assert matcher.accept_token(t)
+    if not matcher.is_terminated():  # xgrammar ends on the stop token, llguidance before it
+        assert matcher.accept_token(tok.eos_token_id)
     assert matcher.is_terminated()

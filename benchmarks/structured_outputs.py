@@ -1,0 +1,181 @@
+"""Throughput of structured outputs against unconstrained decoding, same engine, same run.
+
+Three runs of the same prompts: every request under ONE JSON schema, every request under its OWN
+schema (distinct property names, so each compiles), and unconstrained. For equal work the
+unconstrained run generates exactly the tokens the one-schema run did (each request's
+max_tokens = its constrained output's length, ignore_eos), and the per-request-schema run is
+capped the same way. Ratios are output tokens/s of a constrained run over the unconstrained run,
+best of two interleaved runs each (other work on the machine drifts); compiling the schemas is
+inside the constrained runs' wall time (a job pays it), loading the grammar library and building
+its tokenizer info (once per process) is not: the warm-up does it, timed apart.
+
+CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
+
+    python benchmarks/structured_outputs.py --num-requests 64 --out DIR/cpu.json
+
+GPU (Llama-3.1-8B shapes, random weights, 1,024 requests x 128 output tokens; goals one-schema
+>= 0.95x, per-request >= 0.85x). Random weights with the shipped synthetic tokenizer (words
+"t<i>") cannot spell JSON, so the script writes a byte-level tokenizer of the same 128,256
+tokens (256 single bytes plus random printable strings) beside the config:
+
+    python benchmarks/structured_outputs.py --model llama-3.1-8b --num-requests 1024 \
+        --output-len 128 --out DIR/h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from phloem import LLM, SamplingParams
+from phloem.sampling_params import StructuredOutputsParams
+
+
+def schema(index: int | None, min_items: int, max_items: int) -> dict:
+    """A record schema: nested object, enum, bounded numbers and an array of short strings
+    (`min_items` to `max_items`; a large minimum keeps a random-weight model from closing it
+    early). `index` renames the
+    properties (a distinct schema per request); None is the shared one."""
+    p = "" if index is None else f"_{index}"
+    return {
+        "type": "object",
+        "properties": {
+            f"id{p}": {"type": "integer", "minimum": 0, "maximum": 100000},
+            f"kind{p}": {"enum": ["person", "company", "place"]},
+            f"score{p}": {"type": "number", "minimum": 0, "maximum": 1},
+            f"owner{p}": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 16},
+                               "active": {"type": "boolean"}},
+                "required": ["name", "active"],
+            },
+            f"tags{p}": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                         "minItems": min_items, "maxItems": max_items},
+        },
+        "required": [f"id{p}", f"kind{p}", f"score{p}", f"owner{p}", f"tags{p}"],
+    }  # fmt: skip
+
+
+def byte_level_tokenizer_dir(model: str, dest: Path) -> Path:
+    """The shipped config plus a byte-level tokenizer of its vocabulary size (see the module
+    docstring): ids 0..255 are the bytes, the rest random printable strings of 2-6 bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from phloem.model_configs import materialize
+
+    path = materialize(model, dest)
+    config = json.loads((path / "config.json").read_text())
+    vocab_size = config["vocab_size"]
+    eos = config["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    to_char = bytes_to_unicode()
+    tokens = [to_char[b] for b in range(256)]
+    seen = set(tokens)
+    rng = random.Random(0)
+    alphabet = [to_char[b] for b in range(32, 127)]
+    while len(tokens) < vocab_size:
+        word = "".join(rng.choices(alphabet, k=rng.randint(2, 6)))
+        if word not in seen:
+            seen.add(word)
+            tokens.append(word)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=tokens[0]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tokens[eos]).save_pretrained(path)
+    return path
+
+
+def run(llm, prompts, params) -> tuple[float, list[int], list[str]]:
+    """(seconds, output lengths, texts) of one generate call."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return wall, [len(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a shipped config (random weights)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128, help="max_tokens [tokens]")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
+    parser.add_argument("--skip-per-request", action="store_true")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    args = parser.parse_args()
+    n, rng = args.num_requests, random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:  # the embedded model: real text prompts, real JSON
+            llm = LLM()
+            words = ["Describe", "a", "record", "as", "JSON", "for", "the", "archive", "entry"]
+            prompts = [" ".join(rng.choices(words, k=12)) + f" #{i}:" for i in range(n)]
+            min_items, max_items = 1, 4
+        else:
+            path = byte_level_tokenizer_dir(args.model, Path(tmp) / "model")
+            llm = LLM(str(path), load_format="dummy")
+            vocab = llm.llm_engine.hf_config.vocab_size
+            prompts = [{"prompt_token_ids": [rng.randrange(256, vocab)
+                                             for _ in range(args.prompt_len)]} for _ in range(n)]  # fmt: skip
+            min_items, max_items = 200, 400
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
+        start = time.perf_counter()  # the grammar library and its tokenizer info, once
+        warm = StructuredOutputsParams(choice=["yes", "no"])
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=warm), use_tqdm=False)  # fmt: skip
+        library_s = time.perf_counter() - start
+        one = StructuredOutputsParams(json=schema(None, min_items, max_items))
+        result: dict = {"model": args.model or "embedded", "num_requests": n,
+                        "output_len": args.output_len, "machine": platform.machine(),
+                        "cpus": os.cpu_count(), "grammar_library_load_s": library_s}  # fmt: skip
+        cons = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.output_len,
+                               structured_outputs=one) for i in range(n)]  # fmt: skip
+        wall_one, lens, texts = run(llm, prompts, cons)
+        valid = sum(1 for t in texts if _parses(t))
+        free = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=True)
+                for i, k in enumerate(lens)]  # fmt: skip
+        wall_free = run(llm, prompts, free)[0]
+        wall_one_again = run(llm, prompts, cons)[0]  # compiled already: the cache of one LLM
+        wall_free_again = run(llm, prompts, free)[0]
+        tokens = sum(lens)
+        best_free = min(wall_free, wall_free_again)
+        result.update(
+            output_tokens=tokens, one_schema_valid_json=valid,
+            unconstrained_s=[wall_free, wall_free_again], one_schema_s=[wall_one, wall_one_again],
+            one_schema_ratio=best_free / min(wall_one, wall_one_again),
+            one_schema_first_run_ratio=best_free / wall_one,
+        )  # fmt: skip
+        if not args.skip_per_request:
+            own = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=False,
+                                  structured_outputs=StructuredOutputsParams(json=schema(i, min_items, max_items)))
+                   for i, k in enumerate(lens)]  # fmt: skip
+            wall_own, own_lens, _ = run(llm, prompts, own)
+            result.update(
+                per_request_schema_s=wall_own,
+                per_request_schema_output_tokens=sum(own_lens),
+                per_request_schema_ratio=(sum(own_lens) / wall_own) / (tokens / best_free),
+            )
+    print(json.dumps(result, indent=2))
+    print(f"one schema / unconstrained: {result['one_schema_ratio']:.3f}x")
+    if "per_request_schema_ratio" in result:
+        print(f"per-request schema / unconstrained: {result['per_request_schema_ratio']:.3f}x")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The llguidance backend (Microsoft's Guidance grammar engine: an Earley parser over a lexer of
+derivative-based regexes, computing each token mask on the fly by walking a token trie): no
+per-grammar precomputation, so a new schema costs about a millisecond, and a mask costs tens of
+microseconds (numbers: benchmarks/results/2026-11-25-cpu-structured-outputs/).
+
+JSON is compiled without free whitespace (`whitespace_flexible: False`), so a model cannot spend
+its token budget on spaces and newlines inside a value, and an object schema with `properties`
+that does not say `additionalProperties` gets none (`close_objects`: as xgrammar's strict mode
+and OpenAI's strict schemas; otherwise a model may add keys without end). A choice list becomes the Lark rule
+`start: "c1" | "c2" | ...`; an EBNF (GBNF) grammar is converted to Lark. The grammar is complete
+when the matcher stops (nothing but EOS may follow): the sequence then finishes without
+sampling the EOS token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from phloem.sampling_params import StructuredOutputsParams
+from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, TokenizerData
+
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def close_objects(schema):
+    """A copy of a JSON schema in which every object schema with `properties` and no
+    `additionalProperties` gets `additionalProperties: false` (recursively)."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: close_objects(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = close_objects(out[key])
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON form) of a constraint; checks nothing.
+
+    Raises:
+        ValueError: an EBNF grammar that does not convert to Lark (the converter's message).
+    """
+    import llguidance as llg
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = params.json if kind == "json" else {"type": "object"}
+        schema = close_objects(json.loads(schema) if isinstance(schema, str) else schema)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(c) for c in params.choice)  # type: ignore[union-attr]
+        return llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    try:
+        return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(params.grammar))
+    except Exception as e:  # noqa: BLE001 - the converter raises its own error types
+        raise ValueError(str(e)) from None
+
+
+def _error(params: StructuredOutputsParams, message: str) -> ValueError:
+    first = message.strip().splitlines()[0] if message.strip() else "rejected"
+    return ValueError(f"structured_outputs.{params.kind} is invalid or unsupported: {first}")
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """An `llguidance.LLMatcher` (its rollback history is unbounded)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.inner, bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        # try_consume_tokens leaves a rejected token unconsumed (consume_token would put the
+        # matcher in its error state for good)
+        return self.inner.try_consume_tokens([token_id]) == 1
+
+    def rollback(self, num_tokens: int) -> None:
+        if not self.inner.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self.inner.get_error()}")
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_stopped())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """llguidance over one tokenizer. `compile` builds a template matcher (validating the
+    grammar against the vocabulary); each sequence gets a copy. `fill_bitmasks` fills many rows
+    on `num_threads` native threads (the GIL released)."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: TokenizerData, num_threads: int = 1) -> None:
+        import llguidance as llg
+        import llguidance.hf
+
+        self._llg = llg
+        eos = list(tokenizer.stop_token_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer.tokenizer, n_vocab=tokenizer.vocab_size, eos_token=eos
+        )
+        self._executor = llg.LLExecutor(max(1, num_threads))
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        import llguidance as llg
+
+        try:
+            error = llg.LLMatcher.validate_grammar(grammar_text(params))
+        except ValueError as e:
+            raise _error(params, str(e)) from None
+        if error:
+            raise _error(params, error)
+
+    def compile(self, params: StructuredOutputsParams):
+        try:
+            template = self._llg.LLMatcher(self.tokenizer, grammar_text(params))
+        except ValueError as e:
+            raise _error(params, str(e)) from None
+        if template.is_error():
+            raise _error(params, template.get_error())
+        return template
+
+    def matcher(self, compiled) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.deep_copy())
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
+        """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i]."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        pairs = [(m.inner, i) for i, m in enumerate(matchers)]  # type: ignore[attr-defined]
+        fill_next_token_bitmask_par(self._executor, pairs, bitmask)
