@@ -37,7 +37,7 @@ OTHER_VALUES = {
     "device": "cpu", "attention_backend": "reference", "kv_cache_dtype": "fp8",
     "kv_layout": "HND", "cache_dir": "/tmp/x", "data_parallel_size": 2,
     "data_parallel_routing": "contiguous",
-    "tensor_parallel_size": 2, "max_prefill_tokens_per_step": 256,
+    "tensor_parallel_size": 2, "max_prefill_tokens_per_step": 256, "quantization": "fp8",
 }  # fmt: skip
 
 
