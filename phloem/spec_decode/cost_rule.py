@@ -141,11 +141,7 @@ def choose_num_drafts(
     all 0 unless the best choice beats no drafts by `config.min_gain`. Raises ValueError on an
     acceptance rate outside [0, 1] or num_sampled < len(candidates).
     """
-    if num_sampled < len(candidates):
-        raise ValueError(f"num_sampled must be >= len(candidates) = {len(candidates)}")
-    for c in candidates:
-        if not 0.0 <= c.acceptance_rate <= 1.0:
-            raise ValueError(f"acceptance_rate must lie in [0, 1], got {c.acceptance_rate}")
+    _check_candidates(candidates, num_sampled)
     caps = [min(c.max_draft_tokens, config.max_draft_tokens) for c in candidates]
     drafts = [0] * len(candidates)
     order: list[int] = []  # the candidate of each draft handed out, in order
@@ -179,6 +175,15 @@ def choose_num_drafts(
         for i in order[:best_num_drafts]:
             chosen[i] += 1
     return chosen
+
+
+def _check_candidates(candidates: Sequence[DraftCandidate], num_sampled: int) -> None:
+    """Raise ValueError naming the field of `choose_num_drafts`'s input that is out of range."""
+    if num_sampled < len(candidates):
+        raise ValueError(f"num_sampled must be >= len(candidates) = {len(candidates)}")
+    for c in candidates:
+        if not 0.0 <= c.acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must lie in [0, 1], got {c.acceptance_rate}")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from phloem.ops.staging import to_device
+
 PAD_TOKEN_ID = -1  # the token id of positions past a row's emitted tokens
 
 
@@ -58,7 +60,7 @@ def _check_shapes(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: Sequence[int],
     draft_probs: torch.Tensor | None,
-    is_greedy: torch.Tensor,
+    is_greedy: Sequence[bool],
 ) -> None:
     """Raise ValueError naming the first argument whose shape or range is wrong."""
     if target_probs.dim() != 3:
@@ -82,8 +84,8 @@ def _check_shapes(
             f"draft_probs must be [B, k, V] = [{batch}, {width - 1}, {vocab}], "
             f"got {tuple(draft_probs.shape)}"
         )
-    if tuple(is_greedy.shape) != (batch,):
-        raise ValueError(f"is_greedy must be [B] = [{batch}], got {tuple(is_greedy.shape)}")
+    if len(is_greedy) != batch:
+        raise ValueError(f"is_greedy must have B = {batch} entries, got {len(is_greedy)}")
 
 
 def _row_draws(
@@ -103,7 +105,7 @@ def _row_draws(
     noise = torch.empty(batch, vocab_size, device=device)
     shared = [b for b, g in enumerate(generators) if g is None]
     if shared:
-        idx = torch.tensor(shared, dtype=torch.long).to(device)
+        idx = to_device(torch.tensor(shared, dtype=torch.long), device)
         uniforms[idx] = torch.rand(len(shared), width, device=device, generator=fallback)
         noise[idx] = torch.empty(len(shared), vocab_size, device=device).exponential_(
             generator=fallback
@@ -175,7 +177,7 @@ def rejection_sample(
     num_draft_tokens: Sequence[int],
     *,
     draft_probs: torch.Tensor | None = None,
-    is_greedy: torch.Tensor | None = None,
+    is_greedy: Sequence[bool] | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     fallback_generator: torch.Generator | None = None,
 ) -> RejectionOutput:
@@ -190,47 +192,65 @@ def rejection_sample(
         num_draft_tokens: [B] host ints in [0, k]: drafts per row (ragged).
         draft_probs: float32 [B, k, V]: the proposer's distributions q_j, each row summing to 1;
             None for deterministic proposers (q one-hot on the drafted id).
-        is_greedy: bool [B] (temperature 0 rows); None: no greedy rows.
+        is_greedy: [B] host bools (temperature 0 rows); None: no greedy rows.
         generators: [B] per-row seeded generators on the device, None entries use
             `fallback_generator`; None: every row uses it.
         fallback_generator: the generator of unseeded rows (None: torch's default).
 
-    Returns `RejectionOutput`. Mutates nothing but the generators' states. Raises ValueError
-    when a shape or `num_draft_tokens` does not match. Leviathan et al. 2023 §2.3 (Algorithm 1);
-    Chen et al. 2023 Alg. 2.
+    Returns `RejectionOutput` (on the device; nothing waits for it: host inputs are staged
+    through pinned memory). Mutates nothing but the generators' states. Raises ValueError when
+    a shape or count does not match. Leviathan et al. 2023 §2.3 (Algorithm 1); Chen et al. 2023
+    Alg. 2.
     """
-    batch = target_probs.shape[0]
+    batch, _, vocab_size = target_probs.shape if target_probs.dim() == 3 else (0, 0, 0)
+    greedy_host = [False] * batch if is_greedy is None else list(is_greedy)
+    gens = [None] * batch if generators is None else list(generators)
+    _check_shapes(target_probs, draft_token_ids, num_draft_tokens, draft_probs, greedy_host)
+    if len(gens) != batch:
+        raise ValueError(f"generators must have B = {batch} entries, got {len(gens)}")
     device = target_probs.device
-    if is_greedy is None:
-        is_greedy = torch.zeros(batch, dtype=torch.bool, device=device)
-    _check_shapes(target_probs, draft_token_ids, num_draft_tokens, draft_probs, is_greedy)
-    if generators is None:
-        generators = [None] * batch
-    elif len(generators) != batch:
-        raise ValueError(f"generators must have B = {batch} entries, got {len(generators)}")
-    greedy_host = is_greedy.tolist()
-    random_rows = [b for b in range(batch) if not greedy_host[b]]
-    uniforms = torch.zeros(batch, draft_token_ids.shape[1], device=device)
-    noise = torch.ones(batch, target_probs.shape[2], device=device)
-    if random_rows:
-        u, e = _row_draws(
-            [num_draft_tokens[b] for b in random_rows],
-            target_probs.shape[2],
-            [generators[b] for b in random_rows],
-            fallback_generator,
-            device,
-        )
-        idx = torch.tensor(random_rows, dtype=torch.long).to(device)
-        uniforms[idx, : u.shape[1]] = u
-        noise[idx] = e
-    num_drafts = torch.tensor(list(num_draft_tokens), dtype=torch.long).to(device)
+    greedy = to_device(torch.tensor(greedy_host, dtype=torch.bool), device)
+    uniforms, noise = _random_draws(
+        num_draft_tokens, greedy_host, draft_token_ids.shape[1], vocab_size, gens,
+        fallback_generator, device,
+    )  # fmt: skip
+    num_drafts = to_device(torch.tensor(list(num_draft_tokens), dtype=torch.long), device)
     args = (target_probs, draft_token_ids, draft_probs, num_drafts)
-    num_accepted = _accepted_counts(*args, is_greedy, uniforms)
+    num_accepted = _accepted_counts(*args, greedy, uniforms)
     final = _final_distribution(*args, num_accepted)
     rows = torch.arange(batch, device=device)
     greedy_ids = target_probs[rows, num_accepted].argmax(dim=-1)
-    final_ids = torch.where(is_greedy, greedy_ids, (final / noise).argmax(dim=-1))
+    final_ids = torch.where(greedy, greedy_ids, (final / noise).argmax(dim=-1))
     return RejectionOutput(_emitted(draft_token_ids, num_accepted, final_ids), num_accepted)
+
+
+def _random_draws(
+    num_draft_tokens: Sequence[int],
+    greedy: Sequence[bool],
+    width: int,
+    vocab_size: int,
+    generators: Sequence[torch.Generator | None],
+    fallback: torch.Generator | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms float32 [B, width] and Exp(1) noise float32 [B, V] of the random rows
+    (`_row_draws`); greedy rows get zeros and ones and draw nothing."""
+    batch = len(num_draft_tokens)
+    uniforms = torch.zeros(batch, width, device=device)
+    noise = torch.ones(batch, vocab_size, device=device)
+    random_rows = [b for b in range(batch) if not greedy[b]]
+    if random_rows:
+        u, e = _row_draws(
+            [num_draft_tokens[b] for b in random_rows],
+            vocab_size,
+            [generators[b] for b in random_rows],
+            fallback,
+            device,
+        )
+        idx = to_device(torch.tensor(random_rows, dtype=torch.long), device)
+        uniforms[idx, : u.shape[1]] = u
+        noise[idx] = e
+    return uniforms, noise
 
 
 def _emitted(

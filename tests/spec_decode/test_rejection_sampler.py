@@ -127,7 +127,7 @@ def test_greedy_rows_accept_while_drafts_equal_the_argmax() -> None:
     drafts = argmax[:, :3].clone()
     drafts[1, 1] = (argmax[1, 1] + 1) % 10  # row 1: second draft wrong
     drafts[2, 0] = (argmax[2, 0] + 1) % 10  # row 2: first draft wrong
-    out = rejection_sample(logits, drafts, [3, 3, 3], is_greedy=torch.ones(3, dtype=torch.bool))
+    out = rejection_sample(logits, drafts, [3, 3, 3], is_greedy=[True] * 3)
     assert out.num_accepted.tolist() == [3, 1, 0]
     assert out.token_ids[0].tolist() == argmax[0].tolist()  # all accepted + bonus argmax
     assert out.token_ids[1].tolist() == [argmax[1, 0], argmax[1, 1], -1, -1]
@@ -138,7 +138,7 @@ def test_ragged_rows_and_mixed_greedy() -> None:
     probs = torch.full((3, 4, 5), 0.0)
     probs[..., 2] = 1.0  # the target always emits 2
     drafts = torch.tensor([[2, 2, -1], [2, -1, -1], [-1, -1, -1]])
-    greedy = torch.tensor([False, True, False])
+    greedy = [False, True, False]
     out = rejection_sample(probs, drafts, [2, 1, 0], is_greedy=greedy)
     assert out.num_accepted.tolist() == [2, 1, 0]
     assert out.token_ids.tolist() == [[2, 2, 2, -1], [2, 2, -1, -1], [2, -1, -1, -1]]
