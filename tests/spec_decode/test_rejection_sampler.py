@@ -91,9 +91,15 @@ def _wrong_rejection_sample(target, drafts, draft_probs, seed):
     return out
 
 
-@pytest.mark.parametrize(("k", "one_hot", "seed"), [(2, False, 0), (3, False, 1), (3, True, 2)])
-def test_emitted_tokens_follow_the_target(k: int, one_hot: bool, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("k", "one_hot", "seed", "bad_draft"),
+    [(2, False, 0, False), (3, False, 1, False), (3, True, 2, False), (3, False, 4, True)],
+)
+def test_emitted_tokens_follow_the_target(k: int, one_hot: bool, seed: int, bad_draft) -> None:
     p0, p, q0, q = _markov_chain(seed, VOCAB, concentration=0.7)
+    if bad_draft:  # a deliberately bad draft: always the target's least likely token
+        q0 = torch.nn.functional.one_hot(p0.argmin(), VOCAB).float()
+        q = torch.nn.functional.one_hot(p.argmin(-1), VOCAB).float()
     target, drafts, draft_probs = _speculate_batch(p0, p, q0, q, k, NUM_SAMPLES, seed, one_hot)
     out = rejection_sample(
         target, drafts, [k] * NUM_SAMPLES, draft_probs=draft_probs,
