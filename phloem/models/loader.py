@@ -155,7 +155,8 @@ def load_hf_config(source: ModelSource) -> Any:
     """The transformers config of `source`, with `architectures` set.
 
     Raises:
-        ValueError: if the config names no architecture.
+        ValueError: if the config names no architecture, or has a `quantization_config` phloem
+            cannot run (naming the scheme: before any engine process or weight is started).
     """
     if source.kind == "gguf":
         from phloem.models.gguf_loader import hf_config_from_gguf
@@ -170,6 +171,9 @@ def load_hf_config(source: ModelSource) -> Any:
     config = AutoConfig.from_pretrained(source.path, local_files_only=True, trust_remote_code=False)
     if not getattr(config, "architectures", None):
         raise ValueError(f"{source.path}/config.json has no 'architectures' entry")
+    from phloem.layers.quantization.formats import resolve_quantization
+
+    resolve_quantization(None, config)  # an unsupported quantization_config fails here, early
     return config
 
 
