@@ -64,7 +64,8 @@ def schema(index: int | None, min_items: int, max_items: int) -> dict:
 
 def byte_level_tokenizer_dir(model: str, dest: Path) -> Path:
     """The shipped config plus a byte-level tokenizer of its vocabulary size (see the module
-    docstring): ids 0..255 are the bytes, the rest random printable strings of 2-6 bytes."""
+    docstring): ids 0..255 are the bytes, the rest random printable strings of 2-6 bytes, as a
+    byte-level BPE without merges (the grammar libraries read a WordLevel model's tokens wrong)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -86,7 +87,7 @@ def byte_level_tokenizer_dir(model: str, dest: Path) -> Path:
         if word not in seen:
             seen.add(word)
             tokens.append(word)
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token=tokens[0]))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tokens[eos]).save_pretrained(path)
