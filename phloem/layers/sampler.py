@@ -307,11 +307,10 @@ class Sampler:
     ) -> SampledTokens:
         """`__call__` without waiting: enqueues the sampling and the copy of its results to
         the host; `SampledTokens.tokens` (int64 [B], on the logits' device) can feed the next
-        step's inputs on the device before the host has the ids.
-
-        grammar: (bitmask int32 [R, ceil(V / 32)], row indices int64 [R]) on logits' device:
-        the structured-output rows' allowed tokens (`apply_token_bitmask`), applied to a copy
-        before everything else; the non-finite flags are taken before it (-inf is a mask)."""
+        step's inputs on the device before the host has the ids. grammar: (bitmask int32
+        [R, ceil(V / 32)], row indices int64 [R]) on logits' device:
+        structured-output rows' allowed tokens, applied to a copy first (`apply_token_bitmask`;
+        the non-finite flags are taken before it: its -inf is no model fault)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
