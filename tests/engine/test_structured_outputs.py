@@ -217,3 +217,16 @@ def test_embedded_model_mixed_batch(embedded_llm):
         check_output(kind, spec, out.outputs[0].text)
     alone = embedded_llm.generate(free_prompts, free, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[-2:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_data_parallel_replicas(tiny_llama):
+    """Constraints travel to data-parallel replicas inside the pickled SamplingParams; the parent
+    refuses a bad one before any replica runs."""
+    batch, params, cases = mixed_batch(sampled=True)
+    with LLM(str(tiny_llama), block_size=4, data_parallel_size=2) as llm:
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            llm.generate("x", SamplingParams(structured_outputs={"regex": "(a"}), use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    for (kind, spec, _), out in zip(cases, outs):
+        assert out.outputs[0].finish_reason == "stop"
+        check_output(kind, spec, out.outputs[0].text)
