@@ -16,7 +16,9 @@ CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
 GPU (Llama-3.1-8B shapes, random weights, 1,024 requests x 128 output tokens; goals one-schema
 >= 0.95x, per-request >= 0.85x). Random weights with the shipped synthetic tokenizer (words
 "t<i>") cannot spell JSON, so the script writes a byte-level tokenizer of the same 128,256
-tokens (256 single bytes plus random printable strings) beside the config:
+tokens (256 single bytes plus random printable strings) beside the config; its schema asks for
+at least 200 array items, so every constrained output runs to --output-len (finish "length",
+not parseable: the run measures the cost of constraining, not the outputs):
 
     python benchmarks/structured_outputs.py --model llama-3.1-8b --num-requests 1024 \
         --output-len 128 --out DIR/h100.json
