@@ -193,9 +193,8 @@ class Fp8LinearMethod(LinearMethod):
         """fp32 [T, 1] per-token scales of a row-parallel layer's input x [..., K / tp] (this
         rank's slice): the token's max |x| over every rank's slice (one all-gather of T floats),
         so each rank quantizes its slice exactly as one GPU quantizes the whole row."""
-        amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=1, keepdim=True).float()
-        amax = tp_all_gather(amax, dim=1).amax(dim=1, keepdim=True)
-        return (amax / fp8_math.FP8_MAX).clamp_(min=fp8_math.MIN_SCALE)
+        local = fp8_math.row_scales(x.reshape(-1, x.shape[-1]))  # max |x| / 448 per token
+        return tp_all_gather(local, dim=1).amax(dim=1, keepdim=True)
 
     def weight_scale(self, layer: LinearBase) -> torch.Tensor:
         """The loaded weight scale: fp32 [N], or [N, ceil(K / bk)] while block-scaled."""

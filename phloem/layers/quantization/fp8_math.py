@@ -25,21 +25,33 @@ MIN_SCALE = 1e-12
 SCALED_MM_ALIGNMENT = 16
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (any float dtype) / scale (broadcast), clamped to +-448, as float8_e4m3fn."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def quantize(x: torch.Tensor, scale: torch.Tensor, saturate: bool = True) -> torch.Tensor:
+    """x (any float dtype) / scale (fp32, broadcast), computed in fp32 (x / scale promotes: one
+    kernel, no fp32 copy of x first), as float8_e4m3fn, rounded to nearest even.
+
+    Args:
+        saturate: clamp to +-448 first. Needed for a scale not derived from x (a static one):
+            CUDA's cast turns values of 464 and above into NaN. A scale of max |x| / 448 keeps
+            every quotient within fp32 rounding of 448, which rounds to 448, so dynamic
+            quantization skips the clamp (one pass over the tensor less).
+    """
+    y = x / scale.float()
+    if saturate:
+        y = y.clamp_(-FP8_MAX, FP8_MAX)
+    return y.to(FP8_DTYPE)
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [R, 1] scales of the rows of a 2-D tensor: max |x| over the row / 448."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    """fp32 [R, 1] scales of the rows of a 2-D tensor: max |x| over the row / 448 (one
+    reduction kernel: the inf-norm)."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True).float()
     return (amax / FP8_MAX).clamp_(min=MIN_SCALE)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization of activations x [T, K] -> (fp8 [T, K], fp32 [T, 1])."""
     scale = row_scales(x)
-    return quantize(x, scale), scale
+    return quantize(x, scale, saturate=False), scale
 
 
 def quantize_per_channel(
