@@ -48,6 +48,24 @@ def test_scaled_mm_matches_cpu_reference(m, k, n):
     assert ((ref - exact).abs() <= 2**-8 * exact.abs() + 1e-6).all()  # bf16 output rounding
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("rows", "k"), [(1, 4096), (37, 14336), (300, 5000)])
+def test_triton_per_token_quant_is_bit_exact(dtype, rows, k):
+    """The CUDA quantizer (phloem/ops/fp8_quant.py) gives the CPU's bytes and scales."""
+    from phloem.layers.quantization import fp8_math
+    from phloem.ops.fp8_quant import per_token_quant
+
+    g = torch.Generator(device="cuda").manual_seed(rows + k)
+    x = torch.randn(rows, k, device="cuda", generator=g) * 10 ** torch.empty(
+        rows, 1, device="cuda").uniform_(-4, 4, generator=g)  # fmt: skip
+    x = x.to(dtype)
+    x[0] = 0.0
+    q, scale = per_token_quant(x, fp8_math.MIN_SCALE)
+    ref_q, ref_scale = fp8_math.quantize_per_token(x.cpu())
+    assert torch.equal(scale.cpu(), ref_scale)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+
+
 @needs_fp8
 def test_fp8_layer_runs_scaled_mm_and_block_weights_are_requantized():
     from phloem.layers.linear import MergedColumnLinear

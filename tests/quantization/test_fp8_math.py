@@ -198,3 +198,24 @@ def test_scaled_mm_call_matches_the_reference():
                                fp8_math.fp8_linear_reference(x, w_q, w_s, static).float(),
                                rtol=2e-2, atol=2e-2)  # fmt: skip
     assert not fp8_math.scaled_mm_supported(w_q)  # a CPU weight takes the reference path
+
+
+def test_triton_per_token_quant_matches_the_eager_form(triton_kernels):
+    """The CUDA quantizer (phloem/ops/fp8_quant.py) against `quantize_per_token`: the same
+    scales, and the same bytes but for the Triton interpreter's own fp32 -> e4m3 cast (CPU
+    only: not round-to-nearest-even on ties, carries into the next binade and subnormals), so
+    here at least 95% equal and every value within half of itself: a wrong scale, row or column
+    fails; tests/gpu/test_fp8_gpu.py checks every byte on the GPU."""
+    ops = triton_kernels("phloem.ops.fp8_quant", "_per_token_quant_kernel")
+    torch.manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, k in ((5, 100), (3, 4096), (2, 5000)):
+            x = (torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]).to(dtype)
+            x[0] = 0.0
+            q, scale = ops.per_token_quant(x, fp8_math.MIN_SCALE)
+            ref_q, ref_scale = fp8_math.quantize_per_token(x)
+            assert torch.equal(scale, ref_scale)
+            got, want = q.float(), ref_q.float()
+            assert (got == want).float().mean() > 0.95
+            assert ((got - want).abs() <= 0.5 * want.abs() + 2.0**-8).all()
+            assert (got[0] == 0).all()

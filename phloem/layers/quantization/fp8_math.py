@@ -14,6 +14,8 @@ CUTLASS FP8 tensor-core GEMM, fp32 accumulation).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -49,9 +51,22 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token quantization of activations x [T, K] -> (fp8 [T, K], fp32 [T, 1])."""
+    """Dynamic per-token quantization of activations x [T, K] -> (fp8 [T, K], fp32 [T, 1]).
+    On CUDA one Triton kernel (`phloem.ops.fp8_quant`, the same bytes and scales)."""
+    if x.is_cuda and x.stride(-1) == 1 and _fused_quant() is not None:
+        return _fused_quant()(x, MIN_SCALE)
     scale = row_scales(x)
     return quantize(x, scale, saturate=False), scale
+
+
+@functools.cache
+def _fused_quant():
+    """The Triton per-token quantizer, or None where Triton does not import."""
+    try:
+        from phloem.ops.fp8_quant import per_token_quant
+    except ImportError:
+        return None
+    return per_token_quant
 
 
 def quantize_per_channel(
