@@ -123,7 +123,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     Raises:
         ValueError: `--trace-steps`, `--profile`, `--profile-window` or `--compare` with
             `--data-parallel-size` > 1 (they need one in-process engine), or `--compare` with
-            `--tensor-parallel-size` > 1, before any load.
+            `--tensor-parallel-size` > 1 or an FP8 run, before any load.
     """
     _check_data_parallel(args)
     import torch
@@ -142,6 +142,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     load_format = "dummy" if shipped else engine_args.load_format  # shipped: config only
     precision = gemm_precision(engine_args.quantization, hf_config, load_format)
+    if args.compare and precision == "fp8":
+        raise ValueError("--compare runs transformers on dense weights; not available with FP8")
     # here, on the first visible GPU, in the precision of the run's GEMMs
     ceilings = measure_ceilings(precision=precision) if on_cuda else None
     llm = LLM.from_engine_args(

@@ -68,3 +68,5 @@ def test_bench_throughput_with_quantization_fp8_on_cpu(tmp_path):
     assert main([*args, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["engine"]["quantization"] == "fp8" and r["output_tokens"] == 8
+    with pytest.raises(ValueError, match="--compare .* FP8"):
+        main([*args, "--compare", "transformers"])
