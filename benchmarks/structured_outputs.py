@@ -111,18 +111,19 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens [tokens]")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
     parser.add_argument("--skip-per-request", action="store_true")
+    parser.add_argument("--backend", default="llguidance", help="structured_outputs_backend")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
     n, rng = args.num_requests, random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:  # the embedded model: real text prompts, real JSON
-            llm = LLM()
+            llm = LLM(structured_outputs_backend=args.backend)
             words = ["Describe", "a", "record", "as", "JSON", "for", "the", "archive", "entry"]
             prompts = [" ".join(rng.choices(words, k=12)) + f" #{i}:" for i in range(n)]
             min_items, max_items = 1, 4
         else:
             path = byte_level_tokenizer_dir(args.model, Path(tmp) / "model")
-            llm = LLM(str(path), load_format="dummy")
+            llm = LLM(str(path), load_format="dummy", structured_outputs_backend=args.backend)
             vocab = llm.llm_engine.hf_config.vocab_size
             prompts = [{"prompt_token_ids": [rng.randrange(256, vocab)
                                              for _ in range(args.prompt_len)]} for _ in range(n)]  # fmt: skip
@@ -133,7 +134,7 @@ def main() -> None:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=warm), use_tqdm=False)  # fmt: skip
         library_s = time.perf_counter() - start
         one = StructuredOutputsParams(json=schema(None, min_items, max_items))
-        result: dict = {"model": args.model or "embedded", "num_requests": n,
+        result: dict = {"model": args.model or "embedded", "backend": args.backend, "num_requests": n,
                         "output_len": args.output_len, "machine": platform.machine(),
                         "cpus": os.cpu_count(), "grammar_library_load_s": library_s}  # fmt: skip
         cons = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.output_len,

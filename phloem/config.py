@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("NHD", "HND")
 QUANTIZATIONS = ("fp8",)  # `ModelConfig.quantization` (None: the checkpoint's own)
+STRUCTURED_OUTPUT_BACKENDS = ("llguidance", "xgrammar")  # `StructuredOutputsConfig.backend`
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -223,6 +224,22 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (constrained decoding, `phloem.structured_output`).
+
+    Attributes:
+        backend: the grammar library: "llguidance" (compiles a schema in about a millisecond,
+            masks on the fly) or "xgrammar" (precomputes token masks per grammar: ~0.4 s a
+            schema); both accept the same constraints.
+    """
+
+    backend: str = "llguidance"
+
+    def validate(self) -> None:
+        _one_of("structured_outputs_backend", self.backend, STRUCTURED_OUTPUT_BACKENDS)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; `seed` seeds the sampler for requests without their own."""
 
@@ -231,11 +248,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
+        self.structured_outputs.validate()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -24,11 +24,13 @@ from phloem.config import (
     KV_LAYOUTS,
     LOAD_FORMATS,
     QUANTIZATIONS,
+    STRUCTURED_OUTPUT_BACKENDS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from phloem.core.replica_partition import DATA_PARALLEL_ROUTINGS
 
@@ -191,6 +193,11 @@ class EngineArgs:
         "split the model over this many ranks (Megatron-LM tensor parallelism): one CUDA "
         "device each, or CPU processes; the engine starts the worker processes itself",
     )
+    structured_outputs_backend: str = _arg(
+        StructuredOutputsConfig.backend,
+        "grammar library of structured outputs (structured_outputs, response_format, guided_*)",
+        choices=STRUCTURED_OUTPUT_BACKENDS,
+    )
 
     # -- keyword arguments ----------------------------------------------------------------------
 
@@ -318,6 +325,7 @@ class EngineArgs:
             ),
             seed=self.seed,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend),
         )
         config.validate()
         return config

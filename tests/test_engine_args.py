@@ -38,6 +38,7 @@ OTHER_VALUES = {
     "kv_layout": "HND", "cache_dir": "/tmp/x", "data_parallel_size": 2,
     "data_parallel_routing": "contiguous",
     "tensor_parallel_size": 2, "max_prefill_tokens_per_step": 256, "quantization": "fp8",
+    "structured_outputs_backend": "xgrammar",
 }  # fmt: skip
 
 

@@ -74,7 +74,7 @@ class LLMEngine:
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
         self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
-                                            self.hf_config.vocab_size)  # fmt: skip
+            self.hf_config.vocab_size, config.structured_outputs.backend)  # fmt: skip
 
     @property
     def stream_outputs(self) -> bool:

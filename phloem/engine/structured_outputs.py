@@ -30,7 +30,8 @@ def default_num_threads() -> int:
 
 class StructuredOutputs:
     """Args: scheduler: the engine's (requests fail or stop through it); tokenizer, eos_token_id,
-    vocab_size: the model's (for the grammar library's tokenizer info); num_compile_threads:
+    vocab_size: the model's (for the grammar library's tokenizer info); backend: the grammar
+    library (`StructuredOutputsConfig.backend`); num_compile_threads:
     threads compiling grammars and filling bitmasks (the library releases the GIL in both;
     default `default_num_threads()`)."""
 
@@ -40,20 +41,28 @@ class StructuredOutputs:
         tokenizer,
         eos_token_id: int | None,
         vocab_size: int,
+        backend: str = "llguidance",
         num_compile_threads: int | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.backend = backend
         self._tokenizer_args = (tokenizer, vocab_size, eos_token_id)  # tokenizer_data's
         self._num_threads = num_compile_threads or default_num_threads()
         self.manager: StructuredOutputManager | None = None
 
-    @staticmethod
-    def check(params: SamplingParams, tensor_parallel_size: int) -> None:
+    def check(self, params: SamplingParams, tensor_parallel_size: int) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
-        engine: not yet under tensor parallelism (every rank would need the bitmask). Whether it
-        compiles is `input_checks.check_params`'s."""
-        if params.structured_outputs is not None and tensor_parallel_size > 1:
+        engine: it does not compile with this engine's backend (`input_checks.check_params`
+        checked the default one), or the engine is tensor-parallel (not yet: every rank would
+        need the bitmask)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if tensor_parallel_size > 1:
             raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
+        from phloem.structured_output import validate_constraint
+
+        validate_constraint(constraint, self.backend)
 
     def register(self, seq_id: str, params: SamplingParams) -> None:
         """Start compiling a new sequence's constraint, if it has one (in the background)."""
@@ -63,7 +72,8 @@ class StructuredOutputs:
         if self.manager is None:
             from phloem.structured_output import make_backend, tokenizer_data
 
-            backend = make_backend(tokenizer_data(*self._tokenizer_args), self._num_threads)
+            data = tokenizer_data(*self._tokenizer_args)
+            backend = make_backend(data, self._num_threads, self.backend)
             self.manager = StructuredOutputManager(
                 backend, self._tokenizer_args[1], self._num_threads
             )

@@ -11,26 +11,29 @@ request asks for a constraint."""
 
 from __future__ import annotations
 
+from phloem.config import STRUCTURED_OUTPUT_BACKENDS, StructuredOutputsConfig
 from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import GrammarBackend, TokenizerData
 
-_VERDICTS: dict[tuple[str, str], str | None] = {}  # constraint key -> error message (None: ok)
+DEFAULT_BACKEND = StructuredOutputsConfig.backend
+# (backend, constraint key) -> error message (None: compiles)
+_VERDICTS: dict[tuple[str, tuple[str, str]], str | None] = {}
 _MAX_VERDICTS = 4096
 
 
-def validate_constraint(params: StructuredOutputsParams) -> None:
-    """Check that the constraint compiles (without a tokenizer), caching the verdict by
-    constraint, so a batch under one schema checks it once.
+def validate_constraint(params: StructuredOutputsParams, backend: str = DEFAULT_BACKEND) -> None:
+    """Check that the constraint compiles with `backend` (without a tokenizer), caching the
+    verdict by constraint, so a batch under one schema checks it once.
 
     Raises:
         ValueError: naming the field (`structured_outputs.json`, ...) and the library's reason.
     """
-    key = params.key()
+    key = (backend, params.key())
     if key not in _VERDICTS:
         if len(_VERDICTS) >= _MAX_VERDICTS:
             _VERDICTS.clear()
         try:
-            backend_class(DEFAULT_BACKEND).validate(params)
+            backend_class(backend).validate(params)
             _VERDICTS[key] = None
         except ValueError as e:
             _VERDICTS[key] = str(e)
@@ -53,15 +56,11 @@ def tokenizer_data(tokenizer, vocab_size: int, eos_token_id: int | None) -> Toke
     return TokenizerData(tokenizer, vocab_size, stop)
 
 
-BACKENDS = ("llguidance", "xgrammar")
-DEFAULT_BACKEND = "llguidance"
-
-
 def backend_class(name: str) -> type[GrammarBackend]:
     """The backend class called `name` (imported lazily).
 
     Raises:
-        ValueError: an unknown name (the known ones are `BACKENDS`).
+        ValueError: an unknown name (the known ones are `config.STRUCTURED_OUTPUT_BACKENDS`).
     """
     if name == "llguidance":
         from phloem.structured_output.llguidance_backend import LLGuidanceBackend
@@ -71,7 +70,9 @@ def backend_class(name: str) -> type[GrammarBackend]:
         from phloem.structured_output.xgrammar_backend import XGrammarBackend
 
         return XGrammarBackend
-    raise ValueError(f"structured-output backend must be one of {BACKENDS}, got {name!r}")
+    raise ValueError(
+        f"structured-output backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, got {name!r}"
+    )
 
 
 def make_backend(

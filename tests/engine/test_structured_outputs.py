@@ -230,3 +230,19 @@ def test_data_parallel_replicas(tiny_llama):
     for (kind, spec, _), out in zip(cases, outs):
         assert out.outputs[0].finish_reason == "stop"
         check_output(kind, spec, out.outputs[0].text)
+
+
+def test_xgrammar_backend(tiny_llama):
+    """The other grammar library behind the same interface (`structured_outputs_backend`)."""
+    llm = LLM(
+        str(tiny_llama), block_size=4, max_num_batched_tokens=32,
+        structured_outputs_backend="xgrammar",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        llm.llm_engine.validate_params(SamplingParams(structured_outputs={"json": {"type": "x"}}))
+    batch, params, cases = mixed_batch(sampled=True)
+    outs = generate(llm, batch, params)
+    assert llm.llm_engine.structured.manager.backend.name == "xgrammar"
+    for (kind, spec, _), out in zip(cases, outs):
+        assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
+        check_output(kind, spec, out.outputs[0].text)
