@@ -4,7 +4,8 @@ own process (the driver). Spawned with `multiprocessing`'s spawn context, no tor
 Each rank process joins the group, builds its `Worker` (its shards of the weights, its KV heads'
 cache) and then runs the steps the driver sends over its pipe, in the driver's order:
 
-    driver -> rank: `step_codec` bytes: ("step", step_no, collected) + SchedulerOutput | ("stop",)
+    driver -> rank: `step_codec` bytes: ("step", step_no, collected) + SchedulerOutput |
+        ("sample", step_no, GrammarBitmask) (a structured-output step's sampling) | ("stop",)
     rank -> driver: ("joining", pid) | ("ready", num_blocks) | ("error", traceback text)
 
 `collected` lists the driver's step numbers collected since its last message, so a rank collects
@@ -111,6 +112,9 @@ def _serve(worker, conn) -> None:
 
                 destroy_tensor_parallel()
                 return
+            if header[0] == "sample":  # a constrained step's sampling, with its bitmask
+                runner.sample(handles.get(header[1]), header[2])
+                continue
             _, step_no, collected = header
             for no in collected:
                 runner.collect(handles.pop(no, None))

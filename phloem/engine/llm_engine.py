@@ -241,7 +241,7 @@ class LLMEngine:
     def validate_params(self, sampling_params: SamplingParams) -> None:
         """ValueError naming the field: `input_checks.check_params`, `StructuredOutputs.check`."""
         check_params(sampling_params, self.hf_config.vocab_size)
-        self.structured.check(sampling_params, self.config.parallel.tensor_parallel_size)
+        self.structured.check(sampling_params)
 
     @property
     def num_computed_prompt_tokens(self) -> int:

@@ -50,16 +50,14 @@ class StructuredOutputs:
         self._num_threads = num_compile_threads or default_num_threads()
         self.manager: StructuredOutputManager | None = None
 
-    def check(self, params: SamplingParams, tensor_parallel_size: int) -> None:
+    def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
         engine: it does not compile with this engine's backend (`input_checks.check_params`
-        checked the default one), or the engine is tensor-parallel (not yet: every rank would
-        need the bitmask)."""
+        checked the default one). Any tensor-parallel size: every rank samples under the same
+        bitmask (`TensorParallelExecutor.sample`)."""
         constraint = params.structured_outputs
         if constraint is None:
             return
-        if tensor_parallel_size > 1:
-            raise ValueError("structured_outputs is not supported with tensor_parallel_size > 1")
         from phloem.structured_output import validate_constraint
 
         validate_constraint(constraint, self.backend)

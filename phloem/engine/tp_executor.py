@@ -43,6 +43,7 @@ from phloem.distributed.worker_process import (
     stop_ranks,
 )
 from phloem.engine.executor import Executor
+from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -144,10 +145,17 @@ class TensorParallelExecutor(Executor):
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)
 
-    def sample(self, launched: _Handle, grammar) -> None:
-        """Not yet: every rank would need the bitmask (the engine refuses structured outputs
-        under tensor parallelism, `LLMEngine.validate_params`)."""
-        raise RuntimeError("structured outputs are not supported with tensor_parallel_size > 1")
+    def sample(self, launched: _Handle, grammar: GrammarBitmask) -> None:
+        """Sample a launched constrained step on every rank under the same grammar bitmask (a
+        "sample" message, in pipe order before the next step), so the ranks' tokens agree."""
+        self._check_open()
+        payload = encode_step(("sample", launched.step_no, grammar), SchedulerOutput())
+        try:
+            for r in self._group.ranks:
+                r.conn.send_bytes(payload)
+            self.worker.model_runner.sample(launched.inner, grammar)
+        except Exception as e:
+            raise self._fail(e) from e
 
     def shutdown(self) -> None:
         """Stop the rank processes and leave the process group (idempotent)."""

@@ -246,3 +246,18 @@ def test_xgrammar_backend(tiny_llama):
     for (kind, spec, _), out in zip(cases, outs):
         assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
         check_output(kind, spec, out.outputs[0].text)
+
+
+def test_tensor_parallel_ranks_sample_under_the_same_bitmask(tiny_llama):
+    """TP = 2 on gloo: every rank applies the step's bitmask (a "sample" message), so the
+    constrained and unconstrained outputs, greedy and seeded, equal TP = 1's token for token."""
+    batch, params, cases = mixed_batch(sampled=True)
+    tokens = {}
+    for size in (1, 2):
+        with LLM(str(tiny_llama), block_size=4, max_num_batched_tokens=32,
+                 tensor_parallel_size=size, dtype="float32") as llm:  # fmt: skip
+            outs = generate(llm, batch, params)
+        tokens[size] = [o.outputs[0].token_ids for o in outs]
+        for (kind, spec, _), out in zip(cases, outs):
+            check_output(kind, spec, out.outputs[0].text)
+    assert tokens[2] == tokens[1]
