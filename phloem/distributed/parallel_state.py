@@ -107,8 +107,9 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
         device_id=device,
     )
     small = None
-    if backend == "nccl" and all_reduce_choice()[0] == "symm_mem":
-        small = OneShotAllReduce(dist.group.WORLD, device, all_reduce_choice()[1])
+    choice, max_bytes = all_reduce_choice()
+    if backend == "nccl" and choice == "symm_mem":
+        small = OneShotAllReduce(dist.group.WORLD, device, max_bytes)
     _state = TensorParallelState(rank, size, dist.group.WORLD, backend, small)
 
 

@@ -79,7 +79,8 @@ class OneShotAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of `x` (any shape, `fits`), as a new tensor of its shape and
-        dtype; `x` is not modified. CUDA-graph capturable (the barrier is on the device)."""
+        dtype; `x` is not modified. Its barrier is on the device, so decode CUDA graphs capture it
+        (tests/distributed/test_tp_gpu.py checks that on two GPUs; not yet run there)."""
         out = torch.empty_like(x)
         flat = x.view(-1)
         slot = self.buffer.view(x.dtype)[: flat.numel()]
