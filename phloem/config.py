@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # The accepted values of the engine's string settings, listed once: `validate()`, the CLI's
 # `choices` (`phloem.engine_args`) and the attention-backend factory read these.
@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("NHD", "HND")
 QUANTIZATIONS = ("fp8",)  # `ModelConfig.quantization` (None: the checkpoint's own)
 STRUCTURED_OUTPUT_BACKENDS = ("llguidance", "xgrammar")  # `StructuredOutputsConfig.backend`
+SPECULATIVE_METHODS = ("ngram", "suffix")  # `SpeculativeConfig.method`
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -240,6 +241,95 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`phloem.spec_decode`; vLLM's `speculative_config` names).
+
+    Attributes:
+        method: the draft proposer: "ngram" (prompt lookup in the request's own tokens) or
+            "suffix" (SuffixDecoding tries over the request's and the batch's tokens).
+        num_speculative_tokens: the most drafts a request verifies per step (k) [tokens], >= 1.
+        prompt_lookup_min, prompt_lookup_max: "ngram": the shortest and longest suffix matched
+            [tokens], 1 <= min <= max.
+        suffix_decoding_max_tree_depth: "suffix": the tries' depth [tokens], >= 2.
+        suffix_decoding_max_spec_factor: "suffix": drafts per matched token, > 0.
+        suffix_decoding_min_token_prob: "suffix": a draft stops below this path probability,
+            in (0, 1].
+        use_cost_rule: decide per step and request how many drafts pay (`spec_decode.cost_rule`;
+            0 on large batches or low acceptance); False always verifies every draft offered.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 32
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    use_cost_rule: bool = True
+
+    @classmethod
+    def from_dict(cls, values: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """The config of `LLM(speculative_config={...})` / `--speculative-config JSON`; None
+        stays None. Raises ValueError naming an unknown key (or a non-dict value)."""
+        if values is None or isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {unknown}; known: {sorted(names)}"
+            )
+        return cls(**values)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field out of range."""
+        _one_of("speculative_config.method", self.method, SPECULATIVE_METHODS)
+        _positive("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
+        _positive("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
+        if not isinstance(self.prompt_lookup_max, int) or (
+            self.prompt_lookup_max < self.prompt_lookup_min
+        ):
+            raise ValueError(
+                "speculative_config.prompt_lookup_max must be an integer >= prompt_lookup_min "
+                f"({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}"
+            )
+        depth = self.suffix_decoding_max_tree_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_tree_depth must be an integer >= 2, "
+                f"got {depth!r}"
+            )
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ValueError(
+                "speculative_config.suffix_decoding_max_spec_factor must be > 0, "
+                f"got {self.suffix_decoding_max_spec_factor!r}"
+            )
+        if not 0 < self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(
+                "speculative_config.suffix_decoding_min_token_prob must lie in (0, 1], "
+                f"got {self.suffix_decoding_min_token_prob!r}"
+            )
+
+    def proposer_config(self):
+        """The proposer's own settings (`NgramConfig` or `SuffixConfig`); imports lazily."""
+        if self.method == "ngram":
+            from phloem.spec_decode.ngram_proposer import NgramConfig
+
+            return NgramConfig(self.prompt_lookup_min, self.prompt_lookup_max)
+        from phloem.spec_decode.suffix_proposer import SuffixConfig
+
+        depth = self.suffix_decoding_max_tree_depth
+        return SuffixConfig(
+            max_depth=depth,
+            max_pattern_len=max(1, min(16, depth - 1)),
+            spec_factor=self.suffix_decoding_max_spec_factor,
+            min_token_prob=self.suffix_decoding_min_token_prob,
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; `seed` seeds the sampler for requests without their own."""
 
@@ -249,6 +339,7 @@ class EngineConfig:
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def validate(self) -> None:
         self.model.validate()
@@ -256,5 +347,7 @@ class EngineConfig:
         self.scheduler.validate()
         self.parallel.validate()
         self.structured_outputs.validate()
+        if self.speculative is not None:
+            self.speculative.validate()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from phloem.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from phloem.core.replica_partition import DATA_PARALLEL_ROUTINGS
@@ -198,6 +200,12 @@ class EngineArgs:
         "grammar library of structured outputs (structured_outputs, response_format, guided_*)",
         choices=STRUCTURED_OUTPUT_BACKENDS,
     )
+    speculative_config: dict | None = _arg(
+        None,
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
+        '(method ngram or suffix; see SpeculativeConfig for the other keys)',
+        type=json.loads,
+    )
 
     # -- keyword arguments ----------------------------------------------------------------------
 
@@ -326,6 +334,7 @@ class EngineArgs:
             seed=self.seed,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend),
+            speculative=SpeculativeConfig.from_dict(self.speculative_config),
         )
         config.validate()
         return config

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 
 import pytest
 
@@ -39,6 +40,7 @@ OTHER_VALUES = {
     "data_parallel_routing": "contiguous",
     "tensor_parallel_size": 2, "max_prefill_tokens_per_step": 256, "quantization": "fp8",
     "structured_outputs_backend": "xgrammar",
+    "speculative_config": {"method": "suffix", "num_speculative_tokens": 3},
 }  # fmt: skip
 
 
@@ -74,7 +76,8 @@ def test_each_flag_sets_its_field(name):
         return
     value = OTHER_VALUES[name]
     assert value != f.default
-    args = EngineArgs.from_cli_args(_engine_parser().parse_args([flag, str(value)]))
+    text = json.dumps(value) if isinstance(value, dict) else str(value)
+    args = EngineArgs.from_cli_args(_engine_parser().parse_args([flag, text]))
     assert args == dataclasses.replace(EngineArgs(), **{name: value})
 
 
