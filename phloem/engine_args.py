@@ -203,7 +203,7 @@ class EngineArgs:
     speculative_config: dict | None = _arg(
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
-        '(method ngram or suffix; see SpeculativeConfig for the other keys)',
+        "(method ngram or suffix; see SpeculativeConfig for the other keys)",
         type=json.loads,
     )
 
