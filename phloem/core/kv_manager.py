@@ -223,6 +223,20 @@ class KVManager:
         if table:
             self.allocator.decref(reversed(table))
 
+    def trim(self, request: Request) -> None:
+        """Drop the request's blocks past the one holding its last computed token (the slots of
+        rejected draft tokens, speculative decoding): they are the request's own fresh blocks
+        (shared and cached blocks hold computed tokens only), so each goes back to the pool.
+        Mutates its block table and `num_sent_blocks` (the worker trims its copy by the same
+        rule, `cdiv(num_computed_tokens, block_size)` blocks kept)."""
+        table = self._block_tables.get(request.request_id)
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        self.allocator.decref(reversed(table[keep:]))
+        del table[keep:]
+        request.num_sent_blocks = min(request.num_sent_blocks, keep)
+
     def check_integrity(self, live_requests: list[Request] | None = None) -> None:
         """Assert: every block's ref count == the number of its holders (block tables, held
         shared prefixes, the radix cache), and every table covers its computed tokens."""

@@ -14,6 +14,14 @@ With async scheduling, a token sampled by a step still on the device is *pending
 `num_tokens` (so the next step can be scheduled to compute it) but not yet in `output_token_ids`:
 
     |---------------- num_known_tokens ----------------|-- num_pending_tokens --|
+
+Speculative decoding: the engine sets `draft_token_ids` before `schedule()`; a decoding request
+computes its last token and the drafts in one step (`ScheduledSequence.draft_token_ids`), and
+its update appends the accepted drafts plus one token, rolling `num_computed_tokens` back past
+the rejected ones. Drafts are never part of the history:
+
+    |-- computed --|-- last token, d_1 .. d_k (this step) --|
+                    after: |-- last, d_1..d_a --| computed, then one new token (no KV yet)
 """
 
 from __future__ import annotations
@@ -123,6 +131,8 @@ class Request:
         stop_reason: the stop string or stop token id that finished it, if any.
         num_sent_blocks: entries of its block table the worker has been sent (the scheduler
             sends the rest as `ScheduledSequence.new_block_ids`) [blocks].
+        draft_token_ids: drafts the engine proposed for its next step (speculative decoding);
+            the scheduler takes them (or drops them) when it schedules the request [tokens].
         table_prefix: the scheduler's cache of (its group's `block_ids` when worked out,
             `prefix_len`, `group_id`) for its current block table (None: not worked out since
             the table was made).
@@ -142,6 +152,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_sent_blocks: int = 0
+    draft_token_ids: list[int] = field(default_factory=list, repr=False)
     table_prefix: tuple[list[int] | None, int, int] | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False, repr=False)
 
@@ -175,3 +186,21 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.num_pending_tokens:
             self.num_pending_tokens -= 1
+
+
+def table_prefix(group: SharedPrefix, block_ids: list[int]) -> tuple[list[int] | None, int, int]:
+    """(the group's `block_ids` now, `prefix_len`, `group_id`) of a scheduled sequence of
+    `group`: the group's when the table starts with the group's held blocks, else 0 and -1.
+    Stays true for the table while the group holds the same blocks (`Request.table_prefix`).
+
+    Comparing the first and the last prefix block is enough: a table holds a group's block at
+    the same index only by attaching the group's blocks (or a radix-cache path through them,
+    which fixes every block before it), never by a fresh allocation.
+    """
+    held = group.block_ids
+    if held is None:
+        return None, 0, -1
+    n = len(held)
+    if len(block_ids) >= n and block_ids[n - 1] == held[-1] and block_ids[0] == held[0]:
+        return held, group.prefix_len, group.group_id
+    return held, 0, -1

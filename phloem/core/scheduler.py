@@ -29,14 +29,15 @@ the message in `failed_requests` for the engine to report); the step goes on for
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from phloem.config import SchedulerConfig
 from phloem.core.admission import Admission
 from phloem.core.arrival_groups import ArrivalGroups
+from phloem.core.draft_tokens import NO_DRAFTS, apply_verified, take_drafts
 from phloem.core.kv_manager import KVManager
 from phloem.core.prefix_groups import PrefixGroups
-from phloem.core.request import Request, RequestStatus, SharedPrefix
+from phloem.core.request import Request, RequestStatus, table_prefix
 from phloem.core.scheduler_output import (
     NO_BLOCKS,
     NewSequenceData,
@@ -46,6 +47,7 @@ from phloem.core.scheduler_output import (
 from phloem.core.stop_checker import check_stop
 
 NO_TABLE: list[int] = []  # the table of a request without blocks (never mutated)
+NO_ACCEPTED: Mapping[str, int] = {}  # a step without drafts (never mutated)
 
 __all__ = ["NewSequenceData", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
@@ -88,6 +90,9 @@ class Scheduler:
             self.arrival_groups = ArrivalGroups(kv_manager)
         # request id -> error message of requests failed alone since the engine last took them
         self.failed_requests: dict[str, str] = {}
+        # seq id -> tokens the last update appended, for the requests that verified drafts
+        # (every other updated request got exactly one)
+        self.num_new_tokens: dict[str, int] = {}
 
     # -- queue management -------------------------------------------------------------------
 
@@ -207,6 +212,12 @@ class Scheduler:
                 prefill -= max(num_new, 0)
             if num_new <= 0:
                 continue
+            drafts = NO_DRAFTS
+            if request.draft_token_ids:  # speculative decoding: verify them in this step
+                drafts = take_drafts(
+                    request, num_new, budget - (len(running) - index), max_model_len
+                )
+                num_new += len(drafts)
             block_ids = tables.get(request.request_id, NO_TABLE)
             if len(block_ids) * block_size < num_computed + num_new:
                 if not kv.allocate_slots(request, num_new) and not self._preempt_until_allocated(
@@ -218,7 +229,7 @@ class Scheduler:
             if len(block_ids) > request.num_sent_blocks:
                 new_blocks = block_ids[request.num_sent_blocks :]
                 request.num_sent_blocks = len(block_ids)
-            sample = num_computed + num_new == num_tokens
+            sample = num_computed + num_new >= num_tokens  # (> with drafts)
             group = request.shared_prefix
             if group is None:
                 scheduled = ScheduledSequence(
@@ -227,11 +238,13 @@ class Scheduler:
             else:
                 cached = request.table_prefix
                 if cached is None or cached[0] is not group.block_ids:
-                    cached = request.table_prefix = _table_prefix(group, block_ids)
+                    cached = request.table_prefix = table_prefix(group, block_ids)
                 scheduled = ScheduledSequence(
                     request.request_id, num_computed, num_new, sample, new_blocks, cached[1],
                     cached[2],
                 )  # fmt: skip
+            if drafts:
+                scheduled.draft_token_ids = drafts
             request.num_computed_tokens = num_computed + num_new
             if sample:
                 request.num_pending_tokens = pending + 1
@@ -358,7 +371,7 @@ class Scheduler:
             ),
         )
         if request.shared_prefix is not None:
-            request.table_prefix = _table_prefix(request.shared_prefix, block_ids)
+            request.table_prefix = table_prefix(request.shared_prefix, block_ids)
             scheduled.prefix_len, scheduled.group_id = request.table_prefix[1:]
         output.scheduled.append(scheduled)
 
@@ -378,17 +391,24 @@ class Scheduler:
     # -- after the model ran ----------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        num_accepted_drafts: Mapping[str, int] = NO_ACCEPTED,
     ) -> list[Request]:
         """Apply a step the worker ran (each output of `schedule` once, in order): count its
         prompt tokens, append each sampled token (a pending one stops being pending) to the
-        request objects that were scheduled, and apply the token stop rules. Returns the
-        requests that got a new token this step (finished ones included).
+        request objects that were scheduled, and apply the token stop rules. A request that
+        verified drafts gets its first `num_accepted_drafts[seq id]` drafts, then its sampled
+        token, the stop rules after each (a stop drops the rest), and its rejected drafts'
+        KV rolled back (`draft_tokens.apply_verified`); `num_new_tokens` says how many it got. Returns
+        the requests that got new tokens this step (finished ones included).
 
         Raises:
             KeyError: if a request that had to sample is missing from `sampled_token_ids`.
         """
         updated: list[Request] = []
+        self.num_new_tokens = {}
         entry = self._unapplied.pop(id(output), None)
         if entry is None:
             return updated  # an empty step, or one dropped by `forget_unapplied`
@@ -411,9 +431,15 @@ class Scheduler:
                     self.kv.cache_prompt_blocks(request)
             if not scheduled.sample:
                 continue
-            request.append_output_token(sampled_token_ids[request.request_id])
+            token_id = sampled_token_ids[request.request_id]
             try:
-                status = check_stop(request, max_model_len)
+                if scheduled.draft_token_ids:
+                    status, self.num_new_tokens[request.request_id] = apply_verified(
+                        request, scheduled, token_id, num_accepted_drafts, self.kv, max_model_len
+                    )
+                else:
+                    request.append_output_token(token_id)
+                    status = check_stop(request, max_model_len)
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
                 self.fail_request(request, e)
                 continue
@@ -472,21 +498,3 @@ class Scheduler:
             r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting
         )
         self.kv.check_integrity(live)
-
-
-def _table_prefix(group: SharedPrefix, block_ids: list[int]) -> tuple[list[int] | None, int, int]:
-    """(the group's `block_ids` now, `prefix_len`, `group_id`) of a scheduled sequence of
-    `group`: the group's when the table starts with the group's held blocks, else 0 and -1.
-    Stays true for the table while the group holds the same blocks (`Request.table_prefix`).
-
-    Comparing the first and the last prefix block is enough: a table holds a group's block at
-    the same index only by attaching the group's blocks (or a radix-cache path through them,
-    which fixes every block before it), never by a fresh allocation.
-    """
-    held = group.block_ids
-    if held is None:
-        return None, 0, -1
-    n = len(held)
-    if len(block_ids) >= n and block_ids[n - 1] == held[-1] and block_ids[0] == held[0]:
-        return held, group.prefix_len, group.group_id
-    return held, 0, -1

@@ -19,6 +19,11 @@ Per scheduled sequence b, positions [num_computed_tokens, num_computed_tokens + 
 
     |-- computed (KV cached) --|-- this step: num_tokens --|-- later --|
     |-- prefix_len (group's shared blocks) --|
+
+A sequence verifying drafts (speculative decoding) computes its last known token and its k
+drafts: num_tokens = 1 + k, and the step scores all 1 + k positions:
+
+    |-- computed --|-- last token | d_1 ... d_k --|
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class ScheduledSequence:
         group_id: the runtime prefix group (`SharedPrefix.group_id`) those blocks belong to, -1
             when `prefix_len` is 0.
         new_sequence: set the step it is admitted (the worker builds its state from it).
+        draft_token_ids: the drafts this step verifies (speculative decoding; `sample` is
+            set, `num_tokens` = 1 + len(draft_token_ids)); empty: none.
     """
 
     seq_id: str
@@ -77,6 +84,7 @@ class ScheduledSequence:
     prefix_len: int = 0
     group_id: int = -1
     new_sequence: NewSequenceData | None = None
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
