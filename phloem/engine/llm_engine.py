@@ -34,8 +34,10 @@ from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.prompt_entry import OutputMode, PromptEntry, SequenceEntry, StepOutput
 from phloem.engine.step_observer import LaunchedStep, StepObserver
 from phloem.engine.structured_outputs import StructuredOutputs
+from phloem.engine.token_updates import apply_tokens
 from phloem.outputs import RequestMetrics
 from phloem.sampling_params import SamplingParams
+from phloem.spec_decode.drafter import Drafter, device_type, step_time_model
 
 if TYPE_CHECKING:
     from phloem.engine.executor import Executor
@@ -75,6 +77,11 @@ class LLMEngine:
         self._step_observers: list[StepObserver] = []
         self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
             self.hf_config.vocab_size, config.structured_outputs.backend)  # fmt: skip
+        self.drafter: Drafter | None = None  # speculative decoding (`spec_decode/drafter.py`)
+        if config.speculative is not None:
+            model = step_time_model(self.hf_config, device_type(config.model.device))
+            budget = self.scheduler_config.max_num_batched_tokens
+            self.drafter = Drafter(config.speculative, model, budget)
 
     @property
     def stream_outputs(self) -> bool:
@@ -284,6 +291,8 @@ class LLMEngine:
         for seq in entry.sequences:
             self._sequences.pop(seq.request.request_id, None)
             self.structured.forget(seq.request.request_id)
+            if self.drafter is not None:
+                self.drafter.finish(seq.request.request_id)
 
     def is_unfinished(self, request_id: str) -> bool:
         """True while the prompt `request_id` is queued or running."""
@@ -313,11 +322,11 @@ class LLMEngine:
             schedule(N+1) -> launch(N+1) -> collect(N) -> update(N) -> outputs of N
         """
         start = time.perf_counter()
+        outputs = self._propose_drafts() if self.drafter is not None else []
         scheduler_output = self.scheduler.schedule()
         self.structured.mark(scheduler_output)
-        outputs = []
         if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
-            outputs = self._finish_in_flight()  # penalties read the step before's tokens
+            outputs += self._finish_in_flight()  # penalties read the step before's tokens
         launched = self._launch(scheduler_output, time.perf_counter() - start)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
@@ -328,6 +337,24 @@ class LLMEngine:
             outputs += self._finish_in_flight()  # synchronous: collect right after launch
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
+        return outputs
+
+    def _propose_drafts(self) -> list[StepOutput]:
+        """Speculative decoding, before `schedule()`: collect the step in flight first when it
+        verified drafts (its requests' positions depend on what it accepted) or when the next
+        step may draft (drafts need every known token), then let the drafter set the running
+        requests' drafts. Async overlap thus stays only on steps that cannot draft."""
+        assert self.drafter is not None
+        running, flight = self.scheduler.running, self._in_flight
+        may_draft = self.drafter.may_draft(running)
+        outputs: list[StepOutput] = []
+        if flight is not None and (
+            may_draft or any(s.draft_token_ids for s in flight.scheduler_output.scheduled)
+        ):
+            outputs = self._finish_in_flight()
+        if may_draft and self._in_flight is None:
+            grammars = self.structured.manager
+            self.drafter.propose(running, blocked=bool(grammars and grammars.num_live))
         return outputs
 
     def add_step_observer(self, fn: StepObserver) -> None:
@@ -361,9 +388,12 @@ class LLMEngine:
         runner_output = self.executor.collect(launched.handle)
         collected = time.perf_counter()
         scheduler_output = launched.scheduler_output
+        accepted = runner_output.num_accepted_drafts
         updated = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids
+            scheduler_output, runner_output.sampled_token_ids, accepted
         )
+        if accepted and self.drafter is not None:
+            self.drafter.observe(scheduler_output, accepted)
         self.structured.advance(updated)
         outputs = self._process_outputs(scheduler_output, updated, runner_output)
         if self._step_observers:
@@ -394,7 +424,9 @@ class LLMEngine:
             failed_prompts.update(
                 sequences[s].prompt_id for s in scheduler.failed_requests if s in sequences
             )
-        touched, maybe_done = self._apply_tokens(updated, runner_output, failed_prompts, now)
+        touched, maybe_done = apply_tokens(
+            updated, runner_output, self._sequences, self._prompts, scheduler, failed_prompts, now
+        )
         outputs: list[StepOutput] = []
         stream = self.stream_outputs  # read once a step: this loop runs per touched prompt
         for entry in touched.values():
@@ -409,48 +441,6 @@ class LLMEngine:
             if entry.finished or stream:
                 outputs.append(self._output(entry))
         return outputs
-
-    def _apply_tokens(
-        self, updated, runner_output, failed_prompts: set[str], now: float
-    ) -> tuple[dict[str, PromptEntry], set[str]]:
-        """Log-probs, text and stop strings (not in DELTA mode) of each updated sequence's new
-        token; returns the touched prompts and those with a sequence that finished. A sequence
-        whose text or log-probs raise fails its prompt (added to `failed_prompts`)."""
-        sequences, prompts, scheduler = self._sequences, self._prompts, self.scheduler
-        touched: dict[str, PromptEntry] = {}
-        maybe_done: set[str] = set()  # prompts with a sequence that finished this step
-        for request in updated:
-            seq = sequences[request.request_id]
-            if failed_prompts and seq.prompt_id in failed_prompts:
-                continue
-            entry = prompts[seq.prompt_id]
-            token_id = request.output_token_ids[-1]
-            finished = request.is_finished
-            detok = seq.detokenizer
-            stop = None
-            try:
-                if seq.logprobs is not None or seq.cumulative_logprob is not None:
-                    seq.record_logprobs(runner_output, token_id)
-                if detok is not None:
-                    stop = detok.add_token(token_id)
-                    if stop is None and finished:
-                        stop = detok.flush()
-            except Exception as e:  # noqa: BLE001 - this sequence's fault: its prompt fails alone
-                logger.exception("request %s: detokenizing failed", entry.request_id)
-                scheduler.fail_request(request, e)
-                failed_prompts.add(entry.request_id)
-                touched.pop(entry.request_id, None)
-                continue
-            if stop is not None:  # wins over a length or EOS finish in this same update
-                scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
-                finished = True
-            metrics = entry.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            touched[entry.request_id] = entry
-            if finished:
-                maybe_done.add(entry.request_id)
-        return touched, maybe_done
 
     def _output(self, entry: PromptEntry) -> StepOutput:
         if self.output_mode is OutputMode.DELTA:

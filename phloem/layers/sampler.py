@@ -1,5 +1,4 @@
 """Turn one step's logits into next tokens (vLLM v1 semantics, batched, device-agnostic).
-
 Owns the per-step sampling pipeline, applied to a private copy of the `[B, V]` logits:
 
     grammar bitmask (structured outputs: disallowed tokens -> -inf) -> banned ids -> repetition penalty -> frequency / presence penalties
@@ -25,11 +24,9 @@ Assumes at least one token of every row survives banning (the engine bans only E
 
 Non-finite logits: each row is flagged on the device by its max (NaN/inf exactly when the row
 holds a NaN or +inf, max propagating NaN, or is all -inf; a -inf entry alone is a mask); on a
-plain greedy step that max is the argmax pass itself (no extra read of the logits). The flags are
-copied to the host behind the step's tokens (no extra sync, no [B, V] temporary); a flagged row is
-sampled from zeros instead
-(greedy rows: argmax is defined on NaN, so nothing is replaced), and its caller fails that row's
-request alone (`SamplerOutput.num_nonfinite`, `NON_FINITE_MESSAGE`).
+plain greedy step that max is the argmax pass itself. The flags are copied to the host behind the
+step's tokens (no extra sync); a flagged random row is sampled from zeros (argmax is defined on
+NaN), and its caller fails that row's request alone (`SamplerOutput.num_nonfinite`).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ from phloem.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: temperatures below it are greedy. Dividing by a smaller positive
 # temperature would only overflow float32 on the way to the same argmax.
-_GREEDY_TEMPERATURE = 1e-5
+GREEDY_TEMPERATURE = 1e-5
 
 # why a request whose logits row held NaN or inf fails (the row's token is a placeholder)
 NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
@@ -57,9 +54,8 @@ def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def _device_tensor(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.tensor(data, dtype=dtype, device=device)` staged through pinned memory, so that
-    building it never waits for the device (async scheduling launches the next step's sampling
-    while the previous step still runs)."""
+    """`torch.tensor(data, dtype=dtype, device=device)` staged through pinned memory: building it
+    never waits for the device (async scheduling samples while the previous step runs)."""
     return to_device(torch.tensor(data, dtype=dtype), device)
 
 
@@ -271,10 +267,36 @@ def _truncate_sorted(
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _non_finite(row_values: torch.Tensor) -> torch.Tensor:
+def non_finite(row_values: torch.Tensor) -> torch.Tensor:
     """int64 [B]: 1 where a row's max ([B]) is NaN or infinite, i.e. where the row holds a NaN
     or +inf (max propagates NaN) or is all -inf; -inf entries alone are masks, not faults."""
     return row_values.isfinite().logical_not_().long()
+
+
+def processed_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row is drawn from: temperature, min_p, top-k/top-p, softmax.
+
+    x: [R, V] float32 (after bans and penalties), not modified; params: [R] (random rows).
+    Returns float32 [R, V] rows summing to 1: what the sampler draws from, and what speculative
+    decoding verifies drafts against (`phloem.spec_decode`)."""
+    num_rows, vocab_size = x.shape
+    device = x.device
+    temperature = _device_tensor([p.temperature for p in params], dtype=x.dtype, device=device)
+    x = x / temperature[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = _device_tensor([p.min_p for p in params], dtype=x.dtype, device=device)
+        x = apply_min_p(x, min_p)
+    trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+    if trunc:
+        k = [t if 0 < (t := params[i].top_k) < vocab_size else vocab_size for i in trunc]
+        k_t = _device_tensor(k, dtype=torch.long, device=device)
+        p_t = _device_tensor([params[i].top_p for i in trunc], dtype=x.dtype, device=device)
+        if len(trunc) == num_rows:
+            x = apply_top_k_top_p(x, k_t, p_t)
+        else:
+            t_idx = _device_tensor(trunc, dtype=torch.long, device=device)
+            x[t_idx] = apply_top_k_top_p(x[t_idx], k_t, p_t)
+    return x.softmax(dim=-1)
 
 
 class Sampler:
@@ -316,7 +338,7 @@ class Sampler:
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
             )
         plain_greedy = all(
-            r.params.temperature < _GREEDY_TEMPERATURE
+            r.params.temperature < GREEDY_TEMPERATURE
             and r.params.logprobs is None
             and not r.banned_token_ids
             and not r.params.has_penalties
@@ -330,8 +352,8 @@ class Sampler:
             # max propagates NaN, so a row's max is non-finite when it holds a NaN or +inf (or
             # is all -inf); its id is still an id: nothing to replace.
             values, tokens = logits.max(dim=-1)
-            return SampledTokens.start(logits, tokens, rows, _non_finite(values))
-        num_nonfinite = _non_finite(logits.amax(dim=-1))
+            return SampledTokens.start(logits, tokens, rows, non_finite(values))
+        num_nonfinite = non_finite(logits.amax(dim=-1))
         if grammar is not None:
             logits = apply_token_bitmask(logits.clone(), *grammar)
         if plain_greedy:
@@ -346,8 +368,8 @@ class Sampler:
         x = self._penalize(x, rows)
 
         device = x.device
-        greedy = [i for i, r in enumerate(rows) if r.params.temperature < _GREEDY_TEMPERATURE]
-        random = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_TEMPERATURE]
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
+        random = [i for i, r in enumerate(rows) if r.params.temperature >= GREEDY_TEMPERATURE]
         if not random:
             tokens = x.argmax(dim=-1)
         elif not greedy:
@@ -384,27 +406,8 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, min_p, top-k/top-p, then draw. x: [R, V] float32; returns [R] int64."""
-        num_rows, vocab_size = x.shape
-        device = x.device
-        params = [r.params for r in rows]
-        temperature = _device_tensor([p.temperature for p in params], dtype=x.dtype, device=device)
-        x = x / temperature[:, None]
-        if any(p.min_p > 0.0 for p in params):
-            min_p = _device_tensor([p.min_p for p in params], dtype=x.dtype, device=device)
-            x = apply_min_p(x, min_p)
-        trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
-        if trunc:
-            top_k = [params[i].top_k for i in trunc]
-            k = [t if 0 < t < vocab_size else vocab_size for t in top_k]
-            k_t = _device_tensor(k, dtype=torch.long, device=device)
-            p_t = _device_tensor([params[i].top_p for i in trunc], dtype=x.dtype, device=device)
-            if len(trunc) == num_rows:
-                x = apply_top_k_top_p(x, k_t, p_t)
-            else:
-                t_idx = _device_tensor(trunc, dtype=torch.long, device=device)
-                x[t_idx] = apply_top_k_top_p(x[t_idx], k_t, p_t)
-        probs = x.softmax(dim=-1)
-        return probs.div_(self._exponentials(rows, vocab_size, device)).argmax(dim=-1)
+        probs = processed_probs(x, [r.params for r in rows])
+        return probs.div_(self._exponentials(rows, x.shape[1], x.device)).argmax(dim=-1)
 
     def _exponentials(
         self, rows: list[SamplingRow], vocab_size: int, device: torch.device

@@ -1,4 +1,4 @@
-"""phloem.spec_decode: speculative decoding's self-contained parts: exact verification of drafts
-(modified rejection sampling), the draft proposers (n-gram, suffix) and the cost rule that sets
-the number of drafts per request and step. The engine does not call them yet (docs/DESIGN.md,
-"Speculative decoding (planned integration)")."""
+"""phloem.spec_decode: speculative decoding: exact verification of drafts (modified rejection
+sampling, and the verify step's sampling on the device), the draft proposers (n-gram, suffix),
+the cost rule that sets the number of drafts per request and step, and the engine's drafter
+(docs/DESIGN.md, "Speculative decoding")."""

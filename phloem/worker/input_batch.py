@@ -116,6 +116,8 @@ class HostStep:
     prefix_lens: list[int] | None  # [B], only when the backend batches prefix groups
     pending: list[tuple[int, str]]  # (token index, seq id): ids sampled by the step in
     # flight (async scheduling), filled in on the device from that step's sampled tokens
+    draft_counts: list[int] = field(default_factory=list)  # [S] drafts per sampled row (a
+    # verify step, speculative decoding: its 1 + k positions all take logits); [] when none
 
     @property
     def is_decode(self) -> bool:
@@ -148,16 +150,25 @@ class HostStep:
         pending: list[tuple[int, str]] = []
         for s, state, start, q_len, table in zip(scheduled, states, starts, q_lens, tables):
             end = start + q_len
-            ids += token_slice(state.prompt_token_ids, state.output_token_ids, start, end)
-            if end > state.num_prompt_tokens + len(
+            known_end = end - len(s.draft_token_ids)  # |-- known ids --|-- drafts --|
+            ids += token_slice(state.prompt_token_ids, state.output_token_ids, start, known_end)
+            if known_end > state.num_prompt_tokens + len(
                 state.output_token_ids
             ):  # the last one is pending (one step in flight)
                 pending.append((len(ids), s.seq_id))
                 ids.append(0)
+            ids += s.draft_token_ids
             blocks += table[start // bs : (end - 1) // bs + 1]
         positions, slots = _positions_and_slots(starts, q_lens, blocks, bs)
         qsl = [0, *itertools.accumulate(q_lens)]
         sampled = [i for i, s in enumerate(scheduled) if s.sample]
+        logits_indices = [qsl[i + 1] - 1 for i in sampled]
+        draft_counts = [len(scheduled[i].draft_token_ids) for i in sampled]
+        if any(draft_counts):  # a verify step: every position of a drafted row is scored
+            logits_indices = [p for i in sampled for p in range(qsl[i + 1] - 1 - len(
+                scheduled[i].draft_token_ids), qsl[i + 1])]  # fmt: skip
+        else:
+            draft_counts = []
         return cls(
             input_ids=np.array(ids, dtype=np.int64),
             positions=positions,
@@ -165,10 +176,11 @@ class HostStep:
             query_lens=q_lens,
             seq_lens=[a + n for a, n in zip(starts, q_lens)],
             block_tables=tables,
-            logits_indices=[qsl[i + 1] - 1 for i in sampled],
+            logits_indices=logits_indices,
             sampled=sampled,
             prefix_lens=[s.prefix_len for s in scheduled] if prefix_lens else None,
             pending=pending,
+            draft_counts=draft_counts,
         )
 
     @classmethod

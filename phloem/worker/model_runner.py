@@ -41,6 +41,7 @@ from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.sampling_params import SamplingParams
+from phloem.spec_decode.verifier import VerifiedTokens, verify_drafts
 from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.cuda_graph import CUDAGraphRunner
 from phloem.worker.input_batch import HostStep, InputBatch, SequenceState, sampling_row
@@ -70,6 +71,9 @@ class ModelRunnerOutput:
     top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     num_nans_in_logits: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: drafts accepted per sequence that verified any (its
+    # `sampled_token_ids` entry is the token after them)
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,10 +82,12 @@ class LaunchedStep:
 
     seq_ids: list[str]  # the sampled sequences, in row order
     states: list[SequenceState]  # their states when launched (the tokens are appended there)
-    sampled: SampledTokens | None  # None until `ModelRunner.sample` (a constrained step)
+    sampled: SampledTokens | VerifiedTokens | None  # None until `ModelRunner.sample` (a
+    # constrained step); VerifiedTokens for a verify step (speculative decoding)
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed
     # a constrained step's logits [S, V] and sampling rows, until its grammar bitmask comes
     deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
+    drafts: list[tuple[int, ...]] | None = None  # a verify step's drafts per sampled row
 
 
 @dataclass
@@ -239,9 +245,16 @@ class ModelRunner:
         rows, failed = self._sampling_rows(sched, host.sampled, states)
         if sched.structured_seq_ids:  # sampled by `sample`, with the grammar bitmask
             return LaunchedStep(seq_ids, sampled_states, None, failed, deferred=(logits, rows))
-        handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
+        drafts = None
+        if host.draft_counts:  # a verify step: the rows' 1 + k_b positions, packed
+            drafts = [scheduled[i].draft_token_ids for i in host.sampled]
+            handle: SampledTokens | VerifiedTokens = verify_drafts(
+                logits, rows, drafts, self._shared_generator
+            )
+        else:
+            handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
         self._last_sampled = (handle.tokens, {seq_id: k for k, seq_id in enumerate(seq_ids)})
-        return LaunchedStep(seq_ids, sampled_states, handle, failed)
+        return LaunchedStep(seq_ids, sampled_states, handle, failed, drafts=drafts)
 
     @torch.inference_mode()
     def sample(self, launched: LaunchedStep | None, grammar: GrammarBitmask) -> None:
@@ -269,10 +282,10 @@ class ModelRunner:
         launched.sampled = handle
         self._last_sampled = (handle.tokens, index)
 
-    @staticmethod
-    def collect(launched: LaunchedStep | None) -> ModelRunnerOutput:
+    def collect(self, launched: LaunchedStep | None) -> ModelRunnerOutput:
         """Wait for a launched step's tokens (only that step's), append them to the sequences'
-        states, and return them by seq id; non-finite rows are failed (`NON_FINITE_MESSAGE`)."""
+        states, and return them by seq id; non-finite rows are failed (`NON_FINITE_MESSAGE`).
+        A verify step's rows get their accepted drafts first (`num_accepted_drafts`)."""
         out = ModelRunnerOutput()
         if launched is None:
             return out
@@ -281,8 +294,12 @@ class ModelRunner:
         result = launched.sampled.result()
         out.failed = launched.failed
         seq_ids, token_ids = launched.seq_ids, result.token_ids
+        if launched.drafts is not None:
+            out.num_accepted_drafts = self._apply_drafts(launched)
         for state, token_id in zip(launched.states, token_ids):
             state.output_token_ids.append(token_id)
+        if launched.drafts is not None:
+            self._trim_blocks(launched)
         out.sampled_token_ids = dict(zip(seq_ids, token_ids))
         out.logprobs = dict(zip(seq_ids, result.logprobs))
         out.top_logprobs = dict(zip(seq_ids, result.top_logprobs))
@@ -292,6 +309,26 @@ class ModelRunner:
                     out.num_nans_in_logits[seq_id] = count
                     out.failed.setdefault(seq_id, NON_FINITE_MESSAGE)
         return out
+
+    @staticmethod
+    def _apply_drafts(launched: LaunchedStep) -> dict[str, int]:
+        """Append each verify row's accepted drafts to its state; {seq id: drafts accepted}
+        of the rows that had any drafts."""
+        assert launched.drafts is not None and isinstance(launched.sampled, VerifiedTokens)
+        accepted = launched.sampled.num_accepted
+        rows = zip(launched.seq_ids, launched.states, launched.drafts, accepted)
+        for _, state, drafts, num in rows:
+            state.output_token_ids.extend(drafts[:num])
+        return {s: n for s, d, n in zip(launched.seq_ids, launched.drafts, accepted) if d}
+
+    def _trim_blocks(self, launched: LaunchedStep) -> None:
+        """Drop each verify row's blocks past its last computed token (the scheduler's
+        `KVManager.trim` rule: cdiv(num_computed_tokens, block_size) kept, num_computed_tokens
+        being its known tokens less the new last one)."""
+        bs = self.block_size
+        for state, drafts in zip(launched.states, launched.drafts or ()):
+            if drafts:
+                del state.block_ids[-(-(state.num_known_tokens - 1) // bs) :]
 
     def needs_token_history(self, sched: SchedulerOutput) -> bool:
         """True if sampling this step reads earlier output tokens (penalties), so a step in

@@ -1,0 +1,260 @@
+"""The engine's side of speculative decoding: before each step, drafts for the running requests
+that decode (`Request.draft_token_ids`, which `Scheduler.schedule` takes), trimmed by the cost
+rule; after it, the acceptance estimates and the counters.
+
+Which requests draft: one that decodes this step (its last token known on the host, none
+pending) and whose sampling the verifier reproduces exactly: no grammar, no log-probs, no
+penalties, `min_tokens` reached. While a constrained request runs, nobody drafts (a step samples
+one way: under the grammar bitmask, or through the verifier). Everything else decodes plainly.
+
+The step time model of the cost rule: on CUDA Llama-3.1-8B-on-H100 constants scaled by the
+model's weight bytes and FLOPs (`LLAMA_8B_H100`), on the CPU the constants measured for the
+embedded model (`benchmarks/results/2026-11-26-cpu-spec-decode/`) scaled the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from phloem.config import SpeculativeConfig
+from phloem.core.request import Request, token_slice
+from phloem.core.scheduler_output import SchedulerOutput
+from phloem.spec_decode.cost_rule import (
+    LLAMA_8B_H100,
+    AcceptanceTracker,
+    CostRuleConfig,
+    DraftCandidate,
+    StepTimeModel,
+    choose_num_drafts,
+)
+from phloem.spec_decode.ngram_proposer import NgramProposer
+from phloem.spec_decode.proposer import DraftRequest, Proposer
+from phloem.spec_decode.suffix_proposer import SuffixProposer
+
+LLAMA_8B_PARAMS = 8.03e9
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine started (vLLM's `spec_decode_*` names).
+
+    Attributes:
+        num_drafts: verify rows (a request verifying drafts in one step) [rows].
+        num_draft_tokens: drafts verified [tokens].
+        num_accepted_tokens: drafts accepted [tokens].
+        num_spec_steps: steps that verified any drafts [steps].
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified drafts (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify row emitted on average: accepted drafts + 1 (0 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_spec_steps": self.num_spec_steps,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+class _History(Sequence):
+    """A request's prompt + outputs as one read-only sequence, without concatenating them."""
+
+    def __init__(self, request: Request) -> None:
+        self.prompt, self.output = request.prompt_token_ids, request.output_token_ids
+        self.length = len(self.prompt) + len(self.output)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.length)
+            if step != 1:
+                return list(self)[index]
+            return token_slice(self.prompt, self.output, start, max(start, stop))
+        if index < 0:
+            index += self.length
+        n = len(self.prompt)
+        return self.prompt[index] if index < n else self.output[index - n]
+
+
+def step_time_model(hf_config, device_type: str) -> StepTimeModel:
+    """The cost rule's step time model for a model of `hf_config`'s shape on `device_type`
+    ("cuda" or "cpu"): see the module docstring. Parameters counted from the config."""
+    h = int(hf_config.hidden_size)
+    layers = int(hf_config.num_hidden_layers)
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
+    inter = int(hf_config.intermediate_size)
+    attn = h * head_dim * (2 * heads + 2 * kv_heads)
+    params = layers * (attn + 3 * h * inter) + int(hf_config.vocab_size) * h
+    kv_bytes = 2 * layers * kv_heads * head_dim * 2
+    scale = params / LLAMA_8B_PARAMS
+    if device_type == "cuda":
+        base = LLAMA_8B_H100
+        return StepTimeModel(
+            t_host_s=base.t_host_s,
+            t_weights_s=base.t_weights_s * scale,
+            c_token_s=base.c_token_s * scale,
+            c_kv_s=base.c_kv_s * kv_bytes / 131072,
+        )
+    # CPU (two cores of this machine class, float32): ~10 GB/s weights, ~40 GFLOP/s
+    return StepTimeModel(
+        t_host_s=2e-3,
+        t_weights_s=params * 4 / 10e9,
+        c_token_s=2 * params / 40e9,
+        c_kv_s=kv_bytes * 2 / 10e9,
+        c_draft_s=2e-5,
+        t_verify_s=1e-3,
+    )
+
+
+class Drafter:
+    """Proposes, trims and accounts for drafts (see the module docstring).
+
+    Args:
+        config: the user's speculative decoding settings.
+        time_model: the step time model of the cost rule.
+        max_num_batched_tokens: the scheduler's step budget [tokens].
+    """
+
+    def __init__(
+        self, config: SpeculativeConfig, time_model: StepTimeModel, max_num_batched_tokens: int
+    ) -> None:
+        self.config = config
+        proposer_config = config.proposer_config()
+        self.proposer: Proposer = (
+            NgramProposer(proposer_config)
+            if config.method == "ngram"
+            else SuffixProposer(proposer_config)
+        )
+        self.tracker = AcceptanceTracker()
+        self.cost = CostRuleConfig(max_draft_tokens=config.num_speculative_tokens)
+        self.time_model = time_model
+        self.budget = max_num_batched_tokens
+        self.stats = SpecDecodeStats()
+
+    def propose(self, running: Sequence[Request], blocked: bool = False) -> int:
+        """Set `draft_token_ids` of each running request for the next `schedule()` (cleared
+        where it gets none); `blocked`: nobody drafts. Returns the drafts handed out."""
+        eligible = []
+        for request in running:
+            request.draft_token_ids = []
+            if not blocked and _can_draft(request):
+                eligible.append(request)
+        if not eligible:
+            return 0
+        step = _step_shape(running, self.budget)
+        if self.config.use_cost_rule and not self._may_pay(step):
+            return 0
+        k = self.config.num_speculative_tokens
+        proposals = self.proposer.propose(
+            [DraftRequest(r.request_id, _History(r), r.num_prompt_tokens, k) for r in eligible]
+        )
+        offered = [(r, d) for r, d in zip(eligible, proposals) if d]
+        if not self.config.use_cost_rule:
+            chosen = [len(d) for _, d in offered]
+        else:
+            candidates = [
+                DraftCandidate(self.tracker.rate(r.request_id), len(d)) for r, d in offered
+            ]
+            num_sampled = max(step[0], len(candidates))
+            chosen = choose_num_drafts(
+                candidates, num_sampled, *step[1:], self.time_model, self.cost
+            )
+        handed = 0
+        for (request, drafts), num in zip(offered, chosen):
+            if num:
+                request.draft_token_ids = drafts[:num]
+                handed += num
+            else:
+                self.tracker.skipped(request.request_id)
+        return handed
+
+    def may_draft(self, running: Sequence[Request]) -> bool:
+        """Whether the next step may verify drafts at all (the cost rule's pre-check over the
+        step's shape, `_may_pay`); reads only counts, so it runs before the step in flight is
+        collected (async scheduling keeps its overlap while it says no)."""
+        if not running:
+            return False
+        return not self.config.use_cost_rule or self._may_pay(_step_shape(running, self.budget))
+
+    def _may_pay(self, step: tuple[int, int, int]) -> bool:
+        """Whether even one request with the best plausible acceptance would get a draft (the
+        rule's ratio only falls with more candidates): else nothing is proposed at all."""
+        rate = max(self.tracker.global_rate, self.tracker.config.prior)
+        best = DraftCandidate(rate, self.config.num_speculative_tokens)
+        return (
+            choose_num_drafts([best], max(step[0], 1), *step[1:], self.time_model, self.cost)[0] > 0
+        )
+
+    def observe(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:
+        """Record a verify step's outcome (its rows' accepted counts) in the estimates and the
+        counters."""
+        verified = False
+        for s in sched.scheduled:
+            if s.draft_token_ids:
+                accepted = num_accepted.get(s.seq_id, 0)
+                self.tracker.observe(s.seq_id, len(s.draft_token_ids), accepted)
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += len(s.draft_token_ids)
+                self.stats.num_accepted_tokens += accepted
+                verified = True
+        self.stats.num_spec_steps += verified
+
+    def finish(self, seq_id: str) -> None:
+        """Forget a sequence that left (finished, aborted, failed)."""
+        self.proposer.finish(seq_id)
+        self.tracker.finish(seq_id)
+
+
+def device_type(device: str) -> str:
+    """ "cuda" or "cpu" for a `ModelConfig.device` setting ("auto": CUDA when available)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _can_draft(request: Request) -> bool:
+    """The request decodes next step and its sampling is one the verifier reproduces."""
+    if request.num_pending_tokens or request.num_computed_tokens + 1 != request.num_tokens:
+        return False
+    params = request.sampling_params
+    return (
+        params.structured_outputs is None
+        and params.logprobs is None
+        and not params.has_penalties
+        and len(request.output_token_ids) >= params.min_tokens
+    )
+
+
+def _step_shape(running: Sequence[Request], budget: int) -> tuple[int, int, int]:
+    """(sequences sampled, tokens computed, KV tokens read) of the next step without drafts,
+    estimated from the running requests (waiting ones are not counted)."""
+    num_sampled = num_tokens = num_kv = 0
+    for request in running:
+        left = request.num_tokens - request.num_computed_tokens
+        num_kv += request.num_computed_tokens
+        if left > 0 and num_tokens < budget:
+            num_sampled += left <= budget - num_tokens
+            num_tokens += min(left, budget - num_tokens)
+    return num_sampled, max(num_tokens, 1), num_kv
