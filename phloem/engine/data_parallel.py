@@ -46,7 +46,7 @@ from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
 from phloem.core.replica_partition import cost_terms_s, partition_groups
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.replica_process import Replica, ReplicaError, receive, shutdown
-from phloem.engine.replica_report import Deal, ReplicaReport, replica_report
+from phloem.engine.replica_report import BatchProgress, Deal, ReplicaReport
 from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
@@ -289,11 +289,9 @@ class DataParallelEngine:
                 before were yielded).
         """
         self._start_missing()
+        progress = BatchProgress(time.monotonic(), self.num_replicas)
         deal = self.deal(encoded, params, plan)
-        start = time.monotonic()
-        achieved = [0.0] * self.num_replicas
-        computed = [0] * self.num_replicas
-        attention: list[dict | None] = [None] * self.num_replicas
+        progress.deal_s = time.monotonic() - progress.start
         busy: dict[int, Replica] = {}
         try:
             for rank, share in enumerate(deal.shares):
@@ -304,6 +302,7 @@ class DataParallelEngine:
                         replica.conn.send(("batch", share, *batch))
                     except OSError:
                         raise replica.died("before its share was sent") from None
+                    progress.sent(rank)
                     busy[rank] = replica
             while busy:
                 for rank, message in self._next_messages(busy):
@@ -313,14 +312,11 @@ class DataParallelEngine:
                     del busy[rank]
                     if message[0] == "error":
                         raise ReplicaError(rank, f"failed in a batch: {message[1]}", message[2])
-                    achieved[rank] = time.monotonic() - start
-                    computed[rank] = message[1]["num_computed_prompt_tokens"]
-                    attention[rank] = message[1]["attention"]
-                    self._num_computed_prompt_tokens += computed[rank]
+                    self._num_computed_prompt_tokens += progress.done(rank, message[1])
         finally:
             if busy:
-                self._abort(busy)
-            self.last_report = replica_report(plan, deal, achieved, computed, attention)
+                self._abort(busy, progress)
+            self.last_report = progress.report(plan, deal)
 
     def _replica(self, rank: int) -> Replica:
         replica = self._replicas[rank]
@@ -336,10 +332,10 @@ class DataParallelEngine:
             if replica.conn.poll() or not replica.process.is_alive():
                 yield rank, receive(replica, "during a batch")
 
-    def _abort(self, busy: dict[int, Replica]) -> None:
+    def _abort(self, busy: dict[int, Replica], progress: BatchProgress) -> None:
         """Tell the busy replicas to abort their share and wait for their "done" (dropping
-        their outputs); stop those that do not answer within ABORT_GRACE_S or died (they are
-        started again at the next batch)."""
+        their outputs, recording their stats in `progress`); stop those that do not answer
+        within ABORT_GRACE_S or died (they are started again at the next batch)."""
         for replica in busy.values():
             try:
                 replica.conn.send(("abort",))
@@ -352,9 +348,12 @@ class DataParallelEngine:
                 if not replica.conn.poll() and replica.process.is_alive():
                     continue
                 try:
-                    kind = receive(replica, "while aborting")[0]
+                    message = receive(replica, "while aborting")
+                    kind = message[0]
                 except ReplicaError:
                     kind = "died"
+                if kind == "done":
+                    self._num_computed_prompt_tokens += progress.done(rank, message[1])
                 if kind != "output":  # "done" or "error": idle again; "died": stopped below
                     del busy[rank]
                 if kind == "died":

@@ -88,16 +88,21 @@ def _replica_main(rank: int, args: EngineArgs, env: dict[str, str], threads: int
         return
     try:
         while (message := conn.recv())[0] != "stop":
-            if message[0] == "batch" and not _serve_batch(llm, conn, *message[1:]):
+            received_at = time.monotonic()
+            if message[0] == "batch" and not _serve_batch(llm, conn, received_at, *message[1:]):
                 return
     except (EOFError, OSError):  # the parent is gone
         return
 
 
-def _serve_batch(llm, conn, indices: list[int], encoded: list, params: list) -> bool:
+def _serve_batch(
+    llm, conn, received_at: float, indices: list[int], encoded: list, params: list
+) -> bool:
     """Run one share and stream its outputs back, each under its index in the parent's batch;
     a message from the parent meanwhile ("abort" or "stop") ends it after the current step.
     Ends with "done" (stats) or "error". Returns False when the parent said "stop".
+    `received_at`: `time.monotonic()` when the share had arrived; the stats carry it and
+    `queued_at`, when the share was queued (the clock is the host's, the same in the parent).
 
     Raises:
         EOFError, OSError: the parent is gone.
@@ -112,11 +117,14 @@ def _serve_batch(llm, conn, indices: list[int], encoded: list, params: list) -> 
             raise _ParentSpoke()
 
     engine.add_step_observer(watch)
-    outputs = llm.run_batch(lambda: (encoded, params), use_tqdm=False)
-    keep_running = True
+    keep_running, outputs = True, None
     try:
-        for k, output in outputs:
-            conn.send(("output", indices[k], output))
+        request_ids = llm.add_requests(encoded, params, validated=True)
+        queued_at = time.monotonic()
+        index = {request_id: k for k, request_id in enumerate(request_ids)}
+        outputs = llm.iter_outputs(request_ids, use_tqdm=False)
+        for output in outputs:
+            conn.send(("output", indices[index[output.request_id]], output))
     except _ParentSpoke:  # the engine aborted the batch's requests on the way out
         keep_running = conn.recv()[0] != "stop"
     except OSError:
@@ -126,9 +134,12 @@ def _serve_batch(llm, conn, indices: list[int], encoded: list, params: list) -> 
         return True
     finally:
         engine.remove_step_observer(watch)
-        outputs.close()  # aborts what did not finish
+        if outputs is not None:
+            outputs.close()  # aborts what did not finish
     computed = engine.num_computed_prompt_tokens - before
-    conn.send(("done", {"num_computed_prompt_tokens": computed, "attention": attention_stats(llm)}))
+    times = {"received_at": received_at, "queued_at": queued_at}
+    stats = {"num_computed_prompt_tokens": computed, "attention": attention_stats(llm)}
+    conn.send(("done", {**stats, **times}))
     return keep_running
 
 

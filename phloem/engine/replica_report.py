@@ -6,6 +6,7 @@ requests each replica runs under the routing, planned costs and prompt tokens) a
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ class ReplicaStats:
         planned_cost_s: its share's roofline cost at the nominal ceilings [s]; compare ratios.
         achieved_s: wall time from sending its share to its last output [s] (0 without work).
         num_computed_prompt_tokens: prompt tokens its engine ran for this batch [tokens].
+        sent_s / received_s / queued_s: when its share was sent, had arrived in the replica
+            (unpacked), and was queued in its engine (planned), from the batch's start (before
+            the deal) [s]: the dispatch before it computes (0.0 where not measured).
     """
 
     replica: int
@@ -31,6 +35,9 @@ class ReplicaStats:
     planned_cost_s: float
     achieved_s: float
     num_computed_prompt_tokens: int
+    sent_s: float = 0.0
+    received_s: float = 0.0
+    queued_s: float = 0.0
 
 
 def _imbalance(values: Sequence[float]) -> float:
@@ -89,6 +96,7 @@ class ReplicaReport:
         request_group: for each request, its group in the batch's global plan.
         attention: per replica, its attention backend's counters after the batch (None for a
             backend that keeps none, or a replica without work).
+        deal_s: the deal's own time [s] (0.0 where not measured).
     """
 
     deal: Deal
@@ -96,6 +104,13 @@ class ReplicaReport:
     request_replica: list[int]
     request_group: list[int]
     attention: list[dict | None]
+    deal_s: float = 0.0
+
+    @property
+    def dispatch_s(self) -> float:
+        """From the batch's start to the last replica's share queued [s]: the deal, sending
+        the shares and each replica unpacking and queuing its share (0.0 where not measured)."""
+        return max(s.queued_s for s in self.replicas)
 
     @property
     def planned_imbalance(self) -> float:
@@ -120,11 +135,58 @@ class ReplicaReport:
             "planned_imbalance": self.planned_imbalance,
             "achieved_imbalance": self.achieved_imbalance,
             "makespan_s": max(s.achieved_s for s in self.replicas),
+            "deal_s": self.deal_s,
+            "dispatch_s": self.dispatch_s,
             "num_split_groups": self.deal.num_split_groups,
             "planned_computed_prompt_tokens": self.deal.planned_computed_prompt_tokens,
             "num_computed_prompt_tokens": self.num_computed_prompt_tokens,
             "replicas": [dataclasses.asdict(s) for s in self.replicas],
         }
+
+
+class BatchProgress:
+    """What the replicas reported of one batch so far (`DataParallelEngine.run`): times on the
+    host's monotonic clock, from `start` (before the deal) [s].
+
+    Attributes:
+        start: `time.monotonic()` at the batch's start. deal_s: the deal's time [s].
+        sent_s: per replica, when its share was sent. achieved / computed / attention /
+            received_s / queued_s: per replica, from its "done" (`done`).
+    """
+
+    def __init__(self, start: float, num_replicas: int) -> None:
+        self.start = start
+        self.deal_s = 0.0
+        self.sent_s = [0.0] * num_replicas
+        self.achieved = [0.0] * num_replicas
+        self.computed = [0] * num_replicas
+        self.attention: list[dict | None] = [None] * num_replicas
+        self.received_s = [0.0] * num_replicas
+        self.queued_s = [0.0] * num_replicas
+
+    def sent(self, rank: int) -> None:
+        """Mark `rank`'s share sent now."""
+        self.sent_s[rank] = time.monotonic() - self.start
+
+    def done(self, rank: int, stats: dict[str, Any]) -> int:
+        """Record `rank`'s "done" stats (now: its achieved time); returns its computed prompt
+        tokens [tokens]."""
+        self.achieved[rank] = time.monotonic() - self.start
+        self.computed[rank] = stats["num_computed_prompt_tokens"]
+        self.attention[rank] = stats["attention"]
+        self.received_s[rank] = stats["received_at"] - self.start
+        self.queued_s[rank] = stats["queued_at"] - self.start
+        return self.computed[rank]
+
+    def report(self, plan: PrefixPlan, deal: Deal) -> ReplicaReport:
+        """The batch's `ReplicaReport` from what was recorded."""
+        report = replica_report(plan, deal, self.achieved, self.computed, self.attention)
+        stats = [
+            dataclasses.replace(s, sent_s=self.sent_s[r], received_s=self.received_s[r],
+                                queued_s=self.queued_s[r])
+            for r, s in enumerate(report.replicas)
+        ]  # fmt: skip
+        return dataclasses.replace(report, replicas=stats, deal_s=self.deal_s)
 
 
 def replica_report(
