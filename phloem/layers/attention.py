@@ -6,6 +6,15 @@ rotates q and k itself, on CUDA with the fused RoPE + KV-write Triton kernel
 (`phloem.ops.rope_kv`, imported lazily; it skips negative slots on the device), elsewhere with the
 module and a KV write: sync-free `write_kv_slots` when the context says every slot is valid
 (`ForwardContext.valid_slots`, the model runner's steps), else `write_kv`, which skips -1 slots.
+
+FP8 KV cache scales: each layer has one `k_scale` and one `v_scale` (fp32 per tensor, Python
+floats: constants of a CUDA-graph capture). An FP8 cache stores k / k_scale and v / v_scale in
+e4m3 (`phloem.ops.kv_store`); every writer and backend gets them from here. They come from the
+checkpoint when it has them (`kv_scale_targets`: HF / AutoFP8 `self_attn.k_scale` and
+`v_scale`, or one `kv_scale` for both; compressed-tensors' `k_proj.output_scale` and
+`v_proj.output_scale`); otherwise they are 1.0 (vLLM's default without calibration): e4m3's
+normal range, 2^-6 to 448, holds the K and V of the models measured with 3 mantissa bits
+throughout (benchmarks/results/2026-11-26-cpu-fp8-quality). A bf16/fp32 cache ignores them.
 """
 
 from __future__ import annotations
@@ -16,7 +25,29 @@ import torch
 from torch import nn
 
 from phloem.forward_context import get_forward_context
-from phloem.ops.kv_store import write_kv, write_kv_slots
+from phloem.ops.kv_store import FP8_KV_DTYPE, check_kv_scale, write_kv, write_kv_slots
+
+# Checkpoint KV-scale names (suffix after "<layer>.self_attn") -> which of the layer's scales.
+_KV_SCALE_SUFFIXES = {
+    "k_scale": ("k",),
+    "v_scale": ("v",),
+    "kv_scale": ("k", "v"),  # one scale for both (older AutoFP8 checkpoints)
+    "k_proj.output_scale": ("k",),  # compressed-tensors' kv_cache_scheme, older layout
+    "v_proj.output_scale": ("v",),
+    "q_scale": (),  # FP8 attention inputs: phloem keeps q in the model dtype (not read)
+    "prob_scale": (),
+}
+
+
+def kv_scale_targets(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """Where a checkpoint's attention scale tensor goes: (the `Attention` module's name, which
+    scales: ("k",), ("v",), both, or () for one phloem does not read), or None when `name` is
+    not an attention scale. E.g. "model.layers.3.self_attn.k_scale" ->
+    ("model.layers.3.self_attn.attn", ("k",))."""
+    head, sep, tail = name.partition(".self_attn.")
+    if not sep or tail not in _KV_SCALE_SUFFIXES:
+        return None
+    return f"{head}.self_attn.attn", _KV_SCALE_SUFFIXES[tail]
 
 
 class Attention(nn.Module):
@@ -25,6 +56,10 @@ class Attention(nn.Module):
     Args:
         num_heads: query heads (this TP rank's); num_kv_heads: KV heads; head_dim: per head;
         scale: softmax scale; layer_idx: index into the forward context's `kv_caches`.
+
+    Attributes:
+        k_scale, v_scale: the layer's FP8 KV scales (floats > 0; 1.0 unless the checkpoint sets
+            them through `load_kv_scale`).
     """
 
     def __init__(
@@ -38,6 +73,25 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def load_kv_scale(self, which: tuple[str, ...], tensor: torch.Tensor, name: str) -> None:
+        """Set the scales in `which` ("k", "v") from the checkpoint tensor `name` (mutates the
+        layer).
+
+        Raises:
+            ValueError: naming the tensor, unless it holds one finite value > 0 (per-tensor
+                scales only; a per-head or per-channel scale is refused, not averaged).
+        """
+        if tensor.numel() != 1:
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)}; phloem's FP8 KV cache takes one "
+                "per-tensor scale (shape [] or [1])"
+            )
+        value = check_kv_scale(name, float(tensor.reshape(()).float()))
+        for kind in which:
+            setattr(self, f"{kind}_scale", value)
 
     def forward(
         self,
@@ -67,24 +121,25 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # views for the QKV split
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        ks, vs = (self.k_scale, self.v_scale) if kv_cache.dtype == FP8_KV_DTYPE else (1.0, 1.0)
         fused = _rope_kv_kernel(q) if rotary_emb is not None else None
         if fused is not None:
             q = fused(positions, q, k, v, rotary_emb.cos, rotary_emb.sin, kv_cache,
-                      meta.slot_mapping)  # fmt: skip
+                      meta.slot_mapping, ks, vs)  # fmt: skip
         else:
             if rotary_emb is not None:
                 q, k = rotary_emb(positions, q, k)
             if ctx.valid_slots:
-                write_kv_slots(kv_cache, meta.slot_mapping, k, v)
+                write_kv_slots(kv_cache, meta.slot_mapping, k, v, ks, vs)
             else:
-                write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = ctx.backend.forward(q, kv_cache, meta, self.scale)
+                write_kv(kv_cache, k, v, meta.slot_mapping, ks, vs)
+        out = ctx.backend.forward(q, kv_cache, meta, self.scale, None, ks, vs)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"layer={self.layer_idx}"
+            f"layer={self.layer_idx}, k_scale={self.k_scale:g}, v_scale={self.v_scale:g}"
         )
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from phloem.layers.activation import SiluAndMul
-from phloem.layers.attention import Attention
+from phloem.layers.attention import Attention, kv_scale_targets
 from phloem.layers.embedding import LMHead, VocabEmbedding
 from phloem.layers.linear import (
     MergedColumnLinear,
@@ -243,7 +243,9 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors (e.g. "model.layers.0.self_attn.q_proj.weight").
 
         Separate q/k/v and gate/up tensors are fused by shard id; rotary `inv_freq` buffers are
-        ignored, and so is `lm_head.weight` when embeddings are tied.
+        ignored, and so is `lm_head.weight` when embeddings are tied. FP8 KV-cache scales
+        (`self_attn.k_scale`, ...: `phloem.layers.attention.kv_scale_targets`) go to the
+        layer's `Attention.load_kv_scale`.
 
         Returns:
             the names of this model's parameters that were filled.
@@ -258,6 +260,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            kv_scale = kv_scale_targets(name)
+            if kv_scale is not None:
+                self.get_submodule(kv_scale[0]).load_kv_scale(kv_scale[1], tensor, name)
                 continue
             target, shard_id = fused_param_name(name)
             param = params.get(target)

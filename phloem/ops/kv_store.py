@@ -8,9 +8,13 @@ contiguous tensor) or head-major ("HND": stored as [num_blocks, 2, num_kv_heads,
 head_dim] and handed out as its transposed view); `allocate_kv_cache` makes either and
 `kv_layout` tells them apart by strides. Writers and readers index through the strides.
 
-An FP8 cache (`torch.float8_e4m3fn`, `kv_cache_dtype="fp8"`) stores K and V with a scale of 1
-(as vLLM's uncalibrated "fp8" KV cache): values are clamped to +-448, the format's largest finite
-value, and rounded to nearest; readers convert back to the query dtype.
+An FP8 cache (`torch.float8_e4m3fn`, `kv_cache_dtype="fp8"`) stores K and V of each layer with
+one fp32 scale each, per tensor (`k_scale`, `v_scale`: from the checkpoint, else 1.0; see
+`phloem.layers.attention`): a key k is stored as e4m3(clamp(k / k_scale, -448, 448)) (448 is the
+format's largest finite value; the quotient in fp32, rounded to nearest even) and read back as
+stored * k_scale, likewise for values (Micikevicius et al., arXiv 2209.05433, §3: e4m3 with
+per-tensor scaling factors). Every writer (`write_kv`, the fused RoPE kernel) and reader (the
+reference, our Triton kernels, FlashInfer with `k_scale`/`v_scale`) uses the same scales.
 """
 
 from __future__ import annotations
@@ -22,11 +26,21 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache dtype: a plain cast, or for FP8 a clamp to +-448 first (no NaN/inf)."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x in the cache dtype: a plain cast, or for FP8 x / scale in fp32, clamped to +-448 (no
+    NaN/inf), rounded to nearest even. `scale` (> 0) is read only for FP8."""
     if dtype == FP8_KV_DTYPE:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
     return x.to(dtype)
+
+
+def check_kv_scale(name: str, value: float) -> float:
+    """`value` as a float when it is a usable KV scale (finite, > 0); else ValueError naming
+    `name` (e.g. "model.layers.3.self_attn.k_scale")."""
+    value = float(value)
+    if not (value > 0.0 and value < float("inf")):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
 
 
 def allocate_kv_cache(
@@ -70,15 +84,22 @@ def kv_layout(kv_cache: torch.Tensor) -> str:
 
 
 def write_kv_slots(
-    kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """kv_cache[slot's block, 0/1, slot's offset] = key/value row by row, cast to the cache
-    dtype (FP8: clamped; written through a byte view, which every device supports). slots:
-    int64 [T], all >= 0 (no host sync here); any layout of `allocate_kv_cache`."""
+    dtype (FP8: key / k_scale and value / v_scale, clamped; written through a byte view, which
+    every device supports). slots: int64 [T], all >= 0 (no host sync here); any layout of
+    `allocate_kv_cache`."""
     block_size = kv_cache.shape[2]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    key, value = to_cache_dtype(key, kv_cache.dtype), to_cache_dtype(value, kv_cache.dtype)
+    key = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    value = to_cache_dtype(value, kv_cache.dtype, v_scale)
     if kv_cache.dtype == FP8_KV_DTYPE:
         kv_cache = kv_cache.view(torch.uint8)
         key, value = key.view(torch.uint8), value.view(torch.uint8)
@@ -91,14 +112,18 @@ def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter each token's K and V into its slot of the paged cache (in place, no Python loop).
 
     Args:
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] in either layout of
             `allocate_kv_cache`; mutated.
-        key, value: [T, num_kv_heads, head_dim]; cast to the cache dtype on write (FP8: clamped).
+        key, value: [T, num_kv_heads, head_dim]; cast to the cache dtype on write (FP8: divided
+            by k_scale / v_scale, clamped to +-448).
         slot_mapping: int64 [T]; the slot of each token, -1 to skip the token (padding).
+        k_scale, v_scale: the layer's FP8 scales (> 0; read only for an FP8 cache).
 
     Raises:
         ValueError: for mismatched shapes.
@@ -117,4 +142,4 @@ def write_kv(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    write_kv_slots(kv_cache, slots, key, value)
+    write_kv_slots(kv_cache, slots, key, value, k_scale, v_scale)

@@ -11,7 +11,8 @@ benchmarks/results/2026-11-23-h200-c/README.md.
 
 Math as `phloem.layers.rotary.RotaryEmbedding` (neox / `rotate_half` layout, rotation in float32
 from the float32 cos/sin table, the first `rotary_dim` of each head rotated, the rest passed
-through) and `phloem.ops.kv_store.write_kv` (cast to the cache dtype; FP8 clamped to +-448).
+through) and `phloem.ops.kv_store.write_kv` (cast to the cache dtype; FP8: k / k_scale and
+v / v_scale in float32, clamped to +-448, rounded to nearest even).
 
 Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported.
 """
@@ -35,10 +36,11 @@ def _rotated_halves(src, offs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _store_cache(dst, x, mask, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
-    """Store float32 `x` in the cache's dtype; an FP8 cache clamps it to +-LIMIT first (as
-    `write_kv` does)."""
+def _store_cache(dst, x, mask, scale, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
+    """Store float32 `x` in the cache's dtype; an FP8 cache stores x / scale clamped to +-LIMIT
+    (as `write_kv` does: an IEEE-rounded division, so both store the same bytes)."""
     if CLAMP:
+        x = tl.math.div_rn(x, scale)
         x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
     tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
@@ -46,7 +48,7 @@ def _store_cache(dst, x, mask, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
 @triton.jit
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cos,
+    k_scale, v_scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cos,
     s_cb, s_ckv, s_cs, s_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -89,16 +91,16 @@ def _rope_kv_kernel(
         k1, k2 = _rotated_halves(k_src, offs, km, cos, sin, HALF)
         v1 = tl.load(v_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
-        _store_cache(k_dst + offs[None, :], k1, km, CLAMP, LIMIT)
-        _store_cache(k_dst + HALF + offs[None, :], k2, km, CLAMP, LIMIT)
-        _store_cache(v_dst + offs[None, :], v1, km, CLAMP, LIMIT)
-        _store_cache(v_dst + HALF + offs[None, :], v2, km, CLAMP, LIMIT)
+        _store_cache(k_dst + offs[None, :], k1, km, k_scale, CLAMP, LIMIT)
+        _store_cache(k_dst + HALF + offs[None, :], k2, km, k_scale, CLAMP, LIMIT)
+        _store_cache(v_dst + offs[None, :], v1, km, v_scale, CLAMP, LIMIT)
+        _store_cache(v_dst + HALF + offs[None, :], v2, km, v_scale, CLAMP, LIMIT)
         if HAS_REST:
             rm = kv_ok[:, None] & r_ok[None, :]
             kr = tl.load(k_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
             vr = tl.load(v_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
-            _store_cache(k_dst + rest[None, :], kr, rm, CLAMP, LIMIT)
-            _store_cache(v_dst + rest[None, :], vr, rm, CLAMP, LIMIT)
+            _store_cache(k_dst + rest[None, :], kr, rm, k_scale, CLAMP, LIMIT)
+            _store_cache(v_dst + rest[None, :], vr, rm, v_scale, CLAMP, LIMIT)
 
 
 def rope_and_write_kv(
@@ -110,6 +112,8 @@ def rope_and_write_kv(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q and k by position (RoPE) and write the rotated k and v into the paged cache.
 
@@ -120,10 +124,11 @@ def rope_and_write_kv(
         cos, sin: float32 [max_position, rotary_dim / 2] (`RotaryEmbedding.cos` / `.sin`);
             the first rotary_dim of each head rotate, the rest pass through.
         kv_cache: [num_blocks, 2, block_size, H_kv, D] with a contiguous last dim (either layout
-            of `kv_store.allocate_kv_cache`), query's dtype or float8_e4m3fn (values clamped to
-            +-448); mutated at the slots.
+            of `kv_store.allocate_kv_cache`), query's dtype or float8_e4m3fn (k / k_scale and
+            v / v_scale, clamped to +-448); mutated at the slots.
         slot_mapping: int64 [T]: the cache slot of each token (block * block_size + offset);
             negative slots are not written.
+        k_scale, v_scale: the layer's FP8 KV scales (> 0; read only for an FP8 cache).
     Returns:
         The rotated query, a new [T, H, D] tensor in query's dtype.
     Raises:
@@ -155,7 +160,7 @@ def rope_and_write_kv(
     rest = head_dim - 2 * half
     _rope_kv_kernel[(num_tokens,)](
         query, key, value, positions, cos, sin, slot_mapping, kv_cache, out,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        float(k_scale), float(v_scale), query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), out.stride(0), out.stride(1), cos.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,

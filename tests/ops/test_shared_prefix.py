@@ -777,9 +777,9 @@ def test_prefill_chunks_split_to_another_backend(triton_kernel, min_query_len):
         def begin_step(self, sub):
             self.planned = sub
 
-        def forward(self, query, kv_cache, sub, scale, out=None):
+        def forward(self, query, kv_cache, sub, scale, out=None, k_scale=1.0, v_scale=1.0):
             assert sub is self.planned
-            res = super().forward(query, kv_cache, sub, scale)
+            res = super().forward(query, kv_cache, sub, scale, None, k_scale, v_scale)
             return res if out is None else out.copy_(res)
 
     prefill = Recording()

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 tensor cores
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
-_KV_SCALE = re.compile(r"\.(k_scale|v_scale|kv_scale|q_scale|prob_scale)$")
+_ATTN_SCALE = re.compile(r"\.(q_scale|prob_scale)$")
 
 
 class Fp8Config(QuantizationConfig):
@@ -67,8 +67,8 @@ class Fp8Config(QuantizationConfig):
             )
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
-        if _KV_SCALE.search(name):
-            return True  # KV-cache scales: the FP8 KV cache runs with scale 1 (not read)
+        if _ATTN_SCALE.search(name):
+            return True  # FP8 attention-input scales: q stays in the model dtype (not read)
         return name.endswith(".input_scale") and not self.scheme.static_input
 
 

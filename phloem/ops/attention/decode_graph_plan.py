@@ -169,11 +169,18 @@ class DecodeGraphPlan:
         self.lpart[:, :batch].fill_(float("-inf"))
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float, block_size: int
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        block_size: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """The planned step's attention, [B, H, D] in query.dtype (capturable: no host work
-        depends on the step)."""
+        depends on the step; an FP8 cache's k_scale / v_scale are constants of the capture)."""
         out = torch.empty_like(query)
         launch_plan(self.plan_for(query.shape[0]), query, kv_cache, out, scale, block_size,
-                self.num_warps, self.num_stages, None)  # fmt: skip
+                self.num_warps, self.num_stages, None, k_scale=k_scale,
+                v_scale=v_scale)  # fmt: skip
         return out

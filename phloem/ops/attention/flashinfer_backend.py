@@ -5,6 +5,13 @@ backend), which handles whole prompts, chunked appends (q_len < kv_len) and deco
 (q_len = 1, GQA groups packed into tensor-core tiles) mixed in one launch. Using one compiled
 module for all of them keeps the JIT build to one module per head dim.
 
+An FP8 cache (`kv_dtype` float8_e4m3fn) runs decode-only steps (every q_len 1, eager or in a
+CUDA graph) on FlashInfer's batch decode kernel instead (`BatchDecodeWithPagedKVCacheWrapper`,
+CUDA cores: it streams the e4m3 KV at half the bytes and converts in registers, where the
+tensor-core prefill kernel's conversion of its KV tiles costs more than the bytes save); steps
+with longer queries keep the prefill kernel. Both take the layer's per-tensor scales as FlashInfer
+defines them: `k_scale` multiplies the softmax scale, `v_scale` the output.
+
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
 split-KV decisions); every layer's `forward` then only launches the kernel. A decode step captured
 in a CUDA graph uses a wrapper of its own per batch size, planned into fixed buffers
@@ -135,6 +142,9 @@ class FlashInferAttention(AttentionBackend):
             self._workspace, kv_layout, backend=kernel_backend
         )
         self._graph_wrappers: dict[int, object] = {}
+        # FP8 cache: decode-only steps on the batch decode kernel (module docstring)
+        self.fp8_decode = self.kv_dtype == torch.float8_e4m3fn
+        self._eager_decode = None
         self._active = None
         self._num_query_tokens = 0
 
@@ -150,23 +160,45 @@ class FlashInferAttention(AttentionBackend):
             need = batch_size * self.max_num_blocks_per_seq
             if self._graph_kv_indices is None or self._graph_kv_indices.numel() < need:
                 self._graph_kv_indices = torch.zeros(need, **i32)
-            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace,
-                self.kv_layout,
-                use_cuda_graph=True,
-                qo_indptr_buf=torch.arange(batch_size + 1, **i32),
-                paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
-                paged_kv_indices_buf=self._graph_kv_indices,
-                paged_kv_last_page_len_buf=torch.zeros(batch_size, **i32),
-                backend="fa2",
-            )
+            if self.fp8_decode:
+                wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace,
+                    self.kv_layout,
+                    use_cuda_graph=True,
+                    use_tensor_cores=False,
+                    paged_kv_indptr_buffer=torch.zeros(batch_size + 1, **i32),
+                    paged_kv_indices_buffer=self._graph_kv_indices,
+                    paged_kv_last_page_len_buffer=torch.zeros(batch_size, **i32),
+                )
+            else:
+                wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace,
+                    self.kv_layout,
+                    use_cuda_graph=True,
+                    qo_indptr_buf=torch.arange(batch_size + 1, **i32),
+                    paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
+                    paged_kv_indices_buf=self._graph_kv_indices,
+                    paged_kv_last_page_len_buf=torch.zeros(batch_size, **i32),
+                    backend="fa2",
+                )
             self._graph_wrappers[batch_size] = wrapper
         return wrapper
+
+    def _eager_decode_wrapper(self):
+        """The FP8 cache's decode wrapper for eager decode-only steps (made on first use)."""
+        if self._eager_decode is None:
+            self._eager_decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, self.kv_layout, use_tensor_cores=False
+            )
+        return self._eager_decode
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan an eager step (host work, one small host-to-device copy). Call once per step,
         before the forward pass; mutates the wrapper the step's layers will use."""
-        self._plan(meta, self._eager)
+        if self.fp8_decode and meta.max_query_len == 1:
+            self._plan(meta, self._eager_decode_wrapper())
+        else:
+            self._plan(meta, self._eager)
 
     def prepare_replay(
         self,
@@ -189,8 +221,24 @@ class FlashInferAttention(AttentionBackend):
 
     def _plan(self, meta: AttentionMetadata, wrapper) -> None:
         """FlashInfer's `plan()` of the step into `wrapper`, which becomes the active one."""
-        qo_indptr = pinned(np.array(meta.query_start_loc_cpu, dtype=np.int32))
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(meta)
+        self._active = wrapper
+        self._num_query_tokens = meta.query_start_loc_cpu[-1]
+        if isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper):
+            wrapper.plan(
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                meta.block_size,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
+            )
+            return
+        qo_indptr = pinned(np.array(meta.query_start_loc_cpu, dtype=np.int32))
         wrapper.plan(
             qo_indptr,
             kv_indptr,
@@ -205,8 +253,6 @@ class FlashInferAttention(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.kv_dtype,
         )
-        self._active = wrapper
-        self._num_query_tokens = meta.query_start_loc_cpu[-1]
 
     # -- the kernel ------------------------------------------------------------------------------
 
@@ -217,12 +263,15 @@ class FlashInferAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal paged attention (the contract of `AttentionBackend.forward`).
 
         Plans lazily if `begin_step` was not called for this step (tests, other callers); query
         tokens past `query_start_loc[-1]` (padding) get zeros. `out` (contiguous, query's shape
-        and dtype), if given, receives the result (and is returned).
+        and dtype), if given, receives the result (and is returned). An FP8 cache's `k_scale`
+        and `v_scale` go to FlashInfer's `run` (constants of a CUDA-graph capture).
         """
         if abs(scale - self.scale) > 1e-6 * self.scale:
             raise ValueError(f"scale {scale} differs from the planned softmax scale {self.scale}")
@@ -231,13 +280,16 @@ class FlashInferAttention(AttentionBackend):
         if self.kv_layout == "HND":
             kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         num_tokens = self._num_query_tokens
+        scales = {}
+        if self.fp8_decode:  # an FP8 cache
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
         if num_tokens == query.shape[0]:
-            return self._active.run(query, kv_cache, out=out)
+            return self._active.run(query, kv_cache, out=out, **scales)
         if out is None:
             out = torch.zeros_like(query)
         else:
             out[num_tokens:].zero_()
-        out[:num_tokens] = self._active.run(query[:num_tokens], kv_cache)
+        out[:num_tokens] = self._active.run(query[:num_tokens], kv_cache, **scales)
         return out
 
     def end_step(self) -> None:

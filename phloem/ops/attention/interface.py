@@ -78,6 +78,8 @@ class AttentionBackend(abc.ABC):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal attention of the step's queries over each sequence's paged KV.
 
@@ -89,6 +91,8 @@ class AttentionBackend(abc.ABC):
             scale: softmax scale (usually head_dim ** -0.5).
             out: if given (query's shape and dtype, contiguous), receives the result and is
                 returned; else a new tensor is.
+            k_scale, v_scale: the layer's per-tensor FP8 KV scales (> 0): an FP8 cache holds
+                K / k_scale and V / v_scale (`phloem.ops.kv_store`); read only for an FP8 cache.
         Returns:
             [T, num_heads, head_dim], same dtype as `query`; zeros for query tokens past
             `meta.query_start_loc_cpu[-1]` (padding). num_heads must be a multiple of

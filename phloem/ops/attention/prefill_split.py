@@ -81,18 +81,22 @@ class PrefillSplit:
         kv_cache: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> SplitPlan:
         """Write the split-off chunks' attention into `out` (in place when their tokens are
-        contiguous, else gathered and scattered). Returns the plan to keep for the step's next
-        layers (its index moved to the query's device when the metadata was built elsewhere)."""
+        contiguous, else gathered and scattered; `kv_scales`: an FP8 cache's (k_scale,
+        v_scale)). Returns the plan to keep for the step's next layers (its index moved to the
+        query's device when the metadata was built elsewhere)."""
         index, sub = split.index, split.sub
         if isinstance(index, slice):
-            self.backend.forward(query[index], kv_cache, sub, scale, out=out[index])
+            self.backend.forward(query[index], kv_cache, sub, scale, out[index], *kv_scales)
             return split
         if index.device != query.device:  # metadata built on another device (tests): once
             index = index.to(query.device)
             split = split._replace(index=index)
-        attn = self.backend.forward(query.index_select(0, index), kv_cache, sub, scale)
+        attn = self.backend.forward(
+            query.index_select(0, index), kv_cache, sub, scale, None, *kv_scales
+        )
         out.index_copy_(0, index, attn)
         return split
 

@@ -9,7 +9,9 @@ Layout and step packing are described in `metadata.py`. For each sequence b of a
 `ReferenceAttention` batches all decode sequences (q_len == 1) of a step into one padded gather and
 batched matmul, and runs prefill chunks (q_len > 1) one by one through
 `scaled_dot_product_attention` with an explicit causal-offset mask. Scores and softmax are computed in
-float32 (float64 inputs stay float64). `paged_attention_reference` is the dumbest version, for tests.
+float32 (float64 inputs stay float64). An FP8 cache is read as stored value * k_scale (keys) and
+* v_scale (values), in the compute dtype (`phloem.ops.kv_store` says how it was written).
+`paged_attention_reference` is the dumbest version, for tests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.kv_store import FP8_KV_DTYPE
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,8 +65,11 @@ def _gather_kv(
     lens: torch.Tensor,
     max_len: int,
     dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of B sequences as [B, max_len, H_kv, D] in `dtype`, gathered row by row.
+    """K and V of B sequences as [B, max_len, H_kv, D] in `dtype`, gathered row by row and
+    multiplied by k_scale / v_scale when the cache is FP8.
 
     Args:
         tables: int64 [B, max_blocks] block tables; lens: int64 [B] KV lengths (>= 1).
@@ -76,7 +82,10 @@ def _gather_kv(
     block_ids = torch.gather(tables, 1, clamped // block_size)
     offsets = clamped % block_size
     # Advanced indexing through the strides: either layout of kv_store.allocate_kv_cache.
-    return kv_cache[block_ids, 0, offsets].to(dtype), kv_cache[block_ids, 1, offsets].to(dtype)
+    k, v = kv_cache[block_ids, 0, offsets].to(dtype), kv_cache[block_ids, 1, offsets].to(dtype)
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        k, v = k.mul_(k_scale), v.mul_(v_scale)
+    return k, v
 
 
 class ReferenceAttention(AttentionBackend):
@@ -95,6 +104,8 @@ class ReferenceAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal paged attention (the `AttentionBackend.forward` contract), for a query of any
         float dtype: the host lists `query_start_loc_cpu` and `seq_lens_cpu` drive the loop,
@@ -110,11 +121,12 @@ class ReferenceAttention(AttentionBackend):
             out.zero_()
         qsl = meta.query_start_loc_cpu
         decode = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
+        kv_scales = (k_scale, v_scale)
         if decode:
-            self._decode(query, kv_cache, meta, scale, decode, out)
+            self._decode(query, kv_cache, meta, scale, decode, out, kv_scales)
         for b in range(meta.num_seqs):
             if qsl[b + 1] - qsl[b] > 1:
-                self._prefill(query, kv_cache, meta, scale, b, out)
+                self._prefill(query, kv_cache, meta, scale, b, out, kv_scales)
         return out
 
     @staticmethod
@@ -125,6 +137,7 @@ class ReferenceAttention(AttentionBackend):
         scale: float,
         seqs: list[int],
         out: torch.Tensor,
+        kv_scales: tuple[float, float],
     ) -> None:
         """All q_len == 1 sequences at once: one padded gather, masked past each length."""
         num_heads, head_dim, num_kv_heads, group = _geometry(query, kv_cache)
@@ -133,7 +146,7 @@ class ReferenceAttention(AttentionBackend):
         max_len = max(meta.seq_lens_cpu[b] for b in seqs)
         rows = torch.tensor(seqs, device=meta.block_tables.device)
         tables = meta.block_tables[rows].to(device=device, dtype=torch.int64)  # [B, max_blocks]
-        k, v = _gather_kv(kv_cache, tables, lens, max_len, cdt)  # [B, L, H_kv, D]
+        k, v = _gather_kv(kv_cache, tables, lens, max_len, cdt, *kv_scales)  # [B, L, H_kv, D]
         tokens = torch.tensor([meta.query_start_loc_cpu[b] for b in seqs], device=device)
         q = query[tokens].to(cdt).view(len(seqs), num_kv_heads, group, head_dim) * scale
         pad = torch.arange(max_len, device=device)[None, None, :] >= lens[:, None, None]  # [B,1,L]
@@ -153,6 +166,7 @@ class ReferenceAttention(AttentionBackend):
         scale: float,
         b: int,
         out: torch.Tensor,
+        kv_scales: tuple[float, float],
     ) -> None:
         """One q_len > 1 sequence through SDPA; GQA folds the group into the query length."""
         num_heads, head_dim, num_kv_heads, group = _geometry(query, kv_cache)
@@ -161,7 +175,7 @@ class ReferenceAttention(AttentionBackend):
         q_len, seq_len = end - start, meta.seq_lens_cpu[b]
         table = meta.block_tables[b : b + 1].to(device=device, dtype=torch.int64)
         lens = torch.tensor([seq_len], device=device)
-        k, v = _gather_kv(kv_cache, table, lens, seq_len, cdt)  # [1, L, H_kv, D]
+        k, v = _gather_kv(kv_cache, table, lens, seq_len, cdt, *kv_scales)  # [1, L, H_kv, D]
         k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [H_kv, L, D]
         # [q_len, H_kv * G, D] -> [H_kv, G * q_len, D]: row g * q_len + i is query i of head (h, g).
         q = query[start:end].to(cdt).view(q_len, num_kv_heads, group, head_dim)
@@ -181,13 +195,16 @@ def paged_attention_reference(
     meta: AttentionMetadata,
     scale: float,
     compute_dtype: torch.dtype = torch.float64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The simplest correct paged attention (test oracle): per sequence, gather K/V slot by slot,
     repeat KV heads for GQA, full score matrix, causal-offset mask, softmax, weighted sum.
 
     Args:
         query: [T, num_heads, head_dim]; kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim];
-        meta: the step's metadata; scale: softmax scale; compute_dtype: dtype of all arithmetic.
+        meta: the step's metadata; scale: softmax scale; compute_dtype: dtype of all arithmetic;
+        k_scale, v_scale: multipliers of the stored K and V (any cache dtype; 1.0 reads as is).
     Returns:
         [T, num_heads, head_dim] in `compute_dtype`; tokens outside `query_start_loc` are zero.
     """
@@ -202,8 +219,8 @@ def paged_attention_reference(
             continue
         pos = torch.arange(seq_len, device=kv_cache.device)
         block_ids = meta.block_tables[b].to(kv_cache.device, torch.int64)[pos // block_size]
-        k = kv_cache[block_ids, 0, pos % block_size].to(compute_dtype)  # [L, H_kv, D]
-        v = kv_cache[block_ids, 1, pos % block_size].to(compute_dtype)
+        k = kv_cache[block_ids, 0, pos % block_size].to(compute_dtype) * k_scale  # [L, H_kv, D]
+        v = kv_cache[block_ids, 1, pos % block_size].to(compute_dtype) * v_scale
         k = k.repeat_interleave(group, dim=1)  # [L, H, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].to(compute_dtype)  # [q_len, H, D]

@@ -265,36 +265,49 @@ class SharedPrefixAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal paged attention (the `AttentionBackend.forward` contract) by the step's path;
         plans the step first if `begin_step` was not called with this `meta`."""
         if meta is not self._meta:
             self.begin_step(meta)
         if self._sp is None:
-            return self.fallback.forward(query, kv_cache, meta, scale, out=out)
+            return self.fallback.forward(query, kv_cache, meta, scale, out, k_scale, v_scale)
+        kv_scales = (k_scale, v_scale)
         if self._graph_step:
-            res = self._graph_plan.forward(query, kv_cache, scale, meta.block_size)
+            res = self._graph_plan.forward(query, kv_cache, scale, meta.block_size, *kv_scales)
         else:
-            res = self._forward_shared(query, kv_cache, meta, scale)
+            res = self._forward_shared(query, kv_cache, meta, scale, kv_scales)
         return res if out is None else out.copy_(res)
 
     def _forward_shared(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: tuple[float, float],
     ) -> torch.Tensor:
-        """The eager shared path of the planned step, by impl."""
+        """The eager shared path of the planned step, by impl (`kv_scales`: an FP8 cache's
+        (k_scale, v_scale))."""
         impl = self._resolve_impl(query)
+        k_scale, v_scale = kv_scales
         if impl == "triton":
             split = self._split
             out = shared_prefix_attention_triton(
                 query, kv_cache, meta, self._sp, scale,
-                exclude=None if split is None else split.exclude, **self.triton_options,
+                exclude=None if split is None else split.exclude, k_scale=k_scale,
+                v_scale=v_scale, **self.triton_options,
             )  # fmt: skip
             if split is not None:
-                self._split = self.prefill.run(split, query, kv_cache, out, scale)
+                self._split = self.prefill.run(split, query, kv_cache, out, scale, kv_scales)
             return out
         if impl == "flashinfer":
             return self._flashinfer_cascade(query, kv_cache, meta, scale)
-        return shared_prefix_attention_reference(query, kv_cache, meta, self._sp, scale)
+        return shared_prefix_attention_reference(
+            query, kv_cache, meta, self._sp, scale, k_scale=k_scale, v_scale=v_scale
+        )
 
     def end_step(self) -> None:
         """Forget the step's plan (and the fallback's and prefill backend's)."""

@@ -95,8 +95,11 @@ def shared_prefix_partials_reference(
     attn_meta: AttentionMetadata,
     sp_meta: SharedPrefixMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two partial attention states of every query token, in plain torch.
+    """The two partial attention states of every query token, in plain torch (an FP8 cache's
+    K and V read as stored * k_scale / v_scale).
 
     Returns:
         (o_prefix [T, H, D], lse_prefix [T, H], o_suffix [T, H, D], lse_suffix [T, H]) in float32
@@ -116,7 +119,7 @@ def shared_prefix_partials_reference(
         tokens = torch.tensor(sp_meta.group_token_indices(g), **i64)
         p = sp_meta.group_prefix_lens[g]
         table = torch.tensor([sp_meta.group_block_ids[g]], **i64)
-        k, v = _gather_kv(kv_cache, table, torch.tensor([p], **i64), p, cdt)
+        k, v = _gather_kv(kv_cache, table, torch.tensor([p], **i64), p, cdt, k_scale, v_scale)
         q = _fold_gqa(query[tokens].to(cdt), num_kv_heads)
         o, lse = _unfold_gqa(*_attend(q, k[0], v[0], scale, None), len(tokens))
         o_pre[tokens], lse_pre[tokens] = o, lse
@@ -129,7 +132,8 @@ def shared_prefix_partials_reference(
             continue
         p, n_own = sp_meta.seq_prefix_lens[b], sp_meta.suffix_lens[b]
         table = torch.tensor([sp_meta.suffix_block_ids[b]], **i64)
-        k, v = _gather_kv(kv_cache, table, torch.tensor([n_own], **i64), n_own, cdt)
+        lens = torch.tensor([n_own], **i64)
+        k, v = _gather_kv(kv_cache, table, lens, n_own, cdt, k_scale, v_scale)
         q_pos = torch.arange(attn_meta.seq_lens_cpu[b] - (end - start), attn_meta.seq_lens_cpu[b])
         keep = (p + torch.arange(n_own))[None, :] <= q_pos[:, None]  # [q_len, n_own]
         keep = keep.to(dev).repeat_interleave(num_heads // num_kv_heads, dim=0)
@@ -147,6 +151,8 @@ def shared_prefix_attention_reference(
     sp_meta: SharedPrefixMetadata,
     scale: float,
     return_lse: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cascade attention in plain torch: prefix part per group + suffix part per sequence, merged.
 
@@ -156,13 +162,16 @@ def shared_prefix_attention_reference(
     Args:
         query: [T, H, D]; kv_cache: [num_blocks, 2, block_size, H_kv, D] (read only);
         attn_meta: the step's metadata; sp_meta: its groups (`build_shared_prefix_metadata`);
-        scale: softmax scale; return_lse: also return the merged natural-log LSE [T, H].
+        scale: softmax scale; return_lse: also return the merged natural-log LSE [T, H];
+        k_scale, v_scale: an FP8 cache's per-tensor scales (ignored for other caches).
     Returns:
         [T, H, D] in query.dtype (zeros for tokens outside `query_start_loc`), and the LSE in
         float32 (float64 for float64 queries) if asked.
     """
     o, lse = merge_attention_states(
-        *shared_prefix_partials_reference(query, kv_cache, attn_meta, sp_meta, scale)
+        *shared_prefix_partials_reference(
+            query, kv_cache, attn_meta, sp_meta, scale, k_scale, v_scale
+        )
     )
     out = o.to(query.dtype)
     return (out, lse) if return_lse else out

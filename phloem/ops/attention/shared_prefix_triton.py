@@ -61,7 +61,7 @@ def kv_step(
 def run_tile(
     t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
     tiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
@@ -118,7 +118,7 @@ def run_tile(
             )  # fmt: skip
     has = l_i > 0
     l_use = tl.where(has, l_i, 1.0)
-    o = acc / l_use[:, None]
+    o = acc * (v_scale / l_use)[:, None]  # an FP8 cache's V scale (1.0 otherwise)
     lse = tl.where(has, (m_i + tl.log2(l_use)) * 0.6931471805599453, float("-inf"))
     # Names differ per branch: compiled Triton needs one type per variable across branches.
     if slot < 0:
@@ -135,7 +135,7 @@ def run_tile(
 def tile_kernel(
     q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
     tiles_ptr, ntiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
@@ -153,16 +153,16 @@ def tile_kernel(
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             run_tile(
                 t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr, tok_ptr,
-                qpos_ptr, blk_ptr, scale_log2, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh,
-                s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE,
-                PRECISION, INTERPRET, F16_MATH,
+                qpos_ptr, blk_ptr, scale_log2, v_scale, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
+                s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                PAGE, PRECISION, INTERPRET, F16_MATH,
             )  # fmt: skip
     else:
         run_tile(
             tl.program_id(0), kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr,
-            tok_ptr, qpos_ptr, blk_ptr, scale_log2, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
-            s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE,
-            PRECISION, INTERPRET, F16_MATH,
+            tok_ptr, qpos_ptr, blk_ptr, scale_log2, v_scale, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh,
+            s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+            PAGE, PRECISION, INTERPRET, F16_MATH,
         )  # fmt: skip
 
 
@@ -219,11 +219,18 @@ def launch_plan(
     narrow_block_n: int | None = None,
     narrow_num_stages: int | None = None,
     fp8_math: str = "f16",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """The step's tile launches, then the merge (when it has rows to merge). The narrow launch
     (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count.
     `fp8_math` (FP8 cache, 16-bit queries): "f16" converts K/V and the pre-scaled query to
-    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype."""
+    float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype. An FP8 cache's
+    `k_scale` multiplies the scores with the softmax scale (q . (k_scale K) = k_scale (q . K)),
+    its `v_scale` each tile's normalized output (the merge is linear in them); both are 1.0
+    for any other cache."""
+    if kv_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     opart, lpart = plan.opart, plan.lpart
@@ -248,7 +255,7 @@ def launch_plan(
             query, kv_cache, out, opart, lpart,
             launch.tiles, launch.count if persistent else plan.count, plan.tokens, plan.qpos,
             plan.blocks,
-            scale * _LOG2E,
+            scale * k_scale * _LOG2E, v_scale,
             query.stride(0), query.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             out.stride(0), out.stride(1),
@@ -286,6 +293,8 @@ def shared_prefix_attention(
     narrow_num_stages: int | None = None,
     fp8_math: str = "f16",
     exclude: np.ndarray | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Cascade attention with our Triton kernel: one launch over all prefix and suffix tiles of
     the step (BatchLLM §5 horizontal fusion), then one merge launch over the grouped tokens.
@@ -300,7 +309,8 @@ def shared_prefix_attention(
     Args:
         query: [T, H, D] (last dim contiguous); kv_cache: [num_blocks, 2, block_size, H_kv, D]
             (last dim contiguous; read only; query's dtype or float8_e4m3fn, converted to the
-            query's dtype on load); attn_meta / sp_meta: the step and its groups;
+            query's dtype on load, times k_scale / v_scale); attn_meta / sp_meta: the step and
+            its groups;
         scale: softmax scale.
         block_m: query rows per tile (power of 2, >= 16; default from the widest segment);
         block_n: KV tokens per inner iteration (power of 2, >= 16; default 64, 32 for D > 128);
@@ -316,6 +326,8 @@ def shared_prefix_attention(
             range fits float16); "q" converts K/V to the query's dtype (slower for bfloat16).
         exclude: bool [B] or None: ungrouped sequences computed elsewhere (their output rows are
             left unwritten for the caller); fixed for the step (the plan is cached per step).
+        k_scale, v_scale: an FP8 cache's per-tensor scales (K and V read as stored * scale;
+            see `launch_plan`); ignored for other caches.
     Returns:
         [T, H, D] in query.dtype; zeros for tokens past `query_start_loc[-1]`.
     Memory: a float32 buffer of (max splits + 1) * R * H * (D + 1) * 4 bytes, R = grouped query
@@ -353,5 +365,6 @@ def shared_prefix_attention(
     if attn_meta.query_start_loc_cpu[-1] < num_tokens:
         out[attn_meta.query_start_loc_cpu[-1] :].zero_()
     launch_plan(plan, query, kv_cache, out, scale, attn_meta.block_size, num_warps, num_stages,
-            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math)  # fmt: skip
+            narrow_num_warps, narrow_block_n, narrow_num_stages, fp8_math, k_scale,
+            v_scale)  # fmt: skip
     return out
