@@ -7,11 +7,12 @@ a row without drafts: its one sampled position):
 
     logits rows: |-- b=0: last, d_1..d_k0 --|-- b=1: last --|-- b=2: last, d_1..d_k2 --| ...
 
-and are gathered into the rejection sampler's [S, k + 1, V] (k = the widest row; a short row
-repeats its last position, which the sampler never reads). Rows reaching here carry no bans,
-penalties or log-probs (the engine drafts only for rows without them), so the processed
-distribution at every position is the same function of that position's logits. A row without
-drafts draws what the sampler would (one length-V exponential vector from its generator).
+and the drafted rows' positions are gathered into the rejection sampler's [R, k + 1, V] (k = the
+widest row; a short row repeats its last position, which the sampler never reads). Drafted rows
+carry no bans, penalties or log-probs (the engine drafts only for rows without them), so the
+processed distribution at every position is the same function of that position's logits. The
+rows without drafts go through the sampler itself (`VerifyStep` merges both halves), so they
+draw exactly what they would in a step without drafts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from phloem.layers.sampler import (
     GREEDY_TEMPERATURE,
+    SampledTokens,
     SamplerOutput,
     SamplingRow,
     non_finite,
@@ -59,6 +61,18 @@ class VerifiedTokens:
         token_ids, self.num_accepted, flags = self._host.tolist()
         none = [None] * self._num_rows
         return SamplerOutput(token_ids, none, list(none), flags)
+
+
+def split_verify_rows(
+    drafts: Sequence[Sequence[int]],
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(drafted rows, their packed logits positions, rows without drafts, their one position)
+    of a verify step whose row b has 1 + len(drafts[b]) packed positions (module docstring)."""
+    starts = [0, *itertools.accumulate(1 + len(d) for d in drafts)]
+    drafted = [b for b, d in enumerate(drafts) if d]
+    plain = [b for b, d in enumerate(drafts) if not d]
+    positions = [p for b in drafted for p in range(starts[b], starts[b + 1])]
+    return drafted, positions, plain, [starts[b] for b in plain]
 
 
 def verify_drafts(
@@ -115,3 +129,51 @@ def verify_drafts(
     final = out.token_ids.gather(1, out.num_accepted[:, None]).squeeze(1)
     row_flags = flags[gather_t].amax(dim=1)
     return VerifiedTokens(final, out.num_accepted, row_flags, num_rows)
+
+
+class VerifyStep:
+    """All sampled rows of a verify step: the drafted rows' `VerifiedTokens` and the other rows'
+    `SampledTokens` (from the sampler), merged back into row order.
+
+    Attributes:
+        tokens: int64 [S] on the device: each row's last token (feeds the next step's inputs).
+        num_accepted: [S] host ints, drafts accepted per row (0 for rows without drafts); set by
+            `result()`.
+    """
+
+    def __init__(
+        self,
+        verified: VerifiedTokens,
+        drafted: list[int],
+        sampled: SampledTokens | None,
+        plain: list[int],
+    ) -> None:
+        self._parts = [(verified, drafted), (sampled, plain)]
+        self.num_accepted: list[int] = []
+        self.tokens = verified.tokens
+        if sampled is not None:
+            device = verified.tokens.device
+            self.tokens = torch.empty(len(drafted) + len(plain), dtype=torch.long, device=device)
+            for part, rows in self._parts:
+                index = to_device(torch.tensor(rows, dtype=torch.long), device)
+                self.tokens.index_copy_(0, index, part.tokens)  # type: ignore[union-attr]
+
+    def result(self) -> SamplerOutput:
+        """The merged rows (waits for this step's copies only)."""
+        num_rows = len(self._parts[0][1]) + len(self._parts[1][1])
+        out = SamplerOutput([0] * num_rows, [None] * num_rows, [None] * num_rows, [0] * num_rows)
+        self.num_accepted = [0] * num_rows
+        for part, rows in self._parts:
+            if part is None:
+                continue
+            got = part.result()
+            for j, b in enumerate(rows):
+                out.token_ids[b], out.logprobs[b] = got.token_ids[j], got.logprobs[j]
+                out.top_logprobs[b], out.num_nonfinite[b] = (
+                    got.top_logprobs[j],
+                    got.num_nonfinite[j],
+                )
+        verified, drafted = self._parts[0]
+        for j, b in enumerate(drafted):
+            self.num_accepted[b] = verified.num_accepted[j]  # type: ignore[union-attr]
+        return out

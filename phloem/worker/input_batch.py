@@ -327,3 +327,21 @@ def sampling_row(
     if params.min_tokens == 0:
         state.row = row
     return row
+
+
+def append_verified(
+    states: list[SequenceState],
+    drafts: list[tuple[int, ...]],
+    num_accepted: list[int],
+    token_ids: list[int],
+    block_size: int,
+) -> None:
+    """Apply a verify step to its sampled rows' states: each gets its accepted drafts, then its
+    token, and a drafted row's block table drops the blocks past its last computed token (the
+    scheduler's `KVManager.trim` rule: cdiv(num_computed_tokens, block_size) kept, the last
+    known token having no KV yet)."""
+    for state, row_drafts, num, token_id in zip(states, drafts, num_accepted, token_ids):
+        state.output_token_ids.extend(row_drafts[:num])
+        state.output_token_ids.append(token_id)
+        if row_drafts:
+            del state.block_ids[-(-(state.num_known_tokens - 1) // block_size) :]

@@ -41,10 +41,16 @@ from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.sampling_params import SamplingParams
-from phloem.spec_decode.verifier import VerifiedTokens, verify_drafts
+from phloem.spec_decode.verifier import VerifyStep, split_verify_rows, verify_drafts
 from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.cuda_graph import CUDAGraphRunner
-from phloem.worker.input_batch import HostStep, InputBatch, SequenceState, sampling_row
+from phloem.worker.input_batch import (
+    HostStep,
+    InputBatch,
+    SequenceState,
+    append_verified,
+    sampling_row,
+)
 
 __all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
 
@@ -82,8 +88,8 @@ class LaunchedStep:
 
     seq_ids: list[str]  # the sampled sequences, in row order
     states: list[SequenceState]  # their states when launched (the tokens are appended there)
-    sampled: SampledTokens | VerifiedTokens | None  # None until `ModelRunner.sample` (a
-    # constrained step); VerifiedTokens for a verify step (speculative decoding)
+    sampled: SampledTokens | VerifyStep | None  # None until `ModelRunner.sample` (a
+    # constrained step); VerifyStep for a verify step (speculative decoding)
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed
     # a constrained step's logits [S, V] and sampling rows, until its grammar bitmask comes
     deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
@@ -248,8 +254,8 @@ class ModelRunner:
         drafts = None
         if host.draft_counts:  # a verify step: the rows' 1 + k_b positions, packed
             drafts = [scheduled[i].draft_token_ids for i in host.sampled]
-            handle: SampledTokens | VerifiedTokens = verify_drafts(
-                logits, rows, drafts, self._shared_generator
+            handle: SampledTokens | VerifyStep = self._launch_verify(
+                logits, rows, drafts, seq_ids, sampled_states, failed
             )
         else:
             handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
@@ -294,12 +300,15 @@ class ModelRunner:
         result = launched.sampled.result()
         out.failed = launched.failed
         seq_ids, token_ids = launched.seq_ids, result.token_ids
-        if launched.drafts is not None:
-            out.num_accepted_drafts = self._apply_drafts(launched)
-        for state, token_id in zip(launched.states, token_ids):
-            state.output_token_ids.append(token_id)
-        if launched.drafts is not None:
-            self._trim_blocks(launched)
+        if isinstance(launched.sampled, VerifyStep) and launched.drafts is not None:
+            accepted = launched.sampled.num_accepted
+            append_verified(launched.states, launched.drafts, accepted, token_ids, self.block_size)
+            out.num_accepted_drafts = {
+                s: n for s, d, n in zip(seq_ids, launched.drafts, accepted) if d
+            }
+        else:
+            for state, token_id in zip(launched.states, token_ids):
+                state.output_token_ids.append(token_id)
         out.sampled_token_ids = dict(zip(seq_ids, token_ids))
         out.logprobs = dict(zip(seq_ids, result.logprobs))
         out.top_logprobs = dict(zip(seq_ids, result.top_logprobs))
@@ -310,25 +319,31 @@ class ModelRunner:
                     out.failed.setdefault(seq_id, NON_FINITE_MESSAGE)
         return out
 
-    @staticmethod
-    def _apply_drafts(launched: LaunchedStep) -> dict[str, int]:
-        """Append each verify row's accepted drafts to its state; {seq id: drafts accepted}
-        of the rows that had any drafts."""
-        assert launched.drafts is not None and isinstance(launched.sampled, VerifiedTokens)
-        accepted = launched.sampled.num_accepted
-        rows = zip(launched.seq_ids, launched.states, launched.drafts, accepted)
-        for _, state, drafts, num in rows:
-            state.output_token_ids.extend(drafts[:num])
-        return {s: n for s, d, n in zip(launched.seq_ids, launched.drafts, accepted) if d}
-
-    def _trim_blocks(self, launched: LaunchedStep) -> None:
-        """Drop each verify row's blocks past its last computed token (the scheduler's
-        `KVManager.trim` rule: cdiv(num_computed_tokens, block_size) kept, num_computed_tokens
-        being its known tokens less the new last one)."""
-        bs = self.block_size
-        for state, drafts in zip(launched.states, launched.drafts or ()):
-            if drafts:
-                del state.block_ids[-(-(state.num_known_tokens - 1) // bs) :]
+    def _launch_verify(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        drafts: list[tuple[int, ...]],
+        seq_ids: list[str],
+        states: list[SequenceState],
+        failed: dict[str, str],
+    ) -> VerifyStep:
+        """A verify step's sampling: drafted rows through `verify_drafts` (their 1 + k_b packed
+        positions of `logits` [N, V]), the others through the sampler (their one position)."""
+        drafted, positions, plain, plain_positions = split_verify_rows(drafts)
+        index = to_device(np.array(positions, dtype=np.int64), self.device)
+        verified = verify_drafts(
+            logits[index], [rows[b] for b in drafted], [drafts[b] for b in drafted],
+            self._shared_generator,
+        )  # fmt: skip
+        sampled = None
+        if plain:
+            index = to_device(np.array(plain_positions, dtype=np.int64), self.device)
+            sampled = self._launch_sampler(
+                logits[index], [rows[b] for b in plain], [seq_ids[b] for b in plain],
+                [states[b] for b in plain], failed,
+            )  # fmt: skip
+        return VerifyStep(verified, drafted, sampled, plain)
 
     def needs_token_history(self, sched: SchedulerOutput) -> bool:
         """True if sampling this step reads earlier output tokens (penalties), so a step in

@@ -1,0 +1,107 @@
+"""`verify_drafts`, the verify step's sampling: its emitted tokens follow the sampler's processed
+distribution (temperature 1, top-k, top-p, min-p) at each position, for a good and for a
+deliberately bad draft (chi-square, fixed seeds, seeded and unseeded rows); a row without
+drafts draws exactly the sampler's token; greedy rows accept while the draft is the argmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2
+
+from phloem.layers.sampler import Sampler, SamplingRow, processed_probs, seeded_generator
+from phloem.sampling_params import SamplingParams
+from phloem.spec_decode.verifier import verify_drafts
+
+VOCAB = 8
+NUM_ROWS = 40_000
+ALPHA = 1e-6  # a correct verifier fails about once in a million runs
+
+
+def _logits(seed: int) -> torch.Tensor:
+    """Two scored positions' logits [2, V] (position 0 after the last token, 1 after d_1)."""
+    return torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    """P-value of `counts` under `probs` (cells with probability 0 must be empty)."""
+    assert counts[probs == 0].sum() == 0
+    keep = probs > 0
+    n = counts.sum()
+    expected = probs[keep] * n
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    return float(chi2.sf(stat, keep.sum() - 1))
+
+
+def _run(params: SamplingParams, draft: int, seed: int):
+    """NUM_ROWS verify rows of one draft each, the same logits; returns (first emitted, second
+    emitted or -1, accepted counts) and the processed distributions [2, V]."""
+    base = _logits(seed)
+    logits = base.repeat(NUM_ROWS, 1)  # rows packed: position 0, position 1 of each row
+    rows = [
+        SamplingRow(params, [1], [], seeded_generator(i, "cpu") if i % 20 == 0 else None)
+        for i in range(NUM_ROWS)
+    ]
+    verified = verify_drafts(logits, rows, [(draft,)] * NUM_ROWS, torch.Generator().manual_seed(7))
+    final = verified.result().token_ids
+    accepted = verified.num_accepted
+    first = [draft if a else t for t, a in zip(final, accepted)]
+    second = [t if a else -1 for t, a in zip(final, accepted)]
+    return np.array(first), np.array(second), processed_probs(base, [params] * 2).numpy()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
+        SamplingParams(temperature=0.8, min_p=0.05),
+    ],
+    ids=["plain", "top_k_top_p", "min_p"],
+)
+@pytest.mark.parametrize("which", ["likely", "unlikely"])
+def test_emitted_tokens_follow_the_target(params, which):
+    probs0 = processed_probs(_logits(3)[:1], [params]).numpy()[0]
+    support = np.flatnonzero(probs0)
+    draft = int(probs0.argmax()) if which == "likely" else int(support[probs0[support].argmin()])
+    first, second, probs = _run(params, draft, seed=3)
+    assert _chi_square(np.bincount(first, minlength=VOCAB), probs[0]) > ALPHA
+    if which == "likely":  # (an unlikely draft is accepted too rarely to test what follows)
+        after = second[first == draft]  # the draft was accepted: the bonus token follows p_1
+        assert len(after) > 1000
+        assert _chi_square(np.bincount(after, minlength=VOCAB), probs[1]) > ALPHA
+
+
+def test_a_biased_verifier_fails_the_same_check():
+    """The check has power: counts drawn from a 5%-shifted distribution fail it."""
+    params = SamplingParams(temperature=1.0)
+    probs = processed_probs(_logits(3)[:1], [params]).numpy()[0]
+    biased = probs.copy()
+    biased[biased.argmax()] += 0.05
+    biased /= biased.sum()
+    draws = np.random.default_rng(0).choice(VOCAB, size=NUM_ROWS, p=biased)
+    assert _chi_square(np.bincount(draws, minlength=VOCAB), probs) < ALPHA
+
+
+def test_a_row_without_drafts_draws_the_samplers_token():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.9, top_p=0.8)
+    for seed in range(5):
+        rows = [SamplingRow(params, [1], [], seeded_generator(seed, "cpu")) for _ in range(1)]
+        want = Sampler()(logits[:1], rows).token_ids
+        rows = [SamplingRow(params, [1], [], seeded_generator(seed, "cpu"))]
+        got = verify_drafts(logits[:1], rows, [()], None).result().token_ids
+        assert got == want
+
+
+def test_greedy_rows_accept_while_the_draft_is_the_argmax():
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(2))
+    argmax = logits.argmax(dim=-1).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(greedy, [1], [], None), SamplingRow(greedy, [1], [], None)]
+    # row 0: 3 drafts at positions 0..3, the first two right; row 1: 2 drafts at 4..6, all right
+    drafts = [(argmax[0], argmax[1], (argmax[2] + 1) % VOCAB), (argmax[4], argmax[5])]
+    verified = verify_drafts(logits, rows, drafts, None)
+    assert verified.result().token_ids == [argmax[2], argmax[6]]
+    assert verified.num_accepted == [2, 2]
