@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# FP8 W8A8 (issue 18) on one Hopper GPU, from the repo root:
+# FP8 W8A8 and the FP8 KV cache (issue 18) on one Hopper GPU, from the repo root:
 #   bash benchmarks/fp8_device.sh "$OUT/fp8"                                   # everything
 #   STAGES="tests batchllm" bash benchmarks/fp8_device.sh "$OUT/fp8"           # one <=10 min call
 #   STAGES="decode-heavy prefill-heavy" bash benchmarks/fp8_device.sh "$OUT/fp8"   # the other
+#   STAGES="fp8kv-tests" bash benchmarks/fp8_device.sh "$OUT/fp8"   # FP8 KV: build + tests,
+#   STAGES="fp8kv" bash benchmarks/fp8_device.sh "$OUT/fp8"         # then its benches (same machine)
 # Stages, in the order given by STAGES:
 #   tests          tests/gpu/test_fp8_gpu.py: torch._scaled_mm (row-wise) vs the CPU-exact
 #                  reference over Llama-8B GEMM shapes, block checkpoints requantized on CUDA,
@@ -12,6 +14,12 @@
 #                  --num-groups 400` at bf16 and with --quantization fp8
 #   decode-heavy   the decode-heavy workload (1000 x 1000/1000) at bf16 and fp8
 #   prefill-heavy  the prefill-heavy workload (1000 x 2048/128) at bf16 and fp8
+#   fp8kv-tests    build FlashInfer's FP8-KV modules (flashinfer_prebuild.py --fp8-kv), then
+#                  tests/gpu/test_fp8_kv_gpu.py (FlashInfer FP8 decode/prefill, our Triton
+#                  kernel and the fused RoPE write with KV scales; engine agreement)
+#   fp8kv          decode-heavy at bf16, with --kv-cache-dtype fp8 (goal >= 1.3x bf16 output
+#                  tokens/s) and with --kv-cache-dtype fp8 --quantization fp8 (goal >= 1.6x):
+#                  three bench runs, a call of their own
 # Each bench stage runs bf16 then fp8 back to back on the same GPU (random weights, the same
 # model: load_format dummy), and prints fp8/bf16 of requests/s, output and total tokens/s, with
 # each run's sustained roofline ratio (the fp8 run's ceiling is the FP8 _scaled_mm one).
@@ -45,6 +53,18 @@ for stage in $STAGES; do
         bench batchllm400-bf16 --workload batchllm --num-groups 400
         bench batchllm400-fp8 --workload batchllm --num-groups 400 --quantization fp8
         ;;
+    fp8kv-tests)
+        echo "=== fp8kv build $(date +%T)"
+        timeout 400 python3 benchmarks/flashinfer_prebuild.py --fp8-kv 128 2>&1 | tail -6
+        echo "=== fp8kv tests $(date +%T)"
+        timeout "$LIMIT" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_kv_gpu.py \
+            2>&1 | tee "$OUT/fp8kv-gpu-tests.txt" | grep -E "fp8 kv|passed|failed|Error" | tail -5
+        ;;
+    fp8kv)
+        bench decode-heavy-kv-bf16 --workload decode-heavy
+        bench decode-heavy-kv-fp8kv --workload decode-heavy --kv-cache-dtype fp8
+        bench decode-heavy-kv-both --workload decode-heavy --kv-cache-dtype fp8 --quantization fp8
+        ;;
     decode-heavy | prefill-heavy)
         bench "$stage-bf16" --workload "$stage"
         bench "$stage-fp8" --workload "$stage" --quantization fp8
@@ -73,6 +93,19 @@ for base in ("batchllm400", "decode-heavy", "prefill-heavy"):
     print(f"{base}: fp8/bf16 requests/s {ratios['requests_per_s']:.3f}, output tok/s "
           f"{ratios['output_tokens_per_s']:.3f}, total tok/s {ratios['total_tokens_per_s']:.3f}; "
           f"sustained roofline ratio bf16 {sustained['bf16']} fp8 {sustained['fp8']}")
+base = load("decode-heavy-kv-bf16")
+for name, goal in (("fp8kv", 1.3), ("both", 1.6)):
+    run = load("decode-heavy-kv-" + name)
+    if not (base and run):
+        continue
+    ratio = run["output_tokens_per_s"] / base["output_tokens_per_s"]
+    summary["decode-heavy-kv-" + name] = {
+        "output_tokens_per_s": run["output_tokens_per_s"],
+        "bf16_output_tokens_per_s": base["output_tokens_per_s"], "over_bf16": ratio,
+        "goal": goal, "roofline_ratio_sustained": run.get("roofline_ratio_sustained"),
+        "kv_cache_dtype": (run.get("engine") or {}).get("kv_cache_dtype")}
+    print(f"decode-heavy {name}: output tok/s {run['output_tokens_per_s']:.0f} = {ratio:.3f}x "
+          f"bf16 (goal {goal}x); sustained roofline ratio {run.get('roofline_ratio_sustained')}")
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
 echo "=== done $(date +%T)"
