@@ -144,3 +144,17 @@ def test_embedded_model_copy_prompt_greedy_equal(embedded_llm):
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert got == want, spec["method"]
         assert llm.llm_engine.drafter.stats.num_accepted_tokens > 10
+
+
+def test_tensor_parallel_ranks_verify_alike(tiny_llama):
+    """TP = 2 on gloo: the drafts travel in the step's data and every rank verifies them the
+    same way (a rank that accepted differently would desynchronize the group's sequence
+    state): greedy equals TP = 2 without drafts, for sequences that draft and accept."""
+    import gc
+
+    batch = prompts(3, 4)
+    tp = dict(tensor_parallel_size=2, dtype="float32")
+    want, _ = run(tiny_llama, None, GREEDY, batch, **tp)
+    got, stats = run(tiny_llama, NGRAM, GREEDY, batch, **tp)
+    gc.collect()  # the LLMs' rank processes stop with them
+    assert got == want and stats.num_accepted_tokens > 0
