@@ -1,15 +1,18 @@
-"""Quality of FP8 W8A8 (`quantization="fp8"`) on the embedded SmolLM2-135M, teacher-forced: the
-dense and the FP8 model each read the same held-out English text in one forward pass; reported
-are the top-1 agreement of their next-token predictions and both perplexities (issue 18's bar:
-agreement >= 0.97 and perplexity within 2% over ~2,000 tokens).
+"""Quality of FP8 W8A8 (`quantization="fp8"`) and of the FP8 KV cache (`kv_cache_dtype="fp8"`) on
+the embedded SmolLM2-135M, teacher-forced: the dense model and each FP8 variant read the same
+held-out English text in one forward pass; reported are the top-1 agreement of their next-token
+predictions, both perplexities (issue 18's bar: agreement >= 0.97 and perplexity within 2% over
+~2,000 tokens), the mean KL divergence from the dense model, and the agreement over the positions
+where the dense model's top two logits are at least 1 apart (not near-ties).
 
 Text: prose from the Python reference documentation shipped with CPython (`pydoc_data.topics`,
 code blocks dropped): English the model was not tuned on, present wherever Python is.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/fp8_quality.py [--num-tokens 2000]
 
-writes benchmarks/results/<date>-cpu-fp8-quality/quality.json. tests/quantization/
-test_fp8_quality.py runs the same measurement on 256 tokens.
+writes benchmarks/results/<date>-cpu-fp8-quality/quality.json (top level: W8A8; "fp8_kv",
+"w8a8_fp8_kv", "bf16": the other variants). tests/quantization/test_fp8_quality.py runs the
+same measurement on 256 tokens.
 """
 
 from __future__ import annotations
@@ -59,16 +62,19 @@ def load_embedded(quantization: str | None, dtype: torch.dtype = torch.float32):
 
 
 @torch.no_grad()
-def logits_of(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+def logits_of(
+    model, token_ids: list[int], block_size: int = 16, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """float32 [len(token_ids), vocab] logits of one sequence read in one forward pass (plain
-    torch paged attention, blocks 0, 1, ... in order)."""
+    torch paged attention, blocks 0, 1, ... in order; the KV cache in the model dtype, or FP8
+    e4m3 with each layer's k_scale / v_scale for `kv_cache_dtype="fp8"`)."""
     from phloem.forward_context import ForwardContext, forward_context
     from phloem.ops.attention import AttentionMetadata
     from phloem.ops.attention.reference import ReferenceAttention
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    dtype = model.lm_head.weight.dtype
+    dtype = model.lm_head.weight.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
     shape = (num_blocks, 2, block_size, model.num_kv_heads, model.head_dim)
     caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
     meta = AttentionMetadata(
@@ -92,37 +98,53 @@ def compare(dense_logits: torch.Tensor, fp8_logits: torch.Tensor, token_ids: lis
     """Top-1 agreement of the predictions of positions 0..n-2, and each model's perplexity of
     tokens 1..n-1."""
     targets = torch.tensor(token_ids[1:])
+    top2 = dense_logits[:-1].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= 1.0  # the dense model's top-1 is not a near-tie
+    logp_dense = torch.log_softmax(dense_logits[:-1].double(), dim=-1)
+    logp_fp8 = torch.log_softmax(fp8_logits[:-1].double(), dim=-1)
+    kl = float((logp_dense.exp() * (logp_dense - logp_fp8)).sum(-1).mean())
 
     def perplexity(logits: torch.Tensor) -> float:
         logp = torch.log_softmax(logits[:-1], dim=-1)
         return float(torch.exp(-logp.gather(1, targets[:, None]).mean()))
 
-    agree = (dense_logits[:-1].argmax(-1) == fp8_logits[:-1].argmax(-1)).float().mean()
+    same = dense_logits[:-1].argmax(-1) == fp8_logits[:-1].argmax(-1)
     ppl_dense, ppl_fp8 = perplexity(dense_logits), perplexity(fp8_logits)
     return {
         "num_tokens": len(token_ids),
-        "top1_agreement": float(agree),
+        "top1_agreement": float(same.float().mean()),
+        "top1_agreement_margin_ge_1": float(same[clear].float().mean()),
+        "positions_margin_ge_1": int(clear.sum()),
+        "kl_divergence": kl,
         "perplexity_dense": ppl_dense,
         "perplexity_fp8": ppl_fp8,
         "perplexity_ratio": ppl_fp8 / ppl_dense,
     }
 
 
-def measure(num_tokens: int, bf16_context: bool = False) -> dict:
-    """`compare` of the dense and FP8 embedded model (float32) on the first `num_tokens`
-    tokens of `held_out_text()`; with `bf16_context`, also of the dense model run in bfloat16
-    (how far a 7-bit mantissa alone moves the same metrics: FP8 e4m3 has 3), under "bf16"."""
+def measure(num_tokens: int, bf16_context: bool = False, fp8_kv: bool = False) -> dict:
+    """`compare` of the dense and FP8 W8A8 embedded model (float32) on the first `num_tokens`
+    tokens of `held_out_text()`. With `fp8_kv`, also the FP8 KV cache alone (dense weights,
+    under "fp8_kv") and on top of W8A8 ("w8a8_fp8_kv"); with `bf16_context`, also the dense
+    model run in bfloat16 (how far a 7-bit mantissa alone moves the same metrics: FP8 e4m3 has
+    3), under "bf16"."""
     dense, tokenizer = load_embedded(None)
     token_ids = tokenizer.encode(held_out_text())[:num_tokens]
     dense_logits = logits_of(dense, token_ids)
+    extra = {}
+    if fp8_kv:
+        extra["fp8_kv"] = compare(dense_logits, logits_of(dense, token_ids, 16, "fp8"), token_ids)
     del dense
     fp8, _ = load_embedded("fp8")
     result = compare(dense_logits, logits_of(fp8, token_ids), token_ids)
+    if fp8_kv:
+        both = logits_of(fp8, token_ids, 16, "fp8")
+        extra["w8a8_fp8_kv"] = compare(dense_logits, both, token_ids)
     del fp8
     if bf16_context:
         bf16, _ = load_embedded(None, torch.bfloat16)
-        result["bf16"] = compare(dense_logits, logits_of(bf16, token_ids), token_ids)
-    return result
+        extra["bf16"] = compare(dense_logits, logits_of(bf16, token_ids), token_ids)
+    return {**result, **extra}
 
 
 def main() -> int:
@@ -131,7 +153,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: a dated results dir)")
     args = parser.parse_args()
     start = time.perf_counter()
-    result = measure(args.num_tokens, bf16_context=True)
+    result = measure(args.num_tokens, bf16_context=True, fp8_kv=True)
     result.update(
         elapsed_s=time.perf_counter() - start,
         device=platform.processor() or "cpu",

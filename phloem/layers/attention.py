@@ -12,9 +12,11 @@ floats: constants of a CUDA-graph capture). An FP8 cache stores k / k_scale and 
 e4m3 (`phloem.ops.kv_store`); every writer and backend gets them from here. They come from the
 checkpoint when it has them (`kv_scale_targets`: HF / AutoFP8 `self_attn.k_scale` and
 `v_scale`, or one `kv_scale` for both; compressed-tensors' `k_proj.output_scale` and
-`v_proj.output_scale`); otherwise they are 1.0 (vLLM's default without calibration): e4m3's
-normal range, 2^-6 to 448, holds the K and V of the models measured with 3 mantissa bits
-throughout (benchmarks/results/2026-11-26-cpu-fp8-quality). A bf16/fp32 cache ignores them.
+`v_proj.output_scale`); otherwise they are 1.0 (vLLM's default without calibration): e4m3 keeps
+3 mantissa bits over its normal range, 2^-6 to 448, so a scale only matters for values outside
+it, and a per-layer calibration on the embedded model measured no better than 1.0
+(benchmarks/results/2026-11-26-cpu-fp8-quality). A model whose K or V exceed 448 needs
+checkpoint scales (beyond 448 * scale, values clamp). A bf16/fp32 cache ignores them.
 """
 
 from __future__ import annotations
