@@ -63,6 +63,24 @@ def engine_info(llm) -> dict:
     }
 
 
+def spec_decode_counts(llm, before: dict | None = None) -> dict | None:
+    """Speculative decoding's counters (`SpecDecodeStats.as_dict`: verify rows, drafted and
+    accepted tokens, steps, acceptance rate, mean accepted length), less `before` (an earlier
+    call's dict: the run's own share); None without speculative decoding (or with data-parallel
+    replicas, which keep theirs)."""
+    from phloem.engine.data_parallel import DataParallelEngine
+    from phloem.spec_decode.drafter import SpecDecodeStats
+
+    engine = llm.llm_engine
+    if isinstance(engine, DataParallelEngine) or engine.drafter is None:
+        return None
+    counts = engine.drafter.stats.as_dict()
+    if before is None:
+        return counts
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_spec_steps")
+    return SpecDecodeStats(*(counts[k] - before[k] for k in keys)).as_dict()
+
+
 def output_digest(outputs) -> str:
     """A short hash of every output's token ids, in input order: equal digests, equal outputs
     (DP = 1 against DP = N on one workload)."""

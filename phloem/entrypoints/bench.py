@@ -154,6 +154,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     trace = _step_trace(llm, args, window, on_cuda)
     power = sample_power() if on_cuda else None
     computed_before = llm.llm_engine.num_computed_prompt_tokens
+    spec_before = report.spec_decode_counts(llm)
     with GCPauses() as gc_pauses, power or contextlib.nullcontext():
         elapsed, outputs = _generate(llm, workload)
     if trace is not None:
@@ -166,6 +167,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     )
     result["engine"]["quantization"] = precision if precision == "fp8" else None
     result["steps"] = trace.summary() if trace is not None else None
+    result["spec_decode"] = report.spec_decode_counts(llm, spec_before)
     result["power"] = power.summary() if power is not None else None
     if args.data_parallel_size > 1:
         llm.close()  # the sustained ceilings need the first GPU's memory back
