@@ -1,4 +1,4 @@
-"""Data-parallel dispatch on the CPU: how long a batch takes to reach every replica's first step.
+"""Data-parallel dispatch on the CPU: how long a batch takes until every replica has queued its share.
 
 Runs the batchllm workload shape (`phloem.bench.workloads`, 400 groups x 16 by default: 6,400
 prompts of 2,200 tokens) through `LLM(data_parallel_size=N)` replicas of a tiny random-weight

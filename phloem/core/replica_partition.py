@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phloem.core.prefix_planner import PrefixPlan
+from phloem.core.prefix_planner import PrefixGroup, PrefixPlan
 
 DATA_PARALLEL_ROUTINGS = ("prefix", "contiguous")  # `EngineArgs.data_parallel_routing`
 _BISECTION_STEPS = 40  # the wrap-around target T to within (hi - lo) / 2**40
@@ -84,11 +84,72 @@ class ReplicaAssignment:
     def replica_requests(self, plan: PrefixPlan, replica: int) -> list[int]:
         """Request indices of `replica`, in schedule order (its groups' members, or its pieces'
         members for split groups, concatenated)."""
+        return [i for _, members in self.replica_share(plan, replica) for i in members]
+
+    def replica_share(self, plan: PrefixPlan, replica: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The global plan restricted to `replica`: (prefix_len, members) per group or piece it
+        runs, in schedule order; the members are request indices of the batch. A piece of one
+        member keeps its group's prefix_len (its prompt still starts with that prefix)."""
         return [
-            i
+            (plan.groups[g].prefix_len,
+             tuple(self.pieces.get((replica, g), plan.groups[g].request_indices)))
             for g in self.replica_groups[replica]
-            for i in self.pieces.get((replica, g), plan.groups[g].request_indices)
-        ]
+        ]  # fmt: skip
+
+
+def share_plan(
+    prefix_lens: Sequence[int],
+    group_sizes: Sequence[int],
+    prompt_lens: Sequence[int],
+    block_size: int,
+) -> PrefixPlan:
+    """The `PrefixPlan` of a replica's share made from the driver's global plan, without
+    planning again: the share's requests are numbered 0..n-1 in the order the driver listed
+    them (`ReplicaAssignment.replica_share`: groups in schedule order, members contiguous), and
+    group j holds the next group_sizes[j] of them behind prefix_lens[j] shared tokens. A group
+    of one member runs as a plain request (prefix_len 0), as the planner would have it.
+
+    Why not plan the share again: the share's own plan can differ from the global plan's groups
+    on it (a member set smaller than the global subtree can expose a longer common prefix, or a
+    piece of a split group rank differently), and only the global plan's groups make the
+    cluster compute exactly the prompt tokens one engine computes. Where the two agree (whole
+    groups with no nested sharing, e.g. the batchllm workload) this is the share's own plan
+    (tests/core/test_share_plan.py) and saves re-planning it.
+
+    Raises:
+        ValueError: sizes that do not add up to len(prompt_lens), an empty group, or a
+            prefix_len that is not a multiple of block_size or leaves a member no own token.
+    """
+    if len(prefix_lens) != len(group_sizes) or sum(group_sizes) != len(prompt_lens):
+        raise ValueError(
+            f"{len(prefix_lens)} prefix lengths and groups of {sum(group_sizes)} requests for "
+            f"a share of {len(prompt_lens)} requests"
+        )
+    groups, request_group, start, physical = [], [], 0, 0
+    for g, (prefix_len, size) in enumerate(zip(prefix_lens, group_sizes)):
+        members = range(start, start + size)
+        if (
+            size < 1
+            or prefix_len % block_size
+            or any(prompt_lens[i] <= prefix_len for i in members)
+        ):
+            raise ValueError(
+                f"group {g} of the share: {size} members behind prefix_len {prefix_len} "
+                f"(block_size {block_size}) is not a planned group"
+            )
+        shared = prefix_len if size >= 2 else 0
+        groups.append(PrefixGroup(shared, tuple(members)))
+        request_group.extend([g] * size)
+        physical += shared + sum(prompt_lens[i] for i in members) - shared * size
+        start += size
+    return PrefixPlan(
+        groups=groups,
+        order=list(range(len(prompt_lens))),
+        request_group=request_group,
+        block_size=block_size,
+        num_logical_prompt_tokens=sum(prompt_lens),
+        num_physical_prompt_tokens=physical,
+    )
 
 
 def cost_terms_s(

@@ -5,25 +5,30 @@
 ```
 parent (tokenizer + model config, no weights)          replica r (spawned process)
   tokenize, validate ──► ONE PrefixPlan of the batch      LLM(**args, data_parallel_size=1)
-  group_costs_s ──► assign_groups (LPT) ──► share r ────► run_batch(share): plans its share
+  group_costs_s ──► partition_groups (LPT) ──► share r ─► add_requests(share, plan=its groups)
   merge: (index, output) in completion order ◄── pipe ◄── (index, output) as each finishes
 ```
 
 Routing (`data_parallel_routing`): "prefix" (the default) deals the global plan's groups by
 `core.replica_partition.partition_groups`: whole groups by longest-processing-time-first over
 their roofline cost (Graham 1969; after BatchLLM arXiv 2412.03594 §4), so each shared prefix is
-computed once in the whole cluster and each replica's own planner finds exactly the groups it
-was dealt; only a group costlier than the mean replica load is split (each replica holding a
-piece computes its prefix once; the report counts those tokens). The costs are taken at
-nominal ceilings, of which only the ratios matter. "contiguous" cuts the request list into N
+computed once in the whole cluster; each replica queues its share under the global plan's groups
+as dealt (`core.replica_partition.share_plan`: no second planning, and exactly the prompt tokens
+one engine computes); only a group costlier than the mean replica load is split (each replica
+holding a piece computes its prefix once; the report counts those tokens). The costs are taken
+at nominal ceilings, of which only the ratios matter. "contiguous" cuts the request list into N
 contiguous slices of near-equal counts (vLLM's data-parallel example), each replica planning
 its own slice: the baseline prefix routing is measured against.
+
+Dispatch: the shares are packed (`engine.replica_share`: token ids in one array, each prefix
+once) and sent to all replicas at once (a thread each); outputs come back without their prompt,
+which the parent puts back. The report times each replica's share sent, unpacked and queued.
 
 Processes: the `spawn` context; replica r runs on CUDA device r (CUDA_VISIBLE_DEVICES set to
 that one device) when the engine's device is CUDA, else on the CPU with the parent's torch
 threads divided among the replicas. Each replica talks to the parent over one duplex pipe:
-parent -> replica ("batch", indices, encoded, params) | ("abort",) | ("stop",); replica ->
-parent ("ready", info) | ("output", index, RequestOutput) | ("done", stats) | ("error", text).
+parent -> replica ("batch", Share) | ("abort",) | ("stop",); replica -> parent ("ready",
+info) | ("output", index, RequestOutput) | ("done", stats) | ("error", text).
 The parent waits on the pipes and the processes' sentinels together, so a replica that dies
 (killed, or crashed) is noticed at once and raised as `ReplicaError` naming it (with the
 replica's traceback when an exception in it was the cause); a batch's outputs that arrived
@@ -37,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -47,6 +53,7 @@ from phloem.core.replica_partition import cost_terms_s, partition_groups
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.replica_process import Replica, ReplicaError, receive, shutdown
 from phloem.engine.replica_report import BatchProgress, Deal, ReplicaReport
+from phloem.engine.replica_share import encode_share
 from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
@@ -250,11 +257,12 @@ class DataParallelEngine:
         if self.routing == "prefix":
             terms = cost_terms_s(plan, lens, max_tokens, shape, *ceilings)
             a = partition_groups(plan, *terms, self.num_replicas)
-            shares = [a.replica_requests(plan, r) for r in range(self.num_replicas)]
+            share_groups = [a.replica_share(plan, r) for r in range(self.num_replicas)]
+            shares = [[i for _, members in s for i in members] for s in share_groups]
             computed = plan.num_physical_prompt_tokens + a.extra_prefix_tokens(plan)
             groups = [len(g) for g in a.replica_groups]
             return Deal(self.routing, shares, groups, a.planned_cost_s, len(a.split_groups),
-                        computed if sharing else sum(lens))  # fmt: skip
+                        computed if sharing else sum(lens), share_groups)  # fmt: skip
         bounds = [len(encoded) * r // self.num_replicas for r in range(self.num_replicas + 1)]
         shares = [list(range(bounds[r], bounds[r + 1])) for r in range(self.num_replicas)]
         costs, groups, computed = [], [], 0
@@ -294,20 +302,17 @@ class DataParallelEngine:
         progress.deal_s = time.monotonic() - progress.start
         busy: dict[int, Replica] = {}
         try:
-            for rank, share in enumerate(deal.shares):
-                if share:
-                    replica = self._replica(rank)
-                    batch = [encoded[i] for i in share], [params[i] for i in share]
-                    try:
-                        replica.conn.send(("batch", share, *batch))
-                    except OSError:
-                        raise replica.died("before its share was sent") from None
-                    progress.sent(rank)
-                    busy[rank] = replica
+            self._send_shares(encoded, params, plan.block_size, deal, progress, busy)
             while busy:
                 for rank, message in self._next_messages(busy):
-                    if message[0] == "output":
-                        yield message[1], message[2]
+                    if message[0] == "output":  # sent without its prompt: the driver has it
+                        text, ids = encoded[message[1]]
+                        yield (
+                            message[1],
+                            dataclasses.replace(
+                                message[2], prompt=text, prompt_token_ids=list(ids)
+                            ),
+                        )
                         continue
                     del busy[rank]
                     if message[0] == "error":
@@ -317,6 +322,44 @@ class DataParallelEngine:
             if busy:
                 self._abort(busy, progress)
             self.last_report = progress.report(plan, deal)
+
+    def _send_shares(
+        self,
+        encoded: Sequence[tuple[str | None, list[int]]],
+        params: Sequence[SamplingParams],
+        block_size: int,
+        deal: Deal,
+        progress: BatchProgress,
+        busy: dict[int, Replica],
+    ) -> None:
+        """Pack each non-empty share (`replica_share.encode_share`: under prefix routing with
+        the deal's groups as its plan) and send them all at once, one thread per replica, so
+        that one replica reading its share holds up no other; adds each replica sent to to
+        `busy`. Raises ReplicaError naming the lowest replica that died before its share was
+        sent (the others are busy then, and aborted by the caller)."""
+        planned = deal.share_groups is not None
+        messages = {
+            rank: encode_share(encoded, params, deal.share_groups[rank] if planned
+                               else [(0, (i,)) for i in share], block_size, planned)
+            for rank, share in enumerate(deal.shares) if share
+        }  # fmt: skip
+        failed: list[int] = []
+
+        def send(rank: int) -> None:
+            try:
+                self._replica(rank).conn.send(("batch", messages[rank]))
+                progress.sent(rank)
+            except OSError:
+                failed.append(rank)
+
+        threads = [threading.Thread(target=send, args=(rank,)) for rank in messages]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        busy.update((rank, self._replica(rank)) for rank in messages if rank not in failed)
+        if failed:
+            raise self._replica(min(failed)).died("before its share was sent")
 
     def _replica(self, rank: int) -> Replica:
         replica = self._replicas[rank]

@@ -383,6 +383,7 @@ class LLM:
         sampling_params: Sequence[SamplingParams],
         *,
         validated: bool = False,
+        plan: PrefixPlan | None = None,
     ) -> list[str]:
         """Queue a whole batch, planned globally for prefix sharing when it is enabled: each
         shared group's prefix is computed once and the queue follows the plan's order.
@@ -390,16 +391,22 @@ class LLM:
 
         `validated`: every prompt already passed `LLMEngine.validate_prompt` (as `generate`
         checks them while encoding), so `add_request` skips a second pass over its tokens.
+        `plan`: a plan of exactly this batch made elsewhere (a data-parallel replica gets its
+        share's from the driver's global plan, `core.replica_partition.share_plan`), taken as
+        it is; None plans the batch here.
         Collection is paused meanwhile (see `gc_paused`). If any request is rejected, those
         already queued are aborted before the error propagates (nothing of the batch stays).
 
         Raises:
-            ValueError: a prompt or its sampling parameters cannot run on this model.
+            ValueError: a prompt or its sampling parameters cannot run on this model, or `plan`
+                covers another number of requests.
             RuntimeError: called from inside another call on this LLM in the same thread.
         """
         self._single_engine()
+        if plan is not None and len(plan.request_group) != len(encoded):
+            raise ValueError(f"plan covers {len(plan.request_group)} requests, not {len(encoded)}")
         with self._exclusive():
-            return self._add_requests(encoded, sampling_params, validated=validated)
+            return self._add_requests(encoded, sampling_params, validated=validated, plan=plan)
 
     def _add_requests(
         self,
@@ -407,6 +414,7 @@ class LLM:
         sampling_params: Sequence[SamplingParams],
         *,
         validated: bool = False,
+        plan: PrefixPlan | None = None,
     ) -> list[str]:
         """`add_requests` without the call lock (the caller holds it)."""
         engine = self._single_engine()
@@ -415,7 +423,7 @@ class LLM:
             order = range(len(encoded))
             groups: dict[int, SharedPrefix] = {}
             if engine.config.cache.enable_prefix_caching and len(encoded) > 1:
-                plan = self.plan([ids for _, ids in encoded], sampling_params)
+                plan = plan or self.plan([ids for _, ids in encoded], sampling_params)
                 self.last_plan = plan
                 order = plan.order
                 for group in plan.shared_groups:

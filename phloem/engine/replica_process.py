@@ -1,9 +1,10 @@
 """One data-parallel replica process (`engine.data_parallel`): the process's main loop, and the
 parent's handle on it (the process, its pipe, how it is stopped and how its death is reported).
 
-The pipe's protocol: parent -> replica ("batch", indices, encoded, params) | ("abort",) |
+The pipe's protocol: parent -> replica ("batch", `replica_share.Share`) | ("abort",) |
 ("stop",); replica -> parent ("ready", info) | ("output", index, RequestOutput) | ("done",
-stats) | ("error", message, traceback text). The replica ignores SIGINT (its parent handles
+stats) | ("error", message, traceback text); an output travels without its prompt text and
+ids (the parent puts them back). The replica ignores SIGINT (its parent handles
 interrupts and stops it) and exits when the parent's end of the pipe closes, so it never
 outlives the parent. During a batch it looks at its pipe after every engine step (a step
 observer), so an "abort" or "stop" ends the batch within one step; the parent still terminates
@@ -15,6 +16,7 @@ CUDA_VISIBLE_DEVICES before torch loads.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -22,6 +24,7 @@ import time
 import traceback
 from collections.abc import Sequence
 
+from phloem.engine.replica_share import Share, decode_share
 from phloem.engine_args import EngineArgs
 
 STOP_GRACE_S = 5.0  # a replica told to stop must exit within this before it is terminated [s]
@@ -88,21 +91,19 @@ def _replica_main(rank: int, args: EngineArgs, env: dict[str, str], threads: int
         return
     try:
         while (message := conn.recv())[0] != "stop":
-            received_at = time.monotonic()
-            if message[0] == "batch" and not _serve_batch(llm, conn, received_at, *message[1:]):
+            if message[0] == "batch" and not _serve_batch(llm, conn, message[1]):
                 return
     except (EOFError, OSError):  # the parent is gone
         return
 
 
-def _serve_batch(
-    llm, conn, received_at: float, indices: list[int], encoded: list, params: list
-) -> bool:
-    """Run one share and stream its outputs back, each under its index in the parent's batch;
-    a message from the parent meanwhile ("abort" or "stop") ends it after the current step.
-    Ends with "done" (stats) or "error". Returns False when the parent said "stop".
-    `received_at`: `time.monotonic()` when the share had arrived; the stats carry it and
-    `queued_at`, when the share was queued (the clock is the host's, the same in the parent).
+def _serve_batch(llm, conn, share: Share) -> bool:
+    """Run one share (unpacked here, queued under the driver's plan when it carries one) and
+    stream its outputs back, each under its index in the parent's batch and without its prompt
+    (the parent has it); a message from the parent meanwhile ("abort" or "stop") ends it after
+    the current step. Ends with "done" (stats) or "error". Returns False when the parent said
+    "stop". The stats carry `received_at` and `queued_at`: `time.monotonic()` when the share was
+    unpacked and queued (the clock is the host's, the same in the parent).
 
     Raises:
         EOFError, OSError: the parent is gone.
@@ -119,12 +120,15 @@ def _serve_batch(
     engine.add_step_observer(watch)
     keep_running, outputs = True, None
     try:
-        request_ids = llm.add_requests(encoded, params, validated=True)
+        encoded, params, plan = decode_share(share)
+        received_at = time.monotonic()
+        request_ids = llm.add_requests(encoded, params, validated=True, plan=plan)
         queued_at = time.monotonic()
-        index = {request_id: k for k, request_id in enumerate(request_ids)}
+        index = {request_id: share.indices[k] for k, request_id in enumerate(request_ids)}
         outputs = llm.iter_outputs(request_ids, use_tqdm=False)
         for output in outputs:
-            conn.send(("output", indices[index[output.request_id]], output))
+            bare = dataclasses.replace(output, prompt=None, prompt_token_ids=[])
+            conn.send(("output", index[output.request_id], bare))
     except _ParentSpoke:  # the engine aborted the batch's requests on the way out
         keep_running = conn.recv()[0] != "stop"
     except OSError:

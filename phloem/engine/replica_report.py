@@ -59,6 +59,9 @@ class Deal:
         planned_computed_prompt_tokens: prompt tokens the cluster is planned to compute: the
             global plan's plus one prefix per extra piece of a split group (prefix), or the sum
             of the slices' own plans (contiguous) [tokens].
+        share_groups: under prefix routing, per replica, the global plan restricted to its share
+            ((prefix_len, request indices) per group or piece, in schedule order: the replica
+            queues them as they are); None under contiguous routing (each replica plans).
     """
 
     routing: str
@@ -67,6 +70,7 @@ class Deal:
     planned_cost_s: list[float]
     num_split_groups: int
     planned_computed_prompt_tokens: int
+    share_groups: list[list[tuple[int, tuple[int, ...]]]] | None = None
 
     def describe(self) -> str:
         """Lines for `phloem generate --plan-only`: the deal per replica and its imbalance."""
