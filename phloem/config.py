@@ -93,9 +93,10 @@ class CacheConfig:
         enable_prefix_caching: keep finished requests' KV in a radix cache for later requests
             and plan shared prefixes over each offline batch (BatchLLM); off computes every
             prompt in full (n > 1 siblings still share their prompt's blocks).
-        kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3, scale 1, values clamped
-            to +-448: half the bytes per token, so twice the tokens in the same memory and half
-            the KV reads of decode attention; lossy).
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" (float8 e4m3 with one scale per layer
+            for K and one for V, from the checkpoint or 1.0; values beyond 448 * scale clamp:
+            half the bytes per token, so twice the tokens in the same memory and half the KV
+            reads of decode attention; lossy; `phloem.layers.attention`).
         kv_layout: the physical order of a block's tokens and KV heads: "NHD" (token-major:
             [num_blocks, 2, block_size, H_kv, D], FlashInfer's default) or "HND" (head-major:
             [num_blocks, 2, H_kv, block_size, D], so one head's block_size x D slice of a block is

@@ -158,7 +158,8 @@ class EngineArgs:
     )
     kv_cache_dtype: str = _arg(
         CacheConfig.kv_cache_dtype,
-        "fp8: KV cache in float8 e4m3 (scale 1): twice the tokens, half the reads; lossy",
+        "fp8: KV cache in float8 e4m3 with per-layer K/V scales (the checkpoint's, else 1.0): "
+        "twice the tokens, half the reads; lossy",
         choices=KV_CACHE_DTYPES,
     )
     kv_layout: str = _arg(

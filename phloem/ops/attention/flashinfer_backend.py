@@ -281,8 +281,9 @@ class FlashInferAttention(AttentionBackend):
             kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         num_tokens = self._num_query_tokens
         scales = {}
-        if self.fp8_decode:  # an FP8 cache
-            scales = dict(k_scale=k_scale, v_scale=v_scale)
+        if self.fp8_decode:  # an FP8 cache; a scale of 1.0 is left out (run() would still
+            # launch an elementwise multiply of the output for v_scale)
+            scales = {k: s for k, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s != 1.0}
         if num_tokens == query.shape[0]:
             return self._active.run(query, kv_cache, out=out, **scales)
         if out is None:
