@@ -171,3 +171,32 @@ def test_bad_scales_raise_naming_the_tensor():
         with pytest.raises(ValueError, match="v_scale must be a finite number > 0"):
             attn.load_kv_scale(("v",), torch.tensor(bad), "model.layers.1.self_attn.v_scale")
     assert check_kv_scale("k_scale", 2) == 2.0
+
+
+def test_fused_rope_kernel_writes_scaled_fp8(triton_kernels):
+    """The fused RoPE + KV-write kernel stores k / k_scale and v / v_scale, clamped at 448, as
+    `write_kv` does. Positions 0 (RoPE is the identity there) and values on the e4m3 grid times
+    power-of-two scales keep every quotient exact: the interpreter's float32 -> e4m3 rounding
+    is wrong where rounding crosses a power of two, so this test leaves nothing to round."""
+    from phloem.layers.rotary import RotaryEmbedding
+
+    kernel = triton_kernels("phloem.ops.rope_kv", "_rope_kv_kernel").rope_and_write_kv
+    k_scale, v_scale = 1 / 16, 4.0
+    g = torch.Generator().manual_seed(2)
+    grid = torch.randn(6, 2, 16, generator=g).clamp(-400, 400).to(FP8_KV_DTYPE).float() * 8
+    k, v = grid * k_scale, (grid.flip(0) * v_scale).clone()
+    k[0, 0, 0] = 1000 * k_scale  # past 448 * k_scale: clamps to 448
+    q = torch.randn(6, 4, 16, generator=g)
+    rotary = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0})
+    positions = torch.zeros(6, dtype=torch.int64)
+    slots = torch.tensor([3, 0, 9, -1, 14, 6])
+    got = torch.zeros(4, 2, 4, 2, 16, dtype=FP8_KV_DTYPE)
+    want = torch.zeros_like(got)
+    dev = device()
+    out = kernel(positions.to(dev), q.to(dev), k.to(dev), v.to(dev), rotary.cos.to(dev),
+                 rotary.sin.to(dev), got_d := got.to(dev), slots.to(dev), k_scale,
+                 v_scale)  # fmt: skip
+    write_kv(want, k, v, slots, k_scale, v_scale)
+    torch.testing.assert_close(out.cpu(), q)  # position 0: q unrotated
+    assert torch.equal(got_d.cpu().float(), want.float())
+    assert got_d.cpu().float().abs().max() == 448
