@@ -111,6 +111,8 @@ class Worker:
             self.compiled_layers = compile_elementwise_layers(self.model)
         sched = scheduler_config or SchedulerConfig()
         self.kv_dtype = FP8_KV_DTYPE if cache_config.kv_cache_dtype == "fp8" else self.dtype
+        if self.kv_dtype == FP8_KV_DTYPE:
+            _log_kv_scales(self.model)
         backend = self._attention_backend(model_config, cache_config, sched)
         logger.info("attention backend: %s", backend.name)
         profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
@@ -231,6 +233,25 @@ class Worker:
                 "raise kv_cache_memory_bytes or gpu_memory_utilization"
             )
         return num_blocks
+
+
+def _log_kv_scales(model) -> None:
+    """Log where an FP8 KV cache's per-layer scales come from (`Attention.k_scale` / `v_scale`:
+    the checkpoint's, or 1.0 for every layer when it has none)."""
+    from phloem.layers.attention import Attention
+
+    scales = [(m.k_scale, m.v_scale) for m in model.modules() if isinstance(m, Attention)]
+    given = [s for s in scales if s != (1.0, 1.0)]
+    if given:
+        k = [s[0] for s in given]
+        v = [s[1] for s in given]
+        logger.info(
+            "FP8 KV cache: checkpoint scales on %d of %d layers (k_scale %.3g-%.3g, v_scale "
+            "%.3g-%.3g)", len(given), len(scales), min(k), max(k), min(v), max(v),
+        )  # fmt: skip
+    else:
+        logger.info("FP8 KV cache: no KV scales in the checkpoint, 1.0 for K and V (values "
+                    "beyond +-448 clamp)")  # fmt: skip
 
 
 def _num_heads(model) -> int:
