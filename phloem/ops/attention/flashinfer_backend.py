@@ -8,8 +8,10 @@ module for all of them keeps the JIT build to one module per head dim.
 An FP8 cache (`kv_dtype` float8_e4m3fn) runs decode-only steps (every q_len 1, eager or in a
 CUDA graph) on FlashInfer's batch decode kernel instead (`BatchDecodeWithPagedKVCacheWrapper`,
 CUDA cores: it streams the e4m3 KV at half the bytes and converts in registers, where the
-tensor-core prefill kernel's conversion of its KV tiles costs more than the bytes save); steps
-with longer queries keep the prefill kernel. Both take the layer's per-tensor scales as FlashInfer
+tensor-core prefill kernel's conversion of its KV tiles costs more than the bytes save) when
+the GQA group is small (`FP8_DECODE_GROUP_SIZES`: the kernel is compiled for groups of 1, 2,
+3, 4, 6 and 8, and vLLM moves groups above 4 to tensor cores); steps with longer queries, and
+larger groups, keep the prefill kernel. Both take the layer's per-tensor scales as FlashInfer
 defines them: `k_scale` multiplies the softmax scale, `v_scale` the output.
 
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
@@ -40,6 +42,8 @@ from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
 
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
+# GQA groups whose FP8 decode steps run FlashInfer's CUDA-core batch decode kernel
+FP8_DECODE_GROUP_SIZES = (1, 2, 3, 4)
 
 
 def paged_kv_layout(
@@ -143,7 +147,10 @@ class FlashInferAttention(AttentionBackend):
         )
         self._graph_wrappers: dict[int, object] = {}
         # FP8 cache: decode-only steps on the batch decode kernel (module docstring)
-        self.fp8_decode = self.kv_dtype == torch.float8_e4m3fn
+        self.fp8_decode = (
+            self.kv_dtype == torch.float8_e4m3fn
+            and num_heads // num_kv_heads in FP8_DECODE_GROUP_SIZES
+        )
         self._eager_decode = None
         self._active = None
         self._num_query_tokens = 0
@@ -281,8 +288,8 @@ class FlashInferAttention(AttentionBackend):
             kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         num_tokens = self._num_query_tokens
         scales = {}
-        if self.fp8_decode:  # an FP8 cache; a scale of 1.0 is left out (run() would still
-            # launch an elementwise multiply of the output for v_scale)
+        if self.kv_dtype == torch.float8_e4m3fn:  # a scale of 1.0 is left out (run() would
+            # still launch an elementwise multiply of the output for v_scale)
             scales = {k: s for k, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s != 1.0}
         if num_tokens == query.shape[0]:
             return self._active.run(query, kv_cache, out=out, **scales)
