@@ -61,7 +61,7 @@ def kv_step(
 def run_tile(
     t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
     tiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
-    scale_log2, v_scale,
+    scale_log2, k_scale, v_scale,
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
@@ -90,11 +90,13 @@ def run_tile(
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # fmt: skip
+    # An FP8 cache's k_scale multiplies the scores (q . (k_scale K) = k_scale (q . K)); it is
+    # kept out of the float16 query, where a small scale would push q into subnormals.
     if F16_MATH:  # FP8 cache: e4m3 -> float16 is one exact conversion (bf16 is not)
         q = (q.to(tl.float32) * scale_log2).to(tl.float16)  # pre-scaled: |q| far below 65504
-        s_mul = 1.0
+        s_mul = k_scale
     else:
-        s_mul = scale_log2
+        s_mul = scale_log2 * k_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -135,7 +137,7 @@ def run_tile(
 def tile_kernel(
     q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
     tiles_ptr, ntiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
-    scale_log2, v_scale,
+    scale_log2, k_scale, v_scale,
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
@@ -153,14 +155,14 @@ def tile_kernel(
         for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
             run_tile(
                 t, kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr, tok_ptr,
-                qpos_ptr, blk_ptr, scale_log2, v_scale, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
+                qpos_ptr, blk_ptr, scale_log2, k_scale, v_scale, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot,
                 s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                 PAGE, PRECISION, INTERPRET, F16_MATH,
             )  # fmt: skip
     else:
         run_tile(
             tl.program_id(0), kvh, q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, tiles_ptr,
-            tok_ptr, qpos_ptr, blk_ptr, scale_log2, v_scale, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh,
+            tok_ptr, qpos_ptr, blk_ptr, scale_log2, k_scale, v_scale, s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh,
             s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt, GQA, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
             PAGE, PRECISION, INTERPRET, F16_MATH,
         )  # fmt: skip
@@ -226,8 +228,8 @@ def launch_plan(
     (suffix tiles only: each starts at KV index 0) may use its own BLOCK_N and stage count.
     `fp8_math` (FP8 cache, 16-bit queries): "f16" converts K/V and the pre-scaled query to
     float16 (e4m3 -> f16 is exact and cheap), "q" to the query's dtype. An FP8 cache's
-    `k_scale` multiplies the scores with the softmax scale (q . (k_scale K) = k_scale (q . K)),
-    its `v_scale` each tile's normalized output (the merge is linear in them); both are 1.0
+    `k_scale` multiplies the scores (q . (k_scale K) = k_scale (q . K)), its `v_scale` each
+    tile's normalized output (the merge is linear in them); both are 1.0
     for any other cache."""
     if kv_cache.dtype != FP8_KV_DTYPE:
         k_scale = v_scale = 1.0
@@ -255,7 +257,7 @@ def launch_plan(
             query, kv_cache, out, opart, lpart,
             launch.tiles, launch.count if persistent else plan.count, plan.tokens, plan.qpos,
             plan.blocks,
-            scale * k_scale * _LOG2E, v_scale,
+            scale * _LOG2E, k_scale, v_scale,
             query.stride(0), query.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             out.stride(0), out.stride(1),
