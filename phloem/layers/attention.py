@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from phloem.forward_context import get_forward_context
+from phloem.layers.linear import CheckpointSlice, Loaded
 from phloem.ops.kv_store import FP8_KV_DTYPE, check_kv_scale, write_kv, write_kv_slots
 
 # Checkpoint KV-scale names (suffix after "<layer>.self_attn") -> which of the layer's scales.
@@ -78,14 +79,17 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def load_kv_scale(self, which: tuple[str, ...], tensor: torch.Tensor, name: str) -> None:
-        """Set the scales in `which` ("k", "v") from the checkpoint tensor `name` (mutates the
-        layer).
+    def load_kv_scale(self, which: tuple[str, ...], tensor: Loaded, name: str) -> None:
+        """Set the scales in `which` ("k", "v") from the checkpoint tensor `name` (a tensor, or
+        under tensor parallelism a lazy `CheckpointSlice`: every rank reads the whole scalar;
+        mutates the layer).
 
         Raises:
             ValueError: naming the tensor, unless it holds one finite value > 0 (per-tensor
                 scales only; a per-head or per-channel scale is refused, not averaged).
         """
+        if isinstance(tensor, CheckpointSlice):
+            tensor = tensor.full()
         if tensor.numel() != 1:
             raise ValueError(
                 f"{name}: shape {tuple(tensor.shape)}; phloem's FP8 KV cache takes one "

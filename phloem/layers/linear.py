@@ -60,8 +60,9 @@ class CheckpointSlice:
         return self._lazy[index]
 
     def full(self) -> torch.Tensor:
-        """The whole tensor, read now."""
-        return self._lazy[:]
+        """The whole tensor, read now (`[...]`: also a 0-dim one, e.g. a per-tensor scale, which
+        `[:]` cannot slice)."""
+        return self._lazy[...]
 
 
 Loaded = torch.Tensor | CheckpointSlice

@@ -200,3 +200,21 @@ def test_fused_rope_kernel_writes_scaled_fp8(triton_kernels):
     torch.testing.assert_close(out.cpu(), q)  # position 0: q unrotated
     assert torch.equal(got_d.cpu().float(), want.float())
     assert got_d.cpu().float().abs().max() == 448
+
+
+def test_scale_loads_from_a_lazy_checkpoint_slice(tmp_path):
+    """Under tensor parallelism the loader hands lazy slices (`CheckpointSlice`); a scale is
+    read whole on every rank."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from phloem.layers.linear import CheckpointSlice
+
+    path = tmp_path / "scales.safetensors"
+    save_file({"k": torch.tensor(0.25), "bad": torch.ones(3)}, path)
+    attn = Attention(4, 2, 16, 0.25, 0)
+    with safe_open(path, framework="pt", device="cpu") as f:
+        attn.load_kv_scale(("k",), CheckpointSlice(f.get_slice("k")), "x.k_scale")
+        with pytest.raises(ValueError, match=r"x.v_scale: shape \(3,\)"):
+            attn.load_kv_scale(("v",), CheckpointSlice(f.get_slice("bad")), "x.v_scale")
+    assert (attn.k_scale, attn.v_scale) == (0.25, 1.0)
