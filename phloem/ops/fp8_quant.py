@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+# the kernel's copy: a jitted Triton function reads only constexpr globals
+_FP8_MAX_TL = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -27,7 +29,7 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, k, s_x, s_q, min_scale, BLOCK: 
         ok = start + cols < k
         x = tl.load(x_ptr + row * s_x + start + cols, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), min_scale)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _FP8_MAX_TL), min_scale)
     tl.store(s_ptr + row, scale)
     for start in range(0, k, BLOCK):
         ok = start + cols < k
