@@ -63,6 +63,7 @@ SUBCOMMANDS = [
     "phloem.entrypoints.serve",
     "phloem.entrypoints.run_batch",
     "phloem.entrypoints.bench",
+    "phloem.entrypoints.prebuild_kernels",
 ]
 
 

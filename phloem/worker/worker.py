@@ -23,7 +23,9 @@ from phloem.ops.attention import get_attention_backend
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.kv_store import FP8_KV_DTYPE
 from phloem.worker.fusion import compile_elementwise_layers
+from phloem.worker.kernel_prebuild import KernelPrebuild
 from phloem.worker.model_runner import ModelRunner
+from phloem.worker.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,10 @@ class Worker:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
+        phases = StartupPhases()  # FlashInfer's modules build while the weights load:
+        prebuild = KernelPrebuild.for_engine(
+            model_config, cache_config, hf_config, self.device, self.dtype
+        )
         self.model = load_model(
             source,
             hf_config,
@@ -106,6 +112,7 @@ class Worker:
             load_format=model_config.load_format,
             quantization=model_config.quantization,
         )
+        phases.mark("weights")
         self.compiled_layers = 0
         if self.device.type == "cuda":
             self.compiled_layers = compile_elementwise_layers(self.model)
@@ -127,12 +134,17 @@ class Worker:
             eos_token_id=eos_token_id,
             kv_layout=cache_config.kv_layout,
         )
+        prebuild_s = prebuild.wait()  # before anything plans attention
+        phases.mark("setup_and_flashinfer_wait")
         self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
+        phases.mark("memory_profile_and_kv")
         if self.device.type == "cuda":  # compile attention kernels before the first request
             self.model_runner.warmup_attention(_num_heads(self.model))
+        phases.mark("attention_warmup")
         self.cuda_graphs = False
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.cuda_graphs = self._capture(sched.max_num_seqs)
+        phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s)
 
     def _attention_backend(
         self, model_config: ModelConfig, cache_config: CacheConfig, sched: SchedulerConfig

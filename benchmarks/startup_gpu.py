@@ -1,0 +1,132 @@
+"""GPU start-up of an 8B model (issue 19's "<= 60 s"), cold and warm, seconds per phase.
+
+Each stage is a fresh process with its own compile caches (FlashInfer's JIT workspace, Triton's
+and inductor's cache dirs) under one temp dir:
+
+    cold      empty caches: every FlashInfer module, Triton kernel and inductor graph compiles
+    warm      the same caches again: what a second start costs
+    prebuild  (with --stages prebuild) empty caches, `phloem prebuild-kernels` first, then a start
+
+Per stage it records the process's wall time to the first output (`LLM(...)` plus one small
+greedy batch: what a user's first `phloem generate` waits), the import, `LLM()` and first-batch
+times, and each worker's start-up phases from its log line (`phloem.worker.startup_phases`:
+weights, setup and the FlashInfer prebuild wait, memory profile + KV, attention warm-up, CUDA
+graphs; plus the background prebuild's own time). Weights are random (`load_format="dummy"`), so
+the weights phase is their initialization, not a disk read: a real checkpoint's read adds to it
+and is reported in the same phase.
+
+Run on the GPU machine from the repository root in one call (no .fiaot restore: cold means
+cold): `bash benchmarks/startup_device.sh OUT` or, after `source benchmarks/device_setup.sh` and
+removing its restored AOT modules, `python3 benchmarks/startup_gpu.py --json OUT/startup.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = """
+import json, logging, sys, time
+t0 = time.perf_counter()
+logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                    format="%(levelname)s %(name)s: %(message)s")
+from phloem import LLM, SamplingParams
+t_import = time.perf_counter()
+llm = LLM(sys.argv[1], load_format="dummy", **json.loads(sys.argv[2]))
+t_llm = time.perf_counter()
+prompts = [{"prompt_token_ids": [100 + i] * 64} for i in range(4)]
+llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+             use_tqdm=False)
+t_first = time.perf_counter()
+print("RESULT " + json.dumps({"import_s": t_import - t0, "llm_s": t_llm - t_import,
+                              "load_s": llm.load_s, "first_batch_s": t_first - t_llm}))
+"""
+
+
+def _env(cache_root: str) -> dict[str, str]:
+    """This process's environment with every compile cache under `cache_root`."""
+    env = dict(os.environ)
+    env.update(
+        FLASHINFER_WORKSPACE_BASE=os.path.join(cache_root, "flashinfer"),
+        TRITON_CACHE_DIR=os.path.join(cache_root, "triton"),
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_root, "inductor"),
+    )
+    return env
+
+
+def start(model_dir: str, engine: dict, cache_root: str, timeout_s: float) -> dict:
+    """One start in a fresh process; its timings and its workers' phases."""
+    from phloem.worker.startup_phases import parse_phases
+
+    begin = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, model_dir, json.dumps(engine)],
+        env=_env(cache_root), capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    wall = time.perf_counter() - begin
+    sys.stderr.write(proc.stderr[-4000:])
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:], "process_s": wall}
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return {"process_s": wall, **json.loads(line[len("RESULT ") :]),
+            "phases": parse_phases(proc.stderr)}  # fmt: skip
+
+
+def prebuild(model_dir: str, engine: dict, cache_root: str, timeout_s: float) -> dict:
+    """`phloem prebuild-kernels` for the same model and settings, timed."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
+    begin = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "phloem.entrypoints.cli", "prebuild-kernels", "--model",
+         model_dir, *flags],
+        env=_env(cache_root), capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    print(proc.stdout, proc.stderr[-2000:], file=sys.stderr)
+    return {"returncode": proc.returncode, "seconds": time.perf_counter() - begin,
+            "output": proc.stdout.splitlines()}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b", help="a shipped config name")
+    parser.add_argument("--stages", default="cold,warm", help="comma list: cold, warm, prebuild")
+    parser.add_argument("--engine", default="{}", help="JSON of extra LLM(...) settings")
+    parser.add_argument("--config", default="{}", help="JSON of model config overrides")
+    parser.add_argument("--timeout", type=float, default=560.0, help="per process [s]")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from phloem.model_configs import materialize
+
+    tmp = tempfile.mkdtemp(prefix="phloem-startup-")
+    model_dir = str(materialize(args.model, os.path.join(tmp, "model"), **json.loads(args.config)))
+    engine = json.loads(args.engine)
+    result: dict = {"model": args.model, "engine": engine, "stages": {},
+                    "command": "python3 benchmarks/startup_gpu.py " + " ".join(sys.argv[1:])}  # fmt: skip
+    caches = os.path.join(tmp, "caches")
+    for stage in args.stages.split(","):
+        if stage == "cold":
+            out = start(model_dir, engine, caches, args.timeout)
+        elif stage == "warm":
+            out = start(model_dir, engine, caches, args.timeout)  # the caches cold left
+        elif stage == "prebuild":
+            fresh = os.path.join(tmp, "caches-prebuild")
+            out = {"prebuild": prebuild(model_dir, engine, fresh, args.timeout)}
+            out["start"] = start(model_dir, engine, fresh, args.timeout)
+        else:
+            raise ValueError(f"unknown stage {stage!r}: cold, warm or prebuild")
+        result["stages"][stage] = out
+        print(f"{stage}: {json.dumps(out)}", flush=True)
+        if args.json:  # after every stage: a later one may hit the call's time limit
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`phloem prebuild-kernels`: build the FlashInfer modules a model and its engine settings will load,
+all in one parallel build, into FlashInfer's JIT cache, so that later starts compile none of them
+(issue 19; `phloem.worker.kernel_prebuild`). The engine does the same at start-up, while the
+weights load; this command does it ahead of time (after `pip install`, in an image build).
+
+    phloem prebuild-kernels --model /models/llama-3.1-8b [--kv-cache-dtype fp8] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    """Add `phloem prebuild-kernels` to the CLI."""
+    from phloem.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "prebuild-kernels",
+        help="compile the GPU attention kernels a model needs now, not at its first start",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "--cuda-arch",
+        default=None,
+        help="compute capability to plan for, e.g. 9.0 (default: the visible GPU's)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list the modules; build none")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _capability(cuda_arch: str | None) -> tuple[int, int] | None:
+    """(major, minor) of --cuda-arch, else of the visible GPU; None without either.
+
+    Raises:
+        ValueError: naming --cuda-arch when it is not MAJOR.MINOR.
+    """
+    if cuda_arch is not None:
+        major, dot, minor = cuda_arch.partition(".")
+        if not (major.isdigit() and dot and minor.isdigit()):
+            raise ValueError(f"--cuda-arch must be MAJOR.MINOR (e.g. 9.0), got {cuda_arch!r}")
+        return int(major), int(minor)
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def plan_modules(args: argparse.Namespace) -> list:
+    """The `FlashInferModule`s an engine of the parsed flags loads on the GPU of --cuda-arch (or
+    the visible one); empty without a GPU.
+
+    Raises:
+        ValueError: an invalid engine setting or --cuda-arch. FileNotFoundError: no model there.
+    """
+    import torch
+
+    from phloem.engine_args import EngineArgs
+    from phloem.models.loader import load_hf_config, resolve_model
+    from phloem.worker.kernel_prebuild import (
+        FP8_KV,
+        head_dim_of,
+        importable,
+        required_modules,
+    )
+    from phloem.worker.worker import resolve_dtype
+
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    hf_config = load_hf_config(resolve_model(engine_args.model))
+    dtype = str(resolve_dtype(config.model.dtype, torch.device("cuda"))).removeprefix("torch.")
+    kv_dtype = FP8_KV if config.cache.kv_cache_dtype == "fp8" else dtype
+    return required_modules(
+        config.model.attention_backend,
+        head_dim_of(hf_config),
+        dtype,
+        kv_dtype,
+        _capability(args.cuda_arch),
+        importable("triton"),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """List the modules, then (without --dry-run) build them; exit 0, or 1 when FlashInfer is not
+    installed or a build fails."""
+    from phloem.worker.kernel_prebuild import build_modules
+
+    modules = plan_modules(args)
+    if not modules:
+        print("no FlashInfer module to build (no GPU, or these settings use none); pass "
+              "--cuda-arch to plan for a GPU")  # fmt: skip
+        return 0
+    for m in modules:
+        print(f"FlashInfer module: {m.describe()}")
+    if args.dry_run:
+        return 0
+    start = time.perf_counter()
+    try:
+        build_modules(modules)
+    except ImportError as e:
+        print(
+            f"error: FlashInfer is not installed ({e}): pip install 'phloem[gpu]'", file=sys.stderr
+        )
+        return 1
+    except Exception as e:  # a compile failed: ninja's output above says which
+        print(f"error: building the modules failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"built {len(modules)} modules in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,227 @@
+"""The FlashInfer modules an engine's attention path loads, built before their first use (issue 19).
+
+FlashInfer compiles each attention module (nvcc through ninja) the first time a wrapper plans
+with it, in the thread that plans: on the default path of a Hopper GPU the fa2 paged prefill
+module at the memory profile's first forward, then the fa3 one at the shared-prefix warm-up,
+one after the other, and each before the engine can go on. Here:
+
+- `required_modules` lists the modules a configuration will load, by the rule
+  `ops.attention.get_attention_backend` picks backends with (pure: it runs on the CPU);
+- `build_modules` builds them all in ONE ninja run (FlashInfer's `build_jit_specs`: every
+  object file of every module compiles in parallel) into FlashInfer's JIT cache, so a later
+  start finds them and compiles nothing;
+- `KernelPrebuild` does that in a background thread at engine start-up, started before the
+  weights load (the compiler runs while they are read) and waited for before the first step
+  that plans attention. A failed prebuild is logged and left to the first use, which builds
+  (or raises) as it always did.
+
+`phloem prebuild-kernels` runs `build_modules` for a model and settings ahead of time.
+
+    |-- start: prebuild thread (ninja: fa2 + fa3 objects in parallel) -------------|
+    |-- main:  load weights --------------------|-- wait --|-- profile, warm-up, graphs
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phloem.ops.attention import FLASHINFER_HEAD_DIMS
+
+logger = logging.getLogger(__name__)
+
+FP8_KV = "float8_e4m3fn"  # the torch dtype name of an FP8 KV cache
+
+
+@dataclass(frozen=True)
+class FlashInferModule:
+    """One FlashInfer JIT module (its template arguments; the rest are phloem's constants:
+    int32 page indices, output in the query dtype, no RoPE in the kernel, no sliding window,
+    no logits soft cap, no fp16 QK reduction).
+
+    Attributes:
+        kind: "prefill" (the batch prefill module: prefill, chunked appends and decode) or
+            "decode" (the CUDA-core batch decode module, FP8 caches).
+        backend: "fa2" or "fa3" for prefill; "" for decode.
+        q_dtype / kv_dtype: torch dtype names ("bfloat16", "float8_e4m3fn", ...).
+        head_dim: per attention head (queries and values alike).
+    """
+
+    kind: str
+    backend: str
+    q_dtype: str
+    kv_dtype: str
+    head_dim: int
+
+    def describe(self) -> str:
+        backend = f" {self.backend}" if self.backend else ""
+        return f"{self.kind}{backend} q {self.q_dtype} kv {self.kv_dtype} head_dim {self.head_dim}"
+
+
+def required_modules(
+    attention_backend: str,
+    head_dim: int,
+    dtype: str,
+    kv_dtype: str,
+    cuda_capability: tuple[int, int] | None,
+    triton_available: bool,
+) -> list[FlashInferModule]:
+    """The FlashInfer modules an engine of these settings loads (`get_attention_backend`'s rule;
+    the shared-prefix impl "auto" is our Triton kernel, which needs no FlashInfer module):
+
+    - none off CUDA (`cuda_capability` None), for "reference", or for "auto"/"shared_prefix"
+      at a head dim FlashInfer does not compile (the reference serves those);
+    - the fa2 prefill module (q `dtype`, KV `kv_dtype`), plus the CUDA-core decode module for an
+      FP8 cache;
+    - the fa3 prefill module too on Hopper (major 9) when prefix sharing wraps FlashInfer
+      ("shared_prefix", or "auto" with Triton) and the cache is in the query's dtype.
+
+    Args:
+        attention_backend: `ModelConfig.attention_backend` ("auto", "flashinfer",
+            "shared_prefix", "reference").
+        dtype / kv_dtype: torch dtype names of the queries and of the KV cache.
+    Raises:
+        ValueError: an unknown backend name, or a non-positive head_dim.
+    """
+    if attention_backend not in ("auto", "flashinfer", "shared_prefix", "reference"):
+        raise ValueError(f"unknown attention backend {attention_backend!r}")
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    if cuda_capability is None or attention_backend == "reference":
+        return []
+    if attention_backend != "flashinfer" and head_dim not in FLASHINFER_HEAD_DIMS:
+        return []
+    modules = [FlashInferModule("prefill", "fa2", dtype, kv_dtype, head_dim)]
+    if kv_dtype == FP8_KV:
+        modules.append(FlashInferModule("decode", "", dtype, kv_dtype, head_dim))
+    shared = attention_backend == "shared_prefix" or (
+        attention_backend == "auto" and triton_available
+    )
+    if shared and cuda_capability[0] == 9 and kv_dtype == dtype:
+        modules.append(FlashInferModule("prefill", "fa3", dtype, kv_dtype, head_dim))
+    return modules
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Per-head size of a transformers config: `head_dim` when it sets one, else
+    hidden_size / num_attention_heads."""
+    explicit = getattr(hf_config, "head_dim", None)
+    return int(explicit or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def _jit_spec(module: FlashInferModule):
+    """FlashInfer's `JitSpec` of `module` (imports flashinfer)."""
+    import torch
+    from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+
+    q, kv = getattr(torch, module.q_dtype), getattr(torch, module.kv_dtype)
+    d = module.head_dim
+    if module.kind == "decode":
+        return gen_batch_decode_module(q, kv, q, torch.int32, d, d, 0, False, False)
+    return gen_batch_prefill_module(
+        module.backend, q, kv, q, torch.int32, d, d, 0, False, False, False
+    )
+
+
+def build_modules(modules: Sequence[FlashInferModule]) -> None:
+    """Build `modules` into FlashInfer's JIT cache in one ninja run (all their object files in
+    parallel; MAX_JOBS caps the jobs); modules already built are up to date at once.
+
+    Raises:
+        ImportError: FlashInfer is not installed. subprocess.CalledProcessError: a compile
+            failed (ninja's output says which).
+    """
+    if not modules:
+        return
+    from flashinfer.jit import build_jit_specs
+
+    build_jit_specs([_jit_spec(m) for m in modules])
+
+
+class KernelPrebuild:
+    """`build_modules` in a background thread (module docstring). Start it, do other work, and
+    `wait()` before anything plans attention (a module FlashInfer builds itself meanwhile would
+    race this build in the same directory).
+
+    Args:
+        modules: what to build (none: nothing starts). build: the builder, `build_modules`
+            unless a test passes another.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[FlashInferModule],
+        build: Callable[[Sequence[FlashInferModule]], None] = build_modules,
+    ) -> None:
+        self.modules = list(modules)
+        self._build = build
+        self._error: BaseException | None = None
+        self._seconds = 0.0
+        self._thread: threading.Thread | None = None
+        if self.modules:
+            self._thread = threading.Thread(target=self._run, name="phloem-prebuild", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._build(self.modules)
+        except BaseException as e:  # reported by wait(); the first use builds or raises itself
+            self._error = e
+        self._seconds = time.perf_counter() - start
+
+    def wait(self) -> float:
+        """Block until the build ends; returns its duration [s] (0.0 when nothing was built).
+        A failed build is logged as a warning, not raised: FlashInfer then builds each module
+        at its first use, as without a prebuild."""
+        if self._thread is None:
+            return 0.0
+        self._thread.join()
+        self._thread = None
+        names = ", ".join(m.describe() for m in self.modules)
+        if self._error is not None:
+            logger.warning("prebuilding FlashInfer modules failed (%s: %s); they build at first "
+                           "use", type(self._error).__name__, self._error)  # fmt: skip
+        else:
+            logger.info("FlashInfer modules ready in %.1f s: %s", self._seconds, names)
+        return self._seconds
+
+    @classmethod
+    def for_engine(cls, model_config, cache_config, hf_config, device, dtype) -> KernelPrebuild:
+        """The prebuild of an engine's worker (nothing off CUDA or without FlashInfer).
+
+        Args:
+            model_config / cache_config: the worker's configs. hf_config: the model's
+                transformers config. device: its torch device. dtype: its resolved torch dtype.
+        """
+        if device.type != "cuda" or not importable("flashinfer"):
+            return cls([])
+        import torch
+
+        kv_dtype = FP8_KV if cache_config.kv_cache_dtype == "fp8" else _dtype_name(dtype)
+        modules = required_modules(
+            model_config.attention_backend,
+            head_dim_of(hf_config),
+            _dtype_name(dtype),
+            kv_dtype,
+            torch.cuda.get_device_capability(device),
+            importable("triton"),
+        )
+        return cls(modules)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def importable(module: str) -> bool:
+    """Whether `module` imports here (an optional GPU package: flashinfer, triton)."""
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,147 @@
+"""Start-up with nothing to compile on the default path (issue 19): which FlashInfer modules a
+configuration loads (the planning rule, checked on the CPU for GPU settings), the engine's
+prebuild runs in the background in ONE build of every module while the main thread goes on, a
+failed prebuild is left to the first use, start-up phases are logged as one parseable line, and
+`phloem prebuild-kernels --dry-run` lists the modules. FlashInfer itself is replaced by a fake
+builder here; the real build is checked on a GPU (benchmarks/startup_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from phloem.entrypoints.cli import main
+from phloem.ops.attention import FLASHINFER_HEAD_DIMS
+from phloem.worker.kernel_prebuild import (
+    FlashInferModule,
+    KernelPrebuild,
+    importable,
+    required_modules,
+)
+from phloem.worker.startup_phases import StartupPhases, parse_phases
+
+HOPPER, AMPERE = (9, 0), (8, 0)
+BF16, FP8 = "bfloat16", "float8_e4m3fn"
+
+
+def _names(modules):
+    return [(m.kind, m.backend, m.kv_dtype) for m in modules]
+
+
+@pytest.mark.parametrize(
+    ("backend", "head_dim", "kv", "capability", "triton", "expected"),
+    [
+        ("auto", 128, BF16, HOPPER, True, [("prefill", "fa2", BF16), ("prefill", "fa3", BF16)]),
+        ("auto", 128, BF16, AMPERE, True, [("prefill", "fa2", BF16)]),
+        ("auto", 128, BF16, HOPPER, False, [("prefill", "fa2", BF16)]),  # no prefix-sharing wrap
+        ("shared_prefix", 64, BF16, HOPPER, False, [("prefill", "fa2", BF16), ("prefill", "fa3", BF16)]),
+        ("flashinfer", 128, BF16, HOPPER, True, [("prefill", "fa2", BF16)]),
+        ("auto", 128, FP8, HOPPER, True, [("prefill", "fa2", FP8), ("decode", "", FP8)]),
+        ("auto", 96, BF16, HOPPER, True, []),  # the reference serves head dims FlashInfer lacks
+        ("flashinfer", 96, BF16, HOPPER, True, [("prefill", "fa2", BF16)]),  # asked for: tried
+        ("reference", 128, BF16, HOPPER, True, []),
+        ("auto", 128, BF16, None, True, []),  # no GPU
+    ],
+)  # fmt: skip
+def test_required_modules(backend, head_dim, kv, capability, triton, expected):
+    modules = required_modules(backend, head_dim, BF16, kv, capability, triton)
+    assert _names(modules) == expected
+    assert all(m.q_dtype == BF16 and m.head_dim == head_dim for m in modules)
+
+
+def test_required_modules_refuses_bad_input():
+    assert 128 in FLASHINFER_HEAD_DIMS  # the rule reads the backends' own list
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        required_modules("fast", 128, BF16, BF16, HOPPER, True)
+    with pytest.raises(ValueError, match="head_dim must be positive"):
+        required_modules("auto", 0, BF16, BF16, HOPPER, True)
+
+
+def test_prebuild_runs_every_module_in_one_build_while_the_caller_goes_on(caplog):
+    """The fake build blocks until the main thread (the weights' load) has gone on: a build
+    run in the caller's thread would never see that and fails the test instead of hanging."""
+    weights_loaded = threading.Event()
+    calls = []
+
+    def build(modules):
+        calls.append((list(modules), threading.current_thread() is threading.main_thread()))
+        assert weights_loaded.wait(timeout=30), "the prebuild held up its caller"
+
+    modules = required_modules("auto", 128, BF16, BF16, HOPPER, True)
+    prebuild = KernelPrebuild(modules, build=build)
+    weights_loaded.set()  # the caller's own work, meanwhile
+    with caplog.at_level(logging.INFO, logger="phloem.worker.kernel_prebuild"):
+        seconds = prebuild.wait()
+    assert calls == [(modules, False)]  # one call with all modules, in another thread
+    assert seconds >= 0.0
+    assert "FlashInfer modules ready" in caplog.text and "prefill fa3" in caplog.text
+    assert prebuild.wait() == 0.0  # waited once; a second wait has nothing to join
+
+
+def test_failed_prebuild_is_left_to_first_use(caplog):
+    def build(modules):
+        raise RuntimeError("nvcc not found")
+
+    prebuild = KernelPrebuild([FlashInferModule("prefill", "fa2", BF16, BF16, 128)], build=build)
+    with caplog.at_level(logging.WARNING, logger="phloem.worker.kernel_prebuild"):
+        prebuild.wait()  # logs, does not raise
+    assert "RuntimeError: nvcc not found" in caplog.text and "build at first use" in caplog.text
+
+
+def test_nothing_to_build_starts_nothing():
+    calls = []
+    prebuild = KernelPrebuild([], build=calls.append)
+    assert prebuild.wait() == 0.0 and calls == []
+    cpu = KernelPrebuild.for_engine(None, None, None, torch.device("cpu"), torch.float32)
+    assert cpu.modules == [] and cpu.wait() == 0.0
+
+
+def test_startup_phases_log_one_parseable_line(caplog):
+    phases = StartupPhases()
+    phases.mark("weights")
+    phases.mark("attention_warmup")
+    phases.mark("weights")  # a phase marked again adds up
+    with caplog.at_level(logging.INFO, logger="phloem.worker.startup_phases"):
+        phases.finish("cuda_graphs", flashinfer_prebuild=1.5)
+    (record,) = parse_phases(caplog.text)
+    assert list(record) == ["weights", "attention_warmup", "cuda_graphs", "total",
+                            "flashinfer_prebuild"]  # fmt: skip
+    assert record["flashinfer_prebuild"] == 1.5
+    assert record["total"] == pytest.approx(sum(phases.seconds.values()), abs=2e-3)
+
+
+def test_engine_start_logs_its_phases(tmp_path_factory, embedded_tokenizer_dir, caplog):
+    from phloem import LLM
+    from tests.engine.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "prebuild", 1)
+    with caplog.at_level(logging.INFO, logger="phloem.worker.startup_phases"):
+        LLM(str(path), dtype="float32", device="cpu")
+    (record,) = parse_phases(caplog.text)
+    assert {"weights", "setup_and_flashinfer_wait", "memory_profile_and_kv", "cuda_graphs"} <= set(
+        record
+    )
+    assert record["flashinfer_prebuild"] == 0.0  # nothing to build on the CPU
+
+
+def test_cli_dry_run_lists_the_modules(capsys):
+    assert main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9.0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    expected = ["FlashInfer module: prefill fa2 q bfloat16 kv bfloat16 head_dim 64"]
+    if importable("triton"):
+        expected.append("FlashInfer module: prefill fa3 q bfloat16 kv bfloat16 head_dim 64")
+    assert out == expected  # the embedded model: head_dim 64
+    assert main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9"]) == 2
+    assert "--cuda-arch must be MAJOR.MINOR" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["prebuild-kernels", "--dry-run"]) == 0
+        assert "no FlashInfer module to build" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importable("flashinfer"), reason="checks the message without FlashInfer")
+def test_cli_build_without_flashinfer_says_how_to_get_it(capsys):
+    assert main(["prebuild-kernels", "--cuda-arch", "9.0"]) == 1
+    assert "pip install 'phloem[gpu]'" in capsys.readouterr().err
