@@ -7,7 +7,9 @@ and inductor's cache dirs) under one temp dir:
     warm      the same caches again: what a second start costs
     prebuild  (with --stages prebuild) empty caches, `phloem prebuild-kernels` first, then a start
 
-Per stage it records the process's wall time to the first output (`LLM(...)` plus one small
+Per stage it records the FlashInfer modules in the cache afterwards (after `cold`: each one that
+the engine's prebuild did not list was compiled at first use), the process's wall time to the
+first output (`LLM(...)` plus one small
 greedy batch: what a user's first `phloem generate` waits), the import, `LLM()` and first-batch
 times, and each worker's start-up phases from its log line (`phloem.worker.startup_phases`:
 weights, setup and the FlashInfer prebuild wait, memory profile + KV, attention warm-up, CUDA
@@ -73,8 +75,24 @@ def start(model_dir: str, engine: dict, cache_root: str, timeout_s: float) -> di
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:], "process_s": wall}
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    prebuilt = [x.split(": ", 2)[-1] for x in proc.stderr.splitlines()
+                if "FlashInfer modules ready in" in x]  # fmt: skip
     return {"process_s": wall, **json.loads(line[len("RESULT ") :]),
-            "phases": parse_phases(proc.stderr)}  # fmt: skip
+            "phases": parse_phases(proc.stderr), "prebuilt": prebuilt,
+            "flashinfer_jit_modules": jit_modules(cache_root)}  # fmt: skip
+
+
+def jit_modules(cache_root: str) -> list[str]:
+    """The FlashInfer modules compiled into this cache so far (`<uri>/<uri>.so` under its
+    cached_ops): after a cold start, every module beyond the prebuilt ones was compiled at
+    first use, i.e. missed by `required_modules`."""
+    base = os.path.join(cache_root, "flashinfer")
+    found = []
+    for root, _dirs, files in os.walk(base):
+        name = os.path.basename(root)
+        if f"{name}.so" in files:
+            found.append(name)
+    return sorted(found)
 
 
 def prebuild(model_dir: str, engine: dict, cache_root: str, timeout_s: float) -> dict:
