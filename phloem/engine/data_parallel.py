@@ -336,21 +336,22 @@ class DataParallelEngine:
         the deal's groups as its plan) and send them all at once, one thread per replica, so
         that one replica reading its share holds up no other; adds each replica sent to to
         `busy`. Raises ReplicaError naming the lowest replica that died before its share was
-        sent (the others are busy then, and aborted by the caller)."""
+        sent, or what sending it raised otherwise (the others are busy then, and aborted by
+        the caller)."""
         planned = deal.share_groups is not None
         messages = {
             rank: encode_share(encoded, params, deal.share_groups[rank] if planned
                                else [(0, (i,)) for i in share], block_size, planned)
             for rank, share in enumerate(deal.shares) if share
         }  # fmt: skip
-        failed: list[int] = []
+        failed: dict[int, BaseException] = {}
 
         def send(rank: int) -> None:
             try:
                 self._replica(rank).conn.send(("batch", messages[rank]))
                 progress.sent(rank)
-            except OSError:
-                failed.append(rank)
+            except BaseException as e:  # raised below, in the caller's thread
+                failed[rank] = e
 
         threads = [threading.Thread(target=send, args=(rank,)) for rank in messages]
         for t in threads:
@@ -359,7 +360,10 @@ class DataParallelEngine:
             t.join()
         busy.update((rank, self._replica(rank)) for rank in messages if rank not in failed)
         if failed:
-            raise self._replica(min(failed)).died("before its share was sent")
+            rank = min(failed)
+            if isinstance(failed[rank], OSError):
+                raise self._replica(rank).died("before its share was sent") from None
+            raise failed[rank]
 
     def _replica(self, rank: int) -> Replica:
         replica = self._replicas[rank]
