@@ -189,9 +189,9 @@ class Scheduler:
     ) -> tuple[int, int | None]:
         """Schedule the running requests in admission order under `budget` tokens (appended to
         `output.scheduled` and `requests`; each counts as computed at once); returns the budget
-        and prefill tokens left. Chunks of more than one token take at most `prefill` (None:
-        no cap, `_prefill_cap`), never the token each later running request may need. Reads each
-        attribute once, calls nothing per request in the common case (a decode in its block)."""
+        and prefill tokens left. Chunks of more than one token take at most `prefill` (None: no
+        cap, `_prefill_cap`), never the token each later running request may need. Calls
+        nothing per request in the common case (a decode in its block, no drafts)."""
         kv, max_model_len = self.kv, self.config.max_model_len
         block_size, tables = kv.block_size, kv.block_tables
         running, index = self.running, 0  # preemption removes from this same list
@@ -214,9 +214,7 @@ class Scheduler:
                 continue
             drafts = NO_DRAFTS
             if request.draft_token_ids:  # speculative decoding: verify them in this step
-                drafts = take_drafts(
-                    request, num_new, budget - (len(running) - index), max_model_len
-                )
+                drafts = take_drafts(request, num_new, budget - len(running) + index, max_model_len)
                 num_new += len(drafts)
             block_ids = tables.get(request.request_id, NO_TABLE)
             if len(block_ids) * block_size < num_computed + num_new:
@@ -230,21 +228,14 @@ class Scheduler:
                 new_blocks = block_ids[request.num_sent_blocks :]
                 request.num_sent_blocks = len(block_ids)
             sample = num_computed + num_new >= num_tokens  # (> with drafts)
+            scheduled = ScheduledSequence(request.request_id, num_computed, num_new, sample,
+                                          new_blocks, draft_token_ids=drafts)  # fmt: skip
             group = request.shared_prefix
-            if group is None:
-                scheduled = ScheduledSequence(
-                    request.request_id, num_computed, num_new, sample, new_blocks
-                )
-            else:
+            if group is not None:
                 cached = request.table_prefix
                 if cached is None or cached[0] is not group.block_ids:
                     cached = request.table_prefix = table_prefix(group, block_ids)
-                scheduled = ScheduledSequence(
-                    request.request_id, num_computed, num_new, sample, new_blocks, cached[1],
-                    cached[2],
-                )  # fmt: skip
-            if drafts:
-                scheduled.draft_token_ids = drafts
+                scheduled.prefix_len, scheduled.group_id = cached[1], cached[2]
             request.num_computed_tokens = num_computed + num_new
             if sample:
                 request.num_pending_tokens = pending + 1
