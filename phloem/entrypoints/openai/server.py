@@ -331,6 +331,15 @@ async def _run_or_disconnect(request: Request, coro):
     return None
 
 
+async def _final_outputs(state: ServerState, request: Request, prep: PreparedRequest, arrival):
+    """The final RequestOutput of each of `prep`'s requests (in order), or None when the client
+    disconnected first (its requests are aborted). Engine errors become their HTTP errors."""
+    try:
+        return await _run_or_disconnect(request, _collect(state, prep, arrival))
+    except _ENGINE_ERRORS as e:
+        raise engine_error(e) from None
+
+
 def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator[str], ids):
     """SSE response whose request ids are aborted if the client goes away.
 
@@ -386,10 +395,7 @@ async def create_completion(state: ServerState, request: Request):
             completion_chunks(state, prep, outputs, response_id, created, n, usage)
         )
         return _stream_response(state, request, chunks, prep.request_ids)
-    try:
-        finals = await _run_or_disconnect(request, _collect(state, prep, arrival))
-    except _ENGINE_ERRORS as e:
-        raise engine_error(e) from None
+    finals = await _final_outputs(state, request, prep, arrival)
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(completion_response(state, prep, finals, response_id, created))
@@ -427,10 +433,7 @@ async def create_chat_completion(state: ServerState, request: Request):
         outputs = _merged(state.engine, prep, arrival)
         chunks = _in_band_errors(chat_chunks(state, prep, outputs, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
-    try:
-        finals = await _run_or_disconnect(request, _collect(state, prep, arrival))
-    except _ENGINE_ERRORS as e:
-        raise engine_error(e) from None
+    finals = await _final_outputs(state, request, prep, arrival)
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(chat_response(state, prep, finals, created))
