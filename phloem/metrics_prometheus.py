@@ -5,7 +5,8 @@ in one process). With the engine core in its own process (`phloem.engine.core_cl
 front updates it on the event loop: `on_first_token`, `on_generated`, `on_finished` from the
 requests' deltas and `set_core_stats` from the counts each core step carries. With the in-thread
 engine (`phloem.engine.async_engine`), the engine thread calls `on_output`, `set_gauges`,
-`set_prefix_cache_totals`, and `observe_step` is a step observer of the engine (preemptions);
+`set_prefix_cache_totals`, and `observe_step` is a step observer of the engine (preemptions,
+speculative decoding's drafts);
 prometheus-client objects are thread-safe.
 
     gauges:     phloem:num_requests_running, phloem:num_requests_waiting,
@@ -18,7 +19,9 @@ prometheus-client objects are thread-safe.
                 requests started with from shared blocks),
                 phloem:request_success_total{finished_reason}, phloem:request_failed_total,
                 phloem:request_aborted_total{phase="waiting"|"running"},
-                phloem:num_preemptions_total
+                phloem:num_preemptions_total,
+                phloem:spec_decode_num_draft_tokens_total,
+                phloem:spec_decode_num_accepted_tokens_total [tokens] (speculative decoding)
     histograms: phloem:time_to_first_token_seconds, phloem:time_per_output_token_seconds,
                 phloem:e2e_request_latency_seconds
 """
@@ -109,6 +112,13 @@ class EngineMetrics:
         self.preemptions = counter(
             "phloem:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later)."
         )
+        self.spec_drafts = counter(
+            "phloem:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding)."
+        )
+        self.spec_accepted = counter(
+            "phloem:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (speculative decoding).",
+        )
         self._totals: dict[str, int] = {}
         self.failed = counter("phloem:request_failed", "Requests failed inside the engine.")
         self._aborted = Counter(
@@ -180,6 +190,8 @@ class EngineMetrics:
             ("preemptions", stats.num_preemptions, self.preemptions),
             ("prompt_computed", stats.num_computed_prompt_tokens, self.prompt_computed),
             ("prompt_reused", stats.num_reused_prompt_tokens, self.prompt_reused),
+            ("spec_drafts", stats.num_draft_tokens, self.spec_drafts),
+            ("spec_accepted", stats.num_accepted_tokens, self.spec_accepted),
             (
                 "aborted_waiting",
                 stats.num_aborted_waiting,
@@ -213,10 +225,16 @@ class EngineMetrics:
         self._advance("prefix_hits", hits, self.prefix_hits)
 
     def observe_step(self, record: StepRecord) -> None:
-        """A step observer: count the requests the step's scheduling preempted."""
+        """A step observer: count the requests the step's scheduling preempted, and the drafts
+        it verified and accepted (speculative decoding)."""
         num_preempted = len(record.scheduler_output.preempted_seq_ids)
         if num_preempted:
             self.preemptions.inc(num_preempted)
+        runner = record.runner_output
+        if runner is not None and runner.num_accepted_drafts:
+            sched = record.scheduler_output.scheduled
+            self.spec_drafts.inc(sum(len(s.draft_token_ids) for s in sched))
+            self.spec_accepted.inc(sum(runner.num_accepted_drafts.values()))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of all series."""

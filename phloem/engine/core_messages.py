@@ -126,6 +126,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     # optional (added by issue 24, item 4; older senders omit them)
     num_computed_prompt_tokens: int = 0  # [tokens] the model ran, total (recomputes included)
     num_reused_prompt_tokens: int = 0  # [tokens] admitted requests started with, total
+    # optional (issue 20): speculative decoding's drafts verified and accepted, total [tokens]
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class CoreStep(msgspec.Struct, tag="step", array_like=True, gc=False):

@@ -183,6 +183,11 @@ class EngineCore:
             counts.num_aborted_running,
             engine.scheduler.num_computed_prompt_tokens,
             engine.scheduler.num_reused_prompt_tokens,
+            *(
+                (engine.drafter.stats.num_draft_tokens, engine.drafter.stats.num_accepted_tokens)
+                if engine.drafter is not None
+                else (0, 0)
+            ),
         )
 
 
