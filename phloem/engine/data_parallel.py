@@ -45,6 +45,7 @@ import os
 import threading
 import time
 import weakref
+from array import array
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait
 
@@ -166,8 +167,24 @@ class DataParallelEngine:
     # -- what the offline path reads of an engine -------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError naming the limit when a prompt cannot run (on every replica)."""
-        check_prompt(prompt_token_ids, self.max_model_len, self.hf_config.vocab_size)
+        """Raise ValueError naming the limit when a prompt cannot run (on every replica): the
+        errors of `input_checks.check_prompt`. The parent checks the whole batch alone before
+        any replica works, so the id range is checked in one pass in C (the ids packed as
+        4-byte ints, then numpy's max) instead of Python's min and max; `check_prompt` runs
+        only to name a failure."""
+        import numpy as np
+
+        vocab = self.hf_config.vocab_size
+        ids = prompt_token_ids
+        if not ids or len(ids) >= self.max_model_len:
+            check_prompt(ids, self.max_model_len, vocab)
+            return
+        try:
+            top = int(np.frombuffer(array("I", ids), dtype=np.uint32).max())
+        except (OverflowError, TypeError):  # negative, >= 2**32 or not an int
+            top = vocab
+        if top >= vocab:
+            check_prompt(ids, self.max_model_len, vocab)
 
     def validate_params(self, sampling_params: SamplingParams) -> None:
         """Raise ValueError naming the field when stop_token_ids lie outside the vocabulary."""
