@@ -116,13 +116,19 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
 def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> None:
     """Leave the group (idempotent); the state goes back to rank 0 of 1.
 
-    Every member must call it (the driver after sending "stop", each rank on "stop"): NCCL's
-    communicator teardown waits for its peers, and one that left first would make it wait
-    forever. A teardown still running after `timeout_s` seconds (a peer died) is aborted."""
+    Every member calls it when the group ends (the driver after sending "stop", each rank on
+    "stop"). An NCCL group is aborted (`ncclCommAbort`: local, it neither waits for the peers,
+    which may have exited already, nor for their in-flight work); a graceful NCCL teardown
+    (`destroy_process_group`) waits for every peer and hung at exit on two GPUs. A gloo group is
+    destroyed, and aborted if the teardown still runs after `timeout_s` seconds (a peer died)."""
     global _state
-    _state = TensorParallelState()
+    backend, _state = _state.backend, TensorParallelState()
     if not dist.is_initialized():
         return
+    if backend == "nccl":
+        abort_tensor_parallel()
+        if not dist.is_initialized():
+            return
     done = threading.Thread(target=dist.destroy_process_group, name="phloem-tp-destroy",
                             daemon=True)  # fmt: skip
     done.start()

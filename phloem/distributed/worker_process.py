@@ -107,7 +107,7 @@ def _serve(worker, conn) -> None:
     with torch.inference_mode():
         while True:
             header, sched = decode_step(conn.recv_bytes())
-            if header[0] == "stop":  # leave the group with the driver (it waits for its peers)
+            if header[0] == "stop":  # leave the group as the driver does
                 from phloem.distributed.parallel_state import destroy_tensor_parallel
 
                 destroy_tensor_parallel()

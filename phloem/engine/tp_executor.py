@@ -97,7 +97,7 @@ class _Group:
             self.watchdog.join(timeout=5.0)
         os.close(self._stop_r)
         os.close(self._stop_w)
-        send_stop(self.ranks)  # the ranks leave the group as the driver does: NCCL waits for all
+        send_stop(self.ranks)  # each rank leaves the group on "stop", as the driver does here
         destroy_tensor_parallel()
         stop_ranks(self.ranks, send=False)
 
