@@ -6,6 +6,8 @@ and inductor's cache dirs) under one temp dir:
     cold      empty caches: every FlashInfer module, Triton kernel and inductor graph compiles
     warm      the same caches again: what a second start costs
     prebuild  (with --stages prebuild) empty caches, `phloem prebuild-kernels` first, then a start
+    serial    (with --stages serial) the FlashInfer modules built one after another, as first
+              use builds them, then all in one build, each into empty caches
 
 Per stage it records the FlashInfer modules in the cache afterwards (after `cold`: each one that
 the engine's prebuild did not list was compiled at first use), the process's wall time to the
@@ -109,10 +111,42 @@ def prebuild(model_dir: str, engine: dict, cache_root: str, timeout_s: float) ->
             "output": proc.stdout.splitlines()}  # fmt: skip
 
 
+SERIAL = """
+import json, sys, time
+import torch
+from phloem.worker.kernel_prebuild import build_modules, importable, required_modules
+modules = required_modules("auto", int(sys.argv[1]), "bfloat16", "bfloat16",
+                           torch.cuda.get_device_capability(), importable("triton"))
+times = []
+for m in modules if sys.argv[2] == "one-by-one" else [modules]:
+    start = time.perf_counter()
+    build_modules([m] if sys.argv[2] == "one-by-one" else m)
+    times.append(time.perf_counter() - start)
+print("RESULT " + json.dumps({"modules": [m.describe() for m in modules], "seconds": times}))
+"""
+
+
+def serial(head_dim: int, tmp: str, timeout_s: float) -> dict:
+    """FlashInfer's modules built one after another (as first use builds them) and all in one
+    build (as the prebuild does), each into empty caches: what building them at once saves."""
+    out = {}
+    for how in ("one-by-one", "together"):
+        proc = subprocess.run(
+            [sys.executable, "-c", SERIAL, str(head_dim), how],
+            env=_env(os.path.join(tmp, f"caches-{how}")), capture_output=True, text=True,
+            timeout=timeout_s,
+        )  # fmt: skip
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        out[how] = json.loads(line[0][len("RESULT ") :]) if line else {"error": proc.stderr[-2000:]}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b", help="a shipped config name")
-    parser.add_argument("--stages", default="cold,warm", help="comma list: cold, warm, prebuild")
+    parser.add_argument(
+        "--stages", default="cold,warm", help="comma list: cold, warm, prebuild, serial"
+    )
     parser.add_argument("--engine", default="{}", help="JSON of extra LLM(...) settings")
     parser.add_argument("--config", default="{}", help="JSON of model config overrides")
     parser.add_argument("--timeout", type=float, default=560.0, help="per process [s]")
@@ -132,12 +166,18 @@ def main() -> int:
             out = start(model_dir, engine, caches, args.timeout)
         elif stage == "warm":
             out = start(model_dir, engine, caches, args.timeout)  # the caches cold left
+        elif stage == "serial":
+            from phloem.models.loader import load_hf_config, resolve_model
+            from phloem.worker.kernel_prebuild import head_dim_of
+
+            head_dim = head_dim_of(load_hf_config(resolve_model(model_dir)))
+            out = serial(head_dim, tmp, args.timeout)
         elif stage == "prebuild":
             fresh = os.path.join(tmp, "caches-prebuild")
             out = {"prebuild": prebuild(model_dir, engine, fresh, args.timeout)}
             out["start"] = start(model_dir, engine, fresh, args.timeout)
         else:
-            raise ValueError(f"unknown stage {stage!r}: cold, warm or prebuild")
+            raise ValueError(f"unknown stage {stage!r}: cold, warm, prebuild or serial")
         result["stages"][stage] = out
         print(f"{stage}: {json.dumps(out)}", flush=True)
         if args.json:  # after every stage: a later one may hit the call's time limit
