@@ -59,7 +59,7 @@ def test_column_row_and_vocab_loaders_read_only_their_slice(rank):
     assert lazy.reads == [(slice(None), slice(4 * rank, 4 * rank + 4))]
     assert torch.equal(row.weight, w.T[:, 4 * rank : 4 * rank + 4])
     bias = load(row, row.bias, torch.arange(6.0))  # replicated: read whole
-    assert bias.reads == [(slice(None),)] and torch.equal(row.bias, torch.arange(6.0))
+    assert bias.reads == [(Ellipsis,)] and torch.equal(row.bias, torch.arange(6.0))
     table = torch.randn(7, 6)
     lazy = load(emb, emb.weight, table)
     rows = (0, 4) if rank == 0 else (4, 7)
