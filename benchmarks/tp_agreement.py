@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import tempfile
 import time
@@ -108,6 +109,9 @@ def main() -> None:
     p.add_argument("--ref", help="the reference run's JSON (check)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     result = reference(args) if args.mode == "reference" else check(args)
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -2,7 +2,8 @@
 # Where a run hangs, on the GPU machine, from the repository root (needs the carried .whl/, which
 # includes py-spy):
 #   LIMIT=150 bash benchmarks/tp_diag.sh OUT_DIR NAME COMMAND...
-# Runs COMMAND in its own session, its output in OUT_DIR/NAME.log. If it is still running after
+# Runs COMMAND in its own session, its output in OUT_DIR/NAME.log (each line prefixed with the
+# time it was printed, so a slow phase shows). If it is still running after
 # LIMIT seconds, writes `py-spy dump --native` of every process of that session (the driver, the
 # tensor-parallel ranks, their helpers) plus nvidia-smi and the process tree into ONE file,
 # OUT_DIR/NAME.stacks.txt (a device call returns a limited number of files), then kills it.
@@ -13,7 +14,9 @@ LIMIT=${LIMIT:-150}
 mkdir -p "$OUT"
 SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 echo "=== $NAME $(date +%T)"
-setsid "$@" >"$OUT/$NAME.log" 2>&1 &
+# shellcheck disable=SC2016
+setsid bash -c '"$@" 2>&1 | while IFS= read -r line; do echo "$(date +%T) $line"; done' _ "$@" \
+    >"$OUT/$NAME.log" 2>&1 &
 pid=$!
 for _ in $(seq "$LIMIT"); do
     sleep 1
