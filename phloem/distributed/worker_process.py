@@ -21,9 +21,11 @@ spawned process sets its threads and environment first.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -55,6 +57,7 @@ class RankSpec:
     env: dict[str, str]
     threads: int
     worker_kwargs: dict[str, Any]
+    log_level: int = logging.WARNING  # the driver's "phloem" logger level: the rank logs alike
 
 
 def exit_with_parent() -> None:
@@ -71,11 +74,25 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="phloem-tp-parent-watch", daemon=True).start()
 
 
+def _log_as_rank(rank: int, level: int) -> None:
+    """Send this process's phloem log records to stderr at `level`, each naming the rank and
+    the time (a spawned process starts with no logging set up)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    )
+    logger = logging.getLogger("phloem")
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
 def _rank_main(spec: RankSpec, conn) -> None:
     """A rank's process: join the group, build the worker, say "ready", serve steps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles interrupts
     os.environ.update(spec.env)
     exit_with_parent()
+    _log_as_rank(spec.rank, spec.log_level)
     try:
         conn.send(("joining", os.getpid()))
         import torch

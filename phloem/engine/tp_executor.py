@@ -217,7 +217,9 @@ def start_tensor_parallel(
         "scheduler_config": scheduler_config,
     }  # fmt: skip
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    specs = [RankSpec(r, size, init_method, backend, env, threads, kwargs) for r in range(1, size)]
+    level = logging.getLogger("phloem").getEffectiveLevel()
+    specs = [RankSpec(r, size, init_method, backend, env, threads, kwargs, level)
+             for r in range(1, size)]  # fmt: skip
     group = _Group([RankProcess(spec) for spec in specs])
     try:
         worker = _start_driver(group, specs[0])

@@ -7,9 +7,11 @@ error naming it, with no process left behind."""
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing
 import os
 import random
+import re
 import signal
 
 import pytest
@@ -43,10 +45,13 @@ def run(llm: LLM, params: SamplingParams):
 
 
 @pytest.mark.parametrize(("arch", "num_kv_heads"), [("llama", 2), ("qwen2", 1), ("qwen3", 2)])
-def test_tp2_matches_tp1_and_transformers(arch, num_kv_heads, tmp_path, embedded_tokenizer_dir):
+def test_tp2_matches_tp1_and_transformers(
+    arch, num_kv_heads, tmp_path, embedded_tokenizer_dir, capfd, monkeypatch
+):
     torch.set_num_threads(2)
     ref = write_model(arch, tmp_path, embedded_tokenizer_dir, num_kv_heads)
     results = {}
+    monkeypatch.setattr(logging.getLogger("phloem"), "level", logging.INFO)
     for size in (1, 2):
         llm = LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", block_size=4,
                   max_num_batched_tokens=32)  # fmt: skip
@@ -55,6 +60,8 @@ def test_tp2_matches_tp1_and_transformers(arch, num_kv_heads, tmp_path, embedded
         del llm  # collecting the LLM stops its rank processes (no close())
         gc.collect()
     assert ranks and all(not r.process.is_alive() for r in ranks)
+    # the rank process logs at the driver's level, naming itself (its KV cache line)
+    assert re.search(r"rank 1 INFO phloem\.worker\.worker: KV cache", capfd.readouterr().err)
     (greedy1, sampled1), (greedy2, sampled2) = results[1], results[2]
     assert [[c[0] for c in o] for o in greedy2] == [[c[0] for c in o] for o in greedy1]
     for o1, o2 in zip(greedy1, greedy2):
