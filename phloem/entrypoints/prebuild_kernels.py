@@ -61,6 +61,7 @@ def plan_modules(args: argparse.Namespace) -> list:
     from phloem.models.loader import load_hf_config, resolve_model
     from phloem.worker.kernel_prebuild import (
         FP8_KV,
+        gqa_group_of,
         head_dim_of,
         importable,
         required_modules,
@@ -79,6 +80,7 @@ def plan_modules(args: argparse.Namespace) -> list:
         kv_dtype,
         _capability(args.cuda_arch),
         importable("triton"),
+        gqa_group_of(hf_config, engine_args.tensor_parallel_size),
     )
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phloem.ops.attention import FLASHINFER_HEAD_DIMS
+from phloem.ops.attention.flashinfer_backend import FP8_DECODE_GROUP_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def required_modules(
     kv_dtype: str,
     cuda_capability: tuple[int, int] | None,
     triton_available: bool,
+    gqa_group: int = 1,
 ) -> list[FlashInferModule]:
     """The FlashInfer modules an engine of these settings loads (`get_attention_backend`'s rule;
     the shared-prefix impl "auto" is our Triton kernel, which needs no FlashInfer module):
@@ -76,7 +78,7 @@ def required_modules(
     - none off CUDA (`cuda_capability` None), for "reference", or for "auto"/"shared_prefix"
       at a head dim FlashInfer does not compile (the reference serves those);
     - the fa2 prefill module (q `dtype`, KV `kv_dtype`), plus the CUDA-core decode module for an
-      FP8 cache;
+      FP8 cache when the GQA group is one its decode steps use (`FP8_DECODE_GROUP_SIZES`);
     - the fa3 prefill module too on Hopper (major 9) when prefix sharing wraps FlashInfer
       ("shared_prefix", or "auto" with Triton) and the cache is in the query's dtype.
 
@@ -84,19 +86,20 @@ def required_modules(
         attention_backend: `ModelConfig.attention_backend` ("auto", "flashinfer",
             "shared_prefix", "reference").
         dtype / kv_dtype: torch dtype names of the queries and of the KV cache.
+        gqa_group: query heads per KV head on one rank (`gqa_group_of`).
     Raises:
-        ValueError: an unknown backend name, or a non-positive head_dim.
+        ValueError: an unknown backend name, or a non-positive head_dim or gqa_group.
     """
     if attention_backend not in ("auto", "flashinfer", "shared_prefix", "reference"):
         raise ValueError(f"unknown attention backend {attention_backend!r}")
-    if head_dim < 1:
-        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    if head_dim < 1 or gqa_group < 1:
+        raise ValueError(f"head_dim and gqa_group must be positive, got {head_dim}, {gqa_group}")
     if cuda_capability is None or attention_backend == "reference":
         return []
     if attention_backend != "flashinfer" and head_dim not in FLASHINFER_HEAD_DIMS:
         return []
     modules = [FlashInferModule("prefill", "fa2", dtype, kv_dtype, head_dim)]
-    if kv_dtype == FP8_KV:
+    if kv_dtype == FP8_KV and gqa_group in FP8_DECODE_GROUP_SIZES:
         modules.append(FlashInferModule("decode", "", dtype, kv_dtype, head_dim))
     shared = attention_backend == "shared_prefix" or (
         attention_backend == "auto" and triton_available
@@ -111,6 +114,14 @@ def head_dim_of(hf_config: Any) -> int:
     hidden_size / num_attention_heads."""
     explicit = getattr(hf_config, "head_dim", None)
     return int(explicit or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def gqa_group_of(hf_config: Any, tp_size: int = 1) -> int:
+    """Query heads per KV head on one tensor-parallel rank: H / tp over max(1, H_kv / tp) (KV
+    heads are replicated when tp > H_kv, `layers.linear.QKVLinear`)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return (heads // tp_size) // max(1, kv_heads // tp_size)
 
 
 def _jit_spec(module: FlashInferModule):
@@ -191,12 +202,15 @@ class KernelPrebuild:
         return self._seconds
 
     @classmethod
-    def for_engine(cls, model_config, cache_config, hf_config, device, dtype) -> KernelPrebuild:
+    def for_engine(
+        cls, model_config, cache_config, hf_config, device, dtype, tp_size: int = 1
+    ) -> KernelPrebuild:
         """The prebuild of an engine's worker (nothing off CUDA or without FlashInfer).
 
         Args:
             model_config / cache_config: the worker's configs. hf_config: the model's
                 transformers config. device: its torch device. dtype: its resolved torch dtype.
+                tp_size: the tensor-parallel size (the heads per rank).
         """
         if device.type != "cuda" or not importable("flashinfer"):
             return cls([])
@@ -210,6 +224,7 @@ class KernelPrebuild:
             kv_dtype,
             torch.cuda.get_device_capability(device),
             importable("triton"),
+            gqa_group_of(hf_config, tp_size),
         )
         return cls(modules)
 

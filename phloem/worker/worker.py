@@ -102,7 +102,7 @@ class Worker:
         torch.manual_seed(seed)
         phases = StartupPhases()  # FlashInfer's modules build while the weights load:
         prebuild = KernelPrebuild.for_engine(
-            model_config, cache_config, hf_config, self.device, self.dtype
+            model_config, cache_config, hf_config, self.device, self.dtype, tp_size()
         )
         self.model = load_model(
             source,

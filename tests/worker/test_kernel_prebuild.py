@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from phloem.ops.attention import FLASHINFER_HEAD_DIMS
 from phloem.worker.kernel_prebuild import (
     FlashInferModule,
     KernelPrebuild,
+    gqa_group_of,
+    head_dim_of,
     importable,
     required_modules,
 )
@@ -52,12 +55,27 @@ def test_required_modules(backend, head_dim, kv, capability, triton, expected):
     assert all(m.q_dtype == BF16 and m.head_dim == head_dim for m in modules)
 
 
+def test_fp8_decode_module_only_for_the_groups_that_use_it():
+    """Llama-3.1-8B (group 4) decodes an FP8 cache on the CUDA-core kernel; 70B (group 8) keeps
+    the prefill kernel, so its decode module is not built."""
+    llama8b = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    llama70b = SimpleNamespace(num_attention_heads=64, num_key_value_heads=8, hidden_size=8192)
+    assert [gqa_group_of(llama8b, tp) for tp in (1, 2, 8, 16)] == [4, 4, 4, 2]
+    assert gqa_group_of(llama70b) == 8 and head_dim_of(llama70b) == 128
+    for config, expected in ((llama8b, ["prefill", "decode"]), (llama70b, ["prefill"])):
+        group = gqa_group_of(config)
+        modules = required_modules("auto", 128, BF16, FP8, HOPPER, True, group)
+        assert [m.kind for m in modules] == expected
+
+
 def test_required_modules_refuses_bad_input():
     assert 128 in FLASHINFER_HEAD_DIMS  # the rule reads the backends' own list
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         required_modules("fast", 128, BF16, BF16, HOPPER, True)
-    with pytest.raises(ValueError, match="head_dim must be positive"):
+    with pytest.raises(ValueError, match="head_dim and gqa_group must be positive"):
         required_modules("auto", 0, BF16, BF16, HOPPER, True)
+    with pytest.raises(ValueError, match="head_dim and gqa_group must be positive"):
+        required_modules("auto", 128, BF16, BF16, HOPPER, True, 0)
 
 
 def test_prebuild_runs_every_module_in_one_build_while_the_caller_goes_on(caplog):
@@ -134,6 +152,14 @@ def test_cli_dry_run_lists_the_modules(capsys):
     if importable("triton"):
         expected.append("FlashInfer module: prefill fa3 q bfloat16 kv bfloat16 head_dim 64")
     assert out == expected  # the embedded model: head_dim 64
+    assert (
+        main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9.0", "--kv-cache-dtype", "fp8"])
+        == 0
+    )
+    assert capsys.readouterr().out.splitlines() == [  # group 3 (9 heads, 3 KV heads): decode kernel
+        "FlashInfer module: prefill fa2 q bfloat16 kv float8_e4m3fn head_dim 64",
+        "FlashInfer module: decode q bfloat16 kv float8_e4m3fn head_dim 64",
+    ]
     assert main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9"]) == 2
     assert "--cuda-arch must be MAJOR.MINOR" in capsys.readouterr().err
     if not torch.cuda.is_available():
