@@ -391,20 +391,16 @@ class LLM:
 
         `validated`: every prompt already passed `LLMEngine.validate_prompt` (as `generate`
         checks them while encoding), so `add_request` skips a second pass over its tokens.
-        `plan`: a plan of exactly this batch made elsewhere (a data-parallel replica gets its
-        share's from the driver's global plan, `core.replica_partition.share_plan`), taken as
-        it is; None plans the batch here.
+        `plan`: this very batch's plan, made elsewhere (a data-parallel replica's share's, from
+        the driver's: `replica_partition.share_plan`), taken as it is; None plans it here.
         Collection is paused meanwhile (see `gc_paused`). If any request is rejected, those
         already queued are aborted before the error propagates (nothing of the batch stays).
 
         Raises:
-            ValueError: a prompt or its sampling parameters cannot run on this model, or `plan`
-                covers another number of requests.
+            ValueError: a prompt or its sampling parameters cannot run on this model.
             RuntimeError: called from inside another call on this LLM in the same thread.
         """
         self._single_engine()
-        if plan is not None and len(plan.request_group) != len(encoded):
-            raise ValueError(f"plan covers {len(plan.request_group)} requests, not {len(encoded)}")
         with self._exclusive():
             return self._add_requests(encoded, sampling_params, validated=validated, plan=plan)
 
