@@ -4,7 +4,8 @@ The engine owns the scheduler (pure Python), the executor (tensors), the grammar
 outputs and, per request, the detokenizer that applies stop strings (none in DELTA mode,
 `OutputMode`: the server's front makes the text there). A prompt with n > 1 becomes n sequences; children 1..n-1
 share the prompt's full blocks (a `SharedPrefix`), and so do the members of a prefix group that
-the offline planner found (`add_request(..., shared_prefix=...)`).
+the offline planner found (`add_request(..., shared_prefix=...)`). With speculative decoding the
+drafter (`spec_decode/drafter.py`) sets the running requests' drafts before each `schedule()`.
 
 Failure isolation: an exception that belongs to one request fails that request alone, and the step
 goes on for the others. The scheduler fails a request whose admission or stop rules raise, the

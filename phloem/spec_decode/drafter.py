@@ -7,9 +7,10 @@ pending) and whose sampling the verifier reproduces exactly: no grammar, no log-
 penalties, `min_tokens` reached. While a constrained request runs, nobody drafts (a step samples
 one way: under the grammar bitmask, or through the verifier). Everything else decodes plainly.
 
-The step time model of the cost rule: on CUDA Llama-3.1-8B-on-H100 constants scaled by the
-model's weight bytes and FLOPs (`LLAMA_8B_H100`), on the CPU the constants measured for the
-embedded model (`benchmarks/results/2026-11-26-cpu-spec-decode/`) scaled the same way.
+The step time model of the cost rule (`step_time_model`): on CUDA the Llama-3.1-8B-on-H100
+constants (`LLAMA_8B_H100`) scaled by the model's parameters and KV bytes; on the CPU the
+constants measured for the embedded model (`benchmarks/results/2026-11-26-cpu-spec-decode/`)
+scaled the same way. Neither is measured on the running device yet.
 """
 
 from __future__ import annotations
@@ -115,14 +116,16 @@ def step_time_model(hf_config, device_type: str) -> StepTimeModel:
             c_token_s=base.c_token_s * scale,
             c_kv_s=base.c_kv_s * kv_bytes / 131072,
         )
-    # CPU (two cores of this machine class, float32): ~10 GB/s weights, ~40 GFLOP/s
+    # CPU: the embedded model's steps on two cores (bf16) grow linearly from the first token
+    # (t = 75 ms + 1.8 ms x T + 0.04 ms x K, results/2026-11-26-cpu-spec-decode/), so the
+    # weights' pass is host-like time and every token, draft or not, costs compute.
     return StepTimeModel(
-        t_host_s=2e-3,
-        t_weights_s=params * 4 / 10e9,
-        c_token_s=2 * params / 40e9,
-        c_kv_s=kv_bytes * 2 / 10e9,
-        c_draft_s=2e-5,
-        t_verify_s=1e-3,
+        t_host_s=params * 2 / 3.6e9,
+        t_weights_s=0.0,
+        c_token_s=2 * params / 1.5e11,
+        c_kv_s=kv_bytes / 0.6e9,
+        c_draft_s=1e-4,
+        t_verify_s=5e-3,
     )
 
 

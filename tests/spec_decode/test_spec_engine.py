@@ -36,9 +36,10 @@ def prompts(seed: int = 0, num: int = 8) -> list[list[int]]:
 def run(path, spec, params, batch=None, **engine_args):
     engine_args = {"block_size": 4, "max_num_batched_tokens": 32, **engine_args}
     llm = LLM(str(path), speculative_config=spec, **engine_args)
+    engine = llm.llm_engine
+    engine.add_step_observer(lambda record: engine.scheduler.check_integrity())  # every step
     batch = batch or prompts()
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    engine = llm.llm_engine
     engine.scheduler.check_integrity()
     assert not engine.has_unfinished_requests()
     assert engine.kv_manager.num_reclaimable_blocks == engine.kv_manager.num_blocks
