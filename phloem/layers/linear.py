@@ -60,9 +60,9 @@ class CheckpointSlice:
         return self._lazy[index]
 
     def full(self) -> torch.Tensor:
-        """The whole tensor, read now (a 0-dim one, e.g. a per-tensor scale, through `[...]`:
-        `[:]` cannot slice it)."""
-        return self._lazy[:] if len(self.shape) else self._lazy[...]
+        """The whole tensor, read now (`[...]`: also a 0-dim one, e.g. a per-tensor scale, which
+        `[:]` cannot slice)."""
+        return self._lazy[...]
 
 
 Loaded = torch.Tensor | CheckpointSlice
