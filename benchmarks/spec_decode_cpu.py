@@ -1,0 +1,202 @@
+"""Speculative decoding end to end on the CPU with the embedded SmolLM2-135M-Instruct: output
+tokens/s with n-gram and suffix drafts against speculation off, same run, same greedy outputs.
+
+Workloads (chat-templated, greedy, `--max-tokens` outputs at most):
+
+- `copy_b1`: copy-heavy prompts one at a time (batch 1): rewrite a passage of CPython's reference
+  documentation (`pydoc_data.topics`, 300-800 tokens) exactly, or extract the records of one
+  colour from a generated catalogue (~750 tokens), alternating;
+- `copy_b32`: 32 such prompts in one `chat` call (batch 32);
+- `open_b1`: open-ended prompts ("Write a few paragraphs about ...") one at a time.
+
+The three engines (off, ngram, suffix; cost rule on, k = `--k`) are built once; each workload
+runs on them back to back (the order rotated per repeat), so a load that drifts on a shared
+machine touches all three alike. Reported per workload and engine: output
+tokens/s end to end (prefill included), mean time per output token after the first (TPOT), the
+ratios to speculation off, the acceptance counters, and whether the outputs equal the off run's.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py \
+        --out benchmarks/results/2026-11-26-cpu-spec-decode/spec_decode_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TOPICS = ("assignment", "class", "exceptions", "for", "function", "if", "import", "lambda",
+          "numbers", "raise", "return", "try", "while", "with", "yield", "global", "atom-literals",
+          "attribute-access", "augassign", "binary", "booleans", "comparisons", "context-managers",
+          "dict", "execmodel", "formatstrings", "identifiers", "naming", "operator-summary",
+          "specialnames", "string-methods", "strings", "typesseq", "truth")  # fmt: skip
+SUBJECTS = ("the ocean", "a city at night", "learning to cook", "old maps", "trains", "bees")
+WORDS = (
+    "river stone market garden window silver morning letter engine harbor candle forest bridge "
+    "orange paper winter rabbit castle music ladder pocket summer valley copper island mirror"
+).split()
+COLOURS = ("red", "blue", "green", "black", "white")
+
+
+def passages(tokenizer, num: int) -> list[str]:
+    """`num` prose passages of 300-800 tokens from CPython's reference documentation (indented
+    code dropped), each one topic's text cut at a paragraph boundary."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for name in TOPICS:
+        paragraphs = [p for p in topics[name].split("\n\n") if p and not p.startswith("   ")]
+        text = ""
+        for p in paragraphs:
+            longer = (text + "\n\n" + p).strip()
+            if len(tokenizer.encode(longer)) > 800:
+                break
+            text = longer
+        if len(tokenizer.encode(text)) >= 300:
+            out.append(text)
+        if len(out) == num:
+            return out
+    return [out[i % len(out)] for i in range(num)]
+
+
+def catalogue_prompt(rng: random.Random) -> str:
+    lines = [
+        f"- id: {1000 + i}, name: {' '.join(rng.sample(WORDS, 2))}, "
+        f"colour: {rng.choice(COLOURS)}, price: {rng.randint(2, 99)}.{rng.randint(0, 99):02d}"
+        for i in range(rng.randint(24, 30))
+    ]
+    colour = rng.choice(COLOURS)
+    return (
+        "Here is a product catalogue:\n" + "\n".join(lines) + f"\n\nList every {colour} product "
+        'as a JSON line {"id": ..., "name": ..., "price": ...}, copying the values exactly.'
+    )
+
+
+def copy_prompts(tokenizer, num: int, seed: int) -> list[str]:
+    """Alternately: rewrite a documentation passage exactly; extract from a catalogue."""
+    rng = random.Random(seed)
+    texts = passages(tokenizer, num)
+    return [
+        f"Rewrite the following text exactly, word for word:\n\n{texts[i]}"
+        if i % 2 == 0
+        else catalogue_prompt(rng)
+        for i in range(num)
+    ]
+
+
+def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    """Generate `prompts` in chunks of `batch`; output tokens/s end to end and mean TPOT."""
+    from phloem import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    drafter = llm.llm_engine.drafter
+    before = drafter.stats.as_dict() if drafter is not None else None
+    outputs, elapsed = [], 0.0
+    for start in range(0, len(prompts), batch):
+        chunk = [[{"role": "user", "content": p}] for p in prompts[start : start + batch]]
+        t0 = time.perf_counter()
+        outputs += llm.chat(chunk, params, use_tqdm=False)
+        elapsed += time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tpots = [o.tpot for o in outputs if o.tpot is not None]
+    result = {
+        "num_requests": len(prompts),
+        "output_tokens": num_out,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "mean_tpot_s": statistics.mean(tpots) if tpots else None,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+    }
+    if drafter is not None:
+        after = drafter.stats.as_dict()
+        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        rows = after["num_drafts"] - before["num_drafts"]
+        result.update(num_draft_tokens=drafted, num_accepted_tokens=accepted, num_verify_rows=rows,
+                      acceptance_rate=accepted / drafted if drafted else 0.0)  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--num-b1", type=int, default=4, help="prompts of each batch-1 workload")
+    parser.add_argument("--batch", type=int, default=32, help="prompts of the batched workload")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--only", nargs="*", help="run only these workloads (e.g. copy_b1)")
+    args = parser.parse_args()
+
+    from phloem import LLM
+    from phloem.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    workloads = {
+        "copy_b1": (copy_prompts(tokenizer, args.num_b1, 1), 1),
+        f"copy_b{args.batch}": (copy_prompts(tokenizer, args.batch, 2), args.batch),
+        "open_b1": ([f"Write a few paragraphs about {s}." for s in SUBJECTS[: args.num_b1]], 1),
+    }
+    workloads = {w: v for w, v in workloads.items() if not args.only or w in args.only}
+    engines = {
+        "off": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+        "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
+    }
+    llms = {}
+    for name, spec in engines.items():
+        llms[name] = LLM(max_num_batched_tokens=2048, kv_cache_memory_bytes=2**30,
+                         speculative_config=spec)  # fmt: skip
+        run_workload(llms[name], ["Say hello."], 1, 8)  # warm-up
+    runs: dict[str, dict[str, list[dict]]] = {w: {e: [] for e in engines} for w in workloads}
+    for repeat in range(args.repeats):
+        for w, (prompts, batch) in workloads.items():
+            names = list(engines)  # back to back per workload, the order rotated per repeat
+            names = names[repeat % len(names) :] + names[: repeat % len(names)]
+            for name in names:
+                r = run_workload(llms[name], prompts, batch, args.max_tokens)
+                runs[w][name].append(r)
+                print(f"repeat {repeat} {w} {name}: {r['output_tokens_per_s']:.2f} tok/s, "
+                      f"TPOT {r['mean_tpot_s'] * 1000:.0f} ms", file=sys.stderr)  # fmt: skip
+    out = {"command": "python " + " ".join(sys.argv), "date": str(datetime.date.today()),
+           "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
+           "k": args.k, "max_tokens": args.max_tokens, "workloads": {}}  # fmt: skip
+    for w in workloads:
+        base = runs[w]["off"]
+        summary = {}
+        for name in engines:
+            rs = runs[w][name]
+            tps = statistics.median(r["output_tokens_per_s"] for r in rs)
+            tpot = statistics.median(r["mean_tpot_s"] for r in rs)
+            entry = {
+                "output_tokens_per_s": tps,
+                "mean_tpot_s": tpot,
+                "ratio": tps / statistics.median(r["output_tokens_per_s"] for r in base),
+                "tpot_ratio": statistics.median(r["mean_tpot_s"] for r in base) / tpot,
+                "same_outputs": all(r["token_ids"] == base[0]["token_ids"] for r in rs),
+                "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rs],
+            }
+            summary[name] = entry
+        out["workloads"][w] = summary
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    for w, summary in out["workloads"].items():
+        line = ", ".join(
+            f"{n} {s['output_tokens_per_s']:.2f} tok/s ({s['ratio']:.2f}x, TPOT "
+            f"{s['tpot_ratio']:.2f}x){'' if s['same_outputs'] else ' OUTPUTS DIFFER'}"
+            for n, s in summary.items()
+        )
+        print(f"{w}: {line}")
+
+
+if __name__ == "__main__":
+    main()
