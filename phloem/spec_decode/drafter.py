@@ -153,10 +153,12 @@ class Drafter:
         self.time_model = time_model
         self.budget = max_num_batched_tokens
         self.stats = SpecDecodeStats()
+        self._steps_off = 0  # consecutive steps `_may_pay` said no
 
     def propose(self, running: Sequence[Request], blocked: bool = False) -> int:
         """Set `draft_token_ids` of each running request for the next `schedule()` (cleared
-        where it gets none); `blocked`: nobody drafts. Returns the drafts handed out."""
+        where it gets none; the engine calls it when `may_draft` said yes); `blocked`: nobody
+        drafts. Returns the drafts handed out."""
         eligible = []
         for request in running:
             request.draft_token_ids = []
@@ -165,8 +167,6 @@ class Drafter:
         if not eligible:
             return 0
         step = _step_shape(running, self.budget)
-        if self.config.use_cost_rule and not self._may_pay(step):
-            return 0
         k = self.config.num_speculative_tokens
         proposals = self.proposer.propose(
             [DraftRequest(r.request_id, _History(r), r.num_prompt_tokens, k) for r in eligible]
@@ -200,13 +200,18 @@ class Drafter:
         return not self.config.use_cost_rule or self._may_pay(_step_shape(running, self.budget))
 
     def _may_pay(self, step: tuple[int, int, int]) -> bool:
-        """Whether even one request with the best plausible acceptance would get a draft (the
-        rule's ratio only falls with more candidates): else nothing is proposed at all."""
-        rate = max(self.tracker.global_rate, self.tracker.config.prior)
+        """Whether one request at the proposer's global acceptance rate would get a draft (the
+        rule's ratio only falls with more candidates): else nothing is proposed this step. Once
+        it has said no for `probe_after` steps in a row, the prior rate is tried instead, so a
+        rate that fell once (and stopped being measured) can recover."""
+        rate = self.tracker.global_rate
+        if self._steps_off >= self.tracker.config.probe_after:
+            rate = max(rate, self.tracker.config.prior)
         best = DraftCandidate(rate, self.config.num_speculative_tokens)
-        return (
-            choose_num_drafts([best], max(step[0], 1), *step[1:], self.time_model, self.cost)[0] > 0
-        )
+        model, cost = self.time_model, self.cost
+        pays = choose_num_drafts([best], max(step[0], 1), *step[1:], model, cost)[0] > 0
+        self._steps_off = 0 if pays else self._steps_off + 1
+        return pays
 
     def observe(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:
         """Record a verify step's outcome (its rows' accepted counts) in the estimates and the

@@ -1,0 +1,56 @@
+"""The drafter's rules without a model: who may draft, the history view the proposers read, the
+cost rule's pre-check that keeps drafts (and the engine's sync) off while acceptance is low,
+with a probe every `probe_after` steps."""
+
+from __future__ import annotations
+
+from phloem.config import SpeculativeConfig
+from phloem.core.request import Request
+from phloem.sampling_params import SamplingParams
+from phloem.spec_decode.cost_rule import StepTimeModel
+from phloem.spec_decode.drafter import Drafter, _History
+
+# bandwidth-bound steps: a draft costs almost nothing beside the weights' pass
+MODEL = StepTimeModel(t_host_s=1e-3, t_weights_s=20e-3, c_token_s=1e-5, c_kv_s=0.0)
+
+
+def decoding(request_id: str, params: SamplingParams, prompt=(5, 6, 7, 5, 6)) -> Request:
+    r = Request(request_id, list(prompt), params)
+    r.output_token_ids = [7]
+    r.num_computed_tokens = r.num_tokens - 1  # its last token is all that is left
+    return r
+
+
+def test_history_view_reads_prompt_and_outputs_without_copying():
+    r = Request("a", [1, 2, 3], SamplingParams())
+    r.output_token_ids = [4, 5]
+    h = _History(r)
+    assert len(h) == 5 and list(h) == [1, 2, 3, 4, 5]
+    assert h[1:4] == [2, 3, 4] and h[3:] == [4, 5] and h[-1] == 5 and h[::2] == [1, 3, 5]
+
+
+def test_only_rows_the_verifier_reproduces_draft():
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 64)
+    rows = [
+        decoding("plain", SamplingParams(temperature=0)),
+        decoding("logprobs", SamplingParams(temperature=0, logprobs=1)),
+        decoding("penalty", SamplingParams(temperature=1, repetition_penalty=1.2)),
+        decoding("min_tokens", SamplingParams(temperature=0, min_tokens=5)),
+    ]
+    prefilling = Request("prefill", [5, 6, 7, 5, 6, 7], SamplingParams(temperature=0))
+    assert drafter.propose([*rows, prefilling]) > 0
+    assert rows[0].draft_token_ids == [5, 6, 7][: len(rows[0].draft_token_ids)]
+    assert rows[0].draft_token_ids
+    assert all(not r.draft_token_ids for r in [*rows[1:], prefilling])
+    assert drafter.propose(rows, blocked=True) == 0 and not rows[0].draft_token_ids
+
+
+def test_low_acceptance_turns_the_pre_check_off_with_a_probe_now_and_then():
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 64)
+    running = [decoding("a", SamplingParams(temperature=0))]
+    assert drafter.may_draft(running)  # the prior rate pays
+    drafter.tracker.global_rate = 0.0  # drafts never accepted
+    probe_after = drafter.tracker.config.probe_after
+    answers = [drafter.may_draft(running) for _ in range(probe_after + 1)]
+    assert answers == [False] * probe_after + [True]  # the probe at the prior rate
+    assert not drafter.may_draft(running)
