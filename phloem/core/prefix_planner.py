@@ -13,8 +13,9 @@ Before anything runs, the planner sees every tokenized prompt of the batch and d
 Construction (§4.1): one compact token-level radix tree over all prompts, built from the
 prompts sorted lexicographically and the longest common prefix (LCP) of sorted neighbours, so
 each node costs O(1) Python objects however long its edge is. Prompts are encoded as fixed-width
-bytes: sorting and LCPs then run in C (memcmp / big-int xor), not per token in Python; each
-prompt's bytes become a big int once, when the sorted pass reaches it.
+bytes: sorting runs in C (memcmp) and each neighbours' LCP is one numpy comparison of the two
+byte buffers viewed as token arrays, not a pass per token in Python. Prompts handed in already
+packed (`array('I')`) are not converted again.
 
 First-level enlargement (§4.2): walking down from the root with a current group head h (the
 root at first), a node x whose subtree holds k requests becomes a new head when lifting it out
@@ -41,9 +42,10 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 _TOKEN_TYPECODE = "I"  # fixed-width token encoding: C unsigned int, 4 bytes on our platforms
-_TOKEN_BYTES = array(_TOKEN_TYPECODE).itemsize
-_TOKEN_BITS = 8 * _TOKEN_BYTES
+_TOKEN_DTYPE = np.dtype(np.uintc)  # the same C unsigned int, to view the bytes as tokens
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ def plan_prefix_groups(
     """Group a batch's requests by shared prefix and order them (BatchLLM §4.1-4.3).
 
     Args:
-        prompt_token_ids: one non-empty token id list per request (ids in [0, 2**32)).
+        prompt_token_ids: one non-empty token id list per request (ids in [0, 2**32)), or
+            an `array('I')` of them (used as it is: no second pass converting the ids).
         max_tokens: expected decode tokens per request (the ordering's numerator).
         block_size: tokens per KV block; shared prefixes are whole blocks.
 
@@ -257,11 +260,11 @@ class _PrefixTree:
         sorted_ids = sorted(range(len(prompts)), key=encoded.__getitem__)
         tree = cls()
         stack = [0]  # rightmost root path, by increasing depth
-        prev, prev_len = 0, 0  # the previous prompt as a big int (see _common_prefix_tokens)
+        prev = np.empty(0, dtype=_TOKEN_DTYPE)  # the previous prompt's tokens (a view of its bytes)
         for i in sorted_ids:
-            cur = int.from_bytes(encoded[i], "big")
-            lcp = _common_prefix_tokens(prev, prev_len, cur, lengths[i])
-            prev, prev_len = cur, lengths[i]
+            cur = np.frombuffer(encoded[i], dtype=_TOKEN_DTYPE)
+            lcp = _common_prefix_tokens(prev, cur)
+            prev = cur
             last = -1
             while tree.depth[stack[-1]] > lcp:
                 last = stack.pop()
@@ -314,21 +317,20 @@ class _PrefixTree:
 
 def _encode(tokens: Sequence[int], index: int) -> bytes:
     """Fixed-width bytes of a prompt: token-prefix equality == byte-prefix equality (at
-    multiples of _TOKEN_BYTES), so byte order is a lexicographic order over tokens."""
+    multiples of the token width), so byte order is a lexicographic order over tokens. A prompt
+    already packed as `array('I')` (what `LLM.generate` checked) is copied, not packed again."""
+    if isinstance(tokens, array) and tokens.typecode == _TOKEN_TYPECODE:
+        return tokens.tobytes()
     try:
         return array(_TOKEN_TYPECODE, tokens).tobytes()
     except (OverflowError, TypeError) as e:
         raise ValueError(f"prompt_token_ids[{index}] has a token id outside [0, 2**32): {e}") from e
 
 
-def _common_prefix_tokens(a: int, a_len: int, b: int, b_len: int) -> int:
-    """Length in tokens of the longest common prefix of two prompts of `a_len` and `b_len`
-    tokens, each given as the big-endian int of its `_encode` bytes (its first token in the
-    most significant _TOKEN_BITS bits). Shifting the longer one right by the length difference
-    keeps its first min(a_len, b_len) tokens, so no prompt is sliced or converted again."""
-    m = min(a_len, b_len)
-    diff = (a >> (a_len - m) * _TOKEN_BITS) ^ (b >> (b_len - m) * _TOKEN_BITS)
-    if diff == 0:
-        return m
-    # the highest differing bit lies in token m - 1 - (bit // _TOKEN_BITS) from the start
-    return m - 1 - (diff.bit_length() - 1) // _TOKEN_BITS
+def _common_prefix_tokens(a: np.ndarray, b: np.ndarray) -> int:
+    """Length in tokens of the longest common prefix of two prompts given as token arrays
+    (views of their `_encode` bytes): one vectorized comparison of their first min(len) tokens,
+    no Python object per token."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import random
 import time
+from array import array
 from collections.abc import Sequence
+from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phloem.core import prefix_planner
 from phloem.core.prefix_planner import (
     PrefixPlan,
     _common_prefix_tokens,
@@ -212,9 +216,40 @@ def test_common_prefix_tokens_of_encoded_prompts(
 ) -> None:
     a, b = head + a_tail, head + b_tail
     expected = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    a_int, b_int = (int.from_bytes(_encode(p, 0), "big") for p in (a, b))
-    assert _common_prefix_tokens(a_int, len(a), b_int, len(b)) == expected
-    assert _common_prefix_tokens(b_int, len(b), a_int, len(a)) == expected
+    a_arr, b_arr = (np.frombuffer(_encode(p, 0), dtype=np.uintc) for p in (a, b))
+    assert _common_prefix_tokens(a_arr, b_arr) == expected
+    assert _common_prefix_tokens(b_arr, a_arr) == expected
+
+
+def naive_common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The LCP token by token in Python (what the vectorized one must equal)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    templates=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1),
+    picks=st.lists(
+        st.tuples(st.integers(0, 3), st.lists(st.integers(0, 5), max_size=6), st.integers(0, 9)),
+        min_size=1,
+        max_size=25,
+    ),
+    block_size=st.sampled_from([1, 2, 4]),
+)
+def test_packed_prompts_plan_exactly_as_lists(
+    templates: list[list[int]], picks: list[tuple[int, list[int], int]], block_size: int
+) -> None:
+    """`array('I')` prompts (what `LLM.generate` packs while checking) give the very plan the
+    token-id lists give, and so do arrays of another typecode (packed on the way) and the
+    planner with a token-by-token LCP."""
+    prompts = [templates[t % len(templates)] + tail for t, tail, _ in picks]
+    max_tokens = [m for _, _, m in picks]
+    plan = plan_prefix_groups(prompts, max_tokens, block_size)
+    with mock.patch.object(prefix_planner, "_common_prefix_tokens", naive_common_prefix):
+        assert plan_prefix_groups(prompts, max_tokens, block_size) == plan
+    assert plan_prefix_groups([array("I", p) for p in prompts], max_tokens, block_size) == plan
+    assert plan_prefix_groups([array("q", p) for p in prompts], max_tokens, block_size) == plan
+    check_plan(plan, prompts, max_tokens)
 
 
 # ------------------------------------------------------------------------------- exact counts
