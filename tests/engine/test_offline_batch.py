@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 
+import numpy as np
 import pytest
 
 from phloem import LLM, SamplingParams
@@ -56,6 +57,20 @@ def gc_state():
             "prompts[2]: prompt_token_ids must be a list of integers",
         ),
         ({"prompt_token_ids": [5, 6.0]}, "prompts[2]: prompt_token_ids must be a list of integers"),
+        ({"prompt_token_ids": [False]}, "prompts[2]: prompt_token_ids must be a list of integers"),
+        (
+            {"prompt_token_ids": [5, np.int64(6)]},
+            "prompts[2]: prompt_token_ids must be a list of integers",
+        ),
+        (
+            {"prompt_token_ids": [5, 2**32, 7]},
+            f"prompts[2]: prompt_token_ids holds ids outside the vocabulary [0, {VOCAB}): "
+            f"[{2**32}]",
+        ),
+        (
+            {"prompt_token_ids": [5, -1]},
+            f"prompts[2]: prompt_token_ids holds ids outside the vocabulary [0, {VOCAB}): [-1]",
+        ),
         ({"prompt_token_ids": (5, 6)}, "prompts[2]: prompt_token_ids must be a list of integers"),
         ({"prompt_token_ids": []}, "prompts[2]: prompt must contain at least one token"),
         (
