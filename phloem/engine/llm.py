@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from phloem.core.request import SharedPrefix
 from phloem.engine.data_parallel import DataParallelEngine, ReplicaReport, with_progress
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.engine.llm_engine import LLMEngine
+from phloem.engine.prompt_batch import CheckedBatch, check_id_list, planner_input
 from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
@@ -147,14 +149,8 @@ class LLM:
             return prompt, self.llm_engine.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                # set(map(type, ...)) walks the list in C: no Python frame per token
-                if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
-                    if not isinstance(ids, list) or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids
-                    ):
-                        raise ValueError("prompt_token_ids must be a list of integers")
-                return prompt.get("prompt"), ids
+                check_id_list(prompt["prompt_token_ids"])  # one pass in C for plain ints
+                return prompt.get("prompt"), prompt["prompt_token_ids"]
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.llm_engine.tokenizer.encode(prompt["prompt"])
         raise ValueError(
@@ -225,14 +221,12 @@ class LLM:
         `gc_frozen`)."""
 
         def build() -> tuple[list, list[SamplingParams]]:
-            encoded = []
+            encoded = CheckedBatch(self.llm_engine)  # each prompt's ids packed for the planner
             for i, item in enumerate(inputs):
                 try:
-                    text, ids = encode(item)
-                    self.llm_engine.validate_prompt(ids)
+                    encoded.add(*encode(item))
                 except ValueError as e:
                     raise ValueError(f"{name}[{i}]: {e}") from None
-                encoded.append((text, ids))
             return encoded, self._params_list(sampling_params, len(encoded))
 
         results = dict(self.run_batch(build, use_tqdm))
@@ -280,7 +274,7 @@ class LLM:
             request_ids = self._add_requests(encoded, params, validated=True)
             index = {request_id: i for i, request_id in enumerate(request_ids)}
             return ((index[o.request_id], o) for o in self._iter_outputs(request_ids, use_tqdm))
-        plan = self.plan([ids for _, ids in encoded], params)  # the deal's units, planned once
+        plan = self.plan(planner_input(encoded), params)  # the deal's units, planned once
         planned = engine.config.cache.enable_prefix_caching and len(encoded) > 1
         self.last_plan = plan if planned else None
         return with_progress(engine.run(encoded, params, plan), len(encoded), use_tqdm)
@@ -347,14 +341,14 @@ class LLM:
 
     def plan(
         self,
-        prompts: Sequence[PromptType | list[int]],
+        prompts: Sequence[PromptType | list[int] | array],
         sampling_params: ParamsArg | Sequence[ParamsArg] | None = None,
     ) -> PrefixPlan:
         """The global prefix plan for a batch (BatchLLM §4): groups of requests sharing a prefix
         computed once, and the schedule order (decode-heavy first). Runs no model.
 
         Args:
-            prompts: as for `generate`, or token-id lists.
+            prompts: as for `generate`, or token-id lists (or `array('I')`s of ids).
             sampling_params: one for all or one per prompt, as for `generate` (their
                 `max_tokens` order the plan).
         Returns:
@@ -365,7 +359,7 @@ class LLM:
         with gc_paused():
             # token-id lists as they are: the planner reads them and keeps none
             prompt_token_ids = [
-                p if isinstance(p, list) else self.encode_prompt(p)[1] for p in prompts
+                p if isinstance(p, (list, array)) else self.encode_prompt(p)[1] for p in prompts
             ]
             params_list = self._params_list(sampling_params, len(prompt_token_ids))
             max_model_len = self.llm_engine.max_model_len
@@ -419,7 +413,7 @@ class LLM:
             order = range(len(encoded))
             groups: dict[int, SharedPrefix] = {}
             if engine.config.cache.enable_prefix_caching and len(encoded) > 1:
-                plan = plan or self.plan([ids for _, ids in encoded], sampling_params)
+                plan = plan or self.plan(planner_input(encoded), sampling_params)
                 self.last_plan = plan
                 order = plan.order
                 for group in plan.shared_groups:
