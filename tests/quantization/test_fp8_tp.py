@@ -31,6 +31,7 @@ def test_tp2_fp8_equals_tp1_fp8(tmp_path, embedded_tokenizer_dir):
         runs[size] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
         block = llm.llm_engine.executor.worker.model.model.layers[1]
         layers[size] = {n: p.detach().clone() for n, p in block.named_parameters()}
+        llm.close()  # leaves the process group (the next TP engine in this process starts one)
         del llm, block
         gc.collect()
     one, two = layers[1], layers[2]
