@@ -73,17 +73,25 @@ class EngineMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
+        self._model_name = model_name
+        self._totals: dict[str, int] = {}
+        self._define_load_and_tokens()
+        self._define_requests()
 
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+    def _gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
 
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+    def _counter(self, name: str, doc: str):
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
 
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets):
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
+            self._model_name
+        )
 
+    def _define_load_and_tokens(self) -> None:
+        """Scheduler load, KV use, and token counters (prefix cache, speculative decoding)."""
+        gauge, counter = self._gauge, self._counter
         self.num_running = gauge("phloem:num_requests_running", "Requests running this step.")
         self.num_waiting = gauge("phloem:num_requests_waiting", "Requests waiting to run.")
         self.kv_usage = gauge("phloem:kv_cache_usage_perc", "KV blocks in use (1 = all).")
@@ -102,16 +110,6 @@ class EngineMetrics:
         self.prompt_reused = counter(
             "phloem:prompt_tokens_reused", "Prompt tokens started from shared or cached blocks."
         )
-        self._success = Counter(
-            "phloem:request_success",
-            "Finished requests by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
-        )
-        self._model_name = model_name
-        self.preemptions = counter(
-            "phloem:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later)."
-        )
         self.spec_drafts = counter(
             "phloem:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding)."
         )
@@ -119,21 +117,32 @@ class EngineMetrics:
             "phloem:spec_decode_num_accepted_tokens",
             "Draft tokens accepted (speculative decoding).",
         )
-        self._totals: dict[str, int] = {}
-        self.failed = counter("phloem:request_failed", "Requests failed inside the engine.")
+
+    def _define_requests(self) -> None:
+        """Request outcomes (finished, failed, aborted, preempted) and latency histograms."""
+        self._success = Counter(
+            "phloem:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.preemptions = self._counter(
+            "phloem:num_preemptions", "Requests preempted (KV blocks ran out; recomputed later)."
+        )
+        self.failed = self._counter("phloem:request_failed", "Requests failed inside the engine.")
         self._aborted = Counter(
             "phloem:request_aborted",
             "Requests aborted (client gone) by phase.",
             ["model_name", "phase"],
-            registry=r,
+            registry=self.registry,
         )
-        self.ttft = histogram(
+        self.ttft = self._histogram(
             "phloem:time_to_first_token_seconds", "Time to first token [s].", _TTFT_BUCKETS
         )
-        self.tpot = histogram(
+        self.tpot = self._histogram(
             "phloem:time_per_output_token_seconds", "Time per output token [s].", _TPOT_BUCKETS
         )
-        self.e2e = histogram(
+        self.e2e = self._histogram(
             "phloem:e2e_request_latency_seconds", "End-to-end request latency [s].", _E2E_BUCKETS
         )
 

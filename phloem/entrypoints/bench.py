@@ -162,13 +162,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     result = _result(llm, hf_config, workload, outputs, elapsed, on_cuda)
     computed = llm.llm_engine.num_computed_prompt_tokens - computed_before
     result.update(report.cluster_fields(result, computed, llm.last_replica_report))
-    result.update(
-        model=args.model, gc=gc_pauses.to_dict(), command="phloem " + " ".join(sys.argv[1:])
-    )
-    result["engine"]["quantization"] = precision if precision == "fp8" else None
-    result["steps"] = trace.summary() if trace is not None else None
-    result["spec_decode"] = report.spec_decode_counts(llm, spec_before)
-    result["power"] = power.summary() if power is not None else None
+    spec = report.spec_decode_counts(llm, spec_before)
+    _record_run(result, args, precision, gc_pauses, trace, power, spec)
     if args.data_parallel_size > 1:
         llm.close()  # the sustained ceilings need the first GPU's memory back
     _device_fields(result, hf_config, workload, ceilings, elapsed, on_cuda)
@@ -178,6 +173,17 @@ def run_throughput(args: argparse.Namespace) -> int:
         result["profile"] = profile_steps(llm, workload, args.profile_steps, args.profile)
     _report(args, llm, hf_config, workload, result)
     return 0
+
+
+def _record_run(result: dict, args, precision, gc_pauses, trace, power, spec) -> None:
+    """The run's own fields of `result`: model, command, GC pauses, the GEMM precision, the step
+    trace, speculative-decoding counts and the power samples (None where not taken)."""
+    result.update(
+        model=args.model, gc=gc_pauses.to_dict(), command="phloem " + " ".join(sys.argv[1:]),
+        steps=trace.summary() if trace is not None else None, spec_decode=spec,
+        power=power.summary() if power is not None else None,
+    )  # fmt: skip
+    result["engine"]["quantization"] = precision if precision == "fp8" else None
 
 
 def _report(args: argparse.Namespace, llm, hf_config, workload, result: dict) -> None:

@@ -11,12 +11,12 @@ factor. Tolerance: relative error ||out - ref|| / ||ref|| <= 1e-2 (bf16 queries 
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
 import torch
 
+from tests.gpu.engine_runs import greedy, llama8b_two_layers
 from tests.gpu.test_flashinfer_attention import RUN_SEED, _rel_err, _step
 
 pytestmark = [
@@ -162,26 +162,7 @@ def test_rope_kv_kernel_writes_scaled_fp8():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from phloem.model_configs import materialize
-
-    path = materialize("llama-3.1-8b", tmp_path_factory.mktemp("llama8b"), num_hidden_layers=2)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 128000) for _ in range(rng.randint(8, 300))] for _ in range(8)]
-    return str(path), prompts
-
-
-def _greedy(path, prompts, **kwargs):
-    from phloem import LLM, SamplingParams
-
-    llm = LLM(path, load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.5, **kwargs)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    graphs = llm.llm_engine.executor.worker.cuda_graphs
-    llm.llm_engine = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    return tokens, graphs
+    return llama8b_two_layers(tmp_path_factory.mktemp("llama8b"))
 
 
 @pytest.mark.skipif(
@@ -192,11 +173,11 @@ def _greedy(path, prompts, **kwargs):
 def test_fp8_kv_engine_graphs_and_agreement(setup, quantization):
     path, prompts = setup
     kw = dict(kv_cache_dtype="fp8", quantization=quantization)
-    eager, _ = _greedy(path, prompts, enforce_eager=True, **kw)
-    graphed, graphs = _greedy(path, prompts, **kw)
+    eager, _ = greedy(path, prompts, enforce_eager=True, **kw)
+    graphed, graphs = greedy(path, prompts, **kw)
     assert graphs, "CUDA graphs were not captured"
     assert graphed == eager
-    dense, _ = _greedy(path, prompts)
+    dense, _ = greedy(path, prompts)
     first = sum(a[0] == b[0] for a, b in zip(graphed, dense)) / len(dense)
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
               for a, b in zip(graphed, dense)]  # fmt: skip

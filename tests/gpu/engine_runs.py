@@ -1,0 +1,36 @@
+"""Engine runs shared by the GPU tests: a 2-layer Llama-3.1-8B-shaped model with random weights
+and greedy generation that frees the GPU afterwards."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import torch
+
+
+def llama8b_two_layers(directory) -> tuple[str, list[list[int]]]:
+    """A loadable 2-layer Llama-3.1-8B directory under `directory` (random weights:
+    load_format="dummy") and 8 prompts of 8-300 random token ids."""
+    from phloem.model_configs import materialize
+
+    path = materialize("llama-3.1-8b", directory, num_hidden_layers=2)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 128000) for _ in range(rng.randint(8, 300))] for _ in range(8)]
+    return str(path), prompts
+
+
+def greedy(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]], bool]:
+    """16 greedy tokens per prompt from `LLM(path, load_format="dummy", **kwargs)`, and whether
+    its worker replayed CUDA graphs; the engine is released and the CUDA cache emptied."""
+    from phloem import LLM, SamplingParams
+
+    llm = LLM(path, load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.5, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    graphs = llm.llm_engine.executor.worker.cuda_graphs
+    llm.llm_engine = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, graphs
