@@ -34,3 +34,12 @@ def greedy(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int
     gc.collect()
     torch.cuda.empty_cache()
     return tokens, graphs
+
+
+def first_token_agreement(got: list[list[int]], want: list[list[int]]):
+    """(share of sequences whose first token agrees, each sequence's tokens before the first
+    difference) of two greedy runs over the same prompts."""
+    first = sum(a[0] == b[0] for a, b in zip(got, want)) / len(want)
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+              for a, b in zip(got, want)]  # fmt: skip
+    return first, prefix

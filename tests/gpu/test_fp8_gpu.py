@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_runs import greedy, llama8b_two_layers
+from tests.gpu.engine_runs import first_token_agreement, greedy, llama8b_two_layers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,8 +109,6 @@ def test_fp8_engine_graphs_and_agreement(setup):
     assert graphs, "CUDA graphs were not captured"
     assert graphed == eager
     dense, _ = greedy(path, prompts)
-    first = sum(a[0] == b[0] for a, b in zip(graphed, dense)) / len(dense)
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-              for a, b in zip(graphed, dense)]  # fmt: skip
+    first, prefix = first_token_agreement(graphed, dense)
     print(f"fp8 vs bf16: first-token agreement {first:.2f}, tokens before divergence {prefix}")
     assert first >= 0.5, (first, prefix)

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.gpu.engine_runs import greedy, llama8b_two_layers
+from tests.gpu.engine_runs import first_token_agreement, greedy, llama8b_two_layers
 from tests.gpu.test_flashinfer_attention import RUN_SEED, _rel_err, _step
 
 pytestmark = [
@@ -178,9 +178,7 @@ def test_fp8_kv_engine_graphs_and_agreement(setup, quantization):
     assert graphs, "CUDA graphs were not captured"
     assert graphed == eager
     dense, _ = greedy(path, prompts)
-    first = sum(a[0] == b[0] for a, b in zip(graphed, dense)) / len(dense)
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-              for a, b in zip(graphed, dense)]  # fmt: skip
+    first, prefix = first_token_agreement(graphed, dense)
     print(f"fp8 kv (quantization={quantization}) vs bf16: first-token agreement {first:.2f}, "
           f"tokens before divergence {prefix}")  # fmt: skip
     assert first >= 0.5, (first, prefix)
