@@ -15,7 +15,8 @@ Hopper, each batch size, context length and page size:
 Each kernel runs inside a CUDA graph (as the engine replays decode), timed with CUDA events over
 --iters replays; each result is checked against the first kernel listed (max |diff| <= --atol).
 Bytes read = the K and V of every cached token (the queries and outputs are < 1% of it); the
-ceiling is a device-to-device copy measured in the same run (ROOFLINE.md's bandwidth ceiling).
+ceiling is ROOFLINE.md's copy bandwidth (`phloem.bench.roofline.measure_ceilings`), measured in
+the same run.
 A kernel that fails to build or run is reported with its error and skipped.
 
     python benchmarks/decode_attention.py OUT_DIR --batch 64 256 512 --context 1000 2000 \
@@ -27,10 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 import traceback
 
 import torch
+
+from phloem.bench.roofline import measure_ceilings
 
 KERNELS = ("fa2-prefill", "fa3-prefill", "decode", "decode-tc")
 
@@ -48,19 +50,6 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--atol", type=float, default=2e-2)
     return p.parse_args(argv)
-
-
-def copy_bandwidth(device, nbytes: int = 2 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth [bytes/s]: read + write of `nbytes` per copy."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    return 2 * nbytes * iters / (time.perf_counter() - start)
 
 
 def make_wrapper(flashinfer, kernel: str, workspace, batch: int, indptr, indices, last, args):
@@ -161,7 +150,7 @@ def main(argv=None) -> None:
 
     os.makedirs(args.out_dir, exist_ok=True)
     device = torch.device("cuda")
-    ceiling = copy_bandwidth(device)
+    ceiling = measure_ceilings(device)["bytes_per_s"]  # ROOFLINE.md's copy ceiling
     print(f"{torch.cuda.get_device_name(device)}: copy bandwidth {ceiling / 1e12:.2f} TB/s")
     result = {"device": torch.cuda.get_device_name(device), "copy_bytes_per_s": ceiling,
               "flashinfer": flashinfer.__version__, "cases": []}  # fmt: skip
