@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Source this on the GPU machine, from the repository root:  source benchmarks/device_setup.sh
+# Sourcing it again in a shell that has it (PHLOEM_DEVICE_SETUP=done) does nothing.
 # - installs the carried wheels (.whl/: flashinfer-python, apache-tvm-ffi) into /tmp/site;
 # - points FlashInfer's JIT at the CUDA toolkit, the curand headers of torch's nvidia wheels and a
 #   linkable libcuda, for Hopper only (FLASHINFER_CUDA_ARCH_LIST=9.0a);
 # - restores modules built by an earlier run (.fiaot/fiaot.tgz) as FlashInfer AOT modules, so
 #   nothing recompiles; after a run, `fi_pack_modules DIR` tars the JIT-built modules for reuse.
+if [ "${PHLOEM_DEVICE_SETUP:-}" = done ]; then return 0; fi  # sourced already (parallel runs share it)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -26,6 +28,7 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
 AOT=/tmp/site/flashinfer/data/aot
 mkdir -p "$AOT"
 if [ -f .fiaot/fiaot.tgz ]; then tar -xzf .fiaot/fiaot.tgz -C "$AOT" && echo "restored AOT modules: $(ls "$AOT")"; fi
+export PHLOEM_DEVICE_SETUP=done
 echo "CUDA_HOME=$CUDA_HOME nvcc=$(command -v nvcc) libcuda=$libcuda site=$SITE"
 
 fi_pack_modules() {  # tar every JIT-built module (<name>/<name>.so) plus restored ones into $1
