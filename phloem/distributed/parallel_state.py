@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from phloem.distributed.symm_all_reduce import OneShotAllReduce, all_reduce_choice
+
+logger = logging.getLogger(__name__)
 
 # a collective waits at most this long for the other ranks [s] (a dead peer is noticed sooner:
 # gloo raises when its connection closes, and the driver aborts an NCCL group on a death)
@@ -114,27 +117,44 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
 
 
 def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> None:
-    """Leave the group (idempotent); the state goes back to rank 0 of 1.
+    """Leave the group (idempotent); the state goes back to rank 0 of 1. Never waits longer than
+    about `timeout_s` seconds [s] per teardown call.
 
     Every member calls it when the group ends (the driver after sending "stop", each rank on
-    "stop"). An NCCL group is aborted (`ncclCommAbort`: local, it neither waits for the peers,
-    which may have exited already, nor for their in-flight work); a graceful NCCL teardown
-    (`destroy_process_group`) waits for every peer and hung at exit on two GPUs. A gloo group is
-    destroyed, and aborted if the teardown still runs after `timeout_s` seconds (a peer died)."""
+    "stop"), after freeing its CUDA graphs (`Worker.release_cuda_graphs`): a graph that captured
+    the group's collectives keeps the communicator referenced, and tearing the group down then
+    hangs (pytorch/pytorch#115388). An NCCL group is aborted (`ncclCommAbort`: local, it neither
+    waits for the peers, which may have exited already, nor for their in-flight work); a graceful
+    NCCL teardown (`destroy_process_group`) waits for every peer. A gloo group is destroyed, and
+    aborted if the teardown still runs after `timeout_s` (a peer died). A teardown that does not
+    return in time is left running in a daemon thread, with a warning."""
     global _state
     backend, _state = _state.backend, TensorParallelState()
     if not dist.is_initialized():
         return
     if backend == "nccl":
-        abort_tensor_parallel()
+        if not finished_within(abort_tensor_parallel, timeout_s):
+            logger.warning(
+                "aborting the NCCL group did not finish in %.0f s; left to exit", timeout_s
+            )
+            return
         if not dist.is_initialized():
             return
-    done = threading.Thread(target=dist.destroy_process_group, name="phloem-tp-destroy",
-                            daemon=True)  # fmt: skip
-    done.start()
-    done.join(timeout=timeout_s)
-    if done.is_alive():
-        abort_tensor_parallel()
+    if not finished_within(dist.destroy_process_group, timeout_s) and not finished_within(
+        abort_tensor_parallel, timeout_s
+    ):
+        logger.warning(
+            "leaving the %s group did not finish in %.0f s; left to exit", backend, 2 * timeout_s
+        )
+
+
+def finished_within(fn: Callable[[], object], timeout_s: float) -> bool:
+    """Run `fn` in a daemon thread; True when it returned within `timeout_s` seconds [s] (a call
+    still running after that is left running: nothing can stop a thread blocked in C++)."""
+    thread = threading.Thread(target=fn, name=f"phloem-tp-{fn.__name__}", daemon=True)
+    thread.start()
+    thread.join(timeout=timeout_s)
+    return not thread.is_alive()
 
 
 def abort_tensor_parallel() -> None:

@@ -105,6 +105,8 @@ def _rank_main(spec: RankSpec, conn) -> None:
         worker = Worker(**spec.worker_kwargs)
         conn.send(("ready", worker.num_blocks))
         _serve(worker, conn)
+        logging.shutdown()
+        os._exit(0)  # no interpreter teardown: a communicator's destructor must not hang the exit
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the driver is gone
         return
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which names this rank
@@ -127,6 +129,7 @@ def _serve(worker, conn) -> None:
             if header[0] == "stop":  # leave the group as the driver does
                 from phloem.distributed.parallel_state import destroy_tensor_parallel
 
+                worker.release_cuda_graphs()
                 destroy_tensor_parallel()
                 return
             if header[0] == "sample":  # a constrained step's sampling, with its bitmask

@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -70,6 +71,7 @@ class _Group:
     def __init__(self, ranks: list[RankProcess]) -> None:
         self.ranks = ranks
         self.closed = False
+        self.before_leave: Callable[[], None] | None = None  # the driver frees its CUDA graphs
         self._stop_r, self._stop_w = os.pipe()
         self.watchdog = threading.Thread(target=self._watch, name="phloem-tp-watch", daemon=True)
 
@@ -98,6 +100,8 @@ class _Group:
         os.close(self._stop_r)
         os.close(self._stop_w)
         send_stop(self.ranks)  # each rank leaves the group on "stop", as the driver does here
+        if self.before_leave is not None:
+            self.before_leave()
         destroy_tensor_parallel()
         stop_ranks(self.ranks, send=False)
 
@@ -115,6 +119,7 @@ class TensorParallelExecutor(Executor):
         self._group = group
         self._step_no = 0
         self._collected: list[int] = []
+        group.before_leave = worker.release_cuda_graphs
         self._finalizer = weakref.finalize(self, group.close)
 
     def launch(self, scheduler_output: SchedulerOutput) -> _Handle:

@@ -88,6 +88,15 @@ class CUDAGraphRunner:
         self._outputs: dict[tuple[str, int], torch.Tensor] = {}
         self._pool = None
 
+    def release(self) -> None:
+        """Wait for the device, then free every captured graph and the graphs' memory pool."""
+        torch.cuda.synchronize(self.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+        self._pool = None
+
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured batch size >= num_seqs, or None when there is none."""
         for size in self.batch_sizes:

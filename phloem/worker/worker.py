@@ -207,6 +207,15 @@ class Worker:
         )
         return peak
 
+    def release_cuda_graphs(self) -> None:
+        """Free the captured decode graphs and their memory pool (idempotent; later decode steps
+        run eagerly). A tensor-parallel member calls it before leaving its NCCL group, whose
+        teardown hangs while graphs that captured its collectives are alive."""
+        graphs, self.model_runner.graph_runner = self.model_runner.graph_runner, None
+        self.cuda_graphs = False
+        if graphs is not None:
+            graphs.release()
+
     def _capture(self, max_num_seqs: int) -> bool:
         if not self.model_runner.backend.supports_cuda_graphs:
             logger.warning(
