@@ -18,7 +18,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("NHD", "HND")
 QUANTIZATIONS = ("fp8",)  # `ModelConfig.quantization` (None: the checkpoint's own)
 STRUCTURED_OUTPUT_BACKENDS = ("llguidance", "xgrammar")  # `StructuredOutputsConfig.backend`
-SPECULATIVE_METHODS = ("ngram", "suffix")  # `SpeculativeConfig.method`
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # `SpeculativeConfig.method`
+EMBEDDED_DRAFT = "embedded"  # `SpeculativeConfig.model` naming the shipped SmolLM2-135M
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -246,9 +247,16 @@ class SpeculativeConfig:
     """Speculative decoding (`phloem.spec_decode`; vLLM's `speculative_config` names).
 
     Attributes:
-        method: the draft proposer: "ngram" (prompt lookup in the request's own tokens) or
-            "suffix" (SuffixDecoding tries over the request's and the batch's tokens).
+        method: the draft proposer: "ngram" (prompt lookup in the request's own tokens),
+            "suffix" (SuffixDecoding tries over the request's and the batch's tokens) or
+            "draft_model" (a small model with the target's vocabulary, `draft_model.py`);
+            `from_dict` infers "draft_model" when only `model` is given.
         num_speculative_tokens: the most drafts a request verifies per step (k) [tokens], >= 1.
+        model: "draft_model": the draft checkpoint (a local HF directory or GGUF file, or
+            "embedded" for the shipped SmolLM2-135M); required there, refused elsewhere.
+        draft_tensor_parallel_size: "draft_model": ranks of the draft model; only 1 (None: 1).
+        draft_num_blocks: "draft_model": KV blocks of the draft's own cache [blocks], >= 1;
+            None sizes it by `draft_model.draft_kv_blocks`.
         prompt_lookup_min, prompt_lookup_max: "ngram": the shortest and longest suffix matched
             [tokens], 1 <= min <= max.
         suffix_decoding_max_tree_depth: "suffix": the tries' depth [tokens], >= 2.
@@ -267,6 +275,9 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     use_cost_rule: bool = True
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    draft_num_blocks: int | None = None
 
     @classmethod
     def from_dict(cls, values: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -282,6 +293,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config has unknown key(s) {unknown}; known: {sorted(names)}"
             )
+        if "model" in values and "method" not in values:
+            values = {**values, "method": "draft_model"}  # vLLM infers the method so too
         return cls(**values)
 
     def validate(self) -> None:
@@ -312,6 +325,28 @@ class SpeculativeConfig:
                 "speculative_config.suffix_decoding_min_token_prob must lie in (0, 1], "
                 f"got {self.suffix_decoding_min_token_prob!r}"
             )
+        self._validate_draft_model()
+
+    def _validate_draft_model(self) -> None:
+        """The "draft_model" fields: `model` set exactly for that method, one draft rank."""
+        if self.method != "draft_model":
+            if self.model is not None:
+                raise ValueError(
+                    f"speculative_config.model applies to method 'draft_model' only, "
+                    f"got it with method {self.method!r}"
+                )
+            return
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                "speculative_config.model must name the draft checkpoint (a local path, or "
+                f"{EMBEDDED_DRAFT!r}) for method 'draft_model', got {self.model!r}"
+            )
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                "speculative_config.draft_tensor_parallel_size must be 1 (the draft model "
+                f"runs on one device), got {self.draft_tensor_parallel_size!r}"
+            )
+        _positive("speculative_config.draft_num_blocks", self.draft_num_blocks, allow_none=True)
 
     def proposer_config(self):
         """The proposer's own settings (`NgramConfig` or `SuffixConfig`); imports lazily."""

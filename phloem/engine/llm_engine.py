@@ -38,7 +38,7 @@ from phloem.engine.structured_outputs import StructuredOutputs
 from phloem.engine.token_updates import apply_tokens
 from phloem.outputs import RequestMetrics
 from phloem.sampling_params import SamplingParams
-from phloem.spec_decode.drafter import Drafter, device_type, step_time_model
+from phloem.spec_decode.drafter import Drafter, build_drafter, load_draft_model
 
 if TYPE_CHECKING:
     from phloem.engine.executor import Executor
@@ -80,9 +80,8 @@ class LLMEngine:
             self.hf_config.vocab_size, config.structured_outputs.backend)  # fmt: skip
         self.drafter: Drafter | None = None  # speculative decoding (`spec_decode/drafter.py`)
         if config.speculative is not None:
-            model = step_time_model(self.hf_config, device_type(config.model.device))
             budget = self.scheduler_config.max_num_batched_tokens
-            self.drafter = Drafter(config.speculative, model, budget)
+            self.drafter = build_drafter(config, self.hf_config, budget, self.draft_proposer)
 
     @property
     def stream_outputs(self) -> bool:
@@ -109,6 +108,8 @@ class LLMEngine:
             config.scheduler, max_model_len=self.max_model_len
         )
         self.scheduler_config.validate()
+        # a draft model ("draft_model" method) loads before the target sizes its KV pool
+        self.draft_proposer = load_draft_model(config, self.hf_config, self.scheduler_config)
         self.executor = build_executor(
             config, source, self.hf_config, self.eos_token_id, self.scheduler_config,
             executor_factory,
@@ -325,6 +326,8 @@ class LLMEngine:
         start = time.perf_counter()
         outputs = self._propose_drafts() if self.drafter is not None else []
         scheduler_output = self.scheduler.schedule()
+        if self.drafter is not None and scheduler_output.preempted_seq_ids:
+            self.drafter.preempted(scheduler_output.preempted_seq_ids)
         self.structured.mark(scheduler_output)
         if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
             outputs += self._finish_in_flight()  # penalties read the step before's tokens

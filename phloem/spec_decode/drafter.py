@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from phloem.config import SpeculativeConfig
+from phloem.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from phloem.core.request import Request, token_slice
 from phloem.core.scheduler_output import SchedulerOutput
 from phloem.spec_decode.cost_rule import (
@@ -32,6 +33,9 @@ from phloem.spec_decode.cost_rule import (
 from phloem.spec_decode.ngram_proposer import NgramProposer
 from phloem.spec_decode.proposer import DraftRequest, Proposer
 from phloem.spec_decode.suffix_proposer import SuffixProposer
+
+if TYPE_CHECKING:
+    from phloem.spec_decode.draft_model import DraftModelProposer
 
 LLAMA_8B_PARAMS = 8.03e9
 
@@ -95,17 +99,30 @@ class _History(Sequence):
         return self.prompt[index] if index < n else self.output[index - n]
 
 
-def step_time_model(hf_config, device_type: str) -> StepTimeModel:
-    """The cost rule's step time model for a model of `hf_config`'s shape on `device_type`
-    ("cuda" or "cpu"): see the module docstring. Parameters counted from the config."""
+def _shape(hf_config) -> tuple[int, int, int, int]:
+    """(hidden size, layers, KV heads, head dim) of a transformers config."""
     h = int(hf_config.hidden_size)
-    layers = int(hf_config.num_hidden_layers)
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
-    inter = int(hf_config.intermediate_size)
-    attn = h * head_dim * (2 * heads + 2 * kv_heads)
-    params = layers * (attn + 3 * h * inter) + int(hf_config.vocab_size) * h
+    return h, int(hf_config.num_hidden_layers), kv_heads, head_dim
+
+
+def count_parameters(hf_config) -> int:
+    """Parameters of a dense decoder of `hf_config`'s shape (attention, gated MLP, one
+    embedding matrix; norms and biases left out)."""
+    h, layers, kv_heads, head_dim = _shape(hf_config)
+    attn = h * head_dim * (2 * int(hf_config.num_attention_heads) + 2 * kv_heads)
+    return layers * (attn + 3 * h * int(hf_config.intermediate_size)) + (
+        int(hf_config.vocab_size) * h
+    )
+
+
+def step_time_model(hf_config, device_type: str) -> StepTimeModel:
+    """The cost rule's step time model for a model of `hf_config`'s shape on `device_type`
+    ("cuda" or "cpu"): see the module docstring. Parameters counted from the config."""
+    _, layers, kv_heads, head_dim = _shape(hf_config)
+    params = count_parameters(hf_config)
     kv_bytes = 2 * layers * kv_heads * head_dim * 2
     scale = params / LLAMA_8B_PARAMS
     if device_type == "cuda":
@@ -136,18 +153,28 @@ class Drafter:
         config: the user's speculative decoding settings.
         time_model: the step time model of the cost rule.
         max_num_batched_tokens: the scheduler's step budget [tokens].
+        proposer: the proposer, built by the caller (a draft model: `draft_model.py`); None
+            builds the n-gram or suffix proposer of `config`.
     """
 
     def __init__(
-        self, config: SpeculativeConfig, time_model: StepTimeModel, max_num_batched_tokens: int
+        self,
+        config: SpeculativeConfig,
+        time_model: StepTimeModel,
+        max_num_batched_tokens: int,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
-        proposer_config = config.proposer_config()
-        self.proposer: Proposer = (
-            NgramProposer(proposer_config)
-            if config.method == "ngram"
-            else SuffixProposer(proposer_config)
-        )
+        if proposer is None:
+            if config.method not in ("ngram", "suffix"):
+                raise ValueError(f"speculative_config.method {config.method!r} needs a proposer")
+            proposer_config = config.proposer_config()
+            proposer = (
+                NgramProposer(proposer_config)
+                if config.method == "ngram"
+                else SuffixProposer(proposer_config)
+            )
+        self.proposer = proposer
         self.tracker = AcceptanceTracker()
         self.cost = CostRuleConfig(max_draft_tokens=config.num_speculative_tokens)
         self.time_model = time_model
@@ -231,6 +258,41 @@ class Drafter:
         """Forget a sequence that left (finished, aborted, failed)."""
         self.proposer.finish(seq_id)
         self.tracker.finish(seq_id)
+
+    def preempted(self, seq_ids: Sequence[str]) -> None:
+        """Sequences the scheduler preempted: the proposer frees what it holds for them (their
+        acceptance estimates stay)."""
+        for seq_id in seq_ids:
+            self.proposer.preempted(seq_id)
+
+
+def load_draft_model(
+    config: EngineConfig, hf_config, scheduler_config: SchedulerConfig
+) -> DraftModelProposer | None:
+    """The draft model's proposer when `config.speculative.method` is "draft_model" (loaded
+    now: `draft_model.load_draft_proposer`, whose ValueErrors it raises), else None."""
+    if config.speculative is None or config.speculative.method != "draft_model":
+        return None
+    from phloem.spec_decode.draft_model import load_draft_proposer
+
+    return load_draft_proposer(config, hf_config, scheduler_config)
+
+
+def build_drafter(
+    config: EngineConfig,
+    hf_config,
+    max_num_batched_tokens: int,
+    proposer: DraftModelProposer | None,
+) -> Drafter:
+    """The engine's drafter for `config.speculative` (set) and a target of `hf_config`'s
+    shape; `proposer`: from `load_draft_model` (its passes are charged to the time model)."""
+    spec = config.speculative
+    assert spec is not None
+    device = device_type(config.model.device)
+    model = step_time_model(hf_config, device)
+    if proposer is not None:
+        model = proposer.charge(model, spec.num_speculative_tokens, device)
+    return Drafter(spec, model, max_num_batched_tokens, proposer)
 
 
 def device_type(device: str) -> str:

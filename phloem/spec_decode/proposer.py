@@ -48,6 +48,10 @@ class Proposer(ABC):
         """Forget the request's private state (it finished, was aborted or preempted for good);
         an unknown id is ignored."""
 
+    def preempted(self, request_id: str) -> None:  # noqa: B027 - a no-op by default
+        """The request was preempted: it comes back later with the same history. Free what it
+        holds that is worth freeing (a draft model's KV blocks); the default keeps its state."""
+
 
 def check_draft_request(request: DraftRequest) -> None:
     """Raise ValueError naming the field of `request` that is out of range."""
