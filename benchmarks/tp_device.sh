@@ -14,6 +14,11 @@
 #            all-reduce for small messages): output tokens/s and their ratio (goal >= 1.6x at TP=2)
 #   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
 #            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
+#   big      Llama-3.1-70B shapes (a model that needs TP; 141 GB of bf16 weights: TP=2 on H200s,
+#            TP=4 on H100s) at TP=$TP: batchllm 100 x 16 and decode-heavy (1,000 x 1000/1000), each
+#            with its roofline ratios (per GPU: the roofline counts the group's bytes and FLOPs
+#            against TP x one GPU's ceilings); BIG_LIMIT seconds a run (default 420). Not in the
+#            default STAGES: run it alone, `STAGES=big bash benchmarks/tp_device.sh "$OUT/tp70b"`
 # Writes every run's JSON and summary.json under OUT_DIR; a rank's failure shows as
 # "tensor-parallel rank R ..." in the run's tail. Needs the carried .whl/ (device_setup.sh).
 set -uo pipefail
@@ -21,17 +26,18 @@ OUT=${1:-/tmp/phloem_tp}
 TP=${TP:-2}
 STAGES=${STAGES:-"tests agree latency batchllm"}
 LIMIT=${LIMIT:-200}
+BIG_LIMIT=${BIG_LIMIT:-420}
 ENGINE_ARGS=${ENGINE_ARGS:-"--max-num-seqs 2048 --max-num-batched-tokens 8192"}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source benchmarks/device_setup.sh || exit 1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-bench() {  # NAME TP WORKLOAD_ARGS...
+bench() {  # NAME TP WORKLOAD_ARGS...  (MODEL, LIMIT from the environment)
     local name=$1 tp=$2
     shift 2
     echo "=== $name (TP=$tp) $(date +%T)"
     # shellcheck disable=SC2086
-    timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model llama-3.1-8b "$@" \
+    timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model "${MODEL:-llama-3.1-8b}" "$@" \
         $ENGINE_ARGS --tensor-parallel-size "$tp" --json "$OUT/$name.json" 2>&1 \
         | grep -v -i warn | grep -i -E "tok/s|req/s|roofline|graph|rank|error" | tail -8
 }
@@ -57,6 +63,12 @@ for stage in $STAGES; do
     batchllm)
         bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
         ;;
+    big)
+        MODEL=llama-3.1-70b LIMIT=$BIG_LIMIT bench "70b-batchllm100-tp$TP" "$TP" \
+            --workload batchllm --num-groups 100
+        MODEL=llama-3.1-70b LIMIT=$BIG_LIMIT bench "70b-decode-heavy-tp$TP" "$TP" \
+            --workload decode-heavy
+        ;;
     esac
 done
 python3 - "$OUT" "$TP" <<'PY'
@@ -72,8 +84,10 @@ if agree:
     print(f"TP={tp} teacher-forced top-1 agreement {agree['teacher_forced_agreement']:.4f} "
           f"(goal >= 0.99); free-running exact {agree['free_running_exact']:.3f}; "
           f"CUDA graphs {agree['cuda_graphs']}")
-keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio")
-for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"batchllm100-tp{tp}"):
+keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio",
+        "roofline_ratio_sustained")
+for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"batchllm100-tp{tp}",
+             f"70b-batchllm100-tp{tp}", f"70b-decode-heavy-tp{tp}"):
     r = load(name)
     if r:
         summary[name] = {k: r.get(k) for k in keys}
