@@ -34,6 +34,7 @@ from torch import nn
 from phloem.distributed.communication import tp_all_reduce
 from phloem.distributed.parallel_state import tp_rank, tp_size
 from phloem.layers.quantization.base import LinearMethod, UnquantizedLinearMethod
+from phloem.layers.quantization.fp8_math import Fp8Activation
 
 WeightShardId = str | int | None
 CheckpointParts = list[tuple[WeightShardId, tuple[int, ...]]]
@@ -163,8 +164,9 @@ class LinearBase(nn.Module):
                 param.checkpoint_parts = self.checkpoint_parts  # type: ignore[attr-defined]
         self.quant_method: LinearMethod = UnquantizedLinearMethod()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., input_size] -> [..., output_size], in x's dtype."""
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size], in x's dtype. x is an `Fp8Activation`
+        (already quantized per token) only where `quant_method.accepts_fp8_input(self)`."""
         return self.quant_method.apply(self, x, self.bias)
 
     def set_quant_method(self, method: LinearMethod) -> None:
@@ -247,7 +249,7 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         super().__init__(_per_rank(input_size, "input_size"), output_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """x [..., input_size / tp] (this rank's slice) -> [..., output_size], summed over the
         ranks (in place, one all-reduce; none at tp_size 1)."""
         if self.tp_size == 1:

@@ -1,11 +1,15 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (as in HF Llama)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (as in HF Llama), and
+optionally with the per-token FP8 quantization of its output (`emit_fp8`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from phloem.layers.compilable import Compilable
+from phloem.layers.quantization.fp8_math import MIN_SCALE, Fp8Activation
 
 
 class RMSNorm(Compilable):
@@ -21,6 +25,39 @@ class RMSNorm(Compilable):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), False)
+        self.fp8_output = False  # see `emit_fp8`
+
+    def emit_fp8(self) -> None:
+        """From now on return the normalized tensor as an `Fp8Activation` (quantized per token,
+        dynamically: the e4m3 values and scales `fp8_math.quantize_per_token` gives for the
+        model-dtype output), for a norm whose output only an FP8 linear layer reads
+        (`LinearMethod.accepts_fp8_input`). On CUDA one Triton kernel computes the residual
+        add, the norm and the quantization (`phloem.ops.fp8_fused_quant.rms_norm_quant`);
+        elsewhere the norm is followed by the quantization. Mutates the layer."""
+        self.fp8_output = True
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+        """`compute`'s contract (through the compiled function where one was given), the
+        normalized tensor being an `Fp8Activation` after `emit_fp8`."""
+        if self.fp8_output:
+            return self._forward_fp8(x, residual)
+        return super().forward(x) if residual is None else super().forward(x, residual)
+
+    def _forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None):
+        kernel, max_columns = _fused_norm_quant()
+        k = x.shape[-1]
+        if kernel is not None and x.is_cuda and x.dtype == self.weight.dtype and k <= max_columns:
+            res = None if residual is None else residual.reshape(-1, k).contiguous()
+            q, scale, res = kernel(x.reshape(-1, k).contiguous(), self.weight, self.eps,
+                                   MIN_SCALE, res)  # fmt: skip
+            out = Fp8Activation(q.view(x.shape), scale.view(*x.shape[:-1], 1), x.dtype)
+            return out if res is None else (out, res.view(x.shape))
+        if residual is None:
+            return Fp8Activation.per_token(super().forward(x))
+        normed, residual = super().forward(x, residual)
+        return Fp8Activation.per_token(normed), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -47,3 +84,14 @@ class RMSNorm(Compilable):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+@functools.cache
+def _fused_norm_quant():
+    """(the Triton RMSNorm + per-token FP8 quantization, the widest row it takes), or
+    (None, 0) where Triton does not import."""
+    try:
+        from phloem.ops.fp8_fused_quant import MAX_FUSED_COLUMNS, rms_norm_quant
+    except ImportError:
+        return None, 0
+    return rms_norm_quant, MAX_FUSED_COLUMNS

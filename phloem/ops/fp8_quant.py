@@ -38,6 +38,17 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, k, s_x, s_q, min_scale, BLOCK: 
         tl.store(q_ptr + row * s_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def store_row_quantized(y, ok, q_ptrs, s_ptr, min_scale):
+    """Quantize one token's row per token and store it (for kernels that hold a whole row):
+    y fp32 [BLOCK] (0 where not `ok`) -> scale = max(max |y| / 448, min_scale) at s_ptr and
+    y / scale, cast to e4m3 (round to nearest even), at q_ptrs where `ok`. The arithmetic of
+    `_per_token_quant_kernel` (IEEE-rounded divisions), so the same bytes and scales."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), _FP8_MAX_TL), min_scale)
+    tl.store(s_ptr, scale)
+    tl.store(q_ptrs, tl.math.div_rn(y, scale).to(q_ptrs.dtype.element_ty), mask=ok)
+
+
 def per_token_quant(
     x: torch.Tensor, min_scale: float, block: int = 2048
 ) -> tuple[torch.Tensor, torch.Tensor]:

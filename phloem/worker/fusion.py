@@ -11,6 +11,11 @@ before and after: benchmarks/results/2026-11-22-h100/README.md).
 One compiled function per layer class is shared by every instance (the instance is an argument,
 its tensors graph inputs and its equal integer attributes constants), with dynamic shapes, so the
 whole model costs a few compiles, whatever the number of layers and batch sizes.
+
+Under FP8 W8A8 (`quantization="fp8"`) the linear layers after the two RMSNorms and after
+SiLU-and-mul quantize their input per token; `fuse_fp8_input_quant` has those producers emit
+their output already quantized (one Triton kernel each on CUDA: `phloem/ops/fp8_fused_quant.py`),
+so the quantizer's extra pass over every activation goes away.
 """
 
 from __future__ import annotations
@@ -23,12 +28,57 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# (producer, consumer) module names relative to their common parent, where the producer's
+# output is read by the consumer only: the Llama-family decoder layer (llama.py, and the
+# qwen2/qwen3 models built from its blocks), in vLLM's / HF's module names.
+FP8_INPUT_PAIRS = (
+    ("input_layernorm", "self_attn.qkv_proj"),
+    ("post_attention_layernorm", "mlp.gate_up_proj"),
+    ("act_fn", "down_proj"),
+)
+
+
+def fuse_fp8_input_quant(model: nn.Module) -> int:
+    """Have each producer of `FP8_INPUT_PAIRS` (an RMSNorm or SiluAndMul) whose consumer
+    takes pre-quantized input (`LinearMethod.accepts_fp8_input`: FP8 with per-token dynamic
+    scales over a whole row) return its output as an `Fp8Activation` (`emit_fp8`; mutates
+    them). The consumer then skips its own quantization; the numbers are the same (the e4m3
+    values and scales of the producer's model-dtype output). Returns how many producers emit
+    FP8; 0 when PHLOEM_FP8_FUSED_QUANT=0.
+
+    A pair is matched by name, so it holds only where the named producer's output feeds
+    nothing but the named linear layer: true of every architecture phloem registers; an
+    architecture where it is not must use other names or not be passed here."""
+    if os.environ.get("PHLOEM_FP8_FUSED_QUANT", "1") == "0":
+        return 0
+    from phloem.layers.activation import SiluAndMul
+    from phloem.layers.linear import LinearBase
+    from phloem.layers.norm import RMSNorm
+
+    modules = dict(model.named_modules())
+    count = 0
+    for name, producer in modules.items():
+        if not isinstance(producer, (RMSNorm, SiluAndMul)):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        for producer_name, consumer_name in FP8_INPUT_PAIRS:
+            consumer = modules.get(f"{parent}.{consumer_name}" if parent else consumer_name)
+            if (leaf == producer_name and isinstance(consumer, LinearBase)
+                    and consumer.quant_method.accepts_fp8_input(consumer)):  # fmt: skip
+                producer.emit_fp8()
+                count += 1
+    return count
+
 
 def compile_elementwise_layers(model: nn.Module) -> int:
-    """Hand each RMSNorm instance of `model` (and RotaryEmbedding and SiluAndMul where their
-    Triton kernels are unavailable) a compiled version of its `compute`
-    (`Compilable.use_compiled`: mutates the instances; compiles lazily on first call). Returns
-    how many instances got one; 0 when PHLOEM_TORCH_COMPILE=0."""
+    """Fuse FP8 input quantization into its producers (`fuse_fp8_input_quant`), then hand each
+    RMSNorm instance of `model` (and RotaryEmbedding and SiluAndMul where their Triton kernels
+    are unavailable) a compiled version of its `compute` (`Compilable.use_compiled`: mutates
+    the instances; compiles lazily on first call). Returns how many instances got a compiled
+    function; 0 when PHLOEM_TORCH_COMPILE=0."""
+    fp8_producers = fuse_fp8_input_quant(model)
+    if fp8_producers:
+        logger.info("FP8: %d norms and activations quantize their own output", fp8_producers)
     if os.environ.get("PHLOEM_TORCH_COMPILE", "1") == "0":
         return 0
     from phloem.layers.activation import SiluAndMul, _fused

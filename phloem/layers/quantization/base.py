@@ -9,7 +9,9 @@ Life of a quantized linear layer (vLLM's `LinearMethodBase` life cycle):
     3. the checkpoint (or dummy weights) fills them through those loaders;
     4. `process_weights_after_loading(layer)`: the method turns them into what its GEMM reads
        (e.g. quantizes model-dtype weights to FP8, or converts checkpoint scales);
-    5. every forward calls `apply(layer, x, bias)`.
+    5. every forward calls `apply(layer, x, bias)`; where `accepts_fp8_input(layer)`, the layer
+       producing x may hand it over already quantized per token (`fp8_math.Fp8Activation`,
+       `phloem/worker/fusion.py` pairs them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from phloem.layers.linear import LinearBase
+    from phloem.layers.quantization.fp8_math import Fp8Activation
 
 
 class LinearMethod(ABC):
@@ -41,9 +44,18 @@ class LinearMethod(ABC):
         """
 
     @abstractmethod
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size] in x's dtype (this rank's part: a
-        row-parallel layer's caller sums it over the ranks)."""
+        row-parallel layer's caller sums it over the ranks). x is an `Fp8Activation` only where
+        `accepts_fp8_input(layer)`."""
+
+    def accepts_fp8_input(self, layer: LinearBase) -> bool:
+        """Whether `apply` takes its input already quantized to e4m3 per token, dynamically
+        (max |x| / 448 over the token's whole row), as an `Fp8Activation`: then the layer that
+        produces x may quantize it in its own kernel. Default: no."""
+        return False
 
     def weight_bytes(self, layer: LinearBase) -> int:
         """Bytes this layer's weight and its scales occupy [bytes]."""
@@ -60,7 +72,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Nothing to do."""
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert isinstance(x, torch.Tensor), "a dense layer takes no Fp8Activation"
         return F.linear(x, layer.weight, bias)
 
 

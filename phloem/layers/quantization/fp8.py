@@ -201,9 +201,29 @@ class Fp8LinearMethod(LinearMethod):
         name = self.scheme.weight_scale_name if self.block_k is not None else "weight_scale"
         return getattr(layer, name)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scheme.static_input:
-            input_scale: torch.Tensor | None = layer.input_scale
+    def accepts_fp8_input(self, layer: LinearBase) -> bool:
+        """Dynamic per-token activations whose row is whole on this rank: not a static scale,
+        not a row-parallel layer's slice under TP (its scales span the ranks' slices)."""
+        return not self.scheme.static_input and not (layer.input_is_sharded and layer.tp_size > 1)
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | fp8_math.Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [..., K] (model dtype, or an `Fp8Activation` where `accepts_fp8_input`) ->
+        [..., N] in x's dtype.
+
+        Raises:
+            ValueError: for an `Fp8Activation` this layer cannot take.
+        """
+        if isinstance(x, fp8_math.Fp8Activation):
+            if not self.accepts_fp8_input(layer):
+                raise ValueError(
+                    f"{type(layer).__name__} quantizes its own input (static scale or a TP "
+                    "slice): it takes no pre-quantized Fp8Activation"
+                )
+            input_scale: torch.Tensor | None = None
+        elif self.scheme.static_input:
+            input_scale = layer.input_scale
         elif layer.input_is_sharded and layer.tp_size > 1:
             input_scale = self._sharded_token_scales(layer, x)
         else:

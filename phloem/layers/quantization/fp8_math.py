@@ -9,12 +9,16 @@ one per token (row of the [T, K] input), computed in the step from the token's m
 `fp8_linear_reference` is the CPU path and the oracle: it quantizes the activations exactly as
 the GPU path does, dequantizes both operands to fp32, multiplies in fp32 and casts to the output
 dtype. `fp8_linear_scaled_mm` is the CUDA path (`torch._scaled_mm`, row-wise scales: cuBLASLt /
-CUTLASS FP8 tensor-core GEMM, fp32 accumulation).
+CUTLASS FP8 tensor-core GEMM, fp32 accumulation). Both take the activations either in the model
+dtype or as an `Fp8Activation`: already quantized per token by the layer that produced them (an
+RMSNorm or SiLU-and-mul fused with the quantization, `phloem/worker/fusion.py`), which skips the
+quantization pass.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +63,50 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize(x, scale, saturate=False), scale
 
 
+@dataclass(frozen=True)
+class Fp8Activation:
+    """Activations quantized per token: what an FP8 linear layer multiplies, handed to it
+    instead of x [..., K] in the model dtype (by a producer fused with the quantization, or by
+    `quantize_input`). The values are data * scale.
+
+    Attributes:
+        data: float8_e4m3fn [..., K]; scale: fp32 [..., 1], one per token (row);
+        dtype: the model dtype x had, which the layer's output takes.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """x's shape [..., K] (the callers that read a hidden state's shape keep working)."""
+        return self.data.shape
+
+    @staticmethod
+    def per_token(x: torch.Tensor) -> Fp8Activation:
+        """x [..., K] quantized per token, dynamically (`quantize_per_token`)."""
+        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+        return Fp8Activation(q.view(x.shape), scale.view(*x.shape[:-1], 1), x.dtype)
+
+
+def quantize_input(
+    x: torch.Tensor | Fp8Activation, input_scale: torch.Tensor | None = None
+) -> Fp8Activation:
+    """The GEMMs' activation operand: x as given when it is already an `Fp8Activation`, else
+    x [..., K] quantized per token, dynamically (`input_scale` None), by one static fp32 scalar
+    scale, or by caller-computed fp32 per-token scales [M, 1] (M = x's rows), saturating."""
+    if isinstance(x, Fp8Activation):
+        return x
+    if input_scale is None:
+        return Fp8Activation.per_token(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    # one scale per row: the row-wise GEMM reads [M, 1] (a static scale is broadcast)
+    scale = input_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+    q = quantize(x2, scale)
+    return Fp8Activation(q.view(x.shape), scale.view(*x.shape[:-1], 1), x.dtype)
+
+
 @functools.cache
 def _fused_quant():
     """The Triton per-token quantizer, or None where Triton does not import."""
@@ -101,7 +149,7 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_k: int | 
 
 
 def fp8_linear_reference(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None = None,
@@ -111,7 +159,8 @@ def fp8_linear_reference(
     """y = dequant(quant(x)) @ dequant(W)^T + b in fp32, cast to x.dtype (the CPU path).
 
     Args:
-        x: [..., K] activations (model dtype); weight: fp8 [N, K];
+        x: [..., K] activations (model dtype), or an `Fp8Activation` (already quantized:
+            `input_scale` is then not used); weight: fp8 [N, K];
         weight_scale: fp32 [N], or [N, ceil(K / block_k)] with `block_k`;
         input_scale: None (dynamic per-token scales, computed here), an fp32 scalar (a static
             scale) or fp32 [M, 1] (per-token scales computed by the caller; M = x's rows);
@@ -119,16 +168,12 @@ def fp8_linear_reference(
     Returns:
         [..., N] in x.dtype.
     """
-    x2 = x.reshape(-1, x.shape[-1])
-    if input_scale is None:
-        x_q, x_scale = quantize_per_token(x2)
-    else:
-        x_scale = input_scale.float().reshape(-1, 1)
-        x_q = quantize(x2, x_scale)
+    a = quantize_input(x, input_scale)
+    x_q, x_scale = a.data.reshape(-1, a.shape[-1]), a.scale.reshape(-1, 1)
     out = (x_q.float() * x_scale) @ dequantize_weight(weight, weight_scale, block_k).t()
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(a.dtype).reshape(*a.shape[:-1], weight.shape[0])
 
 
 def scaled_mm_supported(weight: torch.Tensor) -> bool:
@@ -139,7 +184,7 @@ def scaled_mm_supported(weight: torch.Tensor) -> bool:
 
 
 def fp8_linear_scaled_mm(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None = None,
@@ -154,19 +199,14 @@ def fp8_linear_scaled_mm(
 
     Args: as `fp8_linear_reference` (per-channel weight scales only).
     """
-    x2 = x.reshape(-1, x.shape[-1])
-    if input_scale is None:
-        x_q, x_scale = quantize_per_token(x2)
-    else:  # the row-wise kernel wants one scale per row: broadcast a static one
-        x_scale = input_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
-        x_q = quantize(x2, x_scale)
+    a = quantize_input(x, input_scale)
     out = torch._scaled_mm(
-        x_q,
+        a.data.reshape(-1, a.shape[-1]),
         weight.t(),
-        scale_a=x_scale,
+        scale_a=a.scale.reshape(-1, 1),
         scale_b=weight_scale.reshape(1, -1),
         out_dtype=torch.bfloat16,
     )
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(a.dtype).reshape(*a.shape[:-1], weight.shape[0])
