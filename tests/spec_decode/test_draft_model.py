@@ -1,0 +1,166 @@
+"""The draft-model proposer in the engine: greedy outputs token-identical with speculation off
+(a different tiny random draft, and the target's own weights, which must accept every draft),
+under preemption and async scheduling; its KV blocks are all free once requests finish, are
+aborted or preempted; its cache rolls back rejected drafts (`DraftKV`); bad settings are refused
+naming `speculative_config.model`."""
+
+from __future__ import annotations
+
+import pytest
+
+from phloem import LLM, SamplingParams
+from phloem.model_configs import materialize
+from phloem.spec_decode.draft_kv import DraftKV
+from tests.engine.tiny_models import VOCAB, tiny_model_dir
+from tests.spec_decode.test_spec_engine import GREEDY, prompts
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, embedded_tokenizer_dir):
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "dm_target", 5)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, embedded_tokenizer_dir):
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "dm_draft", 6)
+
+
+def spec(model, **extra) -> dict:
+    return {"model": str(model), "num_speculative_tokens": 4, "use_cost_rule": False, **extra}
+
+
+def run(path, speculative, params=GREEDY, batch=None, **engine_args):
+    """Outputs and drafter stats of one engine; checks the target's and the draft's caches on
+    every step and that both are empty at the end."""
+    engine_args = {"block_size": 4, "max_num_batched_tokens": 32, "dtype": "float32", **engine_args}
+    llm = LLM(str(path), speculative_config=speculative, **engine_args)
+    engine = llm.llm_engine
+    preempted = []
+
+    def observe(record) -> None:
+        engine.scheduler.check_integrity()
+        preempted.extend(record.scheduler_output.preempted_seq_ids)
+        if engine.drafter is not None:
+            engine.drafter.proposer.kv.check_integrity()
+
+    engine.add_step_observer(observe)
+    batch = batch or prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert engine.kv_manager.num_reclaimable_blocks == engine.kv_manager.num_blocks
+    stats = None
+    if engine.drafter is not None:
+        kv = engine.drafter.proposer.kv
+        kv.check_integrity()
+        assert kv.allocator.num_used_blocks == 0 and not kv.sequences
+        stats = engine.drafter.stats
+    llm.close()
+    return [o.outputs[0].token_ids for o in outs], stats, preempted
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_other_draft_keeps_greedy_outputs(target, other_draft, async_scheduling):
+    want, _, _ = run(target, None, async_scheduling=async_scheduling)
+    got, stats, _ = run(target, spec(other_draft), async_scheduling=async_scheduling)
+    assert got == want
+    assert stats.num_draft_tokens > 100
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # another model: some rejected
+
+
+def test_target_as_its_own_draft_accepts_every_draft(target):
+    want, _, _ = run(target, None)
+    got, stats, _ = run(target, spec(target))
+    assert got == want
+    assert stats.num_draft_tokens > 50
+    assert stats.acceptance_rate == 1.0
+
+
+def test_preemption_frees_draft_blocks_and_keeps_outputs(target, other_draft):
+    common = dict(num_gpu_blocks=30, memory_centric_admission=False)
+    want, _, _ = run(target, None, **common)
+    got, stats, preempted = run(target, spec(target), **common)
+    assert preempted, "the small pool must preempt"
+    assert got == want and stats.acceptance_rate == 1.0
+    # a draft pool too small for every request at once: eviction, some requests undrafted
+    got, stats, _ = run(target, spec(other_draft, draft_num_blocks=24), **common)
+    assert got == want and stats.num_draft_tokens > 0
+
+
+def test_abort_frees_draft_blocks(target):
+    llm = LLM(str(target), block_size=4, dtype="float32", speculative_config=spec(target))
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts(3, 4)]
+    for _ in range(6):
+        engine.step()
+    kv = engine.drafter.proposer.kv
+    assert kv.allocator.num_used_blocks > 0
+    engine.abort_request(ids[:2])
+    assert set(kv.sequences) <= set(ids[2:])
+    engine.abort_request(ids[2:])
+    kv.check_integrity()
+    assert kv.allocator.num_used_blocks == 0
+    llm.close()
+
+
+def test_sampled_requests_with_greedy_drafts_are_seeded_and_repeat(target):
+    """Temperature-1 rows verify one-hot (greedy) drafts (accepted with the target's
+    probability of the draft, top-k 2 here; the one-hot rule's distribution is checked in
+    test_rejection_sampler.py); a seeded run repeats itself."""
+    params = SamplingParams(temperature=1.0, top_k=2, seed=7, max_tokens=20, ignore_eos=True)
+    first, stats, _ = run(target, spec(target), params, prompts(4, 4))
+    again, _, _ = run(target, spec(target), params, prompts(4, 4))
+    assert first == again
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_draft_kv_rolls_back_rejected_drafts():
+    kv = DraftKV(num_blocks=6, block_size=4)
+    assert kv.sync("a", [1, 2, 3]) == 0
+    assert kv.reserve("a", 3 + 3)  # 3 history tokens + 3 drafts: 2 blocks
+    kv.append("a", [1, 2, 3], verified=True)
+    kv.append("a", [7, 8, 9], verified=False)
+    assert kv.allocator.num_used_blocks == 2
+    assert kv.sync("a", [1, 2, 3, 7, 5]) == 4  # d_1 accepted, d_2 rejected
+    assert kv.sequences["a"].token_ids == [1, 2, 3, 7]
+    assert kv.allocator.num_used_blocks == 1
+    assert kv.sync("a", [1, 2, 3, 7, 5]) == 4  # the last token is always fed again
+    assert kv.sync("b", [4] * 9) == 0 and kv.reserve("b", 12)  # 3 blocks
+    assert kv.sync("c", [1] * 16) == 0
+    assert not kv.reserve("c", 16)  # 4 blocks, 2 free
+    assert kv.evict_one(keep={"b", "c"}) and "a" not in kv.sequences
+    assert kv.reserve("c", 12) and not kv.evict_one(keep={"b", "c"})
+    kv.release("b")
+    kv.release("c")
+    kv.check_integrity()
+    assert kv.allocator.num_used_blocks == 0
+
+
+def _materialized(tmp_path, name, **shape):
+    base = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    base.update(num_key_value_heads=2, vocab_size=VOCAB)
+    return str(materialize("llama-3.1-8b", tmp_path / name, **{**base, **shape}))
+
+
+def test_bad_draft_models_name_the_field(target, tmp_path):
+    small_vocab = _materialized(tmp_path, "v", vocab_size=1024)
+    with pytest.raises(ValueError, match=r"speculative_config.model .*1024.*49152"):
+        LLM(str(target), speculative_config=spec(small_vocab), load_format="dummy")
+    larger = _materialized(tmp_path, "l", hidden_size=256, num_hidden_layers=4)
+    with pytest.raises(ValueError, match="speculative_config.model is larger"):
+        LLM(str(target), speculative_config=spec(larger), load_format="dummy")
+    with pytest.raises(ValueError, match="speculative_config.model .* cannot be loaded"):
+        LLM(str(target), speculative_config=spec(tmp_path / "missing"), load_format="dummy")
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"method": "draft_model"}, "speculative_config.model must name"),
+        ({"method": "ngram", "model": "x"}, "speculative_config.model applies"),
+        ({"model": "x", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+        ({"model": "x", "draft_num_blocks": 0}, "draft_num_blocks"),
+    ],
+)
+def test_bad_draft_settings_name_the_field(config, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(speculative_config=config, load_format="dummy")
