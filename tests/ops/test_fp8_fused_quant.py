@@ -1,0 +1,94 @@
+"""The fused RMSNorm / SiLU-and-mul + per-token FP8 kernels (phloem/ops/fp8_fused_quant.py),
+interpreted on the CPU: their model-dtype output (written to `y` for the test) against the
+layers' torch math, and their scales and e4m3 bytes against `fp8_math`'s quantization of that
+same output. The interpreter's casts are not the GPU's (fp32 -> bf16 truncates; fp32 -> e4m3
+is not round-to-nearest-even on ties, carries into the next binade, mis-casts subnormals), so the
+outputs are checked to a bf16 step, the scales exactly, and the bytes as 95% equal and every
+value within half of itself; tests/gpu/test_fp8_fused_quant_gpu.py checks every byte on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phloem.layers.norm import RMSNorm
+from phloem.layers.quantization import fp8_math
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def ops(triton_kernels):
+    return triton_kernels("phloem.ops.fp8_fused_quant", "_rms_norm_quant_kernel")
+
+
+def rows_of(seed: int, rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows from 1e-4 to 1e6 in magnitude with an outlier column; row 0 all zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-4, 6, rows)[:, None]
+    x[:, 3] *= 100.0
+    x[0] = 0.0
+    return x.to(dtype)
+
+
+def quantized_like_the_reference(q, scale, y) -> None:
+    """Scales exactly `quantize_per_token`'s for the kernel's own output y; bytes as close as
+    the interpreter's e4m3 cast allows; the zero row at the minimum scale."""
+    ref_q, ref_scale = fp8_math.quantize_per_token(y)
+    assert torch.equal(scale, ref_scale)
+    got, want = q.float(), ref_q.float()
+    assert (got == want).float().mean() > 0.95
+    # (+ 2^-5: fp32-subnormal quotients, which the interpreter does not cast to 0)
+    assert ((got - want).abs() <= 0.5 * want.abs() + 2.0**-5).all()
+    assert float(scale[0]) == pytest.approx(fp8_math.MIN_SCALE) and (got[0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("rows", "k"), [(5, 100), (3, 4096)])
+def test_rms_norm_quant(ops, dtype, with_residual, rows, k):
+    norm = RMSNorm(k, 1e-6, dtype)
+    norm.weight.data.copy_(torch.rand(k) * 4)
+    x = rows_of(k, rows, k, dtype)
+    residual = rows_of(k + 1, rows, k, dtype) if with_residual else None
+    y = torch.empty_like(x)
+    q, scale, res = ops.rms_norm_quant(x, norm.weight.data, norm.eps, fp8_math.MIN_SCALE,
+                                       residual, y)  # fmt: skip
+    assert q.shape == (rows, k) and scale.shape == (rows, 1)
+    step = 2.0**-5 if dtype == torch.bfloat16 else 1e-5  # three roundings, truncated here
+    if residual is None:
+        assert res is None
+        want = norm.compute(x)
+    else:
+        want, want_res = norm.compute(x, residual)
+        torch.testing.assert_close(res.float(), want_res.float(), rtol=step, atol=0)
+    torch.testing.assert_close(y.float(), want.float(), rtol=step, atol=1e-6)
+    quantized_like_the_reference(q, scale, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "d"), [(5, 100), (3, 5000)])
+def test_silu_and_mul_quant(ops, dtype, rows, d):
+    x = rows_of(d, rows, 2 * d, dtype) / 1e3
+    y = torch.empty(rows, d, dtype=dtype)
+    q, scale = ops.silu_and_mul_quant(x, fp8_math.MIN_SCALE, y)
+    x64 = x.double()
+    want = F.silu(x64[:, :d]) * x64[:, d:]
+    step = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), want, rtol=step, atol=1e-12)
+    quantized_like_the_reference(q, scale, y)
+
+
+def test_bad_input_is_named(ops):
+    x = torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="even"):
+        ops.silu_and_mul_quant(torch.zeros(2, 7), fp8_math.MIN_SCALE)
+    with pytest.raises(ValueError, match="at most"):
+        ops.silu_and_mul_quant(torch.zeros(1, 2 * ops.MAX_FUSED_COLUMNS + 2), fp8_math.MIN_SCALE)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm_quant(x, torch.ones(6, dtype=torch.bfloat16), 1e-6, fp8_math.MIN_SCALE)
+    with pytest.raises(ValueError, match="residual"):
+        ops.rms_norm_quant(x, torch.ones(6), 1e-6, fp8_math.MIN_SCALE, torch.zeros(3, 6))
+    with pytest.raises(ValueError, match="2-D"):
+        ops.rms_norm_quant(torch.zeros(6), torch.ones(6), 1e-6, fp8_math.MIN_SCALE)
