@@ -204,7 +204,8 @@ class EngineArgs:
     speculative_config: dict | None = _arg(
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
-        "(method ngram or suffix; see SpeculativeConfig for the other keys)",
+        '(method ngram, suffix, or draft_model with "model": a local path or "embedded"; see '
+        "SpeculativeConfig for the other keys)",
         type=json.loads,
     )
 
