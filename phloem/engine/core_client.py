@@ -73,6 +73,8 @@ class EngineCoreClient:
         executor_factory: "module:attribute" of an executor factory for the core (tests'
             fault injection), or None.
         ready_timeout_s: how long to wait for the core to load the model [s].
+        step_trace: the core writes its step trace to this path (`phloem.bench.step_trace_file`;
+            None: no trace).
     Raises:
         ValueError: invalid settings (naming the field), or what loading the tokenizer raises.
         RuntimeError: the core failed to start (its error), died or did not answer in time.
@@ -85,6 +87,7 @@ class EngineCoreClient:
         on_death: Callable[[BaseException], None] | None = None,
         executor_factory: str | None = None,
         ready_timeout_s: float = 900.0,
+        step_trace: str | None = None,
     ) -> None:
         from phloem.engine.engine_core import run_engine_core
         from phloem.models.loader import (
@@ -112,7 +115,13 @@ class EngineCoreClient:
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(
             target=run_engine_core,
-            args=(args, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", executor_factory),
+            args=(
+                args,
+                f"ipc://{self._dir}/in",
+                f"ipc://{self._dir}/out",
+                executor_factory,
+                step_trace,
+            ),
             name="phloem-engine-core",
             daemon=False,  # it starts tensor-parallel ranks; it exits with this process
         )

@@ -9,7 +9,9 @@ and runs:
            step()  ->  one CoreStep (every touched request's delta + stats)  ->  output socket
 
 It never waits on a client: the output socket has no high-water mark (the front buffers), and
-the front's aborts arrive as messages between steps. An exception out of `step()` is sent as
+the front's aborts arrive as messages between steps. With a step trace path (`phloem serve
+--step-trace`) a step observer writes one JSON line per step (`phloem.bench.step_trace_file`),
+flushed every 256 steps and when the loop ends. An exception out of `step()` is sent as
 `CoreDead` and the process exits 1; a failure to build the engine is sent the same way before
 `CoreReady`. Prior art: vLLM v1's EngineCore process (ZeroMQ + msgspec), SGLang's scheduler
 process; the code is our own.
@@ -192,7 +194,11 @@ class EngineCore:
 
 
 def run_engine_core(
-    args: EngineArgs, input_path: str, output_path: str, executor_factory: str | None
+    args: EngineArgs,
+    input_path: str,
+    output_path: str,
+    executor_factory: str | None,
+    step_trace: str | None = None,
 ) -> None:
     """The process's entry point (multiprocessing spawn target): build, announce, loop.
 
@@ -201,6 +207,7 @@ def run_engine_core(
         input_path / output_path: ipc:// addresses the front bound (PUSH -> our PULL, our PUSH
             -> its PULL).
         executor_factory: "module:attribute" of a test executor factory, or None.
+        step_trace: write the step trace to this path (None: no trace).
     Exits 1 (after sending `CoreDead`) when building the engine or a step raises.
     """
     # Ctrl-C reaches the whole process group: the server drains, then stops us itself
@@ -216,10 +223,15 @@ def run_engine_core(
     input_socket.setsockopt(zmq.RCVHWM, 0)
     input_socket.connect(input_path)
     encoder = msgspec.msgpack.Encoder()
+    trace = None
     try:
         factory = import_factory(executor_factory) if executor_factory else None
         config = args.create_engine_config("serve")
         engine = LLMEngine(config, executor_factory=factory, output_mode=OutputMode.DELTA)
+        if step_trace is not None:
+            from phloem.bench.step_trace_file import StepTraceFile
+
+            trace = StepTraceFile.for_engine(step_trace, engine)
         vocab = engine.hf_config.vocab_size
         output.send(encoder.encode(CoreReady(engine.max_model_len, vocab, os.getpid())))
         EngineCore(engine, input_socket, output).run()
@@ -229,4 +241,7 @@ def run_engine_core(
         time.sleep(0.2)
         context.destroy(linger=2000)
         sys.exit(1)
+    finally:
+        if trace is not None:
+            trace.close()
     context.destroy(linger=2000)

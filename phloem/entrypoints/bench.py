@@ -41,8 +41,10 @@ def register(subparsers) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True)
     from phloem.entrypoints.bench_plan_scaling import register_plan_scaling
     from phloem.entrypoints.bench_serve import register_serve_bench
+    from phloem.entrypoints.bench_step_trace import register_step_trace
 
     register_serve_bench(sub)
+    register_step_trace(sub)
     register_plan_scaling(sub)
     p = sub.add_parser("throughput", help="throughput of a synthetic workload, with its roofline")
     add_engine_args(p)

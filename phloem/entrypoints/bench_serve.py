@@ -260,7 +260,7 @@ async def _warm_up(client, args, model: str) -> None:
         raise ServerUnavailableError(f"warm-up requests failed: {failed[0]}")
 
 
-async def _run(args) -> tuple[list[RequestResult], float, str]:
+async def _run(args) -> tuple[list[RequestResult], tuple[float, float], str]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -277,12 +277,13 @@ async def _run(args) -> tuple[list[RequestResult], float, str]:
             items = _load_dataset(args.dataset, args.num_prompts, args.output_len)
         else:
             items = await _random_workload(client, args)
-        results, duration = await _send_all(client, args, items, model)
-        return results, duration, model
+        results, window = await _send_all(client, args, items, model)
+        return results, window, model
 
 
-async def _send_all(client, args, items: list[dict], model: str) -> tuple[list, float]:
-    """Send `items` (all at once or Poisson), return (results, duration [s])."""
+async def _send_all(client, args, items: list[dict], model: str) -> tuple[list, tuple]:
+    """Send `items` (all at once or Poisson), return (results, (start, end)): `time.monotonic()`
+    when the first request was sent and when the last one ended [s]."""
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(args.max_concurrency or len(items))
     ignore_eos = args.dataset is None
@@ -296,13 +297,13 @@ async def _send_all(client, args, items: list[dict], model: str) -> tuple[list, 
             return await _send(client, args.endpoint, body, args.timeout)
 
     tasks = []
-    start = time.perf_counter()
+    start = time.monotonic()
     for item in items:
         tasks.append(asyncio.create_task(one(item)))
         if args.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.request_rate))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return list(results), (start, time.monotonic())
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
@@ -316,8 +317,13 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "p99": p["p99"]}  # fmt: skip
 
 
-def summarize_serve(results: list[RequestResult], duration: float, args, model: str) -> dict:
+def summarize_serve(results: list[RequestResult], window: tuple[float, float], args,
+                    model: str) -> dict:  # fmt: skip
+    """The result object: labels, counts, throughput, latency statistics, and
+    "window_monotonic_s": `time.monotonic()` [s] when the first request was sent and when the
+    last ended (the host's clock: a server's step trace on this host is cut to the run by it)."""
     ok = [r for r in results if r.ok]
+    duration = window[1] - window[0]
     num_in = sum(r.prompt_tokens for r in ok)
     num_out = sum(r.output_tokens for r in ok)
     return {
@@ -336,6 +342,7 @@ def summarize_serve(results: list[RequestResult], duration: float, args, model: 
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:10],
         "duration_s": duration,
+        "window_monotonic_s": list(window),
         "total_input_tokens": num_in,
         "total_output_tokens": num_out,
         "request_throughput": len(ok) / duration,
@@ -426,11 +433,11 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     for name in ("httpx", "httpcore"):  # one INFO line per request otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
-        results, duration, model = asyncio.run(_run(args))
+        results, window, model = asyncio.run(_run(args))
     except ServerUnavailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    summary = summarize_serve(results, duration, args, model)
+    summary = summarize_serve(results, window, args, model)
     print(format_serve_result(summary))
     if summary["errors"]:
         print("errors: " + "; ".join(summary["errors"]), file=sys.stderr)

@@ -4,13 +4,19 @@ files `phloem bench serve --json` wrote into DIR (each labelled with `--engine` 
 
 Per workload and engine: request throughput and TTFT / TPOT / ITL p50 and p99, and the ratios of
 `--subject` (default phloem) to `--baseline` (default vllm) measured in the same directory (a
-throughput ratio above 1 and latency ratios below 1 favour the subject). Goodput, per engine:
+throughput ratio above 1 and latency ratios below 1 favour the subject). Engines labelled
+`SUBJECT@NAME` (one server configuration each: benchmarks/serving.sh's PHLOEM_CONFIGS) are
+subjects too, each compared with the baseline on its own. Goodput, per engine:
 among its Poisson runs (finite offered rate), those whose TTFT p99 <= `--slo-ttft-ms` and TPOT
 p99 <= `--slo-tpot-ms` (300 and 25 by default, issue 24's objective); the achieved req/s of the
 one with the highest offered rate, 0 when none meets it. Writes DIR/summary.json,
 DIR/summary.md (the tables) and DIR/latency_throughput.png (TTFT and TPOT p50 and p99 against
 achieved req/s of the Poisson runs, one line per engine; needs matplotlib, else a message and no
 plot).
+
+Step traces: where DIR holds ENGINE-steps.jsonl (`phloem serve --step-trace`), each run of that
+engine is cut from it by the run's monotonic window, and the summary gets the step analysis of
+every run (`phloem.bench.step_analysis`: step duration, wall share and cost fit by step kind).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import json
 import math
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 _OUTPUTS = ("summary.json",)
@@ -97,15 +104,21 @@ def _ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
+def is_subject(engine: str, subject: str) -> bool:
+    """`engine` is the subject or one of its configurations ("SUBJECT@NAME")."""
+    return engine == subject or engine.startswith(subject + "@")
+
+
 def compare(rows: list[dict], subject: str, baseline: str) -> list[dict]:
-    """Per workload run by both engines: subject / baseline of throughput and each latency."""
+    """Per subject engine (`is_subject`) and workload run by it and the baseline: subject /
+    baseline of throughput and each latency."""
     by_key = {(r["engine"], r["workload"]): r for r in rows}
     ratios = []
     for (engine, workload), mine in sorted(by_key.items()):
         theirs = by_key.get((baseline, workload))
-        if engine != subject or theirs is None:
+        if not is_subject(engine, subject) or theirs is None:
             continue
-        entry = {"workload": workload}
+        entry = {"engine": engine, "workload": workload}
         for key in ("request_throughput", *(k for k in mine if k.endswith("_ms"))):
             entry[key] = _ratio(mine[key], theirs[key])
         ratios.append(entry)
@@ -132,12 +145,13 @@ def markdown(summary: dict) -> str:
     if summary["ratios"]:
         lines += ["", f"Ratios {subject} / {baseline} (throughput: higher is better; latency: "
                   "lower is better):", "",
-                  "| workload | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "| engine | workload | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in summary["ratios"]:
             cells = [r["request_throughput"], r["ttft_p50_ms"], r["ttft_p99_ms"],
                      r["tpot_p50_ms"], r["tpot_p99_ms"]]  # fmt: skip
-            lines.append(f"| {r['workload']} | " + " | ".join(_fmt(c, 2) for c in cells) + " |")
+            lines.append(f"| {r['engine']} | {r['workload']} | "
+                         + " | ".join(_fmt(c, 2) for c in cells) + " |")  # fmt: skip
     slo = summary["slo"]
     lines += ["", f"Goodput (TTFT p99 <= {slo['ttft_p99_ms']:g} ms, TPOT p99 <= "
               f"{slo['tpot_p99_ms']:g} ms):", ""]  # fmt: skip
@@ -145,9 +159,69 @@ def markdown(summary: dict) -> str:
         rates = ", ".join(f"{x:g}" for x in g["rates"])
         lines.append(f"- {engine}: {g['goodput']:.2f} req/s (offered {_fmt(g['offered_rate'])}; "
                      f"rates run: {rates})")  # fmt: skip
-    if summary.get("goodput_ratio") is not None:
-        lines.append(f"- {subject} / {baseline}: {summary['goodput_ratio']:.2f}")
+    for engine, ratio in summary.get("goodput_ratios", {}).items():
+        if ratio is not None:
+            lines.append(f"- {engine} / {baseline}: {ratio:.2f}")
+    if summary.get("steps"):
+        lines += ["", *step_tables(summary["steps"])]
     return "\n".join(lines) + "\n"
+
+
+def step_analyses(directory: Path, runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """{engine: {workload: step analysis}} for the runs whose engine left step traces in
+    `directory` (ENGINE-steps*.jsonl, one per server start) and that carry their monotonic
+    window. A run is cut from the latest trace created before the run's date (monotonic clocks
+    of two machines or boots are not comparable); a run whose window holds no step is left out."""
+    from phloem.bench.step_analysis import analyze, in_window
+
+    result: dict[str, dict[str, dict]] = {}
+    traces: dict[str, list[tuple[datetime, list[dict]]]] = {}
+    for run in runs:
+        engine, window = run["engine"], run.get("window_monotonic_s")
+        if engine not in traces:
+            traces[engine] = _load_traces(directory, engine)
+        date = _when(run.get("date"))
+        before = [t for t in traces[engine] if date is None or t[0] <= date]
+        if not before or not window:
+            continue
+        mine = in_window(max(before, key=lambda t: t[0])[1], window[0], window[1])
+        if mine:
+            result.setdefault(engine, {})[run["workload"]] = analyze(mine)
+    return result
+
+
+def _when(text: str | None) -> datetime | None:
+    """The time of an ISO 8601 stamp (one without a zone is local time); None if unreadable."""
+    try:
+        return datetime.fromisoformat(text).astimezone() if text else None
+    except ValueError:
+        return None
+
+
+def _load_traces(directory: Path, engine: str) -> list[tuple[datetime, list[dict]]]:
+    """(created, steps with durations) of each ENGINE-steps*.jsonl in `directory`."""
+    from phloem.bench.step_analysis import with_durations
+    from phloem.bench.step_trace_file import read_step_trace
+
+    traces = []
+    for path in sorted(directory.glob(f"{engine}-steps*.jsonl")):
+        header, steps = read_step_trace(path)
+        created = _when(header.get("created")) or datetime.min.replace(tzinfo=UTC)
+        traces.append((created, with_durations(steps)))
+    return traces
+
+
+def step_tables(steps: dict[str, dict[str, dict]]) -> list[str]:
+    """The Markdown lines of `step_analyses`' result: one row per engine, workload and kind."""
+    from phloem.bench.step_analysis import TABLE_HEADER, table_rows
+
+    lines = ["Engine steps (from the step traces; 'ms per decode token': the kind's part of the "
+             "decode-weighted step time, about the mean TPOT):", "",
+             "| engine | workload " + TABLE_HEADER, "|---|---" + "|---" * 11 + "|"]  # fmt: skip
+    for engine, runs in sorted(steps.items()):
+        for workload, analysis in sorted(runs.items()):
+            lines += table_rows(analysis, f"| {engine} | {workload} ")
+    return lines
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -182,7 +256,8 @@ def plot(rows: list[dict], path: Path) -> bool:
 def summarize_dir(directory: Path, subject: str, baseline: str, slo_ttft_ms: float,
                   slo_tpot_ms: float) -> dict:  # fmt: skip
     """The summary object of the runs in `directory` (see the module docstring)."""
-    rows = [_row(run) for run in load_runs(directory)]
+    runs = load_runs(directory)
+    rows = [_row(run) for run in runs]
     rows.sort(key=lambda r: (r["engine"], r["workload"], r["offered_rate"]))
     good = goodput(rows, slo_ttft_ms, slo_tpot_ms)
     summary = {
@@ -193,9 +268,14 @@ def summarize_dir(directory: Path, subject: str, baseline: str, slo_ttft_ms: flo
         "ratios": compare(rows, subject, baseline),
         "goodput": good,
         "goodput_ratio": None,
+        "goodput_ratios": {},
+        "steps": step_analyses(directory, runs),
     }
-    if subject in good and baseline in good:
-        summary["goodput_ratio"] = _ratio(good[subject]["goodput"], good[baseline]["goodput"])
+    if baseline in good:
+        for engine in (e for e in good if is_subject(e, subject)):
+            ratio = _ratio(good[engine]["goodput"], good[baseline]["goodput"])
+            summary["goodput_ratios"][engine] = ratio
+        summary["goodput_ratio"] = summary["goodput_ratios"].get(subject)
     return summary
 
 

@@ -12,6 +12,10 @@ The engine core runs in its own process by default (`--engine-process`;
 and SSE (on uvloop's event loop with httptools' parser when they are installed, as they are with
 phloem); the core process only schedules and runs steps. `--no-engine-process` runs the engine
 in a thread of this process instead (`phloem.engine.async_engine`).
+
+`--step-trace PATH` writes one JSON line per engine step to PATH (its timing, decodes, prompt
+chunks and tokens; `phloem.bench.step_trace_file`), flushed every 256 steps and at shutdown;
+`phloem bench step-trace PATH` reads it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ def register(subparsers) -> None:
         default=True,
         help="run the engine core in its own process (default); --no-engine-process runs it "
         "in a thread of the server process",
+    )
+    p.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="PATH",
+        help="write one JSON line per engine step to PATH (read it with `phloem bench "
+        "step-trace PATH`)",
     )
     p.add_argument("--dead-engine-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     # Online requests often leave max_tokens at the whole context; reserving it up front would
@@ -129,10 +140,12 @@ def build_state(args: argparse.Namespace, on_death=None, executor_factory: str |
     if args.engine_process:
         from phloem.engine.core_client import EngineCoreClient
 
-        engine = EngineCoreClient(engine_args, metrics, on_death, executor_factory)
+        engine = EngineCoreClient(
+            engine_args, metrics, on_death, executor_factory, step_trace=args.step_trace
+        )
         tokenizer = copy.deepcopy(engine.tokenizer)
     else:
-        engine = _thread_engine(engine_args, metrics, on_death, executor_factory)
+        engine = _thread_engine(engine_args, metrics, on_death, executor_factory, args.step_trace)
         tokenizer = copy.deepcopy(engine.tokenizer)
     return ServerState(
         engine=engine,
@@ -147,8 +160,9 @@ def build_state(args: argparse.Namespace, on_death=None, executor_factory: str |
     )
 
 
-def _thread_engine(engine_args, metrics, on_death, executor_factory: str | None):
-    """The in-thread engine (`--no-engine-process`)."""
+def _thread_engine(engine_args, metrics, on_death, executor_factory: str | None,
+                   step_trace: str | None = None):  # fmt: skip
+    """The in-thread engine (`--no-engine-process`); its step trace, if any, is closed at exit."""
     from phloem.engine.async_engine import AsyncLLMEngine
     from phloem.engine.engine_core import import_factory
     from phloem.engine.llm_engine import LLMEngine, OutputMode
@@ -156,6 +170,12 @@ def _thread_engine(engine_args, metrics, on_death, executor_factory: str | None)
     factory = import_factory(executor_factory) if executor_factory else None
     config = engine_args.create_engine_config("serve")
     engine = LLMEngine(config, executor_factory=factory, output_mode=OutputMode.STREAM)
+    if step_trace is not None:
+        import atexit
+
+        from phloem.bench.step_trace_file import StepTraceFile
+
+        atexit.register(StepTraceFile.for_engine(step_trace, engine).close)
     return AsyncLLMEngine(engine, metrics=metrics, on_death=on_death)
 
 
