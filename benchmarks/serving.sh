@@ -18,16 +18,20 @@
 # Several phloem configurations back to back (one server start each), labelled phloem@NAME:
 #   PHLOEM_CONFIGS="default:|seqs1024:--max-num-seqs 1024 --max-num-batched-tokens 8192|\
 #   prefill512:--max-prefill-tokens-per-step 512" ENGINES=phloem RATES="30" DURATION=20 BURST=0 \
-#   SHARED=0 bash benchmarks/serving.sh OUT_DIR
+#   SHARED=1 bash benchmarks/serving.sh OUT_DIR
 # PHLOEM_CONFIGS is "NAME:FLAGS" entries separated by "|" (FLAGS may be empty: the defaults); each
 # server gets SERVER_ARGS PHLOEM_ARGS FLAGS, writes OUT/phloem@NAME-WORKLOAD.json, its log
 # OUT/phloem@NAME-server.log and its step trace OUT/phloem@NAME-steps.jsonl, and serve-summary
 # compares each configuration with vLLM on its own. Unset, phloem runs once, labelled "phloem".
-# Time per phloem configuration on one H200 (prebuilt kernels, 8B dummy weights): start and
-# warm-up ~25 s, each rate DURATION + ~5 s (the last requests drain), burst-1000 ~25 s,
-# shared-prefix-800 ~20 s, stop ~5 s. So with RATES="30" DURATION=20 BURST=0 SHARED=0 a config
-# takes ~55 s (three fit one 600 s call beside a vLLM run of the same workloads, ~150 s with its
-# start); with RATES="20 30" DURATION=30 BURST=1 SHARED=1 ~150 s (three configs, no vLLM).
+# Time per phloem configuration, from the H200 runs of benchmarks/results/2026-11-26b-h200x2-
+# serving: "ready and warm" 43 s when nothing compiles (FlashInfer modules from .fiaot, Triton
+# cache warm: every configuration after the first on one machine), 245 s for the first start on a
+# fresh machine (~110 s of it Triton compiling; more CUDA graphs with a larger --max-num-seqs add a
+# few seconds); each Poisson rate DURATION + ~3 s drain + ~4 s client start; burst-1000 ~25 s;
+# shared-prefix-800 ~15 s; stop ~5 s. One 600 s call on a fresh machine thus holds three
+# configurations with RATES="30" DURATION=20 BURST=0 SHARED=1 (~300 + 2 x ~90 s), but no vLLM
+# beside them (its first start alone is 130 s): copy an earlier call's vllm-*.json into OUT_DIR
+# first for the ratios. Each configuration prints "=== LABEL: done after N s".
 #
 # Settings (environment): ENGINES ("phloem vllm"), RATES ("10 20 30 40"), DURATION (30 s per
 # rate), BURST (1: run the all-at-once burst), BURST_N (1000), SHARED (1), SHARED_N (800),
