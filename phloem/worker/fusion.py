@@ -55,18 +55,17 @@ def fuse_fp8_input_quant(model: nn.Module) -> int:
     from phloem.layers.linear import LinearBase
     from phloem.layers.norm import RMSNorm
 
+    consumers = dict(FP8_INPUT_PAIRS)
     modules = dict(model.named_modules())
     count = 0
     for name, producer in modules.items():
-        if not isinstance(producer, (RMSNorm, SiluAndMul)):
-            continue
         parent, _, leaf = name.rpartition(".")
-        for producer_name, consumer_name in FP8_INPUT_PAIRS:
-            consumer = modules.get(f"{parent}.{consumer_name}" if parent else consumer_name)
-            if (leaf == producer_name and isinstance(consumer, LinearBase)
-                    and consumer.quant_method.accepts_fp8_input(consumer)):  # fmt: skip
-                producer.emit_fp8()
-                count += 1
+        if not isinstance(producer, (RMSNorm, SiluAndMul)) or leaf not in consumers:
+            continue
+        consumer = modules.get(f"{parent}.{consumers[leaf]}" if parent else consumers[leaf])
+        if isinstance(consumer, LinearBase) and consumer.quant_method.accepts_fp8_input(consumer):
+            producer.emit_fp8()
+            count += 1
     return count
 
 
