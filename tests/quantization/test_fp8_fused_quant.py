@@ -5,7 +5,7 @@ magnitudes), which match a float64 emulation of the scheme up to rounding ties; 
 layer takes them in place of x with the same output; and an FP8 engine gives the same greedy
 tokens and logprobs before and after `fuse_fp8_input_quant` pairs its layers (CPU: the fused
 path is the unfused math, so equality is exact; the Triton kernels are in
-tests/ops/test_fp8_fused_quant.py and tests/gpu/test_fp8_fused_quant_gpu.py)."""
+tests/ops/test_fp8_fused_quant_kernels.py and tests/gpu/test_fp8_fused_quant_gpu.py)."""
 
 from __future__ import annotations
 
