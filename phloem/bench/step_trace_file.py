@@ -15,8 +15,9 @@ non-empty step, in the order the steps were collected:
     prefill_chunks  sequences computing a prompt chunk
     tokens          all tokens computed (prefill_tokens + the decodes' tokens)
     shared_seqs     decoding sequences reading a runtime prefix group's shared blocks
-    graph           the step may replay a CUDA graph: decode-only, on CUDA with graphs on
-                    (enforce_eager off) and within the captured batch sizes. The runner still runs
+    graph           the step may replay a CUDA graph: decode-only with one token a sequence (no
+                    drafts), on CUDA with graphs on (enforce_eager off), within the captured
+                    batch sizes. The runner still runs
                     it eagerly when the backend sends a prefix-shared step down its cascade path
                     (see shared_seqs) or graph capture failed at start; the worker reports neither.
     schedule_ms, launch_ms, wait_ms, update_ms
@@ -116,7 +117,7 @@ class StepTraceFile:
         end = time.monotonic()
         sched = record.scheduler_output
         seqs, decode, prefill, chunks, tokens, shared = step_counts(sched)
-        graph = "true" if not chunks and 0 < seqs <= self._graph_seqs else "false"
+        graph = "true" if tokens == seqs <= self._graph_seqs and not chunks else "false"
         self._lines.append(
             f'{{"step":{record.step_index},"t0":{record.started_at:.6f},"t1":{end:.6f},'
             f'"seqs":{seqs},"decode_seqs":{decode},"prefill_tokens":{prefill},'

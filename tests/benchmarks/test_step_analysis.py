@@ -136,12 +136,13 @@ def test_trace_file_buffers_lines_and_reads_back(tmp_path):
     trace(_record(2, mixed))
     assert len(path.read_text().splitlines()) == 4
     trace(_record(3, decode))
+    trace(_record(4, SchedulerOutput([_seq("v", 9, 3, draft_token_ids=(1, 2))])))  # verify
     trace.close()
     with open(path, "a") as f:
-        f.write('{"step": 4, "t0": 1')  # a writer killed mid-line
+        f.write('{"step": 5, "t0": 1')  # a writer killed mid-line
     header, steps = read_step_trace(path)
     assert header["trace"] == "phloem-steps" and header["max_num_seqs"] == 4
-    assert [s["graph"] for s in steps] == [True, False, False, True]
+    assert [s["graph"] for s in steps] == [True, False, False, True, False]
     assert steps[2]["prefill_tokens"] == 30 and steps[2]["decode_seqs"] == 1
     assert steps[0]["t0"] == pytest.approx(50.0 - 0.003) and steps[0]["launch_ms"] == 2.0
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
