@@ -17,6 +17,10 @@ attention over the context, sampling, bookkeeping) [us]. A coefficient whose col
 or a combination of the others in that kind's steps (decode steps: tokens == decode_seqs;
 prefill steps: decode_seqs == 0) is left out (None) and its cost goes to the others.
 
+Host and device: the host phases of a step are on its line (`schedule_ms + launch_ms`, the host
+time before the step is on the device; `wait_ms`, the time the host then blocked for its
+tokens). A wait near zero means the device had finished first: the loop is host-bound there.
+
 The decode-weighted step time, sum(duration * decode_seqs) / sum(decode_seqs), is the mean time a
 decoding sequence waits per token (about a client's mean TPOT); split by kind, it attributes a
 TPOT gap to mixed steps or to decode steps.
@@ -167,8 +171,10 @@ def format_fit(fit: dict | None) -> str:
 
 TABLE_HEADER = (
     "| kind | steps | wall share | duration p50 / p99 (ms) | tokens | decode seqs | prefill "
-    "tokens / chunks | graph | host before launch p50 (ms) | ms per decode token | fit |"
+    "tokens / chunks | graph | host before launch p50 (ms) | wait p50 (ms) | ms per decode token | "
+    "fit |"
 )
+TABLE_COLUMNS = 12
 
 
 def table_rows(analysis: dict, prefix: str = "") -> list[str]:
@@ -182,7 +188,8 @@ def table_rows(analysis: dict, prefix: str = "") -> list[str]:
             f"{_fmt(k['mean_tokens'])} | {_fmt(k['mean_decode_seqs'])} | "
             f"{_fmt(k['mean_prefill_tokens'])} / {_fmt(k['mean_prefill_chunks'], 2)} | "
             f"{_fmt(k['graph_share'] * 100, 0)}% | {_fmt(k['host_before_launch_p50_ms'], 2)} | "
-            f"{_fmt(k['decode_weighted_ms'], 2)} | {format_fit(k['fit'])} |"
+            f"{_fmt(k['wait_p50_ms'], 2)} | {_fmt(k['decode_weighted_ms'], 2)} | "
+            f"{format_fit(k['fit'])} |"
         )
     return rows
 
@@ -198,7 +205,7 @@ def markdown(analysis: dict, title: str) -> str:
         f"{_fmt(analysis['decode_weighted_step_ms'], 2)} ms (about the mean TPOT)",
         "",
         TABLE_HEADER,
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|" + "---|" * TABLE_COLUMNS,
         *table_rows(analysis),
     ]
     return "\n".join(lines) + "\n"

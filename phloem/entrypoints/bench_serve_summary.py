@@ -213,11 +213,12 @@ def _load_traces(directory: Path, engine: str) -> list[tuple[datetime, list[dict
 
 def step_tables(steps: dict[str, dict[str, dict]]) -> list[str]:
     """The Markdown lines of `step_analyses`' result: one row per engine, workload and kind."""
-    from phloem.bench.step_analysis import TABLE_HEADER, table_rows
+    from phloem.bench.step_analysis import TABLE_COLUMNS, TABLE_HEADER, table_rows
 
     lines = ["Engine steps (from the step traces; 'ms per decode token': the kind's part of the "
              "decode-weighted step time, about the mean TPOT):", "",
-             "| engine | workload " + TABLE_HEADER, "|---|---" + "|---" * 11 + "|"]  # fmt: skip
+             "| engine | workload " + TABLE_HEADER,
+             "|---|---" + "|---" * TABLE_COLUMNS + "|"]  # fmt: skip
     for engine, runs in sorted(steps.items()):
         for workload, analysis in sorted(runs.items()):
             lines += table_rows(analysis, f"| {engine} | {workload} ")
