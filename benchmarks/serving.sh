@@ -25,13 +25,14 @@
 # compares each configuration with vLLM on its own. Unset, phloem runs once, labelled "phloem".
 # Time per phloem configuration, from the H200 runs of benchmarks/results/2026-11-26b-h200x2-
 # serving: "ready and warm" 43 s when nothing compiles (FlashInfer modules from .fiaot, Triton
-# cache warm: every configuration after the first on one machine), 245 s for the first start on a
-# fresh machine (~110 s of it Triton compiling; --max-num-seqs 1024 captures 4x the CUDA graphs of
-# 256, 5 s at 256: ~15 s more); each Poisson rate DURATION + ~3 s drain + ~4 s client start;
-# burst-1000 ~25 s; shared-prefix-800 ~15 s; stop ~5 s. One 600 s call on a fresh machine thus holds three
-# configurations with RATES="30" DURATION=20 BURST=0 SHARED=1 (~300 + 2 x ~90 s), but no vLLM
-# beside them (its first start alone is 130 s): copy an earlier call's vllm-*.json into OUT_DIR
-# first for the ratios. Each configuration prints "=== LABEL: done after N s".
+# cache warm: every configuration after the first on one machine), 245 s for the first start on
+# a fresh machine (~110 s of it Triton compiling); --max-num-seqs 1024 captures 4x the CUDA
+# graphs of 256 (5 s at 256: ~15 s more); each Poisson rate DURATION + ~3 s drain + ~4 s client
+# start; burst-1000 ~25 s; shared-prefix-800 ~15 s; stop ~5 s. One 600 s call on a fresh
+# machine thus holds three configurations with RATES="30" DURATION=20 BURST=0 SHARED=1 (~300 +
+# 2 x ~90 s), but no vLLM beside them (its first start alone is 130 s): copy an earlier call's
+# vllm-*.json into OUT_DIR first for the ratios. Each configuration prints "=== LABEL: done
+# after N s".
 #
 # Settings (environment): ENGINES ("phloem vllm"), RATES ("10 20 30 40"), DURATION (30 s per
 # rate), BURST (1: run the all-at-once burst), BURST_N (1000), SHARED (1), SHARED_N (800),
