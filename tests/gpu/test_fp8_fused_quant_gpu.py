@@ -24,8 +24,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# one rounding of the output dtype, relative (bf16: 8 bits, fp16: 11, fp32: a few fp32 ulps)
-ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-6}
+# one rounding of the output dtype, relative (bf16: 8 bits, fp16: 11; fp32: the sum order and
+# the approximate rsqrt, a few ulps)
+ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 5e-6}
 
 
 def rows_of(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
