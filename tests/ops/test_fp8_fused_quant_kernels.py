@@ -3,8 +3,10 @@ interpreted on the CPU: their model-dtype output (written to `y` for the test) a
 layers' torch math, and their scales and e4m3 bytes against `fp8_math`'s quantization of that
 same output. The interpreter's casts are not the GPU's (fp32 -> bf16 truncates; fp32 -> e4m3
 is not round-to-nearest-even on ties, carries into the next binade, mis-casts subnormals), so the
-outputs are checked to a bf16 step, the scales exactly, and the bytes as 95% equal and every
-value within half of itself; tests/gpu/test_fp8_fused_quant_gpu.py checks every byte on the GPU."""
+outputs are checked to a few bf16 steps, the scales exactly, and the bytes as 95% equal and every
+value within half of itself; tests/gpu/test_fp8_fused_quant_gpu.py checks every byte on the GPU.
+Since the interpreter also accepts code the GPU compiler rejects, both kernels are compiled for
+sm_90 here as well (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -92,3 +94,44 @@ def test_bad_input_is_named(ops):
         ops.rms_norm_quant(x, torch.ones(6), 1e-6, fp8_math.MIN_SCALE, torch.zeros(3, 6))
     with pytest.raises(ValueError, match="2-D"):
         ops.rms_norm_quant(torch.zeros(6), torch.ones(6), 1e-6, fp8_math.MIN_SCALE)
+
+
+COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from phloem.ops import fp8_fused_quant as m
+
+ptr = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16"}
+norm = {**ptr, "r_ptr": "*bf16", "w_ptr": "*bf16", "r_out_ptr": "*bf16", "k": "i32",
+        "num_cols": "fp32", "s_x": "i32", "s_r": "i32", "s_q": "i32", "s_ro": "i32", "s_y": "i32",
+        "eps": "fp32", "min_scale": "fp32", "HAS_RESIDUAL": "constexpr", "HAS_Y": "constexpr",
+        "BLOCK": "constexpr"}
+silu = {**ptr, "d": "i32", "s_x": "i32", "s_q": "i32", "s_y": "i32", "min_scale": "fp32",
+        "HAS_Y": "constexpr", "BLOCK": "constexpr"}
+for fn, sig, const, warps in (
+    (m._rms_norm_quant_kernel, norm, {"HAS_RESIDUAL": True, "HAS_Y": False, "BLOCK": 4096}, 8),
+    (m._silu_and_mul_quant_kernel, silu, {"HAS_Y": False, "BLOCK": 16384}, 16),
+):
+    src = ASTSource(fn=fn, signature={n: sig[n] for n in fn.arg_names}, constexprs=const)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx, fn.__name__
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter accepts what the GPU compiler may not: compile both kernels for sm_90
+    (Triton's frontend, PTX and ptxas; no GPU needed) in a process without TRITON_INTERPRET,
+    and check the PTX has the IEEE divisions and the e4m3 round-to-nearest cast the exactness
+    rests on."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
