@@ -68,6 +68,8 @@ class DraftModelProposer(Proposer):
         hf_config: the draft model's transformers config (for the cost rule's time model).
     """
 
+    costly = True  # a pass of the draft model per draft
+
     def __init__(self, runner, kv: DraftKV, max_len: int, max_pass_tokens: int, hf_config):
         if max_pass_tokens < 1:
             raise ValueError(f"max_pass_tokens must be >= 1, got {max_pass_tokens}")

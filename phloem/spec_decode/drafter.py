@@ -194,21 +194,25 @@ class Drafter:
         if not eligible:
             return 0
         step = _step_shape(running, self.budget)
-        k = self.config.num_speculative_tokens
+        rule = self.config.use_cost_rule
+        budgets = [self.config.num_speculative_tokens] * len(eligible)
+        if rule and self.proposer.costly:  # ask only for the drafts the rule would verify
+            budgets = self._choose(list(zip(eligible, budgets)), step)
+            for request, budget in zip(eligible, budgets):
+                if not budget:
+                    self.tracker.skipped(request.request_id)
         proposals = self.proposer.propose(
-            [DraftRequest(r.request_id, _History(r), r.num_prompt_tokens, k) for r in eligible]
+            [
+                DraftRequest(r.request_id, _History(r), r.num_prompt_tokens, budget)
+                for r, budget in zip(eligible, budgets)
+            ]
         )
         offered = [(r, d) for r, d in zip(eligible, proposals) if d]
-        if not self.config.use_cost_rule:
-            chosen = [len(d) for _, d in offered]
-        else:
-            candidates = [
-                DraftCandidate(self.tracker.rate(r.request_id), len(d)) for r, d in offered
-            ]
-            num_sampled = max(step[0], len(candidates))
-            chosen = choose_num_drafts(
-                candidates, num_sampled, *step[1:], self.time_model, self.cost
-            )
+        chosen = (
+            self._choose([(r, len(d)) for r, d in offered], step)
+            if rule
+            else [len(d) for _, d in offered]
+        )
         handed = 0
         for (request, drafts), num in zip(offered, chosen):
             if num:
@@ -217,6 +221,12 @@ class Drafter:
             else:
                 self.tracker.skipped(request.request_id)
         return handed
+
+    def _choose(self, offered: list[tuple[Request, int]], step: tuple[int, int, int]) -> list[int]:
+        """The cost rule's drafts per (request, drafts available) for a step of shape `step`."""
+        candidates = [DraftCandidate(self.tracker.rate(r.request_id), n) for r, n in offered]
+        num_sampled = max(step[0], len(candidates))
+        return choose_num_drafts(candidates, num_sampled, *step[1:], self.time_model, self.cost)
 
     def may_draft(self, running: Sequence[Request]) -> bool:
         """Whether the next step may verify drafts at all (the cost rule's pre-check over the

@@ -33,7 +33,14 @@ class DraftRequest:
 
 class Proposer(ABC):
     """Drafts tokens for a batch of requests; deterministic (its q is one-hot on the drafts, so
-    `rejection_sample(..., draft_probs=None)` verifies them)."""
+    `rejection_sample(..., draft_probs=None)` verifies them).
+
+    Attributes:
+        costly: drafting runs a model (a pass per draft): the drafter applies the cost rule
+            before proposing, on each request's full budget, and asks only for what it chose.
+    """
+
+    costly: bool = False
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import pytest
 
 from phloem import LLM, SamplingParams
+from phloem.config import SpeculativeConfig
 from phloem.model_configs import materialize
+from phloem.spec_decode.cost_rule import StepTimeModel
 from phloem.spec_decode.draft_kv import DraftKV
+from phloem.spec_decode.drafter import Drafter
+from phloem.spec_decode.proposer import Proposer
 from tests.engine.tiny_models import VOCAB, tiny_model_dir
 from tests.spec_decode.test_spec_engine import GREEDY, prompts
 
@@ -57,26 +61,30 @@ def run(path, speculative, params=GREEDY, batch=None, **engine_args):
     return [o.outputs[0].token_ids for o in outs], stats, preempted
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_other_draft_keeps_greedy_outputs(target, other_draft, async_scheduling):
-    want, _, _ = run(target, None, async_scheduling=async_scheduling)
-    got, stats, _ = run(target, spec(other_draft), async_scheduling=async_scheduling)
-    assert got == want
+@pytest.fixture(scope="module")
+def baseline(target):
+    """Greedy outputs without speculation (in float32 the same under every engine setting
+    used here: tests/spec_decode/test_spec_engine.py checks that)."""
+    return run(target, None)[0]
+
+
+def test_other_draft_keeps_greedy_outputs(target, other_draft, baseline):
+    got, stats, _ = run(target, spec(other_draft), async_scheduling=True)
+    assert got == baseline
     assert stats.num_draft_tokens > 100
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # another model: some rejected
 
 
-def test_target_as_its_own_draft_accepts_every_draft(target):
-    want, _, _ = run(target, None)
-    got, stats, _ = run(target, spec(target))
-    assert got == want
+def test_target_as_its_own_draft_accepts_every_draft(target, baseline):
+    got, stats, _ = run(target, spec(target), async_scheduling=False)
+    assert got == baseline
     assert stats.num_draft_tokens > 50
     assert stats.acceptance_rate == 1.0
 
 
-def test_preemption_frees_draft_blocks_and_keeps_outputs(target, other_draft):
+def test_preemption_frees_draft_blocks_and_keeps_outputs(target, other_draft, baseline):
     common = dict(num_gpu_blocks=30, memory_centric_admission=False)
-    want, _, _ = run(target, None, **common)
+    want = baseline
     got, stats, preempted = run(target, spec(target), **common)
     assert preempted, "the small pool must preempt"
     assert got == want and stats.acceptance_rate == 1.0
@@ -150,6 +158,8 @@ def test_bad_draft_models_name_the_field(target, tmp_path):
         LLM(str(target), speculative_config=spec(larger), load_format="dummy")
     with pytest.raises(ValueError, match="speculative_config.model .* cannot be loaded"):
         LLM(str(target), speculative_config=spec(tmp_path / "missing"), load_format="dummy")
+    with pytest.raises(ValueError, match="'draft_model' needs tensor_parallel_size 1"):
+        LLM(str(target), speculative_config=spec(target), tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize(
@@ -203,3 +213,39 @@ def test_bench_json_reports_draft_model_counters(target, tmp_path):
     assert main([*args, "--speculative-config", json.dumps(spec(target)), "--json", str(out)]) == 0
     counts = json.loads(out.read_text())["spec_decode"]
     assert counts["num_draft_tokens"] > 0 and counts["acceptance_rate"] == 1.0
+
+
+class _Recording(Proposer):
+    """A costly proposer that drafts token 5 as often as asked and records the budgets."""
+
+    costly = True
+
+    def __init__(self) -> None:
+        self.asked: list[dict[str, int]] = []
+
+    def propose(self, requests):
+        self.asked.append({r.request_id: r.max_draft_tokens for r in requests})
+        return [[5] * r.max_draft_tokens for r in requests]
+
+    def finish(self, request_id: str) -> None:
+        pass
+
+
+def test_a_costly_proposer_is_asked_only_for_the_drafts_the_rule_chooses():
+    from tests.spec_decode.test_spec_drafter import decoding
+
+    model = StepTimeModel(t_host_s=1e-3, t_weights_s=0.0, c_token_s=1e-3, c_kv_s=0.0)
+    proposer = _Recording()  # every draft costs a token's compute: a bad one does not pay
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), model, 64, proposer)
+    greedy = SamplingParams(temperature=0)
+    rows = [decoding("good", greedy), decoding("bad", greedy)]
+    for _ in range(20):
+        drafter.tracker.observe("good", 3, 3)
+        drafter.tracker.observe("bad", 3, 0)
+    assert drafter.propose(rows) == 3
+    assert proposer.asked == [{"good": 3, "bad": 0}]
+    assert rows[0].draft_token_ids == [5, 5, 5] and rows[1].draft_token_ids == []
+    plain = Drafter(SpeculativeConfig(num_speculative_tokens=3, use_cost_rule=False), model, 64,
+                    proposer)  # fmt: skip
+    plain.propose(rows)
+    assert proposer.asked[-1] == {"good": 3, "bad": 3}
