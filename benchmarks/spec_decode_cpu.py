@@ -1,5 +1,6 @@
 """Speculative decoding end to end on the CPU with the embedded SmolLM2-135M-Instruct: output
-tokens/s with n-gram and suffix drafts against speculation off, same run, same greedy outputs.
+tokens/s with n-gram, suffix and draft-model drafts against speculation off, same run, same
+greedy outputs.
 
 Workloads (chat-templated, greedy, `--max-tokens` outputs at most):
 
@@ -9,14 +10,19 @@ Workloads (chat-templated, greedy, `--max-tokens` outputs at most):
 - `copy_b32`: 32 such prompts in one `chat` call (batch 32);
 - `open_b1`: open-ended prompts ("Write a few paragraphs about ...") one at a time.
 
-The three engines (off, ngram, suffix; cost rule on, k = `--k`) are built once; each workload
-runs on them back to back (the order rotated per repeat), so a load that drifts on a shared
-machine touches all three alike. Reported per workload and engine: output
+The engines (off, ngram, suffix: cost rule on, k = `--k`; `draft_model`: the embedded model
+as its own draft, cost rule off, so every draft is accepted in float32 and the ratio shows the
+draft machinery's overhead; `--engines` picks some) are built once; each workload runs on them
+back to back (the order rotated per repeat), so a load that drifts on a shared machine touches
+them alike. Reported per workload and engine: output
 tokens/s end to end (prefill included), mean time per output token after the first (TPOT), the
 ratios to speculation off, the acceptance counters, and whether the outputs equal the off run's.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py \
         --out benchmarks/results/2026-11-26-cpu-spec-decode/spec_decode_cpu.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py --engines off draft_model \
+        --dtype float32 --only copy_b1 open_b1 \
+        --out benchmarks/results/2026-11-26b-cpu-draft-model/draft_model_cpu.json
 """
 
 from __future__ import annotations
@@ -135,7 +141,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="prompts of the batched workload")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", nargs="*", help="run only these workloads (e.g. copy_b1)")
+    parser.add_argument("--engines", nargs="*", default=["off", "ngram", "suffix"],
+                        choices=["off", "ngram", "suffix", "draft_model"])  # fmt: skip
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype")
     args = parser.parse_args()
+    if "off" not in args.engines:
+        parser.error("--engines must include off (the ratios' baseline)")
 
     from phloem import LLM
     from phloem.models.loader import load_tokenizer, resolve_model
@@ -151,11 +162,14 @@ def main() -> None:
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
         "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
-    }
+        "draft_model": {"model": "embedded", "num_speculative_tokens": args.k,
+                        "use_cost_rule": False},
+    }  # fmt: skip
+    engines = {name: engines[name] for name in args.engines}
     llms = {}
     for name, spec in engines.items():
         llms[name] = LLM(max_num_batched_tokens=2048, kv_cache_memory_bytes=2**30,
-                         speculative_config=spec)  # fmt: skip
+                         speculative_config=spec, dtype=args.dtype)  # fmt: skip
         run_workload(llms[name], ["Say hello."], 1, 8)  # warm-up
     runs: dict[str, dict[str, list[dict]]] = {w: {e: [] for e in engines} for w in workloads}
     for repeat in range(args.repeats):
@@ -169,7 +183,8 @@ def main() -> None:
                       f"TPOT {r['mean_tpot_s'] * 1000:.0f} ms", file=sys.stderr)  # fmt: skip
     out = {"command": "python " + " ".join(sys.argv), "date": str(datetime.date.today()),
            "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
-           "k": args.k, "max_tokens": args.max_tokens, "workloads": {}}  # fmt: skip
+           "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
+           "workloads": {}}  # fmt: skip
     for w in workloads:
         base = runs[w]["off"]
         summary = {}
