@@ -5,7 +5,7 @@
 #   STAGES="decode-heavy prefill-heavy" bash benchmarks/fp8_device.sh "$OUT/fp8"   # the other
 #   STAGES="fp8kv-tests" bash benchmarks/fp8_device.sh "$OUT/fp8"   # FP8 KV: build + tests,
 #   STAGES="fp8kv" bash benchmarks/fp8_device.sh "$OUT/fp8"         # then its benches (same machine)
-#   STAGES="batchllm unfused" bash benchmarks/fp8_device.sh "$OUT/fp8"  # what the fused quantization gains
+#   STAGES="unfused" bash benchmarks/fp8_device.sh "$OUT/fp8"     # what the fused quantization gains
 # Stages, in the order given by STAGES:
 #   tests          tests/gpu/test_fp8_gpu.py: torch._scaled_mm (row-wise) vs the CPU-exact
 #                  reference over Llama-8B GEMM shapes, block checkpoints requantized on CUDA,
@@ -15,9 +15,9 @@
 #                  with and without them (output in OUT_DIR/fp8-gpu-tests.txt)
 #   batchllm       `phloem bench throughput --model llama-3.1-8b --workload batchllm
 #                  --num-groups 400` at bf16 and with --quantization fp8
-#   unfused        batchllm 400 with --quantization fp8 and PHLOEM_FP8_FUSED_QUANT=0 (activations
-#                  quantized in a pass of their own, as before the fusion); run after batchllm
-#                  in the same call, the summary gives fused / unfused requests/s
+#   unfused        batchllm 400 with --quantization fp8, then again with PHLOEM_FP8_FUSED_QUANT=0
+#                  (activations quantized in a pass of their own, as before the fusion); the
+#                  summary gives fused / unfused requests/s
 #   decode-heavy   the decode-heavy workload (1000 x 1000/1000) at bf16 and fp8
 #   prefill-heavy  the prefill-heavy workload (1000 x 2048/128) at bf16 and fp8
 #   fp8kv-tests    build FlashInfer's FP8-KV modules (flashinfer_prebuild.py --fp8-kv), then
@@ -61,6 +61,7 @@ for stage in $STAGES; do
         bench batchllm400-fp8 --workload batchllm --num-groups 400 --quantization fp8
         ;;
     unfused)
+        bench batchllm400-fp8-fused --workload batchllm --num-groups 400 --quantization fp8
         PHLOEM_FP8_FUSED_QUANT=0 bench batchllm400-fp8-unfused --workload batchllm \
             --num-groups 400 --quantization fp8
         ;;
@@ -104,7 +105,7 @@ for base in ("batchllm400", "decode-heavy", "prefill-heavy"):
     print(f"{base}: fp8/bf16 requests/s {ratios['requests_per_s']:.3f}, output tok/s "
           f"{ratios['output_tokens_per_s']:.3f}, total tok/s {ratios['total_tokens_per_s']:.3f}; "
           f"sustained roofline ratio bf16 {sustained['bf16']} fp8 {sustained['fp8']}")
-fused, unfused = load("batchllm400-fp8"), load("batchllm400-fp8-unfused")
+fused, unfused = load("batchllm400-fp8-fused"), load("batchllm400-fp8-unfused")
 if fused and unfused:
     gain = fused["requests_per_s"] / unfused["requests_per_s"]
     summary["batchllm400-fp8-fused-over-unfused"] = {"requests_per_s": gain}
