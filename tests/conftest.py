@@ -93,3 +93,26 @@ def triton_kernels():
         return module
 
     return load
+
+
+@pytest.fixture
+def compile_for_hopper(tmp_path):
+    """`compile_for_hopper(code)`: run `code` (Python that calls `triton.compile` for
+    `GPUTarget("cuda", 90, 32)`) in a process without TRITON_INTERPRET and a cache of its own,
+    and return its stdout; fails the test with the compiler's error when the process fails.
+    Triton's frontend, PTX and ptxas run on the CPU: the interpreter accepts kernels that the
+    GPU compiler rejects, this does not."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+
+    def run(code: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                              capture_output=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout
+
+    return run

@@ -9,12 +9,6 @@ FP8 activation quantizers are compiled by tests/ops/test_fp8_fused_quant_kernels
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
-
 COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -81,11 +75,6 @@ print("compiled:", "; ".join(built))
 """
 
 
-def test_kernels_compile_for_hopper(tmp_path):
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, text=True,
-                          capture_output=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0 and "compiled:" in done.stdout, done.stderr[-4000:]
-    assert done.stdout.count("tile_kernel") == 6
+def test_kernels_compile_for_hopper(compile_for_hopper):
+    out = compile_for_hopper(COMPILE)
+    assert "compiled:" in out and out.count("tile_kernel") == 6
