@@ -54,9 +54,7 @@ def step_counts(sched: SchedulerOutput) -> tuple[int, int, int, int, int, int]:
     for s in sched.scheduled:
         n = s.num_tokens
         tokens += n
-        if (n != 1 or s.new_sequence is not None) and (
-            s.new_sequence is not None or n - len(s.draft_token_ids) > 1
-        ):
+        if s.new_sequence is not None or n - len(s.draft_token_ids) > 1:
             prefill_tokens += n
             prefill_chunks += 1
         elif s.prefix_len:
