@@ -4,6 +4,8 @@
 # - installs the carried wheels (.whl/: flashinfer-python, apache-tvm-ffi) into /tmp/site;
 # - points FlashInfer's JIT at the CUDA toolkit, the curand headers of torch's nvidia wheels and a
 #   linkable libcuda, for Hopper only (FLASHINFER_CUDA_ARCH_LIST=9.0a);
+# - restores Triton's kernel cache of an earlier run (.tcache/triton.tgz), `triton_pack_cache DIR`
+#   tars the current one (with a listing of each kernel's name and compile time, triton_cache.txt);
 # - restores modules built by an earlier run (.fiaot/fiaot.tgz) as FlashInfer AOT modules, so
 #   nothing recompiles; after a run, `fi_pack_modules DIR` tars the JIT-built modules for reuse.
 if [ "${PHLOEM_DEVICE_SETUP:-}" = done ]; then return 0; fi  # sourced already (parallel runs share it)
@@ -28,6 +30,13 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fi_ws
 AOT=/tmp/site/flashinfer/data/aot
 mkdir -p "$AOT"
 if [ -f .fiaot/fiaot.tgz ]; then tar -xzf .fiaot/fiaot.tgz -C "$AOT" && echo "restored AOT modules: $(ls "$AOT")"; fi
+# Triton's compiled kernels from an earlier run (.tcache/triton.tgz, `triton_pack_cache DIR`):
+# entries whose kernel source, Triton version or target changed simply miss and recompile.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .tcache/triton.tgz ]; then
+    tar -xzf .tcache/triton.tgz -C "$TRITON_CACHE_DIR" && echo "restored Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) kernels"
+fi
 export PHLOEM_DEVICE_SETUP=done
 echo "CUDA_HOME=$CUDA_HOME nvcc=$(command -v nvcc) libcuda=$libcuda site=$SITE"
 
@@ -42,4 +51,10 @@ fi_pack_modules() {  # tar every JIT-built module (<name>/<name>.so) plus restor
         mkdir -p "/tmp/fi_pack/$name" && cp "$so" "/tmp/fi_pack/$name/"
     done
     tar -czf "$1/fiaot.tgz" -C /tmp/fi_pack . && ls -la "$1/fiaot.tgz"
+}
+
+triton_pack_cache() {  # tar Triton's cache into $1/triton.tgz; list its kernels (mtime, name)
+    find "$TRITON_CACHE_DIR" -name '*.json' ! -name '__grp__*' -printf '%T@ %f %h\n' | sort -n \
+        > "$1/triton_cache.txt"
+    tar -czf "$1/triton.tgz" -C "$TRITON_CACHE_DIR" . && ls -la "$1/triton.tgz"
 }
