@@ -178,3 +178,33 @@ def test_cuda_graph_decode_replays_new_page_tables():
         ref = paged_attention_reference(q2, kv, meta2, head_dim**-0.5, torch.float32)
         err = _rel_err(static_out, ref)
         assert err <= 1e-2, f"trial {trial}: rel err {err:.2e} for {seqs}"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_planning_never_waits_for_the_device(kv_dtype):
+    """Planning a step (eager or into a CUDA-graph wrapper) makes no synchronizing copy: under
+    async scheduling the next step is planned while the previous one runs, and a sync there
+    serializes host and device (measured: the decode step's host launch grew from ~1 ms to
+    the whole device step). `set_sync_debug_mode("error")` raises on any blocking copy."""
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+
+    heads, kv_heads, head_dim, bs = 32, 8, 128, 16
+    backend = FlashInferAttention(
+        heads, kv_heads, head_dim, torch.bfloat16, "cuda", kv_dtype=kv_dtype,
+        max_num_blocks_per_seq=128,
+    )  # fmt: skip
+    rng = random.Random(RUN_SEED)
+    decode = _step([(1, rng.randint(1, 2000)) for _ in range(8)], bs, heads, kv_heads, head_dim,
+                   RUN_SEED, num_blocks=1100)[2]  # fmt: skip
+    mixed = _step([(37, 300), (1, 90), (1, 1500)], bs, heads, kv_heads, head_dim, RUN_SEED)[2]
+    backend.prepare_replay(decode)  # first plans build wrappers and buffers (allowed to sync)
+    backend.begin_step(mixed)
+    backend.begin_step(decode)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.prepare_replay(decode)
+        backend.begin_step(mixed)
+        backend.begin_step(decode)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -229,6 +229,11 @@ class FlashInferAttention(AttentionBackend):
     def _plan(self, meta: AttentionMetadata, wrapper) -> None:
         """FlashInfer's `plan()` of the step into `wrapper`, which becomes the active one."""
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(meta)
+        # FlashInfer copies a HOST page-index tensor into a CUDA-graph wrapper's buffer with a
+        # blocking copy: the host would wait for every queued kernel (under async scheduling,
+        # the whole step in flight) before it could launch the next one. Sent ahead from pinned
+        # memory, the indices arrive by a device-to-device copy that waits for nothing.
+        kv_indices = kv_indices.to(self.device, non_blocking=True)
         self._active = wrapper
         self._num_query_tokens = meta.query_start_loc_cpu[-1]
         if isinstance(wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper):
