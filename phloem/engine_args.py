@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 # the settings tuned on H100/H200 (issue 19: the serving-sized 256 / 4,096 ran the batchllm and
 # shared-prefix workloads 11-13% slower). Usage-context defaults as in vLLM's `EngineArgs`.
 OFFLINE_LARGE_GPU_LIMITS = (2048, 8192)
+# Server defaults on such a GPU: vLLM's (1,024 / 8,192). Measured on an H200 (issue 24,
+# benchmarks/results/2026-11-26c-h200-serving): against 256 / 4,096, a 1,000-request burst ran at
+# 53.4 vs 50.9 req/s, the shared-prefix burst at 82.1 vs 73.0, Poisson 20 and 30 req/s level.
+SERVE_LARGE_GPU_LIMITS = (1024, 8192)
 LARGE_GPU_GIB = 70
 USAGE_CONTEXTS = ("offline", "serve")
 
@@ -344,9 +348,10 @@ class EngineArgs:
 
 def step_limit_defaults(usage_context: str, device: str) -> tuple[int, int]:
     """Default (max_num_seqs, max_num_batched_tokens [tokens]) for `usage_context` on `device`
-    ("auto", "cuda" or "cpu"): `OFFLINE_LARGE_GPU_LIMITS` for offline jobs when the engine will
-    run on a CUDA GPU (device 0) with >= `LARGE_GPU_GIB` GiB, else `SchedulerConfig`'s (sized for
-    serving latency and for CPUs). Logs what it picked and why.
+    ("auto", "cuda" or "cpu"): when the engine will run on a CUDA GPU (device 0) with >=
+    `LARGE_GPU_GIB` GiB, `OFFLINE_LARGE_GPU_LIMITS` for offline jobs and `SERVE_LARGE_GPU_LIMITS`
+    for the server; else `SchedulerConfig`'s (sized for CPUs and small GPUs). Logs what it picked
+    and why.
 
     Raises:
         ValueError: naming `usage_context` when it is not one of `USAGE_CONTEXTS`.
@@ -354,10 +359,11 @@ def step_limit_defaults(usage_context: str, device: str) -> tuple[int, int]:
     if usage_context not in USAGE_CONTEXTS:
         raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
     limits = (SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens)
-    why = usage_context if usage_context == "serve" else "offline on a CPU or a small GPU"
-    gib = _cuda_memory_gib(device) if usage_context == "offline" else None
+    why = f"{usage_context} on a CPU or a small GPU"
+    gib = _cuda_memory_gib(device)
     if gib is not None and gib >= LARGE_GPU_GIB:
-        limits, why = OFFLINE_LARGE_GPU_LIMITS, f"offline on a GPU with {gib:.0f} GiB"
+        large = OFFLINE_LARGE_GPU_LIMITS if usage_context == "offline" else SERVE_LARGE_GPU_LIMITS
+        limits, why = large, f"{usage_context} on a GPU with {gib:.0f} GiB"
     logger.info("max_num_seqs=%d, max_num_batched_tokens=%d (defaults: %s)", *limits, why)
     return limits
 

@@ -182,9 +182,10 @@ def test_offline_defaults_on_a_large_gpu_are_the_tuned_step_limits(monkeypatch, 
     ) == engine_args.OFFLINE_LARGE_GPU_LIMITS
     assert "max_num_seqs=2048, max_num_batched_tokens=8192" in caplog.text
     assert "GPU with 140 GiB" in caplog.text
-    # the server keeps its latency-sized defaults; explicit values always win
+    # the server's own defaults on such a GPU (vLLM's); explicit values always win
     sched = EngineArgs().create_engine_config("serve").scheduler
-    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (1024, 8192)
+    assert "serve on a GPU with 140 GiB" in caplog.text
     sched = EngineArgs(max_num_seqs=64).create_engine_config().scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (64, 8192)
     sched = EngineArgs(max_num_batched_tokens=1024).create_engine_config().scheduler
@@ -199,8 +200,9 @@ def test_offline_defaults_on_a_cpu_or_small_gpu_are_the_scheduler_defaults(monke
     from phloem import engine_args
 
     monkeypatch.setattr(engine_args, "_cuda_memory_gib", lambda device: gib)
-    sched = EngineArgs().create_engine_config().scheduler
-    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
+    for usage_context in ("offline", "serve"):
+        sched = EngineArgs().create_engine_config(usage_context).scheduler
+        assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
 
 
 def test_cpu_device_never_asks_cuda():
