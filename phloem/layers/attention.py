@@ -107,7 +107,7 @@ class Attention(nn.Module):
         positions: torch.Tensor | None = None,
         rotary_emb: nn.Module | None = None,
     ) -> torch.Tensor:
-        """Attention over the step's packed tokens.
+        """Attention over the step's packed tokens: `store_kv`, then `attend`.
 
         Args:
             q: [T, num_heads * head_dim] (or [T, num_heads, head_dim]); k, v: [T, num_kv_heads *
@@ -120,27 +120,58 @@ class Attention(nn.Module):
         Raises:
             RuntimeError: outside `with forward_context(...)`.
         """
+        out = self.attend(self.store_kv(q, k, v, positions, rotary_emb))
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """The part before the backend call (`forward`'s arguments): RoPE on q and k when
+        `rotary_emb` is given, and the write of k and v into the layer's cache at the context's
+        `slot_mapping` (mutates `kv_caches[layer_idx]`). Without a host sync when the context
+        has `valid_slots`, so a CUDA graph can capture it (the piecewise graphs of
+        `phloem.worker.piecewise_graph` end here).
+
+        Returns:
+            the rotated q, [T, num_heads, head_dim] in q's dtype.
+        """
         ctx = get_forward_context()
-        meta = ctx.attn_metadata
         kv_cache = ctx.kv_caches[self.layer_idx]
+        slot_mapping = ctx.attn_metadata.slot_mapping
         num_tokens = q.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # views for the QKV split
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        ks, vs = (self.k_scale, self.v_scale) if kv_cache.dtype == FP8_KV_DTYPE else (1.0, 1.0)
+        ks, vs = self._kv_scales(kv_cache)
         fused = _rope_kv_kernel(q) if rotary_emb is not None else None
         if fused is not None:
-            q = fused(positions, q, k, v, rotary_emb.cos, rotary_emb.sin, kv_cache,
-                      meta.slot_mapping, ks, vs)  # fmt: skip
+            return fused(positions, q, k, v, rotary_emb.cos, rotary_emb.sin, kv_cache,
+                         slot_mapping, ks, vs)  # fmt: skip
+        if rotary_emb is not None:
+            q, k = rotary_emb(positions, q, k)
+        if ctx.valid_slots:
+            write_kv_slots(kv_cache, slot_mapping, k, v, ks, vs)
         else:
-            if rotary_emb is not None:
-                q, k = rotary_emb(positions, q, k)
-            if ctx.valid_slots:
-                write_kv_slots(kv_cache, meta.slot_mapping, k, v, ks, vs)
-            else:
-                write_kv(kv_cache, k, v, meta.slot_mapping, ks, vs)
-        out = ctx.backend.forward(q, kv_cache, meta, self.scale, None, ks, vs)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+            write_kv(kv_cache, k, v, slot_mapping, ks, vs)
+        return q
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The backend call: attention of q [T, num_heads, head_dim] (rotated, its K/V already
+        in the cache: `store_kv`) over the context's step (`AttentionBackend.forward`), into
+        `out` when given (q's shape and dtype, contiguous). Returns [T, num_heads, head_dim]."""
+        ctx = get_forward_context()
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        ks, vs = self._kv_scales(kv_cache)
+        return ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale, out, ks, vs)
+
+    def _kv_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) for an FP8 cache; (1.0, 1.0) for any other."""
+        return (self.k_scale, self.v_scale) if kv_cache.dtype == FP8_KV_DTYPE else (1.0, 1.0)
 
     def extra_repr(self) -> str:
         return (

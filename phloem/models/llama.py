@@ -113,12 +113,23 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """positions int64 [T], hidden [T, hidden_size] -> [T, hidden_size]."""
+        return self.post_attention(self.attn.attend(self.pre_attention(positions, hidden)))
+
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The part before the backend call: QKV projection, q/k norms, RoPE and the KV write
+        (`Attention.store_kv`; mutates the layer's cache). positions int64 [T], hidden
+        [T, hidden_size] (or its `Fp8Activation`) -> rotated q [T, num_heads, head_dim]."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.q_norm is not None and self.k_norm is not None:
-            num_tokens = hidden.shape[0]
+            num_tokens = q.shape[0]
             q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim))
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+        return self.attn.store_kv(q, k, v, positions, self.rotary_emb)
+
+    def post_attention(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [T, num_heads, head_dim] -> [T, hidden_size] (its
+        tensor-parallel all-reduce included)."""
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
 
 
 class LlamaMLP(nn.Module):
@@ -158,12 +169,28 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream); their sum is the layer's HF output."""
+        q, residual = self.pre_attention(positions, hidden, residual)
+        return self.post_attention(self.self_attn.attn.attend(q), residual)
+
+    def pre_attention(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (with the residual add when `residual` is given) and the attention's part
+        before the backend call (`LlamaAttention.pre_attention`: writes this layer's K/V).
+        Returns (rotated q [T, num_heads, head_dim], residual stream [T, hidden_size])."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        return self.self_attn.pre_attention(positions, hidden), residual
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj of the attention output [T, num_heads, head_dim], the post-attention norm
+        (+ residual) and the MLP. Returns (mlp output, residual stream), as `forward`."""
+        hidden = self.self_attn.post_attention(attn_out)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -182,10 +209,43 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        """The pieces in order, each layer's backend call between two of them (one code path
+        with `phloem.worker.piecewise_graph`, which captures the pieces in CUDA graphs)."""
+        q, residual = self.first_piece(input_ids, positions)
+        last = len(self.layers) - 1
+        for i in range(len(self.layers)):
+            attn_out = self.attention(i).attend(q)
+            if i < last:
+                q, residual = self.middle_piece(i + 1, positions, attn_out, residual)
+        return self.last_piece(attn_out, residual)
+
+    # -- the pieces between attention backend calls (`LlamaForCausalLM.pieces`) -------------
+
+    def attention(self, layer_idx: int) -> Attention:
+        """Layer layer_idx's `Attention`, whose `attend` runs between two pieces."""
+        return self.layers[layer_idx].self_attn.attn
+
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, then layer 0 up to its backend call. Returns (q, residual)."""
+        return self.layers[0].pre_attention(positions, self.embed_tokens(input_ids), None)
+
+    def middle_piece(
+        self,
+        layer_idx: int,
+        positions: torch.Tensor,
+        attn_out: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer layer_idx - 1 after its backend call, then layer layer_idx up to its own.
+        Returns (q, residual)."""
+        hidden, residual = self.layers[layer_idx - 1].post_attention(attn_out, residual)
+        return self.layers[layer_idx].pre_attention(positions, hidden, residual)
+
+    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer after its backend call, then the final norm: hidden [T, hidden_size]."""
+        hidden, residual = self.layers[-1].post_attention(attn_out, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -232,6 +292,15 @@ class LlamaForCausalLM(nn.Module):
             RuntimeError: outside `with forward_context(...)`.
         """
         return self.model(input_ids, positions)
+
+    def pieces(self) -> LlamaModel:
+        """The forward pass split at each layer's attention backend call (the contract of
+        `phloem.worker.piecewise_graph.PiecewiseModel`): `first_piece(input_ids, positions)`,
+        `middle_piece(i, positions, attn_out, residual)` for layers 1..L-1 and
+        `last_piece(attn_out, residual)` are graph-safe (KV writes at the context's slots, no
+        host sync); `attention(i).attend(q, out)` between them is the backend's. `forward`
+        runs the same pieces, so both paths compute the same."""
+        return self.model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits float32 [N, vocab_size]."""
