@@ -9,7 +9,8 @@
 #   dpN-contiguous  --data-parallel-size N --data-parallel-routing contiguous (vLLM's slicing)
 # N = the visible GPUs / TP (override with N=...; TP=2 makes each replica a TP=2 group, so dp1 is
 # one TP group); with N = 1 the three runs are all one engine, which
-# still checks the script end to end. Prints each run's summary, then the speed-ups over dp1,
+# still checks the script end to end. A run whose JSON is already in OUT_DIR is skipped (so dp1 can
+# run beforehand, e.g. on one GPU beside another job). Prints each run's summary, then the speed-ups over dp1,
 # prefix over contiguous, the cluster-wide prompt reuse of each run and whether the outputs agree
 # (the runs' output digests), and writes every run's JSON plus summary.json under OUT_DIR.
 # Time: one H100 runs batchllm 100 x 16 at ~76 req/s with the ENGINE_ARGS below, so NUM_GROUPS=400
@@ -27,7 +28,8 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 TP=${TP:-1}  # each replica a tensor-parallel group of TP GPUs (DP x TP = the visible GPUs)
 N=${N:-$(($(nvidia-smi -L | wc -l) / TP))}
 echo "=== N=$N replicas of TP=$TP GPUs, batchllm $NUM_GROUPS x 16 ($((NUM_GROUPS * 16)) requests; DP=1 at ~76 req/s: ~$((NUM_GROUPS * 16 / 76)) s of generation)"
-run() {  # NAME DP ROUTING
+run() {  # NAME DP ROUTING (a run whose JSON is in OUT_DIR already is skipped)
+    if [ -f "$OUT/$1.json" ]; then echo "=== $1: done already"; return; fi
     echo "=== $1 $(date +%T)"
     # shellcheck disable=SC2086
     timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model llama-3.1-8b \
