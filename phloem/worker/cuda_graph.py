@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from phloem.forward_context import ForwardContext, forward_context
-from phloem.ops.attention.interface import AttentionBackend
+from phloem.ops.attention.interface import AttentionBackend, DecodePath
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
@@ -157,6 +157,24 @@ class CUDAGraphRunner:
             self.max_batch_size,
             time.perf_counter() - start,
         )
+
+    def run_decode(self, host: HostStep, fill_inputs=None) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode-only step from a replay (`run`) when a bucket
+        fits it and the backend does not want the eager (cascade) path (`plan_decode`); None
+        otherwise."""
+        num_seqs = len(host.seq_lens)
+        if num_seqs > self.max_batch_size:
+            return None
+        path, groups = DecodePath.GRAPH, None
+        if host.prefix_lens is not None and any(host.prefix_lens):
+            in_graph = self.has_graph(num_seqs, "shared_prefix")
+            path, groups = self.backend.plan_decode(
+                host.seq_lens, host.block_tables, host.prefix_lens, self.block_size, in_graph
+            )
+            if path is DecodePath.EAGER:
+                return None  # prefix sharing pays this step: the cascade path, eagerly
+        variant = "shared_prefix" if path is DecodePath.SHARED_GRAPH else "plain"
+        return self.run(host, fill_inputs, variant, groups)
 
     def run(
         self,

@@ -63,7 +63,7 @@ class InputBatch:
     def __init__(self) -> None:
         self.states: dict[str, SequenceState] = {}
         # states whose sampling reads earlier outputs (penalties): 0 lets
-        # `ModelRunner.needs_token_history` look at a step's new sequences only
+        # `needs_token_history` look at a step's new sequences only
         self.num_with_penalties = 0
 
     def update(self, sched: SchedulerOutput) -> list[SequenceState]:
@@ -93,6 +93,19 @@ class InputBatch:
                 state.block_ids.extend(s.new_block_ids)
             rows.append(state)
         return rows
+
+    def needs_token_history(self, sched: SchedulerOutput) -> bool:
+        """True if sampling this step reads earlier output tokens (penalties), so a step in
+        flight must be collected (its tokens appended) before this one is launched."""
+        held = self.num_with_penalties > 0  # else only new sequences can have them
+        for s in sched.scheduled:
+            new = s.new_sequence
+            if new is not None:
+                if new.sampling_params.has_penalties:
+                    return True
+            elif held and self.states[s.seq_id].params.has_penalties:
+                return True
+        return False
 
     def _drop(self, seq_id: str) -> None:
         state = self.states.pop(seq_id, None)

@@ -3,8 +3,10 @@
 This is the only place a step's tensors are built: input ids, positions, the slot mapping, block
 tables and the positions whose logits are sampled. The model sees packed tokens (no batch dim)
 and reads its attention metadata from the forward context. Each step calls the backend's
-`begin_step` once (planning backends such as FlashInfer); decode-only steps replay a captured
-CUDA graph when `capture_cuda_graphs` ran (see cuda_graph.py).
+`begin_step` once (planning backends such as FlashInfer). Once graphs are captured, a decode-only
+step replays its batch bucket's graph (cuda_graph.py), another step of at most the largest token
+bucket the piecewise graphs, attention eager between them (piecewise_graph.py); larger steps run
+eagerly.
 
 Structured outputs: a step with constrained samples (`SchedulerOutput.structured_seq_ids`) is
 launched in two parts: `launch` enqueues the forward pass and keeps the logits, `sample` gets the
@@ -36,7 +38,7 @@ from phloem.layers.sampler import (
     SamplingRow,
     seeded_generator,
 )
-from phloem.ops.attention.interface import AttentionBackend, DecodePath
+from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
@@ -51,6 +53,7 @@ from phloem.worker.input_batch import (
     append_verified,
     sampling_row,
 )
+from phloem.worker.piecewise_graph import CUDAPieceGraphs, PieceGraphs, PiecewiseGraphRunner
 
 __all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
 
@@ -148,13 +151,14 @@ class ModelRunner:
         # the sequences' state between steps (rows that never change are cached there)
         self.input_batch = InputBatch()
         self.graph_runner: CUDAGraphRunner | None = None
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
         # the last launched step's sampled tokens (device int64 [S]) and seq id -> row
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the per-layer caches: num_blocks usable blocks plus the scratch block
         (id num_blocks). Drops any captured CUDA graphs (they point at the old caches)."""
-        self.graph_runner = None
+        self.graph_runner = self.piecewise_runner = None
         self.kv_caches = []
         geometry = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
@@ -186,6 +190,18 @@ class ModelRunner:
         )
         runner.capture()
         self.graph_runner = runner
+
+    def capture_piecewise_graphs(
+        self, token_sizes: list[int], graphs: PieceGraphs | None = None
+    ) -> None:
+        """Capture the pieces of the steps of these token buckets (`piecewise_graph`); `graphs`:
+        how (default CUDA graphs; CPU tests pass `RerunPieceGraphs`). Writes the scratch block."""
+        runner = PiecewiseGraphRunner(
+            self.model, self.kv_caches, self.backend, self.block_size, self.num_blocks,
+            token_sizes, self.device, graphs or CUDAPieceGraphs(self.device),
+        )  # fmt: skip
+        runner.capture()
+        self.piecewise_runner = runner
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -229,21 +245,21 @@ class ModelRunner:
         be launched, once and in order (the worker's sequence state follows them). Input tokens
         still pending (sampled by the previous launched step, async scheduling) are taken from
         that step's device tensor. Mutates the KV cache and the seeded sequences' generators.
-        Decode-only steps replay a CUDA graph when graphs were captured and one fits. None for
-        a step that samples nothing."""
+        Steps replay CUDA graphs where captured ones take them (`_run_graph`). None for a step
+        that samples nothing."""
         for seq_id in sched.finished_seq_ids:
             self._generators.pop(seq_id, None)
         states = self.input_batch.update(sched)
         if sched.is_empty:
             return None
         host = HostStep.build(sched, states, self.block_size, self.backend.reads_prefix_lens)
-        hidden = self._run_graph(host) if host.is_decode else None
+        hidden = self._run_graph(host)
         if hidden is None:
             inputs = self.prepare_inputs(host)
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-            if not host.sampled:
-                return None
             hidden = hidden[inputs.logits_indices]
+        if not host.sampled:
+            return None
         logits = self.model.compute_logits(hidden)
         scheduled = sched.scheduled
         seq_ids = [scheduled[i].seq_id for i in host.sampled]
@@ -346,18 +362,8 @@ class ModelRunner:
         return VerifyStep(verified, drafted, sampled, plain)
 
     def needs_token_history(self, sched: SchedulerOutput) -> bool:
-        """True if sampling this step reads earlier output tokens (penalties), so a step in
-        flight must be collected (its tokens appended) before this one is launched."""
-        states = self.input_batch.states
-        held = self.input_batch.num_with_penalties > 0  # else only new sequences can have them
-        for s in sched.scheduled:
-            new = s.new_sequence
-            if new is not None:
-                if new.sampling_params.has_penalties:
-                    return True
-            elif held and states[s.seq_id].params.has_penalties:
-                return True
-        return False
+        """`InputBatch.needs_token_history`: the step's sampling reads earlier output tokens."""
+        return self.input_batch.needs_token_history(sched)
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
         """input_ids[index] = the token the last launched step sampled for the sequence."""
@@ -383,25 +389,19 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     def _run_graph(self, host: HostStep) -> torch.Tensor | None:
-        """Hidden states [B, hidden] of a decode-only step from a graph replay when a bucket
-        fits it and the backend does not want the eager (cascade) path; None otherwise."""
-        runner = self.graph_runner
-        num_seqs = len(host.seq_lens)
-        if runner is None or num_seqs > runner.max_batch_size:
-            return None
-        path, groups = DecodePath.GRAPH, None
-        if host.prefix_lens is not None and any(host.prefix_lens):
-            in_graph = runner.has_graph(num_seqs, "shared_prefix")
-            path, groups = self.backend.plan_decode(
-                host.seq_lens, host.block_tables, host.prefix_lens, self.block_size, in_graph
-            )
-            if path is DecodePath.EAGER:
-                return None  # prefix sharing pays this step: the cascade path, eagerly
+        """Hidden states [S, hidden] of the step's sampled rows from graph replays: the decode
+        graph of a decode-only step (`CUDAGraphRunner.run_decode`), else the piecewise graphs
+        when a token bucket holds the step; None when it runs eagerly."""
         fill = None
         if host.pending:
             fill = lambda input_ids: self._fill_pending(input_ids, host.pending)  # noqa: E731
-        variant = "shared_prefix" if path is DecodePath.SHARED_GRAPH else "plain"
-        return runner.run(host, fill_inputs=fill, variant=variant, groups=groups)
+        hidden = None
+        if self.graph_runner is not None and host.is_decode:
+            hidden = self.graph_runner.run_decode(host, fill)
+        pieces = self.piecewise_runner
+        if hidden is None and pieces is not None and pieces.bucket(len(host.input_ids)):
+            hidden = pieces.run(host, fill)
+        return hidden
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:

@@ -1,0 +1,107 @@
+"""Piecewise graphs of non-decode steps (phloem/worker/piecewise_graph.py) on the CPU: pieces that
+re-run on the same static buffers stand in for CUDA graphs, so buckets, padding, buffer slices,
+piece boundaries and the eager attention between pieces are all checked here."""
+
+import pytest
+import torch
+
+from phloem.worker.input_batch import HostStep
+from phloem.worker.piecewise_graph import (
+    PiecewiseGraphRunner,
+    RerunPieceGraphs,
+    piecewise_token_sizes,
+)
+from tests.worker.piecewise_harness import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    CountingGraphs,
+    both_ways,
+    make_runner,
+    mixed_steps,
+    step,
+    tiny_phloem_model,
+)
+
+BUCKETS = [8, 16, 32, 48]
+
+
+def test_token_sizes():
+    sizes = piecewise_token_sizes(8192)
+    assert sizes[:3] == [64, 128, 192] and sizes[15:] == [1024, 1280, 1536, 2048]
+    assert len(sizes) == 19
+    assert piecewise_token_sizes(2048) == sizes
+    assert piecewise_token_sizes(300) == [64, 128, 192, 256, 300]
+    assert piecewise_token_sizes(64) == [64]
+    assert piecewise_token_sizes(10) == [10]
+    for cap in (10, 300, 2048):
+        assert all(any(s >= n for s in piecewise_token_sizes(cap)) for n in range(1, cap + 1))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        piecewise_token_sizes(0)
+
+
+def test_token_sizes_must_ascend():
+    runner = make_runner(tiny_phloem_model("llama"))
+    for bad in ([], [16, 8], [0, 8]):
+        with pytest.raises(ValueError, match="token_sizes"):
+            PiecewiseGraphRunner(
+                runner.model, runner.kv_caches, runner.backend, BLOCK_SIZE, NUM_BLOCKS, bad,
+                runner.device, RerunPieceGraphs(),
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_piecewise_steps_equal_eager(arch):
+    """Mixed prompt-chunk + one-token steps of 30, 15 and 48 tokens: hidden states equal the
+    eager forward's, the KV cache after the step equals the eager one everywhere but the
+    scratch block, and padded steps write the scratch block (their padding rows' slot)."""
+    model = tiny_phloem_model(arch)
+    runner = make_runner(model)
+    graphs = CountingGraphs()
+    runner.capture_piecewise_graphs(BUCKETS, graphs)
+    pieces = model.num_layers + 1
+    assert runner.piecewise_runner.num_graphs == len(BUCKETS) * pieces
+    scratch = NUM_BLOCKS
+    for seqs in mixed_steps(model.config.vocab_size):
+        num_tokens = sum(n for _, n in seqs)
+        graphs.replays = 0
+        for cache in runner.kv_caches:  # the capture left padding K/V there
+            cache[scratch].zero_()
+        eager, piecewise, eager_caches, caches, before = both_ways(runner, step(seqs))
+        assert graphs.replays == pieces
+        assert piecewise.shape == eager.shape == (num_tokens, model.config.hidden_size)
+        torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
+        for got, want, old in zip(caches, eager_caches, before):
+            torch.testing.assert_close(got[:scratch], want[:scratch], rtol=1e-5, atol=1e-5)
+            padded = runner.piecewise_runner.bucket(num_tokens) > num_tokens
+            assert padded == (not torch.equal(got[scratch], old[scratch]))
+
+
+def test_padding_rows_never_write_a_real_slot():
+    """After a padded step, every slot no real token of the step owns keeps its bytes: the
+    padding row of the 15-token step (bucket 16) writes the scratch block only, not slot 0 of
+    block 0, which holds sequence A's first token since the step before."""
+    runner = make_runner(tiny_phloem_model("llama"))
+    runner.capture_piecewise_graphs(BUCKETS, RerunPieceGraphs())
+    first, second, _ = mixed_steps(512)
+    both_ways(runner, step(first))
+    sched = step(second)
+    _, _, _, caches, before = both_ways(runner, sched)
+    written = set()
+    for s in sched.scheduled:
+        table = runner.input_batch.states[s.seq_id].block_ids
+        for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens):
+            written.add((table[pos // BLOCK_SIZE], pos % BLOCK_SIZE))
+    assert (0, 0) not in written
+    for got, old in zip(caches, before):
+        for block in range(NUM_BLOCKS):
+            for offset in range(BLOCK_SIZE):
+                same = torch.equal(got[block, :, offset], old[block, :, offset])
+                assert same != ((block, offset) in written), (block, offset)
+
+
+def test_steps_beyond_the_largest_bucket_run_eagerly():
+    runner = make_runner(tiny_phloem_model("llama"))
+    runner.capture_piecewise_graphs([8, 16], RerunPieceGraphs())
+    assert runner.piecewise_runner.bucket(16) == 16 and runner.piecewise_runner.bucket(17) is None
+    with pytest.raises(ValueError, match="17 tokens"):
+        runner.piecewise_runner.run(HostStep.dummy(17, 1, BLOCK_SIZE, 512))
