@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("NHD", "HND")
+CUDA_GRAPH_MODES = ("piecewise", "decode")  # `ModelConfig.cuda_graph_mode`
 QUANTIZATIONS = ("fp8",)  # `ModelConfig.quantization` (None: the checkpoint's own)
 STRUCTURED_OUTPUT_BACKENDS = ("llguidance", "xgrammar")  # `StructuredOutputsConfig.backend`
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # `SpeculativeConfig.method`
@@ -45,7 +46,12 @@ class ModelConfig:
         max_model_len: context length [tokens]; None takes the model's own.
         load_format: "auto" (weights from the checkpoint) or "dummy" (random weights).
         device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
-        enforce_eager: never capture CUDA graphs (decode steps run eagerly).
+        enforce_eager: never capture CUDA graphs (every step runs eagerly).
+        cuda_graph_mode: which steps replay CUDA graphs (unless `enforce_eager`): "piecewise"
+            (decode-only steps replay one graph per batch bucket; any other step of at most
+            2,048 tokens and `max_num_batched_tokens` replays per token bucket the forward pass
+            in pieces between the attention calls, which run eagerly:
+            `phloem.worker.piecewise_graph`) or "decode" (decode-only steps only).
         attention_backend: "auto" (on CUDA with FlashInfer: prefix-shared attention on steps
             where it pays, FlashInfer on the others; else the plain-torch reference),
             "reference", "flashinfer" (never shares) or "shared_prefix" (cascade attention over
@@ -66,6 +72,7 @@ class ModelConfig:
     load_format: str = "auto"
     device: str = "auto"
     enforce_eager: bool = False
+    cuda_graph_mode: str = "piecewise"
     attention_backend: str = "auto"
     cache_dir: str | None = None
     checkpoint_cache: bool = True
@@ -78,6 +85,7 @@ class ModelConfig:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("device", self.device, DEVICES)
+        _one_of("cuda_graph_mode", self.cuda_graph_mode, CUDA_GRAPH_MODES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
 

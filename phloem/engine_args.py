@@ -19,6 +19,7 @@ from typing import Any
 
 from phloem.config import (
     ATTENTION_BACKENDS,
+    CUDA_GRAPH_MODES,
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -121,7 +122,13 @@ class EngineArgs:
         ModelConfig.load_format, "dummy: random weights (benchmarks)", choices=LOAD_FORMATS
     )
     device: str = _arg(ModelConfig.device, "auto: CUDA if available, else CPU", choices=DEVICES)
-    enforce_eager: bool = _arg(ModelConfig.enforce_eager, "no CUDA graphs for decode steps")
+    enforce_eager: bool = _arg(ModelConfig.enforce_eager, "no CUDA graphs: every step eager")
+    cuda_graph_mode: str = _arg(
+        ModelConfig.cuda_graph_mode,
+        "piecewise: decode steps replay one graph per batch size, other steps of <= 2048 tokens "
+        "the pieces between attention calls (attention eager); decode: decode steps only",
+        choices=CUDA_GRAPH_MODES,
+    )
     attention_backend: str = _arg(
         ModelConfig.attention_backend,
         "auto: prefix-shared attention over FlashInfer on CUDA, else the plain-torch reference",
@@ -313,6 +320,7 @@ class EngineArgs:
                 load_format=self.load_format,
                 device=self.device,
                 enforce_eager=self.enforce_eager,
+                cuda_graph_mode=self.cuda_graph_mode,
                 attention_backend=self.attention_backend,
                 cache_dir=self.cache_dir,
                 checkpoint_cache=self.checkpoint_cache,

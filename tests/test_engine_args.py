@@ -37,7 +37,7 @@ OTHER_VALUES = {
     "gpu_memory_utilization": 0.5, "num_gpu_blocks": 7, "seed": 5, "load_format": "dummy",
     "device": "cpu", "attention_backend": "reference", "kv_cache_dtype": "fp8",
     "kv_layout": "HND", "cache_dir": "/tmp/x", "data_parallel_size": 2,
-    "data_parallel_routing": "contiguous",
+    "data_parallel_routing": "contiguous", "cuda_graph_mode": "decode",
     "tensor_parallel_size": 2, "max_prefill_tokens_per_step": 256, "quantization": "fp8",
     "structured_outputs_backend": "xgrammar",
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3},
@@ -145,7 +145,8 @@ def test_budget_default_and_placeholder_context():
 @pytest.mark.parametrize(
     "name, value",
     [("block_size", 0), ("max_num_batched_tokens", 0), ("dtype", "int8"),
-     ("attention_backend", "nope"), ("gpu_memory_utilization", 1.5), ("seed", "x")],
+     ("attention_backend", "nope"), ("gpu_memory_utilization", 1.5), ("seed", "x"),
+     ("cuda_graph_mode", "full")],
 )  # fmt: skip
 def test_invalid_values_name_the_setting(name, value):
     with pytest.raises(ValueError, match=name):

@@ -118,6 +118,7 @@ class CUDAPieceGraphs(PieceGraphs):
         self.device = device
         self._stream = torch.cuda.Stream(device)
         self._pool = None
+        self._captured: list[torch.cuda.CUDAGraph] = []
 
     def capture(self, piece: Callable[[], None]) -> PieceGraph:
         piece()  # warm-up, on the current stream
@@ -131,10 +132,15 @@ class CUDAPieceGraphs(PieceGraphs):
                 graph.capture_end()
         if self._pool is None:
             self._pool = graph.pool()
+        self._captured.append(graph)
         return graph
 
     def release(self) -> None:
+        """Wait for the device, then free every graph (and the collectives they captured)."""
         torch.cuda.synchronize(self.device)
+        for graph in self._captured:
+            graph.reset()
+        self._captured.clear()
         self._pool = None
 
 

@@ -25,6 +25,7 @@ from phloem.ops.kv_store import FP8_KV_DTYPE
 from phloem.worker.fusion import compile_elementwise_layers
 from phloem.worker.kernel_prebuild import KernelPrebuild
 from phloem.worker.model_runner import ModelRunner
+from phloem.worker.piecewise_graph import piecewise_token_sizes
 from phloem.worker.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ class Worker:
         self.cuda_graphs = False
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self.cuda_graphs = self._capture(sched.max_num_seqs)
+            if model_config.cuda_graph_mode == "piecewise":
+                self._capture_piecewise(sched.max_num_batched_tokens)
         phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s)
 
     def _attention_backend(
@@ -208,13 +211,31 @@ class Worker:
         return peak
 
     def release_cuda_graphs(self) -> None:
-        """Free the captured decode graphs and their memory pool (idempotent; later decode steps
-        run eagerly). A tensor-parallel member calls it before leaving its NCCL group, whose
-        teardown hangs while graphs that captured its collectives are alive."""
-        graphs, self.model_runner.graph_runner = self.model_runner.graph_runner, None
+        """Free the captured decode and piecewise graphs and their memory pools (idempotent;
+        later steps run eagerly). A tensor-parallel member calls it before leaving its NCCL
+        group, whose teardown hangs while graphs that captured its collectives are alive."""
+        runner = self.model_runner
+        graphs, runner.graph_runner = runner.graph_runner, None
+        pieces, runner.piecewise_runner = runner.piecewise_runner, None
         self.cuda_graphs = False
         if graphs is not None:
             graphs.release()
+        if pieces is not None:
+            pieces.release()
+
+    def _capture_piecewise(self, max_num_batched_tokens: int) -> None:
+        """Capture the piecewise graphs of the steps decode graphs do not take, for every token
+        bucket up to max_num_batched_tokens (`piecewise_token_sizes`); if that fails on one GPU,
+        those steps run eagerly (under tensor parallelism it raises: all ranks or none)."""
+        try:
+            self.model_runner.capture_piecewise_graphs(
+                piecewise_token_sizes(max_num_batched_tokens)
+            )
+        except Exception:  # an eager step is slower, not wrong
+            if tp_size() > 1:
+                raise
+            logger.exception("piecewise CUDA graph capture failed; those steps run eagerly")
+            self.model_runner.piecewise_runner = None
 
     def _capture(self, max_num_seqs: int) -> bool:
         if not self.model_runner.backend.supports_cuda_graphs:
