@@ -47,3 +47,10 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         _silu_and_mul_kernel[grid](rows, out, d, rows.stride(0), out.stride(0), BLOCK=block,
                                    num_warps=4)  # fmt: skip
     return out.view(*x.shape[:-1], d)
+
+
+def compile_variants(intermediate_size: int, dtype: torch.dtype) -> None:
+    """Call `silu_and_mul` once on a CPU row of [gate | up] (2 * `intermediate_size` columns, this
+    rank's), for `phloem.worker.triton_prebuild`'s compile-only driver: the launch records the
+    variant the engine compiles and runs nothing (see `phloem.ops.rope_kv.compile_variants`)."""
+    silu_and_mul(torch.zeros(1, 2 * intermediate_size, dtype=dtype))

@@ -161,3 +161,18 @@ def silu_and_mul_quant(
             HAS_Y=y is not None, **_launch(d),
         )  # fmt: skip
     return q, scale
+
+
+def compile_variants(hidden_size: int, intermediate_size: int | None, dtype: torch.dtype) -> None:
+    """Call the fused quantizers once each on CPU rows of the model's widths, for
+    `phloem.worker.triton_prebuild`'s compile-only driver (the launches record the variants the
+    engine compiles and run nothing; see `phloem.ops.rope_kv.compile_variants`): the norm
+    without a residual (the first layer's input norm) and with one (every other norm), and
+    SiLU-and-mul over `intermediate_size` columns (this rank's) unless it is None (a
+    down projection that quantizes its own input)."""
+    x = torch.zeros(1, hidden_size, dtype=dtype)
+    weight = torch.ones(hidden_size, dtype=dtype)
+    rms_norm_quant(x, weight, 1e-6, 1.0)
+    rms_norm_quant(x, weight, 1e-6, 1.0, torch.zeros_like(x))
+    if intermediate_size is not None:
+        silu_and_mul_quant(torch.zeros(1, 2 * intermediate_size, dtype=dtype), 1.0)

@@ -68,3 +68,10 @@ def per_token_quant(
                                          BLOCK=min(block, triton.next_power_of_2(k)),
                                          num_warps=8)  # fmt: skip
     return q, scale
+
+
+def compile_variants(width: int, dtype: torch.dtype) -> None:
+    """Call `per_token_quant` once on a CPU row of `width` columns, for
+    `phloem.worker.triton_prebuild`'s compile-only driver: the launch records the variant the
+    engine compiles and runs nothing (see `phloem.ops.rope_kv.compile_variants`)."""
+    per_token_quant(torch.zeros(1, width, dtype=dtype), 1.0)

@@ -45,7 +45,10 @@ def _store_cache(dst, x, mask, scale, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
     tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The position and slot pointers are read one scalar per program: their 16-byte alignment buys
+# nothing, and not specializing on it keeps the CUDA graphs' views (rows of one int64 buffer) on
+# the eager steps' compiled kernel.
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, q_out_ptr,
     k_scale, v_scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cos,
@@ -170,3 +173,34 @@ def rope_and_write_kv(
         PAGE=block_size, CLAMP=kv_cache.dtype == FP8_KV_DTYPE, LIMIT=FP8_MAX, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def compile_variants(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    kv_layout: str = "NHD",
+) -> None:
+    """Call `rope_and_write_kv` once on CPU tensors laid out as a model's layer passes them (q, k
+    and v views of one fused QKV row, a cos/sin table of rotary_dim / 2 columns, a one-block
+    cache of `kv_store.allocate_kv_cache`), for `phloem.worker.triton_prebuild`: under its
+    compile-only Triton driver the launch records the kernel variant the engine compiles (Triton
+    specializes on dtypes, 16-byte alignment and integers equal to 1 or divisible by 16, none of
+    which depend on the token count) and runs nothing. Under a real driver it would launch on
+    CPU memory: call it only there."""
+    from phloem.ops.kv_store import allocate_kv_cache
+
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.zeros(1, q_size + 2 * kv_size, dtype=dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    table = torch.zeros(2, rotary_dim // 2, dtype=torch.float32)
+    cache = allocate_kv_cache(1, block_size, num_kv_heads, head_dim, cache_dtype, "cpu", kv_layout)
+    rope_and_write_kv(
+        torch.zeros(1, dtype=torch.int64), q.reshape(1, num_heads, head_dim),
+        k.reshape(1, num_kv_heads, head_dim), v.reshape(1, num_kv_heads, head_dim), table, table,
+        cache, torch.zeros(1, dtype=torch.int64),
+    )  # fmt: skip

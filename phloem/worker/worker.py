@@ -27,6 +27,7 @@ from phloem.worker.kernel_prebuild import KernelPrebuild
 from phloem.worker.model_runner import ModelRunner
 from phloem.worker.piecewise_graph import piecewise_token_sizes
 from phloem.worker.startup_phases import StartupPhases
+from phloem.worker.triton_prebuild import prebuild_for_engine
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,11 @@ class Worker:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
-        phases = StartupPhases()  # FlashInfer's modules build while the weights load:
-        prebuild = KernelPrebuild.for_engine(
+        phases = StartupPhases()  # FlashInfer's modules and Triton's kernels build while the
+        prebuild = KernelPrebuild.for_engine(  # weights load
+            model_config, cache_config, hf_config, self.device, self.dtype, tp_size()
+        )
+        triton_prebuild = prebuild_for_engine(
             model_config, cache_config, hf_config, self.device, self.dtype, tp_size()
         )
         self.model = load_model(
@@ -137,6 +141,8 @@ class Worker:
         )
         prebuild_s = prebuild.wait()  # before anything plans attention
         phases.mark("setup_and_flashinfer_wait")
+        triton_s = triton_prebuild.wait()  # before the first launch of a Triton kernel
+        phases.mark("triton_wait")
         self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
         phases.mark("memory_profile_and_kv")
         if self.device.type == "cuda":  # compile attention kernels before the first request
@@ -147,7 +153,7 @@ class Worker:
             self.cuda_graphs = self._capture(sched.max_num_seqs)
             if model_config.cuda_graph_mode == "piecewise":
                 self._capture_piecewise(sched.max_num_batched_tokens)
-        phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s)
+        phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s, triton_prebuild=triton_s)
 
     def _attention_backend(
         self, model_config: ModelConfig, cache_config: CacheConfig, sched: SchedulerConfig

@@ -133,7 +133,14 @@ def run_tile(
         tl.store(lpart_ptr + slot * s_ls + prow * s_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+# Specializations that would only multiply the compiled variants: the index tables (tiles, tile
+# count, tokens, positions, block ids) are read a scalar or a gathered id at a time, so their
+# 16-byte alignment buys nothing (a CUDA graph's tables are unaligned views of one buffer),
+# and the partial LSE's slot stride (R * H) changes with each step's grouped tokens R.
+_INDEX_PTRS = ["tiles_ptr", "ntiles_ptr", "tok_ptr", "qpos_ptr", "blk_ptr"]
+
+
+@triton.jit(do_not_specialize=["s_ls"], do_not_specialize_on_alignment=_INDEX_PTRS)
 def tile_kernel(
     q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr,
     tiles_ptr, ntiles_ptr, tok_ptr, qpos_ptr, blk_ptr,
@@ -168,7 +175,10 @@ def tile_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["s_ls", "num_slots"],
+    do_not_specialize_on_alignment=["tok_ptr", "count_ptr"],
+)
 def merge_kernel(
     out_ptr, opart_ptr, lpart_ptr, tok_ptr, count_ptr,
     s_ot, s_oh, s_ps, s_pt, s_ph, s_ls, s_lt,
@@ -184,7 +194,8 @@ def merge_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    # num_slots is a runtime argument (not constexpr): one compiled merge for any split count
+    # num_slots is a runtime argument, not specialized (not even on 1): one compiled merge for
+    # any split count
     for s in range(num_slots):
         lse = tl.load(lpart_ptr + s * s_ls + r * s_lt + h, mask=h_ok, other=float("-inf"))
         m = tl.maximum(m, lse)
