@@ -37,8 +37,11 @@ class CountingGraphs(RerunPieceGraphs):
         return graph
 
 
-def tiny_phloem_model(arch: str, device: str = "cpu", dtype=torch.float32, seed: int = 0):
-    """A tiny random-weight phloem model of `arch` ("llama", "qwen3") with HF's layout."""
+def tiny_phloem_model(
+    arch: str, device: str = "cpu", dtype=torch.float32, seed: int = 0, **overrides
+):
+    """A tiny random-weight phloem model of `arch` ("llama", "qwen3") with HF's layout
+    (`overrides`: config fields, e.g. a head_dim FlashInfer takes)."""
     import transformers
 
     from tests.engine.tiny_models import tiny_config
@@ -46,6 +49,8 @@ def tiny_phloem_model(arch: str, device: str = "cpu", dtype=torch.float32, seed:
     torch.manual_seed(seed)
     config = tiny_config(arch)
     config.vocab_size = 512
+    for name, value in overrides.items():
+        setattr(config, name, value)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in hf.parameters():
