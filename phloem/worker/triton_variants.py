@@ -119,7 +119,8 @@ def record_variants(launch, target: GPUTarget) -> list[Variant]:
 
 def compile_variant(variant: Variant) -> tuple[float, bool]:
     """Compile `variant` into Triton's cache (under a `CompileOnlyDriver` of its target, or
-    the real one on such a GPU); returns (seconds, whether the cache had it already).
+    the real one on such a GPU), and its host launcher where this Triton compiles one per
+    kernel (`build_launcher`); returns (seconds, whether the cache had the kernel already).
 
     Raises:
         whatever Triton's compiler raises for it (CompilationError, a ptxas failure).
@@ -131,10 +132,41 @@ def compile_variant(variant: Variant) -> tuple[float, bool]:
     knobs.compilation.listener = lambda **event: hits.append(event["cache_hit"])
     start = time.perf_counter()
     try:
-        fn.preload(variant.specialization)
+        kernel = fn.preload(variant.specialization)
     finally:
         knobs.compilation.listener = None
+    build_launcher(kernel)
     return time.perf_counter() - start, bool(hits and hits[0])
+
+
+def build_launcher(kernel) -> bool:
+    """Build `kernel`'s C launcher into Triton's cache where this Triton compiles one per
+    kernel signature with the host C compiler at the kernel's first launch (Triton 3.6, whose
+    nvidia driver has `make_launcher`; from 3.7 one generic launcher serves every kernel), so
+    the engine's first launch finds it. Best effort: False where there is none to build or it
+    cannot be built here (no libcuda on a CPU machine); the first launch then builds it."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher, make_launcher  # noqa: F401
+    except ImportError:  # a Triton with one generic launcher
+        return False
+    try:
+        CudaLauncher(kernel.src, kernel.metadata)
+    except Exception:  # no libcuda or no C compiler here
+        return False
+    return True
+
+
+def build_driver_helper() -> bool:
+    """Build Triton's CUDA driver helper (`cuda_utils`, a C module the CUDA driver compiles
+    with the host compiler when the engine's first Triton launch creates it; cached beside
+    the kernels) now. Best effort: False where it cannot be built here (no libcuda)."""
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+
+        CudaUtils()
+    except Exception:  # no libcuda or no C compiler here: the engine builds it itself
+        return False
+    return True
 
 
 def _compile_in_worker(variant: Variant) -> dict[str, Any]:
@@ -183,6 +215,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     lock = _cache_lock(os.path.join(knobs.cache.dir, "phloem-prebuild.lock"))
     try:
         summary["lock_wait_s"] = round(time.perf_counter() - start - summary["record_s"], 3)
+        summary["driver_helper"] = build_driver_helper()
         summary["kernels"] = compile_all(order, int(request.get("jobs", 1)))
     finally:
         lock.close()
