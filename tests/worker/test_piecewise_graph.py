@@ -114,19 +114,25 @@ def tiny_llama_dir(tmp_path_factory, embedded_tokenizer_dir):
     return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_pieces", 5)
 
 
-def test_greedy_engine_outputs_identical_with_pieces(tiny_llama_dir):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "use_cost_rule": False}
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_greedy_engine_outputs_identical_with_pieces(tiny_llama_dir, spec):
     """An engine whose non-decode steps replay the pieces (chunked prompts mixed with decodes,
-    async scheduling's pending ids filled into the static buffer) generates the same greedy
-    tokens as without them, and its mixed steps really took the pieces."""
+    async scheduling's pending ids filled into the static buffer; with n-gram drafts, verify
+    steps scoring 1 + k rows a sequence) generates the same greedy tokens as without them, and
+    its steps really took the pieces."""
     import random
 
     from phloem import LLM, SamplingParams
 
     rng = random.Random(0)
-    batch = [[rng.randrange(3, 40000) for _ in range(rng.randint(3, 40))] for _ in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    motifs = [[rng.randrange(3, 40000) for _ in range(rng.randint(3, 6))] for _ in range(8)]
+    batch = [m * rng.randint(2, 6) for m in motifs]  # repeats: n-gram drafts to verify
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_llama_dir), block_size=4, max_num_batched_tokens=32, dtype="float32",
-              enable_prefix_caching=False)  # fmt: skip
+              enable_prefix_caching=False, speculative_config=spec)  # fmt: skip
 
     def generate() -> list[list[int]]:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -137,6 +143,10 @@ def test_greedy_engine_outputs_identical_with_pieces(tiny_llama_dir):
     graphs = CountingGraphs()
     runner.capture_piecewise_graphs([8, 16, 24, 32], graphs)
     graphs.replays = 0
+    drafter = llm.llm_engine.drafter
+    verified = 0 if drafter is None else drafter.stats.num_spec_steps
     assert generate() == eager
+    if drafter is not None:  # steps verifying drafts ran through the pieces too
+        assert drafter.stats.num_spec_steps > verified
     assert graphs.replays >= 4 * (runner.model.num_layers + 1)
     llm.llm_engine.scheduler.check_integrity()
