@@ -196,7 +196,8 @@ class PiecewiseGraphRunner:
         self.device = device
         self.graphs = graphs
         self._graphs: dict[int, list[PieceGraph]] = {}
-        first = self.pieces.attention(0)
+        self._attention = [self.pieces.attention(i) for i in range(self.num_layers)]
+        first = self._attention[0]
         rows, dtype = self.max_num_tokens, model.dtype
         heads = (rows, first.num_heads, first.head_dim)
         # rows: input ids, positions, slots (int64 [3, max tokens])
@@ -314,8 +315,8 @@ class PiecewiseGraphRunner:
         q, attn_out = self._q[:num_tokens], self._attn_out[:num_tokens]
         with forward_context(ctx):
             graphs[0].replay()
-            for layer_idx in range(self.num_layers):
-                self.pieces.attention(layer_idx).attend(q, out=attn_out)
-                graphs[layer_idx + 1].replay()
+            for attention, graph in zip(self._attention, graphs[1:]):
+                attention.attend(q, out=attn_out)
+                graph.replay()
         logits_indices = to_device(np.array(host.logits_indices, dtype=np.int64), self.device)
         return self._hidden[:num_tokens][logits_indices]
