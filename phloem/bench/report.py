@@ -50,6 +50,7 @@ def engine_info(llm) -> dict:
         "kv_cache_dtype": str(worker.kv_dtype).replace("torch.", ""),
         "attention_backend": worker.model_runner.backend.name,
         "cuda_graphs": worker.cuda_graphs,
+        "piecewise_cuda_graphs": worker.model_runner.piecewise_runner is not None,
         "compiled_layers": worker.compiled_layers,
         "num_kv_blocks": worker.num_blocks,
         "block_size": llm.llm_engine.config.cache.block_size,
