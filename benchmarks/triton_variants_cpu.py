@@ -141,7 +141,10 @@ def main() -> int:
     runtime = tv.record_variants(
         lambda: runtime_launches(shapes, args.kv, args.fp8, args.steps, args.seed), target
     )
-    result = {"shapes": shapes, "runtime": [v.describe() for v in runtime]}
+    import triton
+
+    result = {"triton": triton.__version__, "shapes": shapes,
+              "runtime": [v.describe() for v in runtime]}  # fmt: skip
     if not args.tree:
         from phloem.worker.triton_prebuild import TritonShapes, launch_all
 
