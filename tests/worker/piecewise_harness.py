@@ -98,7 +98,7 @@ def both_ways(runner: ModelRunner, sched: SchedulerOutput):
     taking logits. Returns (eager hidden, piecewise hidden, eager caches, piecewise caches,
     caches before); the runner is left with the piecewise caches."""
     states = runner.input_batch.update(sched)
-    host = HostStep.build(sched, states, BLOCK_SIZE, False)
+    host = HostStep.build(sched, states, BLOCK_SIZE, runner.backend.reads_prefix_lens)
     host.logits_indices = list(range(len(host.input_ids)))
     before = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():

@@ -49,13 +49,26 @@ def test_token_sizes_must_ascend():
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_piecewise_steps_equal_eager(arch):
+def _backend(name: str, model):
+    from phloem.ops.attention import get_attention_backend
+
+    return get_attention_backend(
+        name, num_heads=model.model.attention(0).num_heads, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, dtype=torch.float32, device=torch.device("cpu"),
+        max_num_blocks_per_seq=NUM_BLOCKS, max_num_seqs=8,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch, backend", [("llama", "reference"), ("qwen3", "reference"), ("llama", "shared_prefix")]
+)
+def test_piecewise_steps_equal_eager(arch, backend):
     """Mixed prompt-chunk + one-token steps of 30, 15 and 48 tokens: hidden states equal the
     eager forward's, the KV cache after the step equals the eager one everywhere but the
-    scratch block, and padded steps write the scratch block (their padding rows' slot)."""
+    scratch block, and padded steps write the scratch block (their padding rows' slot). The
+    shared-prefix backend (it reads prefix lengths) runs between the pieces unchanged."""
     model = tiny_phloem_model(arch)
-    runner = make_runner(model)
+    runner = make_runner(model, backend=_backend(backend, model))
     graphs = CountingGraphs()
     runner.capture_piecewise_graphs(BUCKETS, graphs)
     pieces = model.num_layers + 1
