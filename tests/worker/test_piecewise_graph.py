@@ -163,3 +163,38 @@ def test_greedy_engine_outputs_identical_with_pieces(tiny_llama_dir, spec):
         assert drafter.stats.num_spec_steps > verified
     assert graphs.replays >= 4 * (runner.model.num_layers + 1)
     llm.llm_engine.scheduler.check_integrity()
+
+
+def test_fp8_norms_inside_the_pieces(tiny_llama_dir):
+    """FP8 W8A8 with the norms and SiLU-and-mul emitting `Fp8Activation`s (`emit_fp8`) inside
+    the pieces: greedy tokens and their log-probs equal the eager engine's."""
+    import random
+
+    from phloem import LLM, SamplingParams
+    from phloem.layers.quantization.fp8_math import Fp8Activation
+    from phloem.worker.fusion import fuse_fp8_input_quant
+
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 40000) for _ in range(3 + 7 * i)]}
+               for i in range(5)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", block_size=4, max_num_batched_tokens=32,
+              quantization="fp8", enable_prefix_caching=False)  # fmt: skip
+    runner = llm.llm_engine.executor.worker.model_runner
+    assert fuse_fp8_input_quant(runner.model) == 3 * runner.model.num_layers
+    fp8_inputs = []
+    runner.model.model.layers[0].self_attn.qkv_proj.register_forward_pre_hook(
+        lambda module, args: fp8_inputs.append(isinstance(args[0], Fp8Activation))
+    )
+
+    def run():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    eager = run()
+    graphs = CountingGraphs()
+    runner.capture_piecewise_graphs([8, 16, 24, 32], graphs)
+    graphs.replays = 0
+    assert run() == eager
+    assert graphs.replays > 0 and fp8_inputs and all(fp8_inputs)
+    llm.close()
