@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -93,38 +94,48 @@ class TritonShapes:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-def launch_all(shapes: TritonShapes) -> None:
+def launch_all(shapes: TritonShapes) -> list[str]:
     """Call every op module's `compile_variants` hook that an engine of `shapes` launches
-    (only under `CompileOnlyDriver`: they launch on CPU tensors)."""
+    (only under `CompileOnlyDriver`: they launch on CPU tensors), each on its own: one that
+    raises leaves the others' variants recorded. Returns the failures, one line each."""
+    errors = []
+    for name, call in _hooks(shapes):
+        try:
+            call()
+        except Exception as e:  # reported: that op's kernels compile at first use
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    return errors
+
+
+def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
+    """(name, call) of each `compile_variants` hook an engine of `s` launches."""
     import torch
 
     from phloem.ops import activation, fp8_fused_quant, fp8_quant, rope_kv
     from phloem.ops.attention import shared_prefix
 
-    s = shapes
     dtype, kv_dtype = getattr(torch, s.dtype), getattr(torch, s.kv_dtype)
-    rope_kv.compile_variants(s.num_heads, s.num_kv_heads, s.head_dim, s.rotary_dim, s.block_size,
-                             dtype, kv_dtype, s.kv_layout)  # fmt: skip
+    hooks = [("rope_kv", partial(rope_kv.compile_variants, s.num_heads, s.num_kv_heads,
+              s.head_dim, s.rotary_dim, s.block_size, dtype, kv_dtype, s.kv_layout))]  # fmt: skip
     # the down projection takes the activation pre-quantized only when its input is whole
     fused_down = s.fp8_quant == "fused" and s.tp_size == 1
     if not fused_down:
-        activation.compile_variants(s.intermediate_size, dtype)
+        hooks.append(("activation", partial(activation.compile_variants, s.intermediate_size,
+                                            dtype)))  # fmt: skip
     if s.fp8_quant == "fused":
-        fp8_fused_quant.compile_variants(
-            s.hidden_size, s.intermediate_size if fused_down else None, dtype
-        )
-        if s.tp_size == 1:  # o_proj's input is whole: the per-token quantizer
-            fp8_quant.compile_variants(s.num_heads * s.head_dim, dtype)
-    elif s.fp8_quant == "per_token":
-        widths = [s.hidden_size] + ([s.num_heads * s.head_dim, s.intermediate_size]
-                                    if s.tp_size == 1 else [])  # fmt: skip
-        for width in widths:
-            fp8_quant.compile_variants(width, dtype)
+        down = s.intermediate_size if fused_down else None
+        hooks.append(("fp8_fused_quant", partial(fp8_fused_quant.compile_variants,
+                                                 s.hidden_size, down, dtype)))  # fmt: skip
+    widths = {"fused": [s.num_heads * s.head_dim] if s.tp_size == 1 else [],  # o_proj's input
+              "per_token": [s.hidden_size] + ([s.num_heads * s.head_dim, s.intermediate_size]
+                                              if s.tp_size == 1 else [])}  # fmt: skip
+    for width in widths.get(s.fp8_quant, []):
+        hooks.append(("fp8_quant", partial(fp8_quant.compile_variants, width, dtype)))
     if s.shared_prefix:
-        shared_prefix.compile_variants(
-            s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, dtype, kv_dtype,
-            s.cuda_graphs, kv_layout=s.kv_layout,
-        )  # fmt: skip
+        hooks.append(("shared_prefix", partial(shared_prefix.compile_variants, s.num_heads,
+                      s.num_kv_heads, s.head_dim, s.block_size, dtype, kv_dtype, s.cuda_graphs,
+                      kv_layout=s.kv_layout)))  # fmt: skip
+    return hooks
 
 
 def pin_cache_dir() -> str:
@@ -223,6 +234,9 @@ class TritonPrebuild:
 
 
 def _log_summary(summary: dict[str, Any], seconds: float) -> None:
+    for error in summary.get("record_errors", []):
+        logger.warning("Triton prebuild could not list the variants of %s (they compile at "
+                       "first use)", error)  # fmt: skip
     kernels = summary.get("kernels", [])
     failed = [k for k in kernels if "error" in k]
     for k in failed:

@@ -204,9 +204,12 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     shapes = TritonShapes(**request["shapes"])
     start = time.perf_counter()
-    variants = record_variants(lambda: launch_all(shapes), cuda_target(tuple(request["arch"])))
+    errors: list[str] = []
+    variants = record_variants(lambda: errors.extend(launch_all(shapes)),
+                               cuda_target(tuple(request["arch"])))  # fmt: skip
     summary: dict[str, Any] = {"variants": len(variants), "cache_dir": knobs.cache.dir,
-                               "record_s": round(time.perf_counter() - start, 3)}  # fmt: skip
+                               "record_s": round(time.perf_counter() - start, 3),
+                               "record_errors": errors}  # fmt: skip
     if not request.get("compile", True):
         summary["kernels"] = [{"kernel": v.describe()} for v in variants]
         return summary

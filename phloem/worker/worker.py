@@ -102,13 +102,10 @@ class Worker:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
-        phases = StartupPhases()  # FlashInfer's modules and Triton's kernels build while the
-        prebuild = KernelPrebuild.for_engine(  # weights load
-            model_config, cache_config, hf_config, self.device, self.dtype, tp_size()
-        )
-        triton_prebuild = prebuild_for_engine(
-            model_config, cache_config, hf_config, self.device, self.dtype, tp_size()
-        )
+        phases = StartupPhases()  # kernels build while the weights load:
+        settings = (model_config, cache_config, hf_config, self.device, self.dtype, tp_size())
+        prebuild = KernelPrebuild.for_engine(*settings)  # FlashInfer's modules
+        triton_prebuild = prebuild_for_engine(*settings)  # phloem's Triton kernels
         self.model = load_model(
             source,
             hf_config,

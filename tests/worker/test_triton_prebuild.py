@@ -87,12 +87,14 @@ def test_a_failed_prebuild_is_logged_not_raised(caplog):
         failed = TritonPrebuild(TritonShapes(**LLAMA_8B), command=_command(
             "import sys; print('no compiler', file=sys.stderr); sys.exit(3)"))  # fmt: skip
         assert failed.wait() > 0.0  # logs, does not raise
-        summary = {"variants": 1, "seconds": 1.0, "kernels": [{"kernel": "k(B=1)", "error": "E"}]}
+        summary = {"variants": 1, "seconds": 1.0, "record_errors": ["rope_kv: ValueError: R"],
+                   "kernels": [{"kernel": "k(B=1)", "error": "E"}]}  # fmt: skip
         one = TritonPrebuild(TritonShapes(**LLAMA_8B), command=_command(
             f"import sys; sys.stdin.read(); print({json.dumps(json.dumps(summary))})"))  # fmt: skip
         one.wait()
     assert "exit 3" in caplog.text and "no compiler" in caplog.text
     assert "k(B=1) failed (it compiles at first use): E" in caplog.text
+    assert "could not list the variants of rope_kv: ValueError: R" in caplog.text
 
 
 def test_the_prebuild_does_not_hold_up_its_caller(tmp_path):
@@ -158,7 +160,7 @@ from triton.runtime.cache import FileCacheManager
 from phloem.worker import triton_variants as tv
 from phloem.worker.triton_prebuild import TritonShapes, launch_all
 
-class Stop(Exception):
+class Stop(BaseException):  # not an Exception: launch_all passes those on as failures
     pass
 
 keys = []
