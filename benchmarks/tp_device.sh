@@ -8,7 +8,8 @@
 #            CUDA graphs on and off (output in OUT_DIR/tp-gpu-tests.txt)
 #   agree    benchmarks/tp_agreement.py: greedy reference at TP=1, then TP=$TP teacher-forced top-1
 #            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
-#            replayed CUDA graphs (which capture the all-reduces)
+#            replayed CUDA graphs (which capture the all-reduces); then TP=1 checked the same way,
+#            the noise floor of bf16 rounding (random weights give near-tied logits)
 #   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out) at TP=1 and
 #            TP=$TP, and TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the one-shot symmetric-memory
 #            all-reduce for small messages): output tokens/s and their ratio (goal >= 1.6x at TP=2)
@@ -54,6 +55,10 @@ for stage in $STAGES; do
             2>&1 | tail -2
         timeout "$LIMIT" python3 benchmarks/tp_agreement.py check --ref "$OUT/agree-ref.json" \
             --tensor-parallel-size "$TP" --out "$OUT/agree-tp$TP.json" 2>&1 | tail -4
+        # the noise floor: TP=1 checked against its own reference (teacher-forced prefills vs
+        # the reference's decode steps, other batch shapes: bf16 rounding alone)
+        timeout "$LIMIT" python3 benchmarks/tp_agreement.py check --ref "$OUT/agree-ref.json" \
+            --tensor-parallel-size 1 --out "$OUT/agree-tp1.json" 2>&1 | tail -1
         ;;
     latency)
         bench latency-tp1 1 --workload latency
@@ -84,6 +89,10 @@ if agree:
     print(f"TP={tp} teacher-forced top-1 agreement {agree['teacher_forced_agreement']:.4f} "
           f"(goal >= 0.99); free-running exact {agree['free_running_exact']:.3f}; "
           f"CUDA graphs {agree['cuda_graphs']}")
+floor = load("agree-tp1")
+if floor:
+    summary["agreement_noise_floor"] = floor
+    print(f"noise floor, TP=1 checked against itself: {floor['teacher_forced_agreement']:.4f}")
 keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio",
         "roofline_ratio_sustained")
 for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"batchllm100-tp{tp}",
