@@ -4,7 +4,8 @@
 #   TP=4 STAGES="agree latency" bash benchmarks/tp_device.sh "$OUT/tp4"
 # On Llama-3.1-8B shapes with random weights (load_format dummy draws the same model at every TP
 # size), bf16, one process per run, the stages of STAGES in this order:
-#   tests    tests/distributed/test_tp_gpu.py: TP=2 vs TP=1 greedy on tiny models, NCCL, decode
+#   tests    tests/distributed/test_tp_gpu.py (TESTS_LIMIT s, default 420; 150 s a case): TP=2 vs
+#            TP=1 greedy on tiny models, NCCL, decode
 #            CUDA graphs on and off (output in OUT_DIR/tp-gpu-tests.txt)
 #   agree    benchmarks/tp_agreement.py: greedy reference at TP=1, then TP=$TP teacher-forced top-1
 #            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
@@ -27,6 +28,7 @@ OUT=${1:-/tmp/phloem_tp}
 TP=${TP:-2}
 STAGES=${STAGES:-"tests agree latency batchllm"}
 LIMIT=${LIMIT:-200}
+TESTS_LIMIT=${TESTS_LIMIT:-420}
 BIG_LIMIT=${BIG_LIMIT:-420}
 ENGINE_ARGS=${ENGINE_ARGS:-"--max-num-seqs 2048 --max-num-batched-tokens 8192"}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,8 +48,11 @@ for stage in $STAGES; do
     case $stage in
     tests)
         echo "=== tests $(date +%T)"
-        timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider tests/distributed/test_tp_gpu.py \
-            2>&1 | tee "$OUT/tp-gpu-tests.txt" | tail -5
+        # 3 cases x 3 engine starts (TP=1, TP=2 with graphs, TP=2 eager): ~60 s a case; a case
+        # that hangs is named by pytest-timeout
+        timeout "$TESTS_LIMIT" python3 -m pytest -v -p no:cacheprovider --timeout 150 \
+            --durations=0 tests/distributed/test_tp_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.txt" \
+            | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|s call"
         ;;
     agree)
         echo "=== agreement TP=1 -> TP=$TP $(date +%T)"
