@@ -1,6 +1,6 @@
 """`phloem prebuild-kernels`: compile the GPU kernels a model and its engine settings will load, now,
-so that later starts compile none of them (issue 19): FlashInfer's modules, all in one parallel
-build, into FlashInfer's JIT cache (`phloem.worker.kernel_prebuild`), and phloem's Triton kernel
+so that later starts compile none of them (issue 19): FlashInfer's modules, built side by side,
+into FlashInfer's JIT cache (`phloem.worker.kernel_prebuild`), and phloem's Triton kernel
 variants, in parallel processes, into Triton's cache (TRITON_CACHE_DIR, default
 ~/.triton/cache; `phloem.worker.triton_prebuild`). The engine does the same at start-up, while
 the weights load; this command does it ahead of time (after `pip install`, in an image build).

@@ -7,9 +7,13 @@ one after the other, and each before the engine can go on. Here:
 
 - `required_modules` lists the modules a configuration will load, by the rule
   `ops.attention.get_attention_backend` picks backends with (pure: it runs on the CPU);
-- `build_modules` builds them all in ONE ninja run (FlashInfer's `build_jit_specs`: every
-  object file of every module compiles in parallel) into FlashInfer's JIT cache, so a later
-  start finds them and compiles nothing;
+- `build_modules` builds them all at once into FlashInfer's JIT cache, each with its own
+  ninja run in its own build directory, the one FlashInfer's first use runs ninja in (its
+  objects compile in parallel, and the modules build side by side), so a later use finds
+  them and compiles nothing. Not FlashInfer's `build_jit_specs`: its one ninja run over every
+  module keeps ninja's build log and dependency records in the JIT directory's root, and the
+  first use's ninja, run in the module's directory, finds none there and compiles every
+  object again, in the thread that plans (benchmarks/results/2026-11-26c-cpu-triton-compile);
 - `KernelPrebuild` does that in a background thread at engine start-up, started before the
   weights load (the compiler runs while they are read) and waited for before the first step
   that plans attention. A failed prebuild is logged and left to the first use, which builds
@@ -17,7 +21,7 @@ one after the other, and each before the engine can go on. Here:
 
 `phloem prebuild-kernels` runs `build_modules` for a model and settings ahead of time.
 
-    |-- start: prebuild thread (ninja: fa2 + fa3 objects in parallel) -------------|
+    |-- start: prebuild thread (ninja per module, side by side: fa2 | fa3) ---------|
     |-- main:  load weights --------------------|-- wait --|-- profile, warm-up, graphs
 """
 
@@ -27,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,18 +144,34 @@ def _jit_spec(module: FlashInferModule):
 
 
 def build_modules(modules: Sequence[FlashInferModule]) -> None:
-    """Build `modules` into FlashInfer's JIT cache in one ninja run (all their object files in
-    parallel; MAX_JOBS caps the jobs); modules already built are up to date at once.
+    """Build `modules` into FlashInfer's JIT cache (`build_specs` of their JIT specs); modules
+    already built are up to date at once.
 
     Raises:
-        ImportError: FlashInfer is not installed. subprocess.CalledProcessError: a compile
-            failed (ninja's output says which).
+        ImportError: FlashInfer is not installed. RuntimeError: a compile failed (ninja's
+            output says which).
     """
-    if not modules:
-        return
-    from flashinfer.jit import build_jit_specs
+    if modules:
+        build_specs([_jit_spec(m) for m in modules])
 
-    build_jit_specs([_jit_spec(m) for m in modules])
+
+def build_specs(specs: Sequence[Any]) -> None:
+    """Build FlashInfer JIT specs side by side, one thread each, each through its own
+    `build(need_lock=True)`: the ninja run FlashInfer's first use makes, in the module's own
+    build directory and under the module's file lock (module docstring: why not one
+    `build_jit_specs` run). A spec with a prebuilt AOT module is skipped (FlashInfer loads that
+    one). MAX_JOBS caps each ninja run's jobs.
+
+    Raises:
+        the first build's error, after every build has ended.
+    """
+    pending = [spec for spec in specs if not spec.is_aot]
+    if not pending:
+        return
+    with ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="phloem-ninja") as pool:
+        futures = [pool.submit(spec.build, need_lock=True) for spec in pending]
+    for future in futures:
+        future.result()
 
 
 class KernelPrebuild:

@@ -99,6 +99,37 @@ def test_prebuild_runs_every_module_in_one_build_while_the_caller_goes_on(caplog
     assert prebuild.wait() == 0.0  # waited once; a second wait has nothing to join
 
 
+class _FakeSpec:
+    """A FlashInfer JIT spec's build seam: `build(need_lock=...)`, `is_aot`."""
+
+    def __init__(self, is_aot=False, barrier=None, error=None):
+        self.is_aot, self.barrier, self.error, self.calls = is_aot, barrier, error, []
+
+    def build(self, need_lock=False):
+        self.calls.append((need_lock, threading.current_thread().name))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=10)  # both builds must run at once to pass it
+        if self.error is not None:
+            raise self.error
+
+
+def test_each_module_builds_in_its_own_ninja_run_side_by_side():
+    """Each spec builds through its own `build` (FlashInfer's first-use ninja run, in the
+    module's directory, under its lock), two at once (a sequential build would break the
+    barrier), AOT modules not at all; an error surfaces after every build has ended."""
+    from phloem.worker.kernel_prebuild import build_specs
+
+    barrier = threading.Barrier(2)
+    fa2, fa3, aot = _FakeSpec(barrier=barrier), _FakeSpec(barrier=barrier), _FakeSpec(True)
+    build_specs([fa2, aot, fa3])
+    assert [c[0] for c in fa2.calls + fa3.calls] == [True, True] and aot.calls == []
+    assert fa2.calls[0][1] != fa3.calls[0][1]
+    failing, other = _FakeSpec(error=RuntimeError("Ninja build failed.")), _FakeSpec()
+    with pytest.raises(RuntimeError, match="Ninja build failed"):
+        build_specs([failing, other])
+    assert other.calls  # built although the first one failed
+
+
 def test_failed_prebuild_is_left_to_first_use(caplog):
     def build(modules):
         raise RuntimeError("nvcc not found")
