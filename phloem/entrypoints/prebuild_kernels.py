@@ -156,7 +156,7 @@ def _triton(args: argparse.Namespace, capability: tuple[int, int] | None, engine
     shapes = shapes_for_engine(config.model, config.cache, hf_config, dtype,
                                engine_args.tensor_parallel_size, flashinfer=True)  # fmt: skip
     cache = knobs.cache.dir  # TRITON_CACHE_DIR, else Triton's default (what the engine uses)
-    prebuild = TritonPrebuild(shapes, capability, default_jobs(), compile=not args.dry_run)
+    prebuild = TritonPrebuild(shapes, capability, default_jobs(), record_only=args.dry_run)
     seconds = prebuild.wait()
     kernels = prebuild.summary.get("kernels")
     if kernels is None:

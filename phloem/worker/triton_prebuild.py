@@ -170,8 +170,9 @@ class TritonPrebuild:
     Args:
         shapes: what the engine launches (None: nothing to prebuild).
         arch: the GPU's compute capability (major, minor).
-        jobs: compile processes. compile: False only records (a dry run).
+        jobs: compile processes. record_only: list the variants, compile none (a dry run).
         command: the process to run (tests); default `python -m phloem.worker.triton_variants`.
+        timeout_s: how long `wait()` waits before it stops the process [s].
     """
 
     def __init__(
@@ -179,15 +180,18 @@ class TritonPrebuild:
         shapes: TritonShapes | None,
         arch: tuple[int, int] = (9, 0),
         jobs: int = 1,
-        compile: bool = True,
+        record_only: bool = False,
         command: list[str] | None = None,
+        timeout_s: float = 900.0,
     ) -> None:
         self.shapes = shapes
         self.summary: dict[str, Any] = {}
+        self.timeout_s = timeout_s
         self._proc: subprocess.Popen | None = None
         if shapes is None:
             return
-        request = {"shapes": asdict(shapes), "arch": list(arch), "jobs": jobs, "compile": compile}
+        request = {"shapes": asdict(shapes), "arch": list(arch), "jobs": jobs,
+                   "compile": not record_only}  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         # the child imports this phloem (the kernels' source is part of their cache key)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -195,10 +199,14 @@ class TritonPrebuild:
         # files, not pipes: the engine reads nothing until wait(), and a full pipe would stall it
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self._start = time.perf_counter()
-        self._proc = subprocess.Popen(
-            command or [sys.executable, "-m", "phloem.worker.triton_variants"],
-            stdin=subprocess.PIPE, stdout=self._out, stderr=self._err, env=env,
-        )  # fmt: skip
+        try:
+            self._proc = subprocess.Popen(
+                command or [sys.executable, "-m", "phloem.worker.triton_variants"],
+                stdin=subprocess.PIPE, stdout=self._out, stderr=self._err, env=env,
+            )  # fmt: skip
+        except OSError as e:
+            logger.warning("Triton prebuild not started (%s); kernels compile at first use", e)
+            return
         assert self._proc.stdin is not None
         try:
             self._proc.stdin.write(json.dumps(request).encode())
@@ -213,7 +221,11 @@ class TritonPrebuild:
         compiled compiles at its first launch, as without a prebuild."""
         if self._proc is None:
             return 0.0
-        code = self._proc.wait()
+        try:
+            code = self._proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()  # this prebuild's own process (its pool's processes end with it)
+            code = self._proc.wait()
         seconds = time.perf_counter() - self._start
         self._proc = None
         self._out.seek(0)
@@ -224,11 +236,14 @@ class TritonPrebuild:
         )
         self._out.close()
         self._err.close()
-        if code != 0:
-            logger.warning("Triton prebuild failed (exit %d); kernels compile at first use: %s",
-                           code, err.strip()[-2000:])  # fmt: skip
+        try:
+            if code != 0:
+                raise ValueError(f"exit {code}")
+            self.summary = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError) as e:  # a failed process, or no summary from it
+            logger.warning("Triton prebuild failed (%s); kernels compile at first use: %s",
+                           e, err.strip()[-2000:])  # fmt: skip
             return seconds
-        self.summary = json.loads(out.strip().splitlines()[-1])
         _log_summary(self.summary, seconds)
         return seconds
 

@@ -92,7 +92,14 @@ def test_a_failed_prebuild_is_logged_not_raised(caplog):
         one = TritonPrebuild(TritonShapes(**LLAMA_8B), command=_command(
             f"import sys; sys.stdin.read(); print({json.dumps(json.dumps(summary))})"))  # fmt: skip
         one.wait()
+        garbled = TritonPrebuild(TritonShapes(**LLAMA_8B), command=_command("print('oops')"))
+        garbled.wait()
+        hung = TritonPrebuild(TritonShapes(**LLAMA_8B), timeout_s=0.5,
+                              command=_command("import time; time.sleep(60)"))  # fmt: skip
+        assert hung.wait() < 30  # stopped, not waited out
     assert "exit 3" in caplog.text and "no compiler" in caplog.text
+    assert "Expecting value" in caplog.text  # no summary from a process that exited 0
+    assert "exit -9" in caplog.text  # the hung one, killed
     assert "k(B=1) failed (it compiles at first use): E" in caplog.text
     assert "could not list the variants of rope_kv: ValueError: R" in caplog.text
 
