@@ -4,6 +4,7 @@
     phases = StartupPhases()
     load_model(...);        phases.mark("weights")
     prebuild.wait();        phases.mark("setup_and_flashinfer_wait")
+    triton_prebuild.wait(); phases.mark("triton_wait")
     ...
     capture(...);           phases.finish("cuda_graphs")
     # INFO phloem.worker.startup_phases: start-up phases [s]: {"weights": 12.1, ..., "total": ..}

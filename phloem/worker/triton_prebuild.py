@@ -224,7 +224,7 @@ class TritonPrebuild:
         try:
             code = self._proc.wait(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
-            self._proc.kill()  # this prebuild's own process (its pool's processes end with it)
+            self._proc.kill()  # this prebuild's own process (its pool exits once it is gone)
             code = self._proc.wait()
         seconds = time.perf_counter() - self._start
         self._proc = None
