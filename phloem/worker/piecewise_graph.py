@@ -112,7 +112,7 @@ class PieceGraphs(abc.ABC):
 
 class CUDAPieceGraphs(PieceGraphs):
     """`torch.cuda.CUDAGraph`s sharing one memory pool, captured on a side stream (without
-    `torch.cuda.graph`'s garbage collection per capture: hundreds of pieces are captured)."""
+    `torch.cuda.graph`'s cache emptying per capture: hundreds of pieces are captured)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
