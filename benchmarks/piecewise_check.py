@@ -16,7 +16,11 @@ synchronize after it), medians over --iters runs after --warmup. Each size also 
 ones are.
 
     python benchmarks/piecewise_check.py                 # 32 layers, T = 256, 550, 1024
-    python benchmarks/piecewise_check.py --layers 8 --tokens 128 550 2048 --json out.json
+    python benchmarks/piecewise_check.py --tokens 1100 1600 --json out.json
+
+The second measures the coarse buckets' padding (1,100 tokens run at 1,280, 1,600 at 2,048):
+where the device time exceeds the eager host time, padded rows cost device time that async
+scheduling's overlap of the eager launch would not.
 """
 
 from __future__ import annotations
