@@ -225,6 +225,7 @@ class PiecewiseGraphRunner:
         q, residual = self._q[:size], self._residual[:size]
         attn_out, hidden = self._attn_out[:size], self._hidden[:size]
         model = self.pieces
+        # the pieces read only the slot mapping (`Attention.store_kv`); no backend call in them
         meta = AttentionMetadata.from_host([size], [size], [[]], self.block_size,
                                            slot_mapping=slots)  # fmt: skip
         ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
