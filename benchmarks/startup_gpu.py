@@ -15,7 +15,9 @@ and inductor's cache dirs) under one temp dir:
               compiled in the main process (it must not)
 
 Per stage it records the FlashInfer modules in the cache afterwards (after `cold`: each one that
-the engine's prebuild did not list was compiled at first use), the process's wall time to the
+the engine's prebuild did not list was compiled at first use; `flashinfer_built_twice`: those
+whose objects ninja compiled both in the prebuild and again at first use, which must be none),
+the process's wall time to the
 first output (`LLM(...)` plus one small
 greedy batch: what a user's first `phloem generate` waits), the import, `LLM()` and first-batch
 times, and each worker's start-up phases from its log line (`phloem.worker.startup_phases`:
@@ -111,7 +113,8 @@ def start(model_dir: str, engine: dict, cache_root: str, timeout_s: float, **env
                 if "FlashInfer modules ready in" in x or "Triton kernels ready in" in x]  # fmt: skip
     return {"process_s": wall, **result, "phases": parse_phases(proc.stderr),
             "prebuilt": prebuilt, "triton_main": triton_summary(result["triton_compiles"]),
-            "flashinfer_jit_modules": jit_modules(cache_root, result["epoch0"])}  # fmt: skip
+            "flashinfer_jit_modules": jit_modules(cache_root, result["epoch0"]),
+            "flashinfer_built_twice": flashinfer_built_twice(cache_root)}  # fmt: skip
 
 
 def triton_summary(compiles: list[dict]) -> dict:
@@ -141,6 +144,28 @@ def jit_modules(cache_root: str, epoch0: float | None = None) -> list[str]:
             when = os.path.getmtime(os.path.join(root, f"{name}.so"))
             found.append(name if epoch0 is None else f"{name} at {when - epoch0:.1f} s")
     return sorted(found)
+
+
+def _ninja_outputs(directory: str) -> set[str]:
+    """The outputs ninja's build log in `directory` records (empty without a log)."""
+    try:
+        with open(os.path.join(directory, ".ninja_log")) as f:
+            return {line.split("\t")[3] for line in f if not line.startswith("#")}
+    except (OSError, IndexError):
+        return set()
+
+
+def flashinfer_built_twice(cache_root: str) -> list[str]:
+    """The FlashInfer modules of this cache whose objects ninja compiled twice: once from the JIT
+    directory's root (one combined build over several modules) and again in the module's own
+    directory (FlashInfer's first use), each run logging to its own directory. Empty when the
+    prebuild built each module where its first use looks (`phloem.worker.kernel_prebuild`)."""
+    twice = []
+    for root, _dirs, files in os.walk(os.path.join(cache_root, "flashinfer")):
+        name = os.path.basename(root)
+        if f"{name}.so" in files and _ninja_outputs(root) & _ninja_outputs(os.path.dirname(root)):
+            twice.append(name)
+    return sorted(twice)
 
 
 def prebuild(model_dir: str, engine: dict, cache_root: str, timeout_s: float) -> dict:
