@@ -133,17 +133,30 @@ class LLGuidanceBackend(GrammarBackend):
         if error:
             raise _error(params, error)
 
-    def compile(self, params: StructuredOutputsParams):
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The constraint's grammar (llguidance's JSON form), checked by building a matcher of
+        it over this tokenizer.
+
+        Raises:
+            ValueError: as `validate`, or the grammar does not build over this vocabulary.
+        """
         try:
-            template = self._llg.LLMatcher(self.tokenizer, grammar_text(params))
+            grammar = grammar_text(params)
+            probe = self._llg.LLMatcher(self.tokenizer, grammar)
         except ValueError as e:
             raise _error(params, str(e)) from None
-        if template.is_error():
-            raise _error(params, template.get_error())
-        return template
+        if probe.is_error():
+            raise _error(params, probe.get_error())
+        return grammar
 
-    def matcher(self, compiled) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy())
+    def matcher(self, compiled: str) -> LLGuidanceMatcher:
+        """A matcher built from the grammar (~1 ms), NOT a `deep_copy` of a shared one: the
+        copies of one matcher share its lexer behind a lock, so their masks are computed one at
+        a time however many threads fill them (measured: 1.3 ms a mask at 1, 2 and 4 threads,
+        where matchers built apart scale with the threads; a batch under one schema ran at
+        0.10x unconstrained on an H200 host). Thread-safe: the manager builds matchers in its
+        pool."""
+        return LLGuidanceMatcher(self._llg.LLMatcher(self.tokenizer, compiled))
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
         """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i]."""

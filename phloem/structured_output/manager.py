@@ -2,7 +2,8 @@
 per sequence, and each step's bitmask.
 
     add_request ─► register(seq, params): compile(key) submitted to the pool once per distinct
-                   constraint (a batch under one schema compiles it once), while prompts prefill
+                   constraint (a batch under one schema compiles it once), then the sequence's
+                   own matcher built from it (in the pool), while prompts prefill
     step N+1    ─► bitmask(seq_ids): waits for a grammar only here (its first sampled token),
                    fills the rows of the step's constrained samples, after step N's tokens were
                    accepted (`LLMEngine.step`)
@@ -45,7 +46,8 @@ class GrammarBitmask:
 
 
 class _Sequence:
-    """One constrained sequence: its constraint's future grammar, then its matcher."""
+    """One constrained sequence: the future of its matcher (built in the pool once its
+    constraint compiled), then the matcher."""
 
     __slots__ = ("future", "matcher")
 
@@ -76,12 +78,19 @@ class StructuredOutputManager:
     def register(self, seq_id: str, params: StructuredOutputsParams) -> None:
         """Start compiling the sequence's constraint unless the cache has it; returns at once."""
         key = params.key()
-        future = self._compiled.get(key)
-        if future is None:
-            future = self._pool.submit(self.backend.compile, params)
-            self._compiled[key] = future
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._pool.submit(self.backend.compile, params)
+            self._compiled[key] = compiled
             self.num_compiled += 1
-        self._sequences[seq_id] = _Sequence(future)
+        # the matcher is built in the pool too (llguidance: ~1 ms each, a batch's first
+        # constrained step would pay them all); the compile was submitted first, and the pool
+        # runs tasks in order, so this task never waits on one that cannot start
+        matcher = self._pool.submit(self._new_matcher, compiled)
+        self._sequences[seq_id] = _Sequence(matcher)
+
+    def _new_matcher(self, compiled: concurrent.futures.Future) -> GrammarMatcher:
+        return self.backend.matcher(compiled.result())
 
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's matcher (unknown ids are ignored)."""
@@ -102,7 +111,7 @@ class StructuredOutputManager:
             ValueError: its constraint did not compile.
         """
         if seq.matcher is None:
-            seq.matcher = self.backend.matcher(seq.future.result())
+            seq.matcher = seq.future.result()
         return seq.matcher
 
     def bitmask(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
