@@ -52,22 +52,25 @@ from phloem.worker.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
 
-# token buckets: every multiple of 64 up to 1024, then these (Llama-3.1-8B on an H200: a step of
-# 512-token prompt chunks and a few dozen decodes is 550 tokens)
-_STEP, _FINE_LIMIT, _COARSE = 64, 1024, (1280, 1536, 2048)
+# token buckets: every multiple of 64 up to 1024 (Llama-3.1-8B on an H200: a step of a 512-token
+# prompt chunk and a few dozen decodes is 550 tokens). No larger ones: measured on an H200
+# (benchmarks/results/2026-11-26c-h200-piecewise), a 1,024-token step's GPU time (27 ms) already
+# exceeds its eager launch (20 ms), and padding 1,100 tokens to 1,280 or 1,600 to 2,048 made the
+# step 8-10% slower than eager.
+_STEP, _LIMIT = 64, 1024
 
 
 def piecewise_token_sizes(max_num_batched_tokens: int) -> list[int]:
-    """The captured token buckets: 64, 128, ..., 1024, then 1280, 1536, 2048, capped at
-    max_num_batched_tokens (which is included when it is at most 2048, so every step the
-    scheduler can form fits a bucket then; larger steps run eagerly).
+    """The captured token buckets: 64, 128, ..., 1024, capped at max_num_batched_tokens (which
+    is included when it is at most 1024, so every step the scheduler can form fits a bucket
+    then; larger steps run eagerly).
 
     Raises:
         ValueError: if max_num_batched_tokens < 1.
     """
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-    sizes = [*range(_STEP, _FINE_LIMIT + 1, _STEP), *_COARSE]
+    sizes = list(range(_STEP, _LIMIT + 1, _STEP))
     capped = [s for s in sizes if s < max_num_batched_tokens]
     if max_num_batched_tokens <= sizes[-1]:
         capped.append(max_num_batched_tokens)

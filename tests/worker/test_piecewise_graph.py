@@ -27,13 +27,13 @@ BUCKETS = [8, 16, 32, 48]
 
 def test_token_sizes():
     sizes = piecewise_token_sizes(8192)
-    assert sizes[:3] == [64, 128, 192] and sizes[15:] == [1024, 1280, 1536, 2048]
-    assert len(sizes) == 19
-    assert piecewise_token_sizes(2048) == sizes
+    assert sizes[:3] == [64, 128, 192] and sizes[-1] == 1024
+    assert len(sizes) == 16
+    assert piecewise_token_sizes(1024) == sizes
     assert piecewise_token_sizes(300) == [64, 128, 192, 256, 300]
     assert piecewise_token_sizes(64) == [64]
     assert piecewise_token_sizes(10) == [10]
-    for cap in (10, 300, 2048):
+    for cap in (10, 300, 1024):
         assert all(any(s >= n for s in piecewise_token_sizes(cap)) for n in range(1, cap + 1))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         piecewise_token_sizes(0)
