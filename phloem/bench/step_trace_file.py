@@ -15,11 +15,13 @@ non-empty step, in the order the steps were collected:
     prefill_chunks  sequences computing a prompt chunk
     tokens          all tokens computed (prefill_tokens + the decodes' tokens)
     shared_seqs     decoding sequences reading a runtime prefix group's shared blocks
-    graph           the step may replay a CUDA graph: decode-only with one token a sequence (no
-                    drafts), on CUDA with graphs on (enforce_eager off), within the captured
-                    batch sizes. The runner still runs
-                    it eagerly when the backend sends a prefix-shared step down its cascade path
-                    (see shared_seqs) or graph capture failed at start; the worker reports neither.
+    graph           the step may replay CUDA graphs (on CUDA with graphs on, enforce_eager off):
+                    a decode graph (decode-only with one token a sequence, no drafts, within the
+                    captured batch sizes), or piecewise graphs (any other step of at most the
+                    largest token bucket, `cuda_graph_mode` "piecewise": the header's
+                    "piecewise_max_tokens"). The runner still runs a decode step eagerly when the
+                    backend sends a prefix-shared step down its cascade path (see shared_seqs) or
+                    graph capture failed at start; the worker reports neither.
     schedule_ms, launch_ms, wait_ms, update_ms
                     host phases of the step (`phloem.engine.step_observer`); schedule + launch is
                     the host time before the step is on the device
@@ -71,18 +73,21 @@ class StepTraceFile:
         header: engine facts for the first line (limits, flags); JSON-serializable.
         cuda_graphs: decode steps may replay CUDA graphs (CUDA device, enforce_eager off).
         max_graph_seqs: the largest captured decode batch [sequences].
+        max_piece_tokens: the largest piecewise token bucket [tokens] (0: no piecewise graphs).
         flush_every: steps between writes (>= 1).
     Raises:
         ValueError: flush_every < 1. OSError: the file cannot be opened.
     """
 
     def __init__(self, path: str | Path, header: dict, cuda_graphs: bool = False,
-                 max_graph_seqs: int = 0, flush_every: int = 256) -> None:  # fmt: skip
+                 max_graph_seqs: int = 0, flush_every: int = 256,
+                 max_piece_tokens: int = 0) -> None:  # fmt: skip
         if flush_every < 1:
             raise ValueError(f"flush_every must be at least 1, got {flush_every}")
         self.path = Path(path)
         self.flush_every = flush_every
         self._graph_seqs = max_graph_seqs if cuda_graphs else 0
+        self._piece_tokens = max_piece_tokens if cuda_graphs else 0
         self._lines: list[str] = []
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         first = {"trace": TRACE_FORMAT, "version": 1, "clock": "monotonic",
@@ -95,18 +100,22 @@ class StepTraceFile:
         """A trace of `engine` (an `LLMEngine`), registered as its step observer; the header
         holds its scheduler limits and whether decode steps may replay CUDA graphs."""
         from phloem.spec_decode.drafter import device_type
+        from phloem.worker.piecewise_graph import piecewise_token_sizes
 
         config, sched = engine.config, engine.scheduler_config
         graphs = device_type(config.model.device) == "cuda" and not config.model.enforce_eager
+        pieces = config.model.cuda_graph_mode == "piecewise" and graphs
+        piece_tokens = piecewise_token_sizes(sched.max_num_batched_tokens)[-1] if pieces else 0
         header = {
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "max_prefill_tokens_per_step": sched.max_prefill_tokens_per_step,
             "async_scheduling": sched.async_scheduling,
             "cuda_graphs": graphs,
+            "piecewise_max_tokens": piece_tokens,
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
         }
-        trace = cls(path, header, graphs, sched.max_num_seqs, flush_every)
+        trace = cls(path, header, graphs, sched.max_num_seqs, flush_every, piece_tokens)
         engine.add_step_observer(trace)
         return trace
 
@@ -115,7 +124,9 @@ class StepTraceFile:
         end = time.monotonic()
         sched = record.scheduler_output
         seqs, decode, prefill, chunks, tokens, shared = step_counts(sched)
-        graph = "true" if tokens == seqs <= self._graph_seqs and not chunks else "false"
+        decode_graph = tokens == seqs <= self._graph_seqs and not chunks
+        pieces = not decode_graph and tokens <= self._piece_tokens
+        graph = "true" if decode_graph or pieces else "false"
         self._lines.append(
             f'{{"step":{record.step_index},"t0":{record.started_at:.6f},"t1":{end:.6f},'
             f'"seqs":{seqs},"decode_seqs":{decode},"prefill_tokens":{prefill},'

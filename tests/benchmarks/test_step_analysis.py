@@ -143,6 +143,15 @@ def test_trace_file_buffers_lines_and_reads_back(tmp_path):
     header, steps = read_step_trace(path)
     assert header["trace"] == "phloem-steps" and header["max_num_seqs"] == 4
     assert [s["graph"] for s in steps] == [True, False, False, True, False]
+    # with piecewise graphs up to 32 tokens, every other step of at most 32 tokens replays them
+    trace = StepTraceFile(tmp_path / "p.jsonl", {}, cuda_graphs=True, max_graph_seqs=4,
+                          flush_every=1, max_piece_tokens=32)  # fmt: skip
+    big = SchedulerOutput([_seq("r0", 9, 1), _seq("p", 0, 40)])
+    for i, s in enumerate((decode, too_big, mixed, big)):
+        trace(_record(i, s))
+    trace.close()
+    pieces = read_step_trace(tmp_path / "p.jsonl")[1]
+    assert [s["graph"] for s in pieces] == [True, True, True, False]
     assert steps[2]["prefill_tokens"] == 30 and steps[2]["decode_seqs"] == 1
     assert steps[0]["t0"] == pytest.approx(50.0 - 0.003) and steps[0]["launch_ms"] == 2.0
     (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
