@@ -16,9 +16,9 @@
 #   ENGINES=vllm   RATES="20 30" BURST=1 SHARED=1 bash benchmarks/serving.sh OUT_DIR
 #
 # Several phloem configurations back to back (one server start each), labelled phloem@NAME:
-#   PHLOEM_CONFIGS="default:|seqs1024:--max-num-seqs 1024 --max-num-batched-tokens 8192|\
-#   prefill512:--max-prefill-tokens-per-step 512" ENGINES=phloem RATES="30" DURATION=20 BURST=0 \
-#   SHARED=1 bash benchmarks/serving.sh OUT_DIR
+#   PHLOEM_CONFIGS="default:|seqs256:--max-num-seqs 256 --max-num-batched-tokens 4096|\
+#   nopieces:--cuda-graph-mode decode|prefill512:--max-prefill-tokens-per-step 512" \
+#   ENGINES=phloem RATES="30" DURATION=20 BURST=0 SHARED=1 bash benchmarks/serving.sh OUT_DIR
 # PHLOEM_CONFIGS is "NAME:FLAGS" entries separated by "|" (FLAGS may be empty: the defaults); each
 # server gets SERVER_ARGS PHLOEM_ARGS FLAGS, writes OUT/phloem@NAME-WORKLOAD.json, its log
 # OUT/phloem@NAME-server.log and its step trace OUT/phloem@NAME-steps.jsonl, and serve-summary
