@@ -96,8 +96,11 @@ class GrammarBackend(abc.ABC):
     def matcher(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
-        """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i] (one after
-        the other here; a library with a batched fill overrides this)."""
-        for i, m in enumerate(matchers):
-            m.fill_bitmask(bitmask, i)
+    def fill_bitmasks(
+        self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
+    ) -> None:
+        """Row rows[i] of `bitmask` (int32 [R, W], C-contiguous) = the mask of matchers[i]; the
+        other rows are left as they are (one after the other here; a library with a batched
+        fill overrides this)."""
+        for m, row in zip(matchers, rows):
+            m.fill_bitmask(bitmask, row)

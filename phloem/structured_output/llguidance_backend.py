@@ -158,9 +158,12 @@ class LLGuidanceBackend(GrammarBackend):
         pool."""
         return LLGuidanceMatcher(self._llg.LLMatcher(self.tokenizer, compiled))
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
-        """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i]."""
+    def fill_bitmasks(
+        self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
+    ) -> None:
+        """Row rows[i] of `bitmask` (int32 [R, W], C-contiguous) = the mask of matchers[i],
+        written in place by the library's threads."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        pairs = [(m.inner, i) for i, m in enumerate(matchers)]  # type: ignore[attr-defined]
+        pairs = [(m.inner, row) for m, row in zip(matchers, rows)]  # type: ignore[attr-defined]
         fill_next_token_bitmask_par(self._executor, pairs, bitmask)

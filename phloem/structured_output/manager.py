@@ -38,7 +38,9 @@ class GrammarBitmask:
     Attributes:
         seq_ids: the sequences whose sample is constrained, in the step's row order.
         bitmask: int32 [len(seq_ids), ceil(V / 32)]; bit t % 32 of word t // 32 set = token t
-            allowed.
+            allowed. A view of one of the manager's two reused buffers: valid until the
+            manager's second `bitmask` call after this one (the worker copies it when
+            sampling, before the next call).
     """
 
     seq_ids: list[str]
@@ -74,6 +76,11 @@ class StructuredOutputManager:
         self._compiled: dict[tuple[str, str], concurrent.futures.Future] = {}
         self._sequences: dict[str, _Sequence] = {}
         self.num_compiled = 0  # distinct constraints submitted for compilation
+        # two bitmask buffers used in turn, grown as needed: a fresh [1,024, 4,008] array a
+        # step cost ~8 ms of page faults on the loop (np.full), plus ~1.3 ms to scatter the
+        # filled rows into it (benchmarks/results/2026-11-26c-cpu-structured-masks)
+        self._buffers: list[np.ndarray] = [np.empty((0, self.width), dtype=np.int32)] * 2
+        self._turn = 0
 
     def register(self, seq_id: str, params: StructuredOutputsParams) -> None:
         """Start compiling the sequence's constraint unless the cache has it; returns at once."""
@@ -114,36 +121,44 @@ class StructuredOutputManager:
             seq.matcher = seq.future.result()
         return seq.matcher
 
+    def _buffer(self, num_rows: int) -> np.ndarray:
+        """int32 [num_rows, W], uninitialized: the other buffer than last call's."""
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer.shape[0] < num_rows:
+            buffer = np.empty((max(num_rows, 2 * buffer.shape[0]), self.width), dtype=np.int32)
+            self._buffers[self._turn] = buffer
+        return buffer[:num_rows]
+
     def bitmask(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
         """The bitmask of these sampled rows (waiting for grammars not compiled yet), and
         {seq id: reason} for rows that must fail alone (no grammar, or none of the vocabulary
         allowed); those rows, and rows of sequences no longer known (finished after this step
-        was scheduled), allow every token."""
-        bitmask = np.full((len(seq_ids), self.width), -1, dtype=np.int32)
+        was scheduled), allow every token. The library writes each row in place."""
+        bitmask = self._buffer(len(seq_ids))
         failed: dict[str, str] = {}
         rows: list[int] = []
+        free: list[int] = []
         matchers: list[GrammarMatcher] = []
         for i, seq_id in enumerate(seq_ids):
             seq = self._sequences.get(seq_id)
-            if seq is None:
-                continue
-            try:
-                matcher = self._matcher(seq)
-            except Exception as e:  # noqa: BLE001 - this constraint's fault: it fails alone
-                failed[seq_id] = f"structured output: {e}"
-                continue
-            if matcher.is_terminated():
+            matcher = None
+            if seq is not None:
+                try:
+                    matcher = self._matcher(seq)
+                except Exception as e:  # noqa: BLE001 - this constraint's fault: it fails alone
+                    failed[seq_id] = f"structured output: {e}"
+            if matcher is None or matcher.is_terminated():
+                free.append(i)
                 continue
             rows.append(i)
             matchers.append(matcher)
+        bitmask[free] = -1
         if matchers:
-            filled = np.zeros((len(matchers), self.width), dtype=np.int32)
-            self.backend.fill_bitmasks(matchers, filled)
-            empty = ~filled.any(axis=1)
-            bitmask[rows] = filled
-            for k in np.flatnonzero(empty):
-                failed[seq_ids[rows[k]]] = NO_TOKEN_MESSAGE
-                bitmask[rows[k]] = -1
+            self.backend.fill_bitmasks(matchers, bitmask, rows)
+            for i in np.flatnonzero(~bitmask.any(axis=1)):  # free rows are all ones
+                failed[seq_ids[i]] = NO_TOKEN_MESSAGE
+                bitmask[i] = -1
         return GrammarBitmask(list(seq_ids), bitmask), failed
 
     def accept(self, seq_id: str, token_id: int) -> bool | None:

@@ -18,6 +18,9 @@ from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, TokenizerData
 
 _JSON_OBJECT = '{"type": "object"}'
+# compact separators: without free whitespace xgrammar's defaults are ", " and ": " (a space
+# per field, and not the language llguidance's backend allows)
+_SEPARATORS = (",", ":")
 
 
 def _choice_ebnf(choice) -> str:
@@ -83,7 +86,9 @@ class XGrammarBackend(GrammarBackend):
         kind = params.kind
         try:
             if kind == "json":
-                xgr.Grammar.from_json_schema(_schema_text(params), any_whitespace=False)
+                xgr.Grammar.from_json_schema(
+                    _schema_text(params), any_whitespace=False, separators=_SEPARATORS
+                )
             elif kind == "regex":
                 xgr.Grammar.from_regex(params.regex)
             elif kind == "grammar":
@@ -98,9 +103,13 @@ class XGrammarBackend(GrammarBackend):
         kind = params.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(_schema_text(params), any_whitespace=False)
+                return compiler.compile_json_schema(
+                    _schema_text(params), any_whitespace=False, separators=_SEPARATORS
+                )
             if kind == "json_object":
-                return compiler.compile_json_schema(_JSON_OBJECT, any_whitespace=False)
+                return compiler.compile_json_schema(
+                    _JSON_OBJECT, any_whitespace=False, separators=_SEPARATORS
+                )
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -112,11 +121,13 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> None:
-        """Row i of `bitmask` (int32 [len(matchers), W]) = the mask of matchers[i], filled on the
-        backend's threads."""
+    def fill_bitmasks(
+        self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
+    ) -> None:
+        """Row rows[i] of `bitmask` (int32 [R, W], C-contiguous) = the mask of matchers[i],
+        filled in place on the backend's threads."""
         inner = [m.inner for m in matchers]  # type: ignore[attr-defined]
-        self._batch.batch_fill_next_token_bitmask(inner, bitmask)
+        self._batch.batch_fill_next_token_bitmask(inner, bitmask, indices=list(rows))
 
 
 def _schema_text(params: StructuredOutputsParams) -> str:

@@ -1,0 +1,81 @@
+"""The step's bitmask is written in place: the manager's two reused buffers (stale rows are
+overwritten, unconstrained rows allow everything), the backends' fills by row index, and
+xgrammar's compact JSON (the language llguidance's backend allows)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from phloem.sampling_params import StructuredOutputsParams
+from phloem.structured_output.backend import bitmask_width
+from phloem.structured_output.manager import NO_TOKEN_MESSAGE, StructuredOutputManager
+from tests.structured_output.test_structured_output_manager import VOCAB, FakeBackend, allowed
+
+
+def test_reused_buffers_are_rewritten_every_step():
+    manager = StructuredOutputManager(FakeBackend(), VOCAB)
+    manager.register("a", StructuredOutputsParams(regex="5"))
+    manager.register("b", StructuredOutputsParams(regex="9"))
+    manager.register("empty", StructuredOutputsParams(regex="none"))
+    everything = list(range(VOCAB))
+    first, failed = manager.bitmask(["a", "gone", "b", "gone"])
+    assert failed == {}
+    assert [allowed(r) for r in first.bitmask] == [[5], everything, [9], everything]
+    second, _ = manager.bitmask(["b", "a"])
+    assert not np.shares_memory(first.bitmask, second.bitmask)  # the previous one still reads
+    assert [allowed(r) for r in first.bitmask] == [[5], everything, [9], everything]
+    # the first buffer again, its stale rows (a's, everything, b's, everything) overwritten
+    third, failed = manager.bitmask(["gone", "b", "empty", "a"])
+    assert np.shares_memory(first.bitmask, third.bitmask)
+    assert failed == {"empty": NO_TOKEN_MESSAGE}
+    assert [allowed(r) for r in third.bitmask] == [everything, [9], everything, [5]]
+    big, _ = manager.bitmask(["a"] * 9)  # grows
+    assert big.bitmask.shape == (9, bitmask_width(VOCAB))
+    assert all(allowed(r) == [5] for r in big.bitmask)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_backend_fills_the_rows_it_is_given(embedded_tokenizer_dir, name):
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
+    vocab = len(tok)
+    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), 2, name)
+    yes = backend.matcher(backend.compile(StructuredOutputsParams(choice=["yes"])))
+    no = backend.matcher(backend.compile(StructuredOutputsParams(choice=["no"])))
+    bitmask = np.full((3, bitmask_width(vocab)), 7, dtype=np.int32)
+    backend.fill_bitmasks([yes, no], bitmask, [2, 0])
+    alone = np.zeros((2, bitmask_width(vocab)), dtype=np.int32)
+    yes.fill_bitmask(alone, 0)
+    no.fill_bitmask(alone, 1)
+    assert (bitmask[2] == alone[0]).all() and (bitmask[0] == alone[1]).all()
+    assert (bitmask[1] == 7).all()  # not given: left alone
+
+
+def test_xgrammar_json_is_compact(embedded_tokenizer_dir):
+    """xgrammar without free whitespace defaults to ", " and ": "; phloem asks for compact
+    separators, as llguidance's backend allows."""
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
+    vocab = len(tok)
+    params = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
+    for name in ("xgrammar", "llguidance"):
+        backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), name=name)
+        matcher = backend.matcher(backend.compile(params))
+        for ch in '{"a":':
+            ids = tok.encode(ch, add_special_tokens=False)
+            assert len(ids) == 1 and matcher.accept_token(ids[0]), (name, ch)
+        bitmask = np.zeros((1, bitmask_width(vocab)), dtype=np.int32)
+        matcher.fill_bitmask(bitmask, 0)
+        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
+        space, digit = tok.encode(" ", add_special_tokens=False), tok.encode("1")
+        assert not bits[space[0]] and bits[digit[0]], name
