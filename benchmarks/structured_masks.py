@@ -10,11 +10,17 @@ Walks: each of `--rows` matchers starts the schema and takes a random allowed to
 (uniform among allowed non-EOS tokens, as a random-weight model sampling under a mask does)
 for `--steps` steps. Each state is classed by the text so far: "string" (inside a JSON string),
 "number", "other" (between keys and items). A batch fill of all rows is timed at every step with
-the library's threaded fill at 1 and 2 threads; per class, a single-row fill is timed on each
+the library's threaded fill at each of `--threads`; per class, a single-row fill is timed on each
 row. Compile: one schema, and `--distinct` schemas with renamed properties (per schema).
 
-    python benchmarks/structured_masks.py --out DIR/masks.json
-    python benchmarks/structured_masks.py --embedded --out DIR/masks-embedded.json
+    python -m benchmarks.structured_masks --out DIR/masks.json
+    python -m benchmarks.structured_masks --embedded --out DIR/masks-embedded.json
+
+The engine's own host work for a 1,024-row step (`StructuredOutputManager.bitmask` and the
+rows' `accept`) at the GPU host's thread counts:
+
+    python -m benchmarks.structured_masks --libs llguidance --rows 1 --distinct 0 \
+        --manager-seqs 1024 --threads 1,4,8,14 --out DIR/manager.json
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class Lib:
 class LLG(Lib):
     name = "llguidance"
 
-    def __init__(self, hf_tok, vocab_size, eos):
+    def __init__(self, hf_tok, vocab_size, eos, threads):
         import llguidance as llg
         import llguidance.hf
 
@@ -64,7 +70,7 @@ class LLG(Lib):
         start = time.perf_counter()
         self.tok = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab_size, eos_token=[eos])
         self.tokenizer_s = time.perf_counter() - start
-        self.executors = {n: llg.LLExecutor(n) for n in (1, 2)}
+        self.executors = {n: llg.LLExecutor(n) for n in threads}
 
     def compile(self, text):
         from phloem.sampling_params import StructuredOutputsParams
@@ -93,10 +99,24 @@ class LLG(Lib):
         return matcher.try_consume_tokens([token]) == 1
 
 
+class LLGCopies(LLG):
+    """llguidance with every matcher a `deep_copy` of one template per compiled grammar (the
+    copies share the template's lexer and its lazily built automaton, behind a lock)."""
+
+    name = "llguidance-copies"
+
+    def compile(self, text):
+        grammar = super().compile(text)
+        return self.llg.LLMatcher(self.tok, grammar)
+
+    def matcher(self, compiled):
+        return compiled.deep_copy()
+
+
 class XGR(Lib):
     name = "xgrammar"
 
-    def __init__(self, hf_tok, vocab_size, eos):
+    def __init__(self, hf_tok, vocab_size, eos, threads):
         import xgrammar as xgr
 
         self.xgr = xgr
@@ -106,7 +126,7 @@ class XGR(Lib):
         )
         self.tokenizer_s = time.perf_counter() - start
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.batch = {n: xgr.BatchGrammarMatcher(max_threads=n) for n in (1, 2)}
+        self.batch = {n: xgr.BatchGrammarMatcher(max_threads=n) for n in threads}
 
     def compile(self, text):
         return self.compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
@@ -126,7 +146,7 @@ class XGR(Lib):
 
 def walk(lib: Lib, compiled, decode, vocab_size: int, eos: int, args, threads: int | None):
     """One seeded walk of `args.rows` matchers for `args.steps` tokens (the same tokens for any
-    `threads`). threads 1 or 2: each step's batch fill is timed ({"all": [s per row]});
+    `threads`). threads a number: each step's batch fill is timed ({"all": [s per row]});
     None: each row's single fill is timed, by state class. Each state's mask is computed once
     (llguidance caches a matcher's mask until its next token). Returns (times, allowed token
     counts by class, texts)."""
@@ -136,8 +156,13 @@ def walk(lib: Lib, compiled, decode, vocab_size: int, eos: int, args, threads: i
     texts = [""] * args.rows
     batch = np.zeros((args.rows, width), dtype=np.int32)
     one = np.zeros((1, width), dtype=np.int32)
-    times: dict[str, list[float]] = {"all": [], "string": [], "number": [], "other": [],
-                                     "accept": []}
+    times: dict[str, list[float]] = {
+        "all": [],
+        "string": [],
+        "number": [],
+        "other": [],
+        "accept": [],
+    }
     allowed_counts: dict[str, list[int]] = {"string": [], "number": [], "other": []}
     for _ in range(args.steps):
         if threads is not None:
@@ -177,7 +202,7 @@ def bench(lib: Lib, decode, vocab_size: int, eos: int, args) -> dict:
     for _ in range(args.rows):
         lib.matcher(compiled)
     matcher_s = (time.perf_counter() - start) / args.rows
-    batch_s = {t: walk(lib, compiled, decode, vocab_size, eos, args, t)[0] for t in (1, 2)}
+    batch_s = {t: walk(lib, compiled, decode, vocab_size, eos, args, t)[0] for t in args.threads}
     single, allowed_counts, texts = walk(lib, compiled, decode, vocab_size, eos, args, None)
     return {
         "tokenizer_info_s": lib.tokenizer_s,
@@ -194,8 +219,9 @@ def bench(lib: Lib, decode, vocab_size: int, eos: int, args) -> dict:
 
 def manager_steps(data, backend: str, num_seqs: int, steps: int, threads: int) -> dict:
     """The engine's own per-step host work for `num_seqs` sequences under the one schema:
-    `StructuredOutputManager.bitmask` (fill plus the manager's copies and checks) and
-    `accept` of every row's token (uniform among the allowed), mean ms per step."""
+    `StructuredOutputManager.bitmask` (fill plus the manager's copies and checks) and the
+    advance of every row by its token (uniform among the allowed): `accept` one by one on even
+    steps, `accept_many` on odd ones; mean ms per step."""
     from phloem.sampling_params import StructuredOutputsParams
     from phloem.structured_output import make_backend
     from phloem.structured_output.manager import StructuredOutputManager
@@ -208,8 +234,9 @@ def manager_steps(data, backend: str, num_seqs: int, steps: int, threads: int) -
     manager.bitmask(ids)  # matchers built (in the pool)
     rng = np.random.default_rng(0)
     eos = data.stop_token_ids[0]
-    fill_s, accept_s = [], []
-    for _ in range(steps):
+    fill_s: list[float] = []
+    accept_s: dict[str, list[float]] = {"one by one": [], "together": []}
+    for step in range(steps):
         start = time.perf_counter()
         grammar, failed = manager.bitmask(ids)
         fill_s.append(time.perf_counter() - start)
@@ -218,13 +245,17 @@ def manager_steps(data, backend: str, num_seqs: int, steps: int, threads: int) -
         bits[:, eos] = 0
         tokens = [int(rng.choice(np.flatnonzero(row[: data.vocab_size]))) for row in bits]
         start = time.perf_counter()
-        for seq_id, token in zip(ids, tokens):
-            assert manager.accept(seq_id, token) is False
-        accept_s.append(time.perf_counter() - start)
+        if step % 2:  # together, as the engine does (`StructuredOutputs.advance`)
+            assert manager.accept_many(list(zip(ids, tokens))) == [False] * num_seqs
+            accept_s["together"].append(time.perf_counter() - start)
+        else:
+            for seq_id, token in zip(ids, tokens):
+                assert manager.accept(seq_id, token) is False
+            accept_s["one by one"].append(time.perf_counter() - start)
     manager.shutdown()
     return {"backend": backend, "num_seqs": num_seqs, "threads": threads,
             "bitmask_ms_per_step": 1e3 * float(np.mean(fill_s[1:])),
-            "accept_ms_per_step": 1e3 * float(np.mean(accept_s))}  # fmt: skip
+            "accept_ms_per_step": {k: 1e3 * float(np.mean(v)) for k, v in accept_s.items()}}  # fmt: skip
 
 
 def main() -> None:
@@ -233,11 +264,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32, help="matchers walked side by side")
     parser.add_argument("--steps", type=int, default=128, help="tokens per walk")
     parser.add_argument("--distinct", type=int, default=4, help="distinct schemas compiled")
-    parser.add_argument("--libs", default="llguidance,xgrammar")
+    parser.add_argument("--libs", default="llguidance,xgrammar", help="also: llguidance-copies")
+    parser.add_argument("--threads", default="1,2", help="fill threads to time, comma-separated")
     parser.add_argument("--manager-seqs", type=int, default=0,
                         help="also time the manager's step for this many sequences")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.threads = [int(t) for t in args.threads.split(",")]
     from transformers import AutoTokenizer
 
     from phloem.structured_output import tokenizer_data
@@ -261,13 +294,13 @@ def main() -> None:
     result: dict = {"machine": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "vocab_size": vocab_size, "rows": args.rows,
                     "steps": args.steps, "tokenizer": "embedded" if args.embedded else "byte-level"}  # fmt: skip
-    classes = {"llguidance": LLG, "xgrammar": XGR}
+    classes = {"llguidance": LLG, "llguidance-copies": LLGCopies, "xgrammar": XGR}
     if args.manager_seqs:
         result["manager"] = [manager_steps(data, name, args.manager_seqs, args.steps, threads)
-                             for name in args.libs.split(",") for threads in (1, 2)]  # fmt: skip
+                             for name in args.libs.split(",") for threads in args.threads]  # fmt: skip
         print(json.dumps(result["manager"], indent=1), flush=True)
     for name in args.libs.split(","):
-        lib = classes[name](hf_tok, vocab_size, eos)
+        lib = classes[name](hf_tok, vocab_size, eos, args.threads)
         result[name] = bench(lib, decode, vocab_size, eos, args)
         print(name, json.dumps(result[name], indent=1), flush=True)
     if args.out:

@@ -96,6 +96,12 @@ class GrammarBackend(abc.ABC):
     def matcher(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
+    def accept_tokens(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
+        """Advance matchers[i] by token_ids[i]; [True where accepted]. A matcher whose token was
+        rejected may be left unusable (its sequence fails); here, one after the other, it is
+        left unchanged (`accept_token`). A library with a batched advance overrides this."""
+        return [m.accept_token(t) for m, t in zip(matchers, token_ids)]
+
     def fill_bitmasks(
         self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
     ) -> None:

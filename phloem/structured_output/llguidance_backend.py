@@ -158,6 +158,13 @@ class LLGuidanceBackend(GrammarBackend):
         pool."""
         return LLGuidanceMatcher(self._llg.LLMatcher(self.tokenizer, compiled))
 
+    def accept_tokens(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
+        """Advance matchers[i] by token_ids[i] on the library's threads (`consume_token_par`,
+        the GIL released); a matcher that rejects its token is left in its error state (the
+        engine fails that sequence). [True where accepted]."""
+        pairs = [(m.inner, t) for m, t in zip(matchers, token_ids)]  # type: ignore[attr-defined]
+        return list(self._executor.consume_token_par(pairs))
+
     def fill_bitmasks(
         self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
     ) -> None:

@@ -177,6 +177,30 @@ class StructuredOutputManager:
             return None
         return matcher.is_terminated()
 
+    def accept_many(self, seq_tokens: list[tuple[str, int]]) -> list[bool | None]:
+        """`accept` of each (seq id, token id) pair (distinct ids), the matchers advanced
+        together by the backend (llguidance: on its threads), with `accept`'s results; a
+        matcher that rejects its token may be left unusable (its sequence is to fail)."""
+        results: list[bool | None] = [False] * len(seq_tokens)
+        live: list[int] = []
+        matchers: list[GrammarMatcher] = []
+        tokens: list[int] = []
+        for k, (seq_id, token_id) in enumerate(seq_tokens):
+            seq = self._sequences.get(seq_id)
+            if seq is None or seq.matcher is None:
+                continue
+            if seq.matcher.is_terminated():
+                results[k] = True
+                continue
+            live.append(k)
+            matchers.append(seq.matcher)
+            tokens.append(token_id)
+        if matchers:
+            accepted = self.backend.accept_tokens(matchers, tokens)
+            for k, matcher, ok in zip(live, matchers, accepted):
+                results[k] = matcher.is_terminated() if ok else None
+        return results
+
     def rollback(self, seq_id: str, num_tokens: int) -> None:
         """Undo the sequence's last `num_tokens` accepted tokens (speculative decoding)."""
         seq = self._sequences.get(seq_id)

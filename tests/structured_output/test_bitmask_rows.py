@@ -79,3 +79,49 @@ def test_xgrammar_json_is_compact(embedded_tokenizer_dir):
         bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
         space, digit = tok.encode(" ", add_special_tokens=False), tok.encode("1")
         assert not bits[space[0]] and bits[digit[0]], name
+
+
+def test_accept_many_gives_accepts_results():
+    """The engine advances a step's rows together; each result is `accept`'s: go on (False),
+    complete (True), rejected (None), and False for sequences without a matcher yet."""
+    manager = StructuredOutputManager(FakeBackend(), VOCAB)
+    for seq_id, grammar in [("a", "5,6"), ("b", "5"), ("c", "5"), ("late", "5")]:
+        manager.register(seq_id, StructuredOutputsParams(regex=grammar))
+    manager.bitmask(["a", "b", "c"])  # "late" never sampled: no matcher yet
+    pairs = [("a", 5), ("b", 5), ("c", 9), ("late", 5), ("gone", 5)]
+    assert manager.accept_many(pairs) == [False, False, None, False, False]
+    assert manager.accept_many([("b", 0), ("a", 6)]) == [True, False]
+    assert manager.accept_many([("b", 0)]) == [True]  # complete stays complete
+    assert manager.accept_many([]) == []
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
+def test_backend_accept_tokens_advance_each_matcher(embedded_tokenizer_dir, name):
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
+    vocab = len(tok)
+    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), 2, name)
+    compiled = backend.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    yes, no = (tok.encode(w, add_special_tokens=False) for w in ("yes", "no"))
+    matchers = [backend.matcher(compiled) for _ in range(3)]
+    assert backend.accept_tokens(matchers, [yes[0], no[0], tok.eos_token_id]) == [
+        True,
+        True,
+        False,
+    ]
+    bitmask = np.zeros((2, bitmask_width(vocab)), dtype=np.int32)
+    backend.fill_bitmasks(matchers[:2], bitmask, [0, 1])
+    if len(yes) > 1:
+        assert allowed_bit(bitmask[0], yes[1]) and not allowed_bit(bitmask[1], yes[1])
+    for matcher, rest in ((matchers[0], yes[1:]), (matchers[1], no[1:])):
+        assert all(matcher.accept_token(t) for t in rest)
+        assert matcher.is_terminated() or matcher.accept_token(tok.eos_token_id)
+        assert matcher.is_terminated()
+
+
+def allowed_bit(row: np.ndarray, token: int) -> bool:
+    return bool(np.unpackbits(row.view(np.uint8), bitorder="little")[token])
