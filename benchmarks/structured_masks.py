@@ -189,14 +189,26 @@ def walk(lib: Lib, compiled, decode, vocab_size: int, eos: int, args, threads: i
     return times, allowed_counts, texts
 
 
+def unbounded(value):
+    """`value` (a schema) without maxLength: strings of any length."""
+    if isinstance(value, dict):
+        return {k: unbounded(v) for k, v in value.items() if k != "maxLength"}
+    return value
+
+
+def the_schema(index: int | None, args) -> str:
+    one = schema(index, 200, 400)
+    return json.dumps(unbounded(one) if args.unbounded_strings else one)
+
+
 def bench(lib: Lib, decode, vocab_size: int, eos: int, args) -> dict:
-    text = json.dumps(schema(None, 200, 400))
+    text = the_schema(None, args)
     start = time.perf_counter()
     compiled = lib.compile(text)
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     for i in range(args.distinct):
-        lib.compile(json.dumps(schema(i, 200, 400)))
+        lib.compile(the_schema(i, args))
     distinct_s = (time.perf_counter() - start) / max(1, args.distinct)
     start = time.perf_counter()
     for _ in range(args.rows):
@@ -266,6 +278,7 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=4, help="distinct schemas compiled")
     parser.add_argument("--libs", default="llguidance,xgrammar", help="also: llguidance-copies")
     parser.add_argument("--threads", default="1,2", help="fill threads to time, comma-separated")
+    parser.add_argument("--unbounded-strings", action="store_true", help="drop maxLength")
     parser.add_argument("--manager-seqs", type=int, default=0,
                         help="also time the manager's step for this many sequences")  # fmt: skip
     parser.add_argument("--out", default=None)
@@ -293,7 +306,8 @@ def main() -> None:
 
     result: dict = {"machine": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "vocab_size": vocab_size, "rows": args.rows,
-                    "steps": args.steps, "tokenizer": "embedded" if args.embedded else "byte-level"}  # fmt: skip
+                    "steps": args.steps, "unbounded_strings": args.unbounded_strings,
+                    "tokenizer": "embedded" if args.embedded else "byte-level"}  # fmt: skip
     classes = {"llguidance": LLG, "llguidance-copies": LLGCopies, "xgrammar": XGR}
     if args.manager_seqs:
         result["manager"] = [manager_steps(data, name, args.manager_seqs, args.steps, threads)
