@@ -6,12 +6,21 @@ grammar bitmask, and the grammars advanced by the tokens the scheduler appended.
 
 The bitmask of a row is filled after the row's previous token was accepted: under async
 scheduling the forward pass of step N+1 runs on the device while the host waits for step N's
-tokens, and only step N+1's sampling waits for the host's bitmask (no extra device sync). The
-grammar library (and its tokenizer info) is loaded with the first constrained request.
+tokens, and only step N+1's sampling waits for the host's bitmask (no extra device sync). When
+step N+1 was marked before step N's tokens came (async scheduling), its fill starts in a
+background thread as soon as they are accepted (`advance`), so the engine's own work on step
+N's outputs (detokenizing, building outputs) runs beside it; `bitmask` then waits for it:
+
+    mark(N+1) ... advance(N) -> fill(N+1) starts ──────────────┐ grammar threads
+                  process N's outputs (engine loop)             │
+                  bitmask(N+1): wait ◄──────────────────────────┘ -> sample(N+1)
+
+The grammar library (and its tokenizer info) is loaded with the first constrained request.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 
@@ -53,6 +62,11 @@ class StructuredOutputs:
         self._tokenizer_args = (tokenizer, vocab_size, eos_token_id)  # tokenizer_data's
         self._num_threads = num_compile_threads or default_num_threads()
         self.manager: StructuredOutputManager | None = None
+        self._next: SchedulerOutput | None = None  # marked, its bitmask not taken yet
+        # (step, its fill started by `advance`)
+        self._fill: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        self.num_early_fills = 0  # bitmasks whose fill started in `advance`
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
@@ -87,6 +101,7 @@ class StructuredOutputs:
 
     def mark(self, sched: SchedulerOutput) -> None:
         """Set `sched.structured_seq_ids`: its sampled rows that are constrained (row order)."""
+        self._next = None
         manager = self.manager
         if manager is None or not manager.num_live:
             return
@@ -94,12 +109,18 @@ class StructuredOutputs:
         sched.structured_seq_ids = [
             s.seq_id for s in sched.scheduled if s.sample and is_constrained(s.seq_id)
         ]
+        self._next = sched if sched.structured_seq_ids else None
 
     def bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
         """The step's `GrammarBitmask` (after the previous step's tokens were advanced); rows
         that cannot be constrained fail their sequence alone (`Scheduler.fail_request`)."""
         assert self.manager is not None
-        grammar, failed = self.manager.bitmask(sched.structured_seq_ids)
+        started = self._take_fill()
+        self._next = None
+        if started is not None and started[0] is sched:
+            grammar, failed = started[1].result()
+        else:
+            grammar, failed = self.manager.bitmask(sched.structured_seq_ids)
         for seq_id, message in failed.items():
             request = self.scheduler.requests.get(seq_id)
             if request is not None and not request.is_finished:
@@ -112,6 +133,7 @@ class StructuredOutputs:
         manager = self.manager
         if manager is None or not manager.num_live:
             return
+        self._take_fill()  # a fill of the states before these tokens: stale (not in `step`)
         requests = [r for r in updated if manager.is_constrained(r.request_id)]
         pairs = [(r.request_id, r.output_token_ids[-1]) for r in requests]
         # together: 1,024 rows one by one were ~5 ms of the loop a step
@@ -121,7 +143,30 @@ class StructuredOutputs:
                 self.scheduler.fail_request(request, message)
             elif done and not request.is_finished:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if self._next is not None:
+            self._start_fill(self._next)
+
+    def _start_fill(self, sched: SchedulerOutput) -> None:
+        """Fill the marked step's bitmask in a background thread (its rows' previous tokens are
+        all accepted: `advance` runs once between a step's `mark` and its `bitmask`). The
+        library releases the GIL while filling; `forget` and `fail_request` stay on the loop."""
+        assert self.manager is not None
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
+        future = self._filler.submit(self.manager.bitmask, list(sched.structured_seq_ids))
+        self._fill = (sched, future)
+        self.num_early_fills += 1
+
+    def _take_fill(self) -> tuple[SchedulerOutput, concurrent.futures.Future] | None:
+        """The started fill (finished: waited for), or None; no fill is in flight after."""
+        started, self._fill = self._fill, None
+        if started is not None:
+            concurrent.futures.wait([started[1]])
+        return started
 
     def close(self) -> None:
+        self._take_fill()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
         if self.manager is not None:
             self.manager.shutdown()

@@ -8,9 +8,10 @@ allowed next tokens as bits (bit t % 32 of int32 word t // 32 set = token t allo
 xgrammar and llguidance share), `accept_token` advances it, `rollback` undoes accepted tokens
 (for speculative decoding), `is_terminated` says the grammar accepted its stop token.
 
-The implementation in use is `xgrammar_backend.XGrammarBackend` (the choice and its numbers:
-benchmarks/results/2026-11-25-cpu-structured-outputs/); another library plugs in by
-implementing these two classes.
+Two libraries implement it: `llguidance_backend` (the default) and `xgrammar_backend` (the
+choice and its numbers: benchmarks/results/2026-11-25-cpu-structured-outputs/ and
+2026-11-26c-cpu-structured-masks/); another plugs in by implementing these two classes (and,
+for a batched library, `fill_bitmasks` and `accept_tokens`).
 """
 
 from __future__ import annotations

@@ -125,3 +125,41 @@ def test_backend_accept_tokens_advance_each_matcher(embedded_tokenizer_dir, name
 
 def allowed_bit(row: np.ndarray, token: int) -> bool:
     return bool(np.unpackbits(row.view(np.uint8), bitorder="little")[token])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
+    from tests.engine.tiny_models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_fill", 5)
+
+
+def test_async_steps_fill_while_outputs_are_processed(tiny_llama):
+    """Under async scheduling a step's bitmask is filled in the background from the moment the
+    previous step's tokens are accepted (`StructuredOutputs.advance`); the tokens equal those
+    of synchronous scheduling, where every fill happens in `bitmask`. A fill started before
+    the accepts, or on a stale step, would give other tokens or invalid JSON."""
+    from phloem import LLM, SamplingParams
+    from tests.engine.test_structured_outputs import NESTED, check_output, prompts
+
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            seed=i,
+            max_tokens=60,
+            structured_outputs=StructuredOutputsParams(json=NESTED),
+        )
+        for i in range(6)
+    ] + [SamplingParams(temperature=0.9, seed=9, max_tokens=8, ignore_eos=True)]
+    batch = [{"prompt_token_ids": p} for p in prompts(len(params))]
+    tokens, early = {}, {}
+    for async_scheduling in (False, True):
+        llm = LLM(str(tiny_llama), block_size=4, async_scheduling=async_scheduling)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        tokens[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+        early[async_scheduling] = llm.llm_engine.structured.num_early_fills
+        for out in outs[:6]:
+            assert out.outputs[0].finish_reason == "stop"
+            check_output("json", NESTED, out.outputs[0].text)
+    assert tokens[True] == tokens[False]
+    assert early[False] == 0 and early[True] > 10
