@@ -12,18 +12,29 @@ only c_draft; past it, a full token of compute too.
 
 Expected tokens (Leviathan et al. 2023, arXiv 2211.17192, §3.1, with an i.i.d. per-token
 acceptance rate a): a request verifying k drafts emits 1 + a + a^2 + ... + a^k tokens, so its
-(j+1)-th draft adds a^(j+1). The rule hands out drafts one at a time to the request whose next
-draft adds the most, while the ratio (sampled sequences + sum of those gains) / (t - t_prefill)
+(j+1)-th draft adds a^(j+1). Acceptance is not i.i.d. where a request copies text: a draft that
+follows an accepted one is accepted far more often than one that follows a rejection (a run of
+copied text goes on until the model paraphrases). A candidate may thus carry a second rate c, the
+acceptance of each draft after its first: its (j+1)-th draft adds a x c^j, a and c set by the
+request's state (`AcceptanceTracker.chain`: after a verify that accepted all its drafts, both the
+rate of drafts that followed an accepted one; else the first draft's rate after a rejection and
+the lower of the overall rate and that after accepted drafts). With c = a this is the i.i.d.
+formula. Measured in benchmarks/results/2026-11-26c-cpu-spec-decode/.
+
+The rule hands out drafts one at a time to the request whose next draft adds the most (a request's
+gains fall: c <= 1), while the ratio (sampled sequences + sum of those gains) / (t - t_prefill)
 grows, where t_prefill = t(T) - t(sampled sequences) is what the step's prompt chunks add to it
-without drafts: their time is spent anyway, and charging it to the drafts would make any draft
-look cheap beside a long chunk. Gains fall and, after the first draft (which also pays
-t_verify), time increments do not fall, so the ratio rises then falls along that order: stopping
-at its first fall finds its best prefix.
+without drafts: their time is spent anyway, and charging it to the drafts would make any draft look
+cheap beside a long chunk. Gains fall and, after the first draft (which also pays t_verify), time
+increments do not fall, so the ratio rises then falls along that order: stopping at its first fall
+finds its best prefix.
 
 Acceptance rates are exponential moving averages per request and per proposer (one
-`AcceptanceTracker` per proposer), a request's estimate leaning on the proposer's global rate
-until it has trials of its own. A request held at k = 0 is probed again after `probe_after`
-steps at the prior rate, so a rate that fell once can recover.
+`AcceptanceTracker` per proposer), a request's estimate leaning on the proposer's global rate until
+it has trials of its own; besides the overall rate, one over the drafts that followed an accepted
+draft and one over the first drafts after a rejection (`AcceptanceTracker.chain`). A request held
+at k = 0 is probed again after `probe_after` steps at the prior rate, so a rate that fell once can
+recover.
 """
 
 from __future__ import annotations
@@ -106,10 +117,18 @@ class DraftCandidate:
         acceptance_rate: its estimated per-draft acceptance rate, in [0, 1].
         max_draft_tokens: drafts available (proposed already, or a draft model's budget)
             [tokens].
+        continue_rate: acceptance rate of a draft after an accepted one (the chain's c), in
+            [0, 1]; None: the same as `acceptance_rate` (i.i.d.).
     """
 
     acceptance_rate: float
     max_draft_tokens: int
+    continue_rate: float | None = None
+
+    @property
+    def next_rate(self) -> float:
+        """The factor from one draft's gain to the next's (c, or a when i.i.d.)."""
+        return self.acceptance_rate if self.continue_rate is None else self.continue_rate
 
 
 def expected_tokens(acceptance_rate: float, num_drafts: int) -> float:
@@ -169,7 +188,7 @@ def choose_num_drafts(
             break  # past the first draft the ratio only falls from here (module docstring)
         previous = rate
         if drafts[i] < caps[i]:
-            heapq.heappush(heap, (neg_gain * candidates[i].acceptance_rate, i))
+            heapq.heappush(heap, (neg_gain * candidates[i].next_rate, i))
     chosen = [0] * len(candidates)
     if best_rate >= config.min_gain * base_rate:
         for i in order[:best_num_drafts]:
@@ -184,6 +203,8 @@ def _check_candidates(candidates: Sequence[DraftCandidate], num_sampled: int) ->
     for c in candidates:
         if not 0.0 <= c.acceptance_rate <= 1.0:
             raise ValueError(f"acceptance_rate must lie in [0, 1], got {c.acceptance_rate}")
+        if not 0.0 <= c.next_rate <= 1.0:
+            raise ValueError(f"continue_rate must lie in [0, 1], got {c.continue_rate}")
 
 
 @dataclass(frozen=True)
@@ -219,21 +240,30 @@ class AcceptanceConfig:
 @dataclass
 class _RequestRate:
     rate: float
+    after_accept: float
+    after_reject: float
     num_trials: int = 0
+    num_after_accept: int = 0
+    num_after_reject: int = 0
+    hot: bool = False  # its last verify accepted every draft
     steps_off: int = 0
 
 
 class AcceptanceTracker:
-    """Per-draft acceptance rates of one proposer: one EMA per request and one global.
+    """Per-draft acceptance rates of one proposer: per request and global, an EMA over all
+    trials and one over each state of the chain (see the module docstring).
 
     A verify of k drafts with a accepted is a + [a < k] Bernoulli trials: a successes, then the
-    rejection (none when all k were accepted; the bonus token is not a trial).
+    rejection (none when all k were accepted; the bonus token is not a trial). Its first trial
+    follows an accepted draft when the request's previous verify accepted all of its drafts;
+    the others always do.
     """
 
     def __init__(self, config: AcceptanceConfig | None = None) -> None:
         self.config = config or AcceptanceConfig()
         self.config.validate()
-        self.global_rate = self.config.prior
+        prior = self.config.prior
+        self.global_rate = self.global_after_accept = self.global_after_reject = prior
         self._requests: dict[str, _RequestRate] = {}
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -244,31 +274,64 @@ class AcceptanceTracker:
         state.steps_off = 0
         outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_drafts else [])
         w = self.config.ema_weight
-        for x in outcomes:
+        for j, x in enumerate(outcomes):
             state.rate += w * (x - state.rate)
             self.global_rate += w * (x - self.global_rate)
+            if j or state.hot:
+                state.after_accept += w * (x - state.after_accept)
+                self.global_after_accept += w * (x - self.global_after_accept)
+                state.num_after_accept += 1
+            else:
+                state.after_reject += w * (x - state.after_reject)
+                self.global_after_reject += w * (x - self.global_after_reject)
+                state.num_after_reject += 1
         state.num_trials += len(outcomes)
+        state.hot = num_drafts > 0 and num_accepted == num_drafts
 
     def skipped(self, request_id: str) -> None:
         """The request had drafts to offer but verified none this step (k = 0)."""
-        self._state(request_id).steps_off += 1
+        state = self._state(request_id)
+        state.steps_off += 1
+        state.hot = False
 
     def rate(self, request_id: str) -> float:
         """The request's estimate: its EMA and the global one weighted by its trials against
         `prior_trials`; at least the prior once it has been off for `probe_after` steps."""
         state = self._state(request_id)
-        n, n0 = state.num_trials, self.config.prior_trials
-        estimate = (n * state.rate + n0 * self.global_rate) / (n + n0) if n + n0 else state.rate
+        return self._probed(state, self._blend(state.rate, state.num_trials, self.global_rate))
+
+    def chain(self, request_id: str) -> tuple[float, float]:
+        """(first draft's rate, rate of each draft after it) of the request's next verify (the
+        module docstring's a and c), each blended with the global rates as in `rate`. After a
+        verify that accepted every draft: both the rate after an accepted draft h (a run of
+        copied text goes on); else the rate of first drafts after a rejection, then the lower of
+        the overall rate and h: a request ramps up (few drafts until a verify accepts all of
+        them, then as many as pay). Both at least the prior once it has been off for
+        `probe_after` steps."""
+        state = self._state(request_id)
+        hot = self._blend(state.after_accept, state.num_after_accept, self.global_after_accept)
+        if state.hot:
+            return self._probed(state, hot), self._probed(state, hot)
+        cold = self._blend(state.after_reject, state.num_after_reject, self.global_after_reject)
+        return self._probed(state, cold), self._probed(state, min(hot, self.rate(request_id)))
+
+    def _blend(self, own: float, num_trials: int, global_rate: float) -> float:
+        n, n0 = num_trials, self.config.prior_trials
+        return (n * own + n0 * global_rate) / (n + n0) if n + n0 else own
+
+    def _probed(self, state: _RequestRate, estimate: float) -> float:
         if state.steps_off >= self.config.probe_after:
             return max(estimate, self.config.prior)
         return estimate
 
     def finish(self, request_id: str) -> None:
-        """Forget the request (its trials stay in the global rate)."""
+        """Forget the request (its trials stay in the global rates)."""
         self._requests.pop(request_id, None)
 
     def _state(self, request_id: str) -> _RequestRate:
         state = self._requests.get(request_id)
         if state is None:
-            state = self._requests[request_id] = _RequestRate(self.global_rate)
+            state = self._requests[request_id] = _RequestRate(
+                self.global_rate, self.global_after_accept, self.global_after_reject
+            )
         return state

@@ -224,7 +224,8 @@ class Drafter:
 
     def _choose(self, offered: list[tuple[Request, int]], step: tuple[int, int, int]) -> list[int]:
         """The cost rule's drafts per (request, drafts available) for a step of shape `step`."""
-        candidates = [DraftCandidate(self.tracker.rate(r.request_id), n) for r, n in offered]
+        chains = [self.tracker.chain(r.request_id) for r, _ in offered]
+        candidates = [DraftCandidate(a, n, c) for (a, c), (_, n) in zip(chains, offered)]
         num_sampled = max(step[0], len(candidates))
         return choose_num_drafts(candidates, num_sampled, *step[1:], self.time_model, self.cost)
 

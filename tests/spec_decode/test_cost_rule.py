@@ -74,9 +74,14 @@ def test_prefill_tokens_in_the_step_make_drafts_cost_compute() -> None:
     assert sum(choose_num_drafts(good, 5, 4004, 4 * CONTEXT, LLAMA_8B_H100, CostRuleConfig(8))) > 0
 
 
+def _chain_tokens(c: DraftCandidate, k: int) -> float:
+    """1 + a + a c + ... + a c^(k-1): the expected tokens of a verify of k drafts."""
+    return 1 + sum(c.acceptance_rate * c.next_rate**j for j in range(k))
+
+
 def _rate(candidates, ks, num_sampled, tokens, kv, model):
     emitted = num_sampled - len(candidates)
-    emitted += sum(expected_tokens(c.acceptance_rate, k) for c, k in zip(candidates, ks))
+    emitted += sum(_chain_tokens(c, k) for c, k in zip(candidates, ks))
     d = sum(ks)
     prefill = model.step_time_s(tokens, kv) - model.step_time_s(min(num_sampled, tokens), kv)
     return emitted / (model.step_time_s(tokens + d, kv + d, d) - prefill)
@@ -90,7 +95,10 @@ def test_greedy_choice_equals_exhaustive_search() -> None:
             c_token_s=rng.uniform(1e-6, 5e-5), c_kv_s=rng.uniform(0, 1e-7),
             c_draft_s=rng.uniform(0, 2e-4), t_verify_s=rng.uniform(0, 1e-3),
         )  # fmt: skip
-        candidates = [DraftCandidate(rng.random(), rng.randint(0, 3)) for _ in range(3)]
+        candidates = [  # i.i.d. or a chain whose later drafts are accepted more often
+            DraftCandidate(rng.random(), rng.randint(0, 3), rng.choice([None, rng.random()]))
+            for _ in range(3)
+        ]
         num_sampled, tokens = 3 + rng.randint(0, 50), rng.randint(3, 600)
         kv = rng.randint(0, 20000)
         chosen = choose_num_drafts(
@@ -152,3 +160,51 @@ def test_bad_input_raises_naming_the_field() -> None:
         StepTimeModel(1e-3, 1e-3, -1.0, 0.0).validate()
     with pytest.raises(ValueError, match="ema_weight"):
         AcceptanceConfig(ema_weight=0.0).validate()
+
+
+def test_chain_formula_reduces_to_the_iid_one() -> None:
+    for a, k in [(0.3, 4), (0.9, 8)]:
+        assert _chain_tokens(DraftCandidate(a, k), k) == pytest.approx(expected_tokens(a, k))
+
+
+# the CPU's step shape: a pass costs as much as many tokens, each draft a little compute
+CPU_LIKE = StepTimeModel(t_host_s=75e-3, t_weights_s=0.0, c_token_s=2e-3, c_kv_s=0.0)
+
+
+def test_a_hot_chain_drafts_more_than_its_first_rate_alone_pays() -> None:
+    """A request whose later drafts are accepted far more often than its first (copied text)
+    verifies more drafts than an i.i.d. request with the same first rate."""
+    config = CostRuleConfig(max_draft_tokens=16)
+    iid = choose_num_drafts([DraftCandidate(0.4, 16)], 1, 1, 800, CPU_LIKE, config)[0]
+    chain = choose_num_drafts([DraftCandidate(0.4, 16, 0.97)], 1, 1, 800, CPU_LIKE, config)[0]
+    assert 0 < iid < chain == 16
+    with pytest.raises(ValueError, match="continue_rate"):
+        choose_num_drafts([DraftCandidate(0.4, 4, 1.5)], 1, 1, 800, CPU_LIKE, config)
+
+
+def test_tracker_chain_follows_full_acceptance() -> None:
+    """After a verify that accepted every draft, a request's drafts are rated by the rate after
+    accepted drafts (high while it copies); after a rejection, its first draft by the rate of
+    first drafts after rejections (low), the rest by its overall rate at most: few drafts, then more
+    once a verify is accepted in full."""
+    tracker = AcceptanceTracker(AcceptanceConfig(ema_weight=0.3, prior=0.5, prior_trials=1))
+    for _ in range(6):  # after a rejection, three cold starts fail, then a copy run
+        for accepted in (0, 0, 0, 4):
+            tracker.observe("a", 4, accepted)
+        tracker.observe("a", 8, 8)
+        tracker.observe("a", 8, 3)
+    cold_first, cold_next = tracker.chain("a")
+    assert cold_first < 0.4 and cold_next <= tracker.rate("a")
+    tracker.observe("a", 2, 2)
+    hot_first, hot_next = tracker.chain("a")
+    assert hot_first == hot_next > 0.7
+    tracker.skipped("a")  # a step without a verify breaks the chain
+    cold_first, cold_next = tracker.chain("a")
+    assert cold_first < hot_first and cold_next <= hot_next
+    cold = choose_num_drafts(
+        [DraftCandidate(cold_first, 16, cold_next)], 1, 1, 800, CPU_LIKE, CostRuleConfig(16)
+    )
+    hot = choose_num_drafts(
+        [DraftCandidate(hot_first, 16, hot_next)], 1, 1, 800, CPU_LIKE, CostRuleConfig(16)
+    )
+    assert cold[0] < hot[0]
