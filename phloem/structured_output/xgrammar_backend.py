@@ -5,7 +5,10 @@ checks only the few context-dependent tokens.
 
 JSON is compiled without free whitespace (`any_whitespace=False`: compact separators), so a
 model cannot spend its token budget on spaces and newlines inside a value. A choice list becomes
-the grammar `root ::= "c1" | "c2" | ...`.
+the grammar `root ::= "c1" | "c2" | ...`. Known gap (xgrammar 0.2.8): a string with maxLength
+becomes up to n characters of a class that excludes only the quote, the backslash, CR and LF,
+which lets raw control bytes through (invalid JSON) and allows no escapes
+(benchmarks/results/2026-11-26c-cpu-structured-masks/).
 """
 
 from __future__ import annotations
