@@ -90,8 +90,10 @@ class StructuredOutputs:
 
             data = tokenizer_data(*self._tokenizer_args)
             backend = make_backend(data, self._num_threads, self.backend)
+            import torch
+
             self.manager = StructuredOutputManager(
-                backend, self._tokenizer_args[1], self._num_threads
+                backend, self._tokenizer_args[1], self._num_threads, torch.cuda.is_available()
             )
         self.manager.register(seq_id, constraint)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import bitmask_width
@@ -33,6 +34,18 @@ def test_reused_buffers_are_rewritten_every_step():
     big, _ = manager.bitmask(["a"] * 9)  # grows
     assert big.bitmask.shape == (9, bitmask_width(VOCAB))
     assert all(allowed(r) == [5] for r in big.bitmask)
+    manager.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_pinned_buffers_skip_the_staging_copy():
+    manager = StructuredOutputManager(FakeBackend(), VOCAB, pin_memory=True)
+    manager.register("a", StructuredOutputsParams(regex="5"))
+    for _ in range(3):
+        grammar, _ = manager.bitmask(["gone", "a"])
+        host = torch.from_numpy(grammar.bitmask)
+        assert host.is_pinned() and host.pin_memory().data_ptr() == host.data_ptr()
+        assert [allowed(r) for r in grammar.bitmask] == [list(range(VOCAB)), [5]]
     manager.shutdown()
 
 
