@@ -10,7 +10,9 @@ Workloads (chat-templated, greedy, `--max-tokens` outputs at most):
 - `copy_b32`: 32 such prompts in one `chat` call (batch 32);
 - `open_b1`: open-ended prompts ("Write a few paragraphs about ...") one at a time.
 
-The engines (off, ngram, suffix: cost rule on, k = `--k`; `draft_model`: the embedded model
+The engines (off, ngram, suffix: cost rule on, k = `--k`, default 16 since
+results/2026-11-26c-cpu-spec-decode (5 before): on the CPU a draft costs a few percent of a step,
+so the rule verifies long drafts while a request copies; `draft_model`: the embedded model
 as its own draft, cost rule off, so every draft is accepted in float32 and the ratio shows the
 draft machinery's overhead; `--engines` picks some) are built once; each workload runs on them
 back to back (the order rotated per repeat), so a load that drifts on a shared machine touches
@@ -18,9 +20,9 @@ them alike. Reported per workload and engine: output
 tokens/s end to end (prefill included), mean time per output token after the first (TPOT), the
 ratios to speculation off, the acceptance counters, and whether the outputs equal the off run's.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py \
-        --out benchmarks/results/2026-11-26-cpu-spec-decode/spec_decode_cpu.json
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py --engines off draft_model \
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py --only copy_b1 open_b1 \
+        --repeats 2 --out benchmarks/results/2026-11-26c-cpu-spec-decode/spec_decode_cpu_b1.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py --engines off draft_model --k 5 \
         --dtype float32 --only copy_b1 open_b1 \
         --out benchmarks/results/2026-11-26b-cpu-draft-model/draft_model_cpu.json
 """
@@ -135,7 +137,7 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=16, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--num-b1", type=int, default=4, help="prompts of each batch-1 workload")
     parser.add_argument("--batch", type=int, default=32, help="prompts of the batched workload")
