@@ -37,6 +37,17 @@ def test_reused_buffers_are_rewritten_every_step():
     manager.shutdown()
 
 
+def _embedded_backend(tokenizer_dir, name: str):
+    """(tokenizer, vocab size, the `name` grammar backend over it with 2 threads)."""
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    vocab = len(tok)
+    return tok, vocab, make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), 2, name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
 def test_pinned_buffers_skip_the_staging_copy():
     manager = StructuredOutputManager(FakeBackend(), VOCAB, pin_memory=True)
@@ -51,13 +62,7 @@ def test_pinned_buffers_skip_the_staging_copy():
 
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
 def test_backend_fills_the_rows_it_is_given(embedded_tokenizer_dir, name):
-    from transformers import AutoTokenizer
-
-    from phloem.structured_output import make_backend, tokenizer_data
-
-    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
-    vocab = len(tok)
-    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), 2, name)
+    tok, vocab, backend = _embedded_backend(embedded_tokenizer_dir, name)
     yes = backend.matcher(backend.compile(StructuredOutputsParams(choice=["yes"])))
     no = backend.matcher(backend.compile(StructuredOutputsParams(choice=["no"])))
     bitmask = np.full((3, bitmask_width(vocab)), 7, dtype=np.int32)
@@ -111,13 +116,7 @@ def test_accept_many_gives_accepts_results():
 
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
 def test_backend_accept_tokens_advance_each_matcher(embedded_tokenizer_dir, name):
-    from transformers import AutoTokenizer
-
-    from phloem.structured_output import make_backend, tokenizer_data
-
-    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
-    vocab = len(tok)
-    backend = make_backend(tokenizer_data(tok, vocab, tok.eos_token_id), 2, name)
+    tok, vocab, backend = _embedded_backend(embedded_tokenizer_dir, name)
     compiled = backend.compile(StructuredOutputsParams(choice=["yes", "no"]))
     yes, no = (tok.encode(w, add_special_tokens=False) for w in ("yes", "no"))
     matchers = [backend.matcher(compiled) for _ in range(3)]
