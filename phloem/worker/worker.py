@@ -142,7 +142,16 @@ class Worker:
         phases.mark("triton_wait")
         self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
         phases.mark("memory_profile_and_kv")
-        if self.device.type == "cuda":  # compile attention kernels before the first request
+        self._warm_up(model_config, sched, phases)
+        phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s, triton_prebuild=triton_s)
+
+    def _warm_up(
+        self, model_config: ModelConfig, sched: SchedulerConfig, phases: StartupPhases
+    ) -> None:
+        """On CUDA, before the first request: compile the attention kernels (phase
+        "attention_warmup"), then capture the decode CUDA graphs and, in "piecewise" mode, the
+        piecewise ones (sets `cuda_graphs`; `enforce_eager` captures none)."""
+        if self.device.type == "cuda":
             self.model_runner.warmup_attention(_num_heads(self.model))
         phases.mark("attention_warmup")
         self.cuda_graphs = False
@@ -150,7 +159,6 @@ class Worker:
             self.cuda_graphs = self._capture(sched.max_num_seqs)
             if model_config.cuda_graph_mode == "piecewise":
                 self._capture_piecewise(sched.max_num_batched_tokens)
-        phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s, triton_prebuild=triton_s)
 
     def _attention_backend(
         self, model_config: ModelConfig, cache_config: CacheConfig, sched: SchedulerConfig
