@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from phloem.ops.attention import AttentionMetadata, get_attention_backend
-from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
+from phloem.ops.attention.reference import (
+    DECODE_CHUNK_ELEMENTS,
+    ReferenceAttention,
+    _decode_chunks,
+    paged_attention_reference,
+)
 from phloem.ops.kv_store import write_kv
 
 torch.set_num_threads(1)
@@ -103,6 +108,33 @@ def test_reference_matches_naive_float64(block_size: int, group: int, head_dim: 
 
     out64 = ReferenceAttention().forward(query.double(), kv_cache.double(), meta, scale)
     torch.testing.assert_close(out64, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_decode_chunks_split_in_order_within_the_budget() -> None:
+    seq_lens = [100, 5000, 4000, 9000, 1, 1, 20000, 3]
+    seqs = [0, 1, 2, 4, 5, 3, 6, 7]  # a step's decode sequences, not all of them
+    chunks = _decode_chunks(seq_lens, seqs, row_elements=32)
+    assert [b for chunk in chunks for b in chunk] == seqs
+    for chunk in chunks:
+        padded = len(chunk) * max(seq_lens[b] for b in chunk) * 32
+        assert len(chunk) == 1 or padded <= DECODE_CHUNK_ELEMENTS
+    assert [6] in chunks  # too long to share a chunk: alone
+    assert len(chunks) < len(seqs)  # short neighbours share one
+    assert _decode_chunks(seq_lens, [], row_elements=32) == []
+
+
+def test_reference_decode_in_several_chunks() -> None:
+    """Decode sequences long enough to span several gathers (and a prefill chunk beside them)
+    against the float64 naive attention, with NaN in every slot no sequence owns."""
+    tokens_per_chunk = DECODE_CHUNK_ELEMENTS // (NUM_KV_HEADS * 16)
+    lens = [tokens_per_chunk // 2 + 7, 9, tokens_per_chunk // 3, tokens_per_chunk + 5, 40]
+    seqs = [(1, n) for n in lens] + [(5, 30)]
+    query, kv_cache, key, value, meta = make_step(seqs, 16, 6, 16, torch.float32, seed=5)
+    assert len(_decode_chunks(meta.seq_lens_cpu, list(range(len(lens))), NUM_KV_HEADS * 16)) >= 3
+    write_kv(kv_cache, key, value, meta.slot_mapping)
+    out = ReferenceAttention().forward(query, kv_cache, meta, 0.25)
+    expected = paged_attention_reference(query, kv_cache, meta, 0.25)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
 
 
 def test_reference_reads_a_head_major_cache() -> None:

@@ -6,9 +6,13 @@ Layout and step packing are described in `metadata.py`. For each sequence b of a
     |---- already cached: L - q_len ----|------ q_len query tokens (this step) ---|
     query i (0-based) sits at position L - q_len + i and attends to KV positions 0 .. L - q_len + i.
 
-`ReferenceAttention` batches all decode sequences (q_len == 1) of a step into one padded gather and
-batched matmul, and runs prefill chunks (q_len > 1) one by one through
-`scaled_dot_product_attention` with an explicit causal-offset mask. Scores and softmax are computed in
+`ReferenceAttention` batches the decode sequences (q_len == 1) of a step into padded gathers of at
+most `DECODE_CHUNK_ELEMENTS` K elements, each one `scaled_dot_product_attention` call with the GQA
+group as the query length, and runs prefill chunks (q_len > 1) one by one through the same call
+with an explicit causal-offset mask; SDPA reads K and V as head-major views of token-major copies.
+Few, large torch calls are the point on a CPU: each parallel region wakes the thread pool (tens of
+microseconds with `OMP_WAIT_POLICY=PASSIVE`), so a per-head loop of small matmuls cost a 1-token
+decode step more than a 5-token chunk's single SDPA call. Scores and softmax are computed in
 float32 (float64 inputs stay float64). An FP8 cache is read as stored value * k_scale (keys) and
 * v_scale (values), in the compute dtype (`phloem.ops.kv_store` says how it was written).
 `paged_attention_reference` is the dumbest version, for tests.
@@ -59,6 +63,12 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
             raise ValueError(f"sequence {b}: q_len {qsl[b + 1] - qsl[b]} > seq_len {seq_len}")
 
 
+# K elements (tokens x H_kv x D) gathered per decode chunk (1 MB of float32 each for K and V): the
+# copies stay in the core's cache for SDPA, and glibc serves buffers this small from its heap,
+# while larger fresh ones may be mmapped and page-faulted in again on every call.
+DECODE_CHUNK_ELEMENTS = 1 << 18
+
+
 def _gather_kv(
     kv_cache: torch.Tensor,
     tables: torch.Tensor,
@@ -75,6 +85,8 @@ def _gather_kv(
         tables: int64 [B, max_blocks] block tables; lens: int64 [B] KV lengths (>= 1).
     Positions at or past a sequence's length read its position len - 1 (always written, so
     finite, unlike unwritten slots that may hold NaN); callers mask them out of the softmax.
+    Token-major and contiguous on purpose: converting while transposing to head-major is a
+    strided copy several times slower on a CPU than this copy plus SDPA on transposed views.
     """
     block_size = kv_cache.shape[2]
     pos = torch.arange(max_len, device=kv_cache.device)
@@ -86,6 +98,22 @@ def _gather_kv(
     if kv_cache.dtype == FP8_KV_DTYPE:
         k, v = k.mul_(k_scale), v.mul_(v_scale)
     return k, v
+
+
+def _decode_chunks(seq_lens: list[int], seqs: list[int], row_elements: int) -> list[list[int]]:
+    """`seqs` split in order into runs whose padded K (run length x longest x `row_elements`)
+    stays within DECODE_CHUNK_ELEMENTS, or a single sequence."""
+    chunks: list[list[int]] = []
+    longest = 0
+    for b in seqs:
+        longest_with = max(longest, seq_lens[b])
+        if chunks and (len(chunks[-1]) + 1) * longest_with * row_elements <= DECODE_CHUNK_ELEMENTS:
+            chunks[-1].append(b)
+            longest = longest_with
+        else:
+            chunks.append([b])
+            longest = seq_lens[b]
+    return chunks
 
 
 class ReferenceAttention(AttentionBackend):
@@ -122,8 +150,9 @@ class ReferenceAttention(AttentionBackend):
         qsl = meta.query_start_loc_cpu
         decode = [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
         kv_scales = (k_scale, v_scale)
-        if decode:
-            self._decode(query, kv_cache, meta, scale, decode, out, kv_scales)
+        row_elements = kv_cache.shape[3] * kv_cache.shape[4]
+        for seqs in _decode_chunks(meta.seq_lens_cpu, decode, row_elements):
+            self._decode(query, kv_cache, meta, scale, seqs, out, kv_scales)
         for b in range(meta.num_seqs):
             if qsl[b + 1] - qsl[b] > 1:
                 self._prefill(query, kv_cache, meta, scale, b, out, kv_scales)
@@ -139,23 +168,24 @@ class ReferenceAttention(AttentionBackend):
         out: torch.Tensor,
         kv_scales: tuple[float, float],
     ) -> None:
-        """All q_len == 1 sequences at once: one padded gather, masked past each length."""
+        """q_len == 1 sequences `seqs`, together: one padded gather, masked past each length
+        (no mask when the lengths are equal), and one SDPA call whose query length is the GQA
+        group (query [B, H_kv, G, D] against K, V [B, H_kv, L, D])."""
         num_heads, head_dim, num_kv_heads, group = _geometry(query, kv_cache)
         cdt, device = _compute_dtype(query.dtype), query.device
-        lens = torch.tensor([meta.seq_lens_cpu[b] for b in seqs], device=device)
-        max_len = max(meta.seq_lens_cpu[b] for b in seqs)
+        lens_cpu = [meta.seq_lens_cpu[b] for b in seqs]
+        lens = torch.tensor(lens_cpu, device=device)
+        max_len = max(lens_cpu)
         rows = torch.tensor(seqs, device=meta.block_tables.device)
         tables = meta.block_tables[rows].to(device=device, dtype=torch.int64)  # [B, max_blocks]
         k, v = _gather_kv(kv_cache, tables, lens, max_len, cdt, *kv_scales)  # [B, L, H_kv, D]
         tokens = torch.tensor([meta.query_start_loc_cpu[b] for b in seqs], device=device)
-        q = query[tokens].to(cdt).view(len(seqs), num_kv_heads, group, head_dim) * scale
-        pad = torch.arange(max_len, device=device)[None, None, :] >= lens[:, None, None]  # [B,1,L]
-        o = torch.empty(len(seqs), num_kv_heads, group, head_dim, dtype=cdt, device=device)
-        # One bmm pair per KV head on strided views: cheaper than copying K/V to head-major.
-        for h in range(num_kv_heads):
-            scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))  # [B, G, L]
-            scores.masked_fill_(pad, float("-inf"))
-            o[:, h] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h])  # [B, G, D]
+        q = query[tokens].to(cdt).view(len(seqs), num_kv_heads, group, head_dim)
+        mask = None  # [B, 1, 1, L]: keep the positions before each length
+        if min(lens_cpu) < max_len:
+            mask = (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, L, D] views
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H_kv, G, D]
         out[tokens] = o.reshape(len(seqs), num_heads, head_dim).to(out.dtype)
 
     @staticmethod
