@@ -63,10 +63,10 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
             raise ValueError(f"sequence {b}: q_len {qsl[b + 1] - qsl[b]} > seq_len {seq_len}")
 
 
-# K elements (tokens x H_kv x D) gathered per decode chunk (1 MB of float32 each for K and V): the
-# copies stay in the core's cache for SDPA, and glibc serves buffers this small from its heap,
-# while larger fresh ones may be mmapped and page-faulted in again on every call.
-DECODE_CHUNK_ELEMENTS = 1 << 18
+# K elements (tokens x H_kv x D) gathered per decode chunk (2 MB of float32 each for K and V): the
+# copy stays in cache for SDPA, and glibc serves buffers this small from its heap, while larger
+# fresh ones may be mmapped and page-faulted in again on every call.
+DECODE_CHUNK_ELEMENTS = 1 << 19
 
 
 def _gather_kv(
@@ -85,8 +85,9 @@ def _gather_kv(
         tables: int64 [B, max_blocks] block tables; lens: int64 [B] KV lengths (>= 1).
     Positions at or past a sequence's length read its position len - 1 (always written, so
     finite, unlike unwritten slots that may hold NaN); callers mask them out of the softmax.
-    Token-major and contiguous on purpose: converting while transposing to head-major is a
-    strided copy several times slower on a CPU than this copy plus SDPA on transposed views.
+    K and V are views of one token-major [B, max_len, 2, H_kv, D] copy: one gather and one
+    conversion for both (on a CPU, converting while transposing to head-major is a strided copy
+    several times slower than this copy plus SDPA on transposed views).
     """
     block_size = kv_cache.shape[2]
     pos = torch.arange(max_len, device=kv_cache.device)
@@ -94,7 +95,8 @@ def _gather_kv(
     block_ids = torch.gather(tables, 1, clamped // block_size)
     offsets = clamped % block_size
     # Advanced indexing through the strides: either layout of kv_store.allocate_kv_cache.
-    k, v = kv_cache[block_ids, 0, offsets].to(dtype), kv_cache[block_ids, 1, offsets].to(dtype)
+    kv = kv_cache[block_ids, :, offsets].to(dtype)  # [B, L, 2, H_kv, D]
+    k, v = kv[:, :, 0], kv[:, :, 1]
     if kv_cache.dtype == FP8_KV_DTYPE:
         k, v = k.mul_(k_scale), v.mul_(v_scale)
     return k, v
