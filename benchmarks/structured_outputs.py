@@ -1,32 +1,41 @@
 """Throughput of structured outputs against unconstrained decoding, same engine, same run.
 
-Three runs of the same prompts: every request under ONE JSON schema, every request under its OWN
-schema (distinct property names, so each compiles), and unconstrained. For equal work the
-unconstrained run generates exactly the tokens the one-schema run did (each request's
-max_tokens = its constrained output's length, ignore_eos), and the per-request-schema run is
-capped the same way. Ratios are output tokens/s of a constrained run over the unconstrained run,
-best of two interleaved runs each (other work on the machine drifts); compiling the schemas is
-inside the constrained runs' wall time (a job pays it), loading the grammar library and building
-its tokenizer info (once per process) is not: the warm-up does it, timed apart.
+Three kinds of run over the same prompts: every request under ONE JSON schema, every request
+under its OWN schema (distinct property names, so each compiles), and unconstrained. For equal
+work the unconstrained run generates exactly the tokens the one-schema run did (each request's
+max_tokens = its constrained output's length, ignore_eos), and the per-request-schema runs are
+capped the same way. Ratios are output tokens/s of a constrained run over the unconstrained
+run, best of two runs each, interleaved (other work on the machine drifts); the second
+per-request run has new schemas, so both compile every one of theirs; compiling is inside a
+constrained run's wall time (a job pays it); loading the grammar library and building its
+tokenizer info (once per process) is not: the warm-up does it, timed apart. Each constrained
+run also reports the grammar counters it added (`GrammarStats`: compile and matcher time, how
+long after its registration the last matcher was ready, rows a step waited for, admissions put
+off for a grammar still compiling).
 
 CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
 
     python benchmarks/structured_outputs.py --num-requests 64 --out DIR/cpu.json
 
 GPU (Llama-3.1-8B shapes, random weights, 1,024 requests x 128 output tokens; goals one-schema
->= 0.95x, per-request >= 0.85x). Random weights with the shipped synthetic tokenizer (words
-"t<i>") cannot spell JSON, so the script writes a byte-level tokenizer of the same 128,256
-tokens (256 single bytes plus random printable strings) beside the config; its schema asks for
-at least 200 array items, so every constrained output runs to --output-len (finish "length",
-not parseable: the run measures the cost of constraining, not the outputs):
+>= 0.95x, per-request >= 0.85x, both from this one command). Random weights with the shipped
+synthetic tokenizer (words "t<i>") cannot spell JSON, so the script writes a byte-level
+tokenizer of the same 128,256 tokens (256 single bytes plus random printable strings) beside the
+config; its schema asks for at least 200 array items, so every constrained output runs to
+--output-len (finish "length", not parseable: the run measures the cost of constraining, not the
+outputs):
 
     python benchmarks/structured_outputs.py --model llama-3.1-8b --num-requests 1024 \
-        --output-len 128 --out DIR/h100.json
+        --output-len 128 --out DIR/so-1024.json
+
+The same path on the CPU in a few minutes (the model's vocabulary and tokenizer on one narrow
+layer): add `--shrink --num-requests 16 --output-len 16`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -64,17 +73,18 @@ def schema(index: int | None, min_items: int, max_items: int) -> dict:
     }  # fmt: skip
 
 
-def byte_level_tokenizer_dir(model: str, dest: Path) -> Path:
-    """The shipped config plus a byte-level tokenizer of its vocabulary size (see the module
-    docstring): ids 0..255 are the bytes, the rest random printable strings of 2-6 bytes, as a
-    byte-level BPE without merges (the grammar libraries read a WordLevel model's tokens wrong)."""
+def byte_level_tokenizer_dir(model: str, dest: Path, **overrides) -> Path:
+    """The shipped config (with `overrides`) plus a byte-level tokenizer of its vocabulary size
+    (see the module docstring): ids 0..255 are the bytes, the rest random printable strings of
+    2-6 bytes, as a byte-level BPE without merges (the grammar libraries read a WordLevel
+    model's tokens wrong)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     from phloem.model_configs import materialize
 
-    path = materialize(model, dest)
+    path = materialize(model, dest, **overrides)
     config = json.loads((path / "config.json").read_text())
     vocab_size = config["vocab_size"]
     eos = config["eos_token_id"]
@@ -96,12 +106,93 @@ def byte_level_tokenizer_dir(model: str, dest: Path) -> Path:
     return path
 
 
-def run(llm, prompts, params) -> tuple[float, list[int], list[str]]:
-    """(seconds, output lengths, texts) of one generate call."""
+# --shrink: the model's vocabulary and tokenizer on one narrow layer (a CPU check of the GPU
+# command, end to end in minutes)
+SHRINK = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # fmt: skip
+
+
+def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
+    """(seconds, output lengths, texts, the grammar counters this call added) of one generate
+    call (`GrammarStats`, and `num_held`: admissions put off for a grammar not compiled yet)."""
+    structured = llm.llm_engine.structured
+    if structured.manager is not None:
+        structured.manager.stats.max_ready_lag_s = 0.0  # this call's
+    before = _grammar_counters(structured)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    return wall, [len(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs]
+    after = _grammar_counters(structured)
+    added = {k: v - before.get(k, 0) for k, v in after.items() if k != "max_ready_lag_s"}
+    added["max_ready_lag_s"] = after.get("max_ready_lag_s", 0.0)
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    return wall, lens, [o.outputs[0].text for o in outs], added
+
+
+def _grammar_counters(structured) -> dict:
+    manager = structured.manager
+    counters = {} if manager is None else dataclasses.asdict(manager.stats)
+    return counters | {"num_held": structured.num_held}
+
+
+def setup(args, tmp: str):
+    """(LLM, prompts, (minItems, maxItems) of the schemas) for the model asked for."""
+    n, rng = args.num_requests, random.Random(0)
+    if args.model is None:  # the embedded model: real text prompts, real JSON
+        llm = LLM(structured_outputs_backend=args.backend)
+        words = ["Describe", "a", "record", "as", "JSON", "for", "the", "archive", "entry"]
+        prompts = [" ".join(rng.choices(words, k=12)) + f" #{i}:" for i in range(n)]
+        return llm, prompts, (1, 4)
+    overrides = SHRINK if args.shrink else {}
+    path = byte_level_tokenizer_dir(args.model, Path(tmp) / "model", **overrides)
+    llm = LLM(str(path), load_format="dummy", structured_outputs_backend=args.backend)
+    vocab = llm.llm_engine.hf_config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(256, vocab) for _ in range(args.prompt_len)]}
+               for _ in range(n)]  # fmt: skip
+    return llm, prompts, (200, 400)
+
+
+def measure(llm, prompts, items, args) -> dict:
+    """The three runs (see the module docstring), interleaved: one schema, unconstrained, one
+    schema again (compiled already), unconstrained again, then a schema per request twice
+    (new schemas the second time, so both compile all of theirs)."""
+    n = len(prompts)
+    one = StructuredOutputsParams(json=schema(None, *items))
+    cons = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.output_len,
+                           structured_outputs=one) for i in range(n)]  # fmt: skip
+    wall_one, lens, texts, grammar_one = run(llm, prompts, cons)
+    free = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=True)
+            for i, k in enumerate(lens)]  # fmt: skip
+    wall_free = run(llm, prompts, free)[0]
+    wall_one_again, _, _, grammar_one_again = run(llm, prompts, cons)
+    wall_free_again = run(llm, prompts, free)[0]
+    tokens, best_free = sum(lens), min(wall_free, wall_free_again)
+    result = {
+        "output_tokens": tokens, "one_schema_valid_json": sum(1 for t in texts if _parses(t)),
+        "unconstrained_s": [wall_free, wall_free_again], "one_schema_s": [wall_one, wall_one_again],
+        "one_schema_ratio": best_free / min(wall_one, wall_one_again),
+        "one_schema_first_run_ratio": best_free / wall_one,
+        "one_schema_grammar": [grammar_one, grammar_one_again],
+    }  # fmt: skip
+    if args.skip_per_request:
+        return result
+    walls, own_tokens, grammars = [], [], []
+    for offset in (0, n):
+        own = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, structured_outputs=
+                              StructuredOutputsParams(json=schema(offset + i, *items)))
+               for i, k in enumerate(lens)]  # fmt: skip
+        wall, own_lens, own_texts, grammar = run(llm, prompts, own)
+        walls.append(wall)
+        own_tokens.append(sum(own_lens))
+        grammars.append(grammar | {"valid_json": sum(1 for t in own_texts if _parses(t))})
+    rates = [k / w for k, w in zip(own_tokens, walls)]
+    result.update(
+        per_request_schema_s=walls, per_request_schema_output_tokens=own_tokens,
+        per_request_schema_ratio=max(rates) / (tokens / best_free),
+        per_request_schema_first_run_ratio=rates[0] / (tokens / best_free),
+        per_request_schema_grammar=grammars,
+    )  # fmt: skip
+    return result
 
 
 def main() -> None:
@@ -111,59 +202,22 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens [tokens]")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
     parser.add_argument("--skip-per-request", action="store_true")
+    parser.add_argument("--shrink", action="store_true", help="--model on one narrow layer")
     parser.add_argument("--backend", default="llguidance", help="structured_outputs_backend")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
-    n, rng = args.num_requests, random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model is None:  # the embedded model: real text prompts, real JSON
-            llm = LLM(structured_outputs_backend=args.backend)
-            words = ["Describe", "a", "record", "as", "JSON", "for", "the", "archive", "entry"]
-            prompts = [" ".join(rng.choices(words, k=12)) + f" #{i}:" for i in range(n)]
-            min_items, max_items = 1, 4
-        else:
-            path = byte_level_tokenizer_dir(args.model, Path(tmp) / "model")
-            llm = LLM(str(path), load_format="dummy", structured_outputs_backend=args.backend)
-            vocab = llm.llm_engine.hf_config.vocab_size
-            prompts = [{"prompt_token_ids": [rng.randrange(256, vocab)
-                                             for _ in range(args.prompt_len)]} for _ in range(n)]  # fmt: skip
-            min_items, max_items = 200, 400
+        llm, prompts, items = setup(args, tmp)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
         start = time.perf_counter()  # the grammar library and its tokenizer info, once
         warm = StructuredOutputsParams(choice=["yes", "no"])
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=warm), use_tqdm=False)  # fmt: skip
-        library_s = time.perf_counter() - start
-        one = StructuredOutputsParams(json=schema(None, min_items, max_items))
-        result: dict = {"model": args.model or "embedded", "backend": args.backend, "num_requests": n,
+        result: dict = {"model": args.model or "embedded", "shrink": args.shrink,
+                        "backend": args.backend, "num_requests": len(prompts),
                         "output_len": args.output_len, "machine": platform.machine(),
-                        "cpus": os.cpu_count(), "grammar_library_load_s": library_s}  # fmt: skip
-        cons = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.output_len,
-                               structured_outputs=one) for i in range(n)]  # fmt: skip
-        wall_one, lens, texts = run(llm, prompts, cons)
-        valid = sum(1 for t in texts if _parses(t))
-        free = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=True)
-                for i, k in enumerate(lens)]  # fmt: skip
-        wall_free = run(llm, prompts, free)[0]
-        wall_one_again = run(llm, prompts, cons)[0]  # compiled already: the cache of one LLM
-        wall_free_again = run(llm, prompts, free)[0]
-        tokens = sum(lens)
-        best_free = min(wall_free, wall_free_again)
-        result.update(
-            output_tokens=tokens, one_schema_valid_json=valid,
-            unconstrained_s=[wall_free, wall_free_again], one_schema_s=[wall_one, wall_one_again],
-            one_schema_ratio=best_free / min(wall_one, wall_one_again),
-            one_schema_first_run_ratio=best_free / wall_one,
-        )  # fmt: skip
-        if not args.skip_per_request:
-            own = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=False,
-                                  structured_outputs=StructuredOutputsParams(json=schema(i, min_items, max_items)))
-                   for i, k in enumerate(lens)]  # fmt: skip
-            wall_own, own_lens, _ = run(llm, prompts, own)
-            result.update(
-                per_request_schema_s=wall_own,
-                per_request_schema_output_tokens=sum(own_lens),
-                per_request_schema_ratio=(sum(own_lens) / wall_own) / (tokens / best_free),
-            )
+                        "cpus": os.cpu_count(), "grammar_library_load_s": time.perf_counter() - start,
+                        "grammar_threads": llm.llm_engine.structured.num_threads}  # fmt: skip
+        result.update(measure(llm, prompts, items, args))
     print(json.dumps(result, indent=2))
     print(f"one schema / unconstrained: {result['one_schema_ratio']:.3f}x")
     if "per_request_schema_ratio" in result:

@@ -29,7 +29,7 @@ the message in `failed_requests` for the engine to report); the step goes on for
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from phloem.config import SchedulerConfig
 from phloem.core.admission import Admission
@@ -93,6 +93,9 @@ class Scheduler:
         # seq id -> tokens the last update appended, for the requests that verified drafts
         # (every other updated request got exactly one)
         self.num_new_tokens: dict[str, int] = {}
+        # False for a waiting request that may not start yet (its grammar still compiling:
+        # vLLM's WAITING_FOR_FSM); it keeps its place while later ones are admitted
+        self.admission_gate: Callable[[Request], bool] | None = None
 
     # -- queue management -------------------------------------------------------------------
 
@@ -317,7 +320,11 @@ class Scheduler:
     ) -> tuple[int, int] | None:
         """Admit one request taken from the head of the queue, if it fits: returns the budget
         and reserved blocks left, or None (the request is back at the head) to stop admitting.
-        A request waiting for its group's prefix goes to `skipped`."""
+        A request waiting for its group's prefix or held by `admission_gate` goes to
+        `skipped`."""
+        if self.admission_gate is not None and not self.admission_gate(request):
+            skipped.append(request)
+            return budget, reserved
         groups = self.prefix_groups
         admissible = groups.held_prefix_admissible(request, budget, reserved, self.running)
         if admissible is False:

@@ -15,6 +15,12 @@ N's outputs (detokenizing, building outputs) runs beside it; `bitmask` then wait
                   process N's outputs (engine loop)             │
                   bitmask(N+1): wait ◄──────────────────────────┘ -> sample(N+1)
 
+A request's grammar starts compiling when it is added (`register`: a batch's are all queued
+in the pool before its first step). The scheduler admits a request only once its matcher is
+ready (`_ready`, its `admission_gate`; vLLM's WAITING_FOR_FSM): a request whose grammar is slow
+to compile waits in the queue, keeping its place, while the others run, and no step's bitmask
+waits for a grammar.
+
 The grammar library (and its tokenizer info) is loaded with the first constrained request.
 """
 
@@ -30,6 +36,7 @@ from phloem.sampling_params import SamplingParams
 from phloem.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05  # longest wait of an empty step for a held request's grammar [s]
 
 
 def default_num_threads() -> int:
@@ -60,13 +67,14 @@ class StructuredOutputs:
         self.scheduler = scheduler
         self.backend = backend
         self._tokenizer_args = (tokenizer, vocab_size, eos_token_id)  # tokenizer_data's
-        self._num_threads = num_compile_threads or default_num_threads()
+        self.num_threads = num_compile_threads or default_num_threads()
         self.manager: StructuredOutputManager | None = None
         self._next: SchedulerOutput | None = None  # marked, its bitmask not taken yet
         # (step, its fill started by `advance`)
         self._fill: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
         self.num_early_fills = 0  # bitmasks whose fill started in `advance`
+        self.num_held = 0  # times a waiting request was passed over, its grammar not ready
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
@@ -89,24 +97,43 @@ class StructuredOutputs:
             from phloem.structured_output import make_backend, tokenizer_data
 
             data = tokenizer_data(*self._tokenizer_args)
-            backend = make_backend(data, self._num_threads, self.backend)
+            backend = make_backend(data, self.num_threads, self.backend)
             import torch
 
             self.manager = StructuredOutputManager(
-                backend, self._tokenizer_args[1], self._num_threads, torch.cuda.is_available()
+                backend, self._tokenizer_args[1], self.num_threads, torch.cuda.is_available()
             )
+            self.scheduler.admission_gate = self._ready
         self.manager.register(seq_id, constraint)
+
+    def _ready(self, request: Request) -> bool:
+        """The scheduler's admission gate: False while the request's grammar compiles, so it
+        waits without holding up the step (its place in the queue kept; vLLM's
+        WAITING_FOR_FSM). Its prefill thus starts once its matcher is ready, and its first
+        sample never waits for it."""
+        assert self.manager is not None
+        if self.manager.is_ready(request.request_id):
+            return True
+        self.num_held += 1
+        return False
 
     def forget(self, seq_id: str) -> None:
         if self.manager is not None:
             self.manager.forget(seq_id)
 
     def mark(self, sched: SchedulerOutput) -> None:
-        """Set `sched.structured_seq_ids`: its sampled rows that are constrained (row order)."""
+        """Set `sched.structured_seq_ids`: its sampled rows that are constrained (row order).
+        An empty step with nothing running and requests held for their grammars waits (up to
+        `_IDLE_WAIT_S`) for the first of them instead of letting the loop spin."""
         self._next = None
         manager = self.manager
         if manager is None or not manager.num_live:
             return
+        if not sched.scheduled and not self.scheduler.running:
+            for request in self.scheduler.waiting:
+                if not manager.is_ready(request.request_id):
+                    manager.wait_ready([request.request_id], _IDLE_WAIT_S)
+                    break
         is_constrained = manager.is_constrained
         sched.structured_seq_ids = [
             s.seq_id for s in sched.scheduled if s.sample and is_constrained(s.seq_id)

@@ -97,6 +97,18 @@ class GrammarBackend(abc.ABC):
     def matcher(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
+    def compile_with_matcher(
+        self, params: StructuredOutputsParams
+    ) -> tuple[object, GrammarMatcher]:
+        """`compile`, and a matcher of it for the constraint's first sequence. A library whose
+        compile check builds a matcher anyway overrides this to hand that one out.
+
+        Raises:
+            ValueError: as `compile`.
+        """
+        compiled = self.compile(params)
+        return compiled, self.matcher(compiled)
+
     def accept_tokens(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
         """Advance matchers[i] by token_ids[i]; [True where accepted]. A matcher whose token was
         rejected may be left unusable (its sequence fails); here, one after the other, it is

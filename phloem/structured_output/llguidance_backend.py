@@ -142,14 +142,23 @@ class LLGuidanceBackend(GrammarBackend):
         Raises:
             ValueError: as `validate`, or the grammar does not build over this vocabulary.
         """
+        return self.compile_with_matcher(params)[0]
+
+    def compile_with_matcher(self, params: StructuredOutputsParams) -> tuple[str, GrammarMatcher]:
+        """The grammar and the matcher built to check it (handed to the first sequence: a
+        matcher costs as much as the check, ~0.6 ms for the benchmark's schema at 128K tokens).
+
+        Raises:
+            ValueError: as `compile`.
+        """
         try:
             grammar = grammar_text(params)
-            probe = self._llg.LLMatcher(self.tokenizer, grammar)
+            matcher = self._llg.LLMatcher(self.tokenizer, grammar)
         except ValueError as e:
             raise _error(params, str(e)) from None
-        if probe.is_error():
-            raise _error(params, probe.get_error())
-        return grammar
+        if matcher.is_error():
+            raise _error(params, matcher.get_error())
+        return grammar, LLGuidanceMatcher(matcher)
 
     def matcher(self, compiled: str) -> LLGuidanceMatcher:
         """A matcher built from the grammar (~1 ms), NOT a `deep_copy` of a shared one: the

@@ -1,12 +1,14 @@
 """The engine's side of structured outputs: compiled grammars cached by constraint, one matcher
 per sequence, and each step's bitmask.
 
-    add_request ─► register(seq, params): compile(key) submitted to the pool once per distinct
-                   constraint (a batch under one schema compiles it once), then the sequence's
-                   own matcher built from it (in the pool), while prompts prefill
-    step N+1    ─► bitmask(seq_ids): waits for a grammar only here (its first sampled token),
-                   fills the rows of the step's constrained samples, after step N's tokens were
-                   accepted (`LLMEngine.step`)
+    add_request ─► register(seq, params): one pool task per sequence, in admission order: a
+                   constraint not in the cache (keyed by its canonical text, least recently
+                   used dropped) is compiled with the sequence's matcher; a cached one gets a
+                   matcher built from it
+    schedule    ─► is_ready(seq): the scheduler admits a sequence once its matcher is built
+    step N+1    ─► bitmask(seq_ids): fills the rows of the step's constrained samples, after
+                   step N's tokens were accepted (`LLMEngine.step`); waits for a matcher only
+                   for a sequence admitted without the gate (counted in `stats`)
     update(N)   ─► accept(seq, token): advance; the grammar complete -> the sequence stops
 
 Matchers are keyed by sequence id, so n > 1 siblings walk their own, and a preempted sequence
@@ -18,6 +20,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +63,31 @@ class _Sequence:
         self.matcher: GrammarMatcher | None = None
 
 
+@dataclass
+class GrammarStats:
+    """Counters since the manager started (benchmarks read them; seconds are wall time).
+
+    Attributes:
+        num_compiled: distinct constraints compiled (cache misses).
+        num_sequences: sequences registered.
+        compile_s: summed over compile tasks (each with its first matcher).
+        matcher_s: summed over the tasks building a matcher of an already compiled constraint.
+        ready_lag_s: summed over sequences, registration to matcher ready.
+        max_ready_lag_s: the longest of those.
+        num_rows_waited: bitmask rows that waited for their matcher (the step stood still).
+        wait_s: how long `bitmask` waited for matchers, summed over steps.
+    """
+
+    num_compiled: int = 0
+    num_sequences: int = 0
+    compile_s: float = 0.0
+    matcher_s: float = 0.0
+    ready_lag_s: float = 0.0
+    max_ready_lag_s: float = 0.0
+    num_rows_waited: int = 0
+    wait_s: float = 0.0
+
+
 class StructuredOutputManager:
     """Compiles constraints in a thread pool and keeps the matchers of constrained sequences.
 
@@ -68,6 +98,7 @@ class StructuredOutputManager:
         pin_memory: keep the bitmask buffers in page-locked memory (with a GPU: the worker's
             copy to the device then skips its staging copy, 16 MB a 1,024-row step at 128K
             tokens; a buffer is rewritten only after the step that read it was collected).
+        max_cached: compiled constraints kept (least recently registered dropped first).
     """
 
     def __init__(
@@ -76,15 +107,19 @@ class StructuredOutputManager:
         vocab_size: int,
         num_compile_threads: int = 2,
         pin_memory: bool = False,
+        max_cached: int = 4096,
     ):
         self.backend = backend
         self.width = bitmask_width(vocab_size)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=num_compile_threads, thread_name_prefix="phloem-grammar"
         )
-        self._compiled: dict[tuple[str, str], concurrent.futures.Future] = {}
+        # constraint key -> future of its compiled grammar, in least recently used order
+        self._compiled: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
+        self._max_cached = max_cached
         self._sequences: dict[str, _Sequence] = {}
-        self.num_compiled = 0  # distinct constraints submitted for compilation
+        self.stats = GrammarStats()
+        self._stats_lock = threading.Lock()  # the pool's threads add to `stats`
         # two bitmask buffers used in turn, grown as needed: a fresh [1,024, 4,008] array a
         # step cost ~8 ms of page faults on the loop (np.full), plus ~1.3 ms to scatter the
         # filled rows into it (benchmarks/results/2026-11-26c-cpu-structured-masks)
@@ -92,22 +127,68 @@ class StructuredOutputManager:
         self._turn = 0
         self._pin_memory = pin_memory
 
+    @property
+    def num_compiled(self) -> int:
+        """Distinct constraints submitted for compilation."""
+        return self.stats.num_compiled
+
     def register(self, seq_id: str, params: StructuredOutputsParams) -> None:
-        """Start compiling the sequence's constraint unless the cache has it; returns at once."""
+        """Start building the sequence's matcher in the pool; returns at once. A constraint not
+        in the cache is compiled by the same task, which builds the sequence's matcher with it
+        (`GrammarBackend.compile_with_matcher`: llguidance's compile check is that matcher, so
+        a distinct schema costs one grammar build, not two); later sequences of a cached
+        constraint get a task building their own matcher.
+
+        One task per sequence, all in admission order: the pool's threads need the GIL between
+        the library's calls, and while the engine loop runs Python each hand-over can wait for
+        the interpreter's switch interval (5 ms): fewer calls per sequence is what counts
+        (benchmarks/results/2026-11-26d-cpu-structured-distinct)."""
         key = params.key()
         compiled = self._compiled.get(key)
+        registered = time.perf_counter()
         if compiled is None:
-            compiled = self._pool.submit(self.backend.compile, params)
+            first: concurrent.futures.Future = concurrent.futures.Future()
+            compiled = self._pool.submit(self._compile, params, first, registered)
             self._compiled[key] = compiled
-            self.num_compiled += 1
-        # the matcher is built in the pool too (llguidance: ~1 ms each, a batch's first
-        # constrained step would pay them all); the compile was submitted first, and the pool
-        # runs tasks in order, so this task never waits on one that cannot start
-        matcher = self._pool.submit(self._new_matcher, compiled)
+            self.stats.num_compiled += 1
+            while len(self._compiled) > self._max_cached:
+                self._compiled.popitem(last=False)  # its sequences hold their own futures
+            matcher = first
+        else:
+            self._compiled.move_to_end(key)
+            matcher = self._pool.submit(self._new_matcher, compiled, registered)
+        self.stats.num_sequences += 1
         self._sequences[seq_id] = _Sequence(matcher)
 
-    def _new_matcher(self, compiled: concurrent.futures.Future) -> GrammarMatcher:
-        return self.backend.matcher(compiled.result())
+    def _compile(
+        self, params: StructuredOutputsParams, first: concurrent.futures.Future, registered: float
+    ) -> object:
+        """Compile (in the pool), resolving `first` with the first sequence's matcher."""
+        start = time.perf_counter()
+        try:
+            compiled, matcher = self.backend.compile_with_matcher(params)
+        except BaseException as e:
+            first.set_exception(e)
+            raise
+        first.set_result(matcher)
+        self._count(registered, compile_s=time.perf_counter() - start)
+        return compiled
+
+    def _new_matcher(self, compiled: concurrent.futures.Future, registered: float):
+        start = time.perf_counter()
+        matcher = self.backend.matcher(compiled.result())
+        self._count(registered, matcher_s=time.perf_counter() - start)
+        return matcher
+
+    def _count(self, registered: float, compile_s: float = 0.0, matcher_s: float = 0.0) -> None:
+        """Add a finished task to `stats` (its sequence registered at `registered`)."""
+        now = time.perf_counter()
+        with self._stats_lock:
+            stats = self.stats
+            stats.compile_s += compile_s
+            stats.matcher_s += matcher_s
+            stats.ready_lag_s += now - registered
+            stats.max_ready_lag_s = max(stats.max_ready_lag_s, now - registered)
 
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's matcher (unknown ids are ignored)."""
@@ -115,6 +196,19 @@ class StructuredOutputManager:
 
     def is_constrained(self, seq_id: str) -> bool:
         return seq_id in self._sequences
+
+    def is_ready(self, seq_id: str) -> bool:
+        """True unless the sequence is constrained and its matcher is still being built (its
+        grammar compiling): a ready sequence's `bitmask` row never waits. A constraint that
+        failed to compile is ready (its row fails at once)."""
+        seq = self._sequences.get(seq_id)
+        return seq is None or seq.matcher is not None or seq.future.done()
+
+    def wait_ready(self, seq_ids: list[str], timeout: float | None = None) -> bool:
+        """Wait until these sequences are ready (`is_ready`) or `timeout` seconds [s] passed
+        (None: no limit); True if all are."""
+        futures = [s.future for i in seq_ids if (s := self._sequences.get(i)) is not None]
+        return not concurrent.futures.wait(futures, timeout).not_done
 
     @property
     def num_live(self) -> int:
@@ -128,6 +222,12 @@ class StructuredOutputManager:
             ValueError: its constraint did not compile.
         """
         if seq.matcher is None:
+            if not seq.future.done():
+                start = time.perf_counter()
+                concurrent.futures.wait([seq.future])
+                with self._stats_lock:
+                    self.stats.num_rows_waited += 1
+                    self.stats.wait_s += time.perf_counter() - start
             seq.matcher = seq.future.result()
         return seq.matcher
 

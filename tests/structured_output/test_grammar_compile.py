@@ -1,0 +1,202 @@
+"""Compiling grammars: once per distinct constraint, the compile's own matcher handed to the
+constraint's first sequence, a bounded cache, the manager's counters, and readiness (a sequence
+whose grammar is still compiling is not ready; waiting for it is counted)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from phloem.sampling_params import StructuredOutputsParams
+from phloem.structured_output.backend import GrammarBackend, bitmask_width
+from phloem.structured_output.manager import StructuredOutputManager
+from tests.structured_output.test_structured_output_manager import (
+    VOCAB,
+    CountingMatcher,
+    FakeBackend,
+    allowed,
+)
+
+
+class SlowBackend(FakeBackend):
+    """FakeBackend whose "slow" constraints compile only once `release` is set, and which
+    counts the matchers it builds apart from a compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.num_matchers = 0
+
+    def compile(self, params):
+        if params.regex.startswith("slow"):
+            assert self.release.wait(10)
+            params = StructuredOutputsParams(regex=params.regex.split(":")[1])
+        return super().compile(params)
+
+    def matcher(self, compiled):
+        with self.lock:
+            self.num_matchers += 1
+        return super().matcher(compiled)
+
+    def compile_with_matcher(self, params):
+        compiled = self.compile(params)
+        return compiled, CountingMatcher(list(compiled))  # the "check" matcher, handed out
+
+
+def test_distinct_constraints_compile_once_and_give_their_first_matcher():
+    backend = SlowBackend()
+    manager = StructuredOutputManager(backend, VOCAB, num_compile_threads=2)
+    ids = []
+    for i in range(6):  # three distinct constraints, two sequences each
+        ids.append(f"s{i}")
+        manager.register(ids[-1], StructuredOutputsParams(regex=str(3 + i % 3)))
+    grammar, failed = manager.bitmask(ids)
+    assert failed == {} and [allowed(r) for r in grammar.bitmask] == [[3], [4], [5]] * 2
+    assert sorted(backend.compiled) == ["3", "4", "5"] and manager.num_compiled == 3
+    assert backend.num_matchers == 3  # the second sequence of each; the first got the compile's
+    stats = manager.stats
+    assert stats.num_sequences == 6 and stats.num_rows_waited <= 6
+    assert 0 <= stats.max_ready_lag_s and stats.ready_lag_s >= stats.max_ready_lag_s
+    manager.shutdown()
+
+
+def test_compile_cache_is_bounded():
+    backend = SlowBackend()
+    manager = StructuredOutputManager(backend, VOCAB, num_compile_threads=1, max_cached=2)
+    for i, regex in enumerate(["1", "2", "1", "3", "2", "1"]):
+        manager.register(f"s{i}", StructuredOutputsParams(regex=regex))
+    grammar, failed = manager.bitmask([f"s{i}" for i in range(6)])
+    assert failed == {} and [allowed(r) for r in grammar.bitmask] == [[1], [2], [1], [3], [2], [1]]
+    # "1" was used again before "3" came, so "2" went out first; then "1" went out for "2"
+    assert backend.compiled == ["1", "2", "3", "2", "1"] and manager.num_compiled == 5
+    manager.shutdown()
+
+
+def test_readiness_and_waits_are_per_sequence():
+    backend = SlowBackend()
+    manager = StructuredOutputManager(backend, VOCAB, num_compile_threads=2)
+    manager.register("slow", StructuredOutputsParams(regex="slow:7"))
+    manager.register("fast", StructuredOutputsParams(regex="8"))
+    assert manager.wait_ready(["fast"], timeout=10) and manager.is_ready("fast")
+    assert manager.is_ready("unconstrained") and not manager.is_ready("slow")
+    assert not manager.wait_ready(["slow", "fast"], timeout=0.01)
+    grammar, failed = manager.bitmask(["fast"])  # the slow grammar holds no one else up
+    assert failed == {} and allowed(grammar.bitmask[0]) == [8]
+    assert manager.stats.num_rows_waited == 0
+    threading.Timer(0.05, backend.release.set).start()
+    grammar, failed = manager.bitmask(["slow", "fast"])  # waits: counted
+    assert failed == {} and [allowed(r) for r in grammar.bitmask] == [[7], [8]]
+    assert manager.stats.num_rows_waited == 1 and manager.stats.wait_s > 0
+    assert manager.is_ready("slow")
+    manager.shutdown()
+
+
+def test_a_failed_compile_fails_every_sequence_of_its_constraint():
+    backend = SlowBackend()
+    manager = StructuredOutputManager(backend, VOCAB)
+    manager.register("a", StructuredOutputsParams(regex="fail"))
+    manager.register("b", StructuredOutputsParams(regex="fail"))
+    assert manager.wait_ready(["a", "b"], timeout=10)
+    grammar, failed = manager.bitmask(["a", "b"])
+    assert set(failed) == {"a", "b"} and "does not compile" in failed["b"]
+    assert backend.compiled == ["fail"]
+    assert grammar.bitmask.shape == (2, bitmask_width(VOCAB)) and (grammar.bitmask == -1).all()
+    manager.shutdown()
+
+
+def test_llguidance_first_matcher_is_the_compile_check(embedded_tokenizer_dir):
+    """A distinct schema costs one llguidance grammar build: the matcher that checks the
+    compile is the first sequence's, at the start of the grammar."""
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
+    backend = make_backend(tokenizer_data(tok, len(tok), tok.eos_token_id), name="llguidance")
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})  # fmt: skip
+    grammar, first = backend.compile_with_matcher(params)
+    assert grammar == backend.compile(params)
+    masks = np.zeros((2, bitmask_width(len(tok))), dtype=np.int32)
+    first.fill_bitmask(masks, 0)
+    backend.matcher(grammar).fill_bitmask(masks, 1)
+    assert (masks[0] == masks[1]).all() and masks[0].any()
+
+
+class HeldBackend(GrammarBackend):
+    """A real backend whose regex constraints compile only once `release` is set."""
+
+    name = "held"
+
+    def __init__(self, inner: GrammarBackend) -> None:
+        self.inner, self.release, self.timed_out = inner, threading.Event(), False
+
+    def validate(self, params):
+        self.inner.validate(params)
+
+    def compile(self, params):
+        if params.kind == "regex" and not self.release.wait(20):
+            self.timed_out = True
+        return self.inner.compile(params)
+
+    def matcher(self, compiled):
+        return self.inner.matcher(compiled)
+
+    def accept_tokens(self, matchers, token_ids):
+        return self.inner.accept_tokens(matchers, token_ids)
+
+    def fill_bitmasks(self, matchers, bitmask, rows):
+        self.inner.fill_bitmasks(matchers, bitmask, rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
+    from tests.engine.tiny_models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_held", 5)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_still_compiling_holds_up_no_other_request(
+    tiny_llama, monkeypatch, async_scheduling
+):
+    """A request whose grammar is slow to compile waits in the queue (the scheduler's admission
+    gate) while the others run to the end; no step waits for it. Without the gate its first
+    sample would block every row of its step until the compile ends."""
+    import phloem.structured_output as so
+    from phloem import LLM, SamplingParams
+    from tests.engine.test_structured_outputs import CHOICE, REGEX, check_output, prompts
+
+    held: list[HeldBackend] = []
+    make = so.make_backend
+
+    def make_held(*args, **kwargs):
+        held.append(HeldBackend(make(*args, **kwargs)))
+        return held[-1]
+
+    monkeypatch.setattr(so, "make_backend", make_held)
+    llm = LLM(str(tiny_llama), block_size=4, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    slow, fast, free = prompts(3)
+    choice = StructuredOutputsParams(choice=CHOICE)
+    engine.add_request(fast, SamplingParams(max_tokens=20, structured_outputs=choice), "fast")
+    engine.add_request(free, SamplingParams(max_tokens=6, ignore_eos=True), "free")
+    regex = StructuredOutputsParams(regex=REGEX)
+    engine.add_request(slow, SamplingParams(max_tokens=20, structured_outputs=regex), "slow")
+    outputs: dict = {}
+    while not {"fast", "free"} <= outputs.keys():
+        outputs.update((o.request_id, o) for o in engine.step())
+    request = engine.scheduler.requests["slow"]
+    assert "slow" not in outputs and request.num_computed_tokens == 0
+    manager = engine.structured.manager
+    assert engine.structured.num_held > 0 and manager.stats.num_rows_waited == 0
+    check_output("choice", CHOICE, outputs["fast"].outputs[0].text)
+    held[0].release.set()
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert outputs["slow"].outputs[0].finish_reason == "stop" and not held[0].timed_out
+    check_output("regex", REGEX, outputs["slow"].outputs[0].text)
+    assert manager.num_live == 0
+    engine.scheduler.check_integrity()
+    llm.close()
