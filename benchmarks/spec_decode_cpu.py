@@ -123,6 +123,7 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
         "output_tokens_per_s": num_out / elapsed,
         "mean_tpot_s": statistics.mean(tpots) if tpots else None,
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "load_avg_1min_after": os.getloadavg()[0],  # the machine is shared: how busy it was
     }
     if drafter is not None:
         after = drafter.stats.as_dict()
@@ -146,14 +147,20 @@ def main() -> None:
     parser.add_argument("--engines", nargs="*", default=["off", "ngram", "suffix"],
                         choices=["off", "ngram", "suffix", "draft_model"])  # fmt: skip
     parser.add_argument("--dtype", default="auto", help="the engines' dtype")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file or checkpoint dir (default: the embedded model)")  # fmt: skip
     args = parser.parse_args()
     if "off" not in args.engines:
         parser.error("--engines must include off (the ratios' baseline)")
 
+    import torch
+
     from phloem import LLM
     from phloem.models.loader import load_tokenizer, resolve_model
 
-    tokenizer = load_tokenizer(resolve_model(None))
+    if not torch.cuda.is_available():
+        torch.set_num_threads(min(2, torch.get_num_threads()))  # a shared machine: 2 at most
+    tokenizer = load_tokenizer(resolve_model(args.model))
     workloads = {
         "copy_b1": (copy_prompts(tokenizer, args.num_b1, 1), 1),
         f"copy_b{args.batch}": (copy_prompts(tokenizer, args.batch, 2), args.batch),
@@ -170,8 +177,9 @@ def main() -> None:
     engines = {name: engines[name] for name in args.engines}
     llms = {}
     for name, spec in engines.items():
-        llms[name] = LLM(max_num_batched_tokens=2048, kv_cache_memory_bytes=2**30,
-                         speculative_config=spec, dtype=args.dtype)  # fmt: skip
+        llms[name] = LLM(model=args.model, max_num_batched_tokens=2048,
+                         kv_cache_memory_bytes=2**30, speculative_config=spec,
+                         dtype=args.dtype)  # fmt: skip
         run_workload(llms[name], ["Say hello."], 1, 8)  # warm-up
     runs: dict[str, dict[str, list[dict]]] = {w: {e: [] for e in engines} for w in workloads}
     for repeat in range(args.repeats):
@@ -184,7 +192,8 @@ def main() -> None:
                 print(f"repeat {repeat} {w} {name}: {r['output_tokens_per_s']:.2f} tok/s, "
                       f"TPOT {r['mean_tpot_s'] * 1000:.0f} ms", file=sys.stderr)  # fmt: skip
     out = {"command": "python " + " ".join(sys.argv), "date": str(datetime.date.today()),
-           "cpu": platform.processor() or platform.machine(), "threads": os.cpu_count(),
+           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
            "workloads": {}}  # fmt: skip
     for w in workloads:

@@ -1,11 +1,19 @@
-"""Where a speculative batch-1 step's time goes on the CPU (embedded SmolLM2-135M-Instruct, the
-copy-heavy prompts of `spec_decode_cpu.py`): per step, from the engine's step observer, the host
-time before the model (proposing drafts + scheduling), the model's time (launch + wait), the
-update after it, and the drafts verified; per prompt, steps with and without drafts and output
-tokens per step.
+"""Where a speculative step's time goes on the CPU (embedded SmolLM2-135M-Instruct, the copy-heavy
+prompts of `spec_decode_cpu.py`), and the cost rule's step time model fitted to it: per step, from
+the engine's step observer, the host time before the model (proposing drafts + scheduling), the
+model's time (launch + wait), the update after it, the tokens computed, drafts verified and KV
+tokens read; per chat call (`--batch` prompts), steps with and without drafts.
+
+`--fit` fits t = t_host + c_token x T + c_kv x K + t_verify x [D > 0] by least squares to the
+decode and verify steps (T tokens computed, drafts included; K KV tokens read; D drafts) of every
+file given, and prints the constants `drafter.step_time_model` uses on the CPU.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_steps.py --method ngram --k 16 \
-        --out benchmarks/results/2026-11-26c-cpu-spec-decode/steps_ngram_k16.json
+        --out benchmarks/results/2026-11-26d-cpu-spec-decode/steps_ngram_k16_b1.json
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_steps.py --method ngram --k 16 \
+        --batch 8 --num-prompts 8 --max-tokens 96 \
+        --out benchmarks/results/2026-11-26d-cpu-spec-decode/steps_ngram_k16_b8.json
+    python benchmarks/spec_decode_steps.py --fit benchmarks/results/2026-11-26d-cpu-spec-decode/steps_*.json
 """
 
 from __future__ import annotations
@@ -21,57 +29,99 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spec_decode_cpu import copy_prompts  # noqa: E402
 
+MAX_DECODE_STEP_TOKENS = 64  # per sequence: more is a prefill chunk (prompts: hundreds)
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
-    parser.add_argument("--k", type=int, default=16, help="num_speculative_tokens")
-    parser.add_argument("--num-prompts", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=192)
-    args = parser.parse_args()
+
+def fit(paths: list[Path]) -> dict:
+    """Least-squares constants [ms] of t = t_host + c_token T + c_kv K + t_verify [D > 0] over
+    the decode and verify steps of the step files `paths`."""
+    import numpy as np
+
+    rows, times = [], []
+    for path in paths:
+        for s in json.loads(path.read_text())["steps"]:
+            if s["tokens"] <= MAX_DECODE_STEP_TOKENS * s["sequences"]:
+                rows.append([1.0, s["tokens"], s["kv_tokens"], float(s["drafts"] > 0)])
+                times.append(s["model_ms"])
+    a, t = np.array(rows), np.array(times)
+    coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+    residual = t - a @ coef
+    names = ("t_host_ms", "c_token_ms", "c_kv_ms", "t_verify_ms")
+    return {**dict(zip(names, coef.tolist())), "steps": len(t),
+            "residual_ms_median_abs": float(np.median(np.abs(residual)))}  # fmt: skip
+
+
+def run(args) -> dict:
+    """The engine's steps over `args.num_prompts` copy-heavy prompts, `args.batch` per call."""
+    import torch
 
     from phloem import LLM, SamplingParams
     from phloem.models.loader import load_tokenizer, resolve_model
 
+    torch.set_num_threads(min(2, torch.get_num_threads()))  # a shared machine: 2 at most
     prompts = copy_prompts(load_tokenizer(resolve_model(None)), args.num_prompts, 1)
-    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    spec = None
+    if args.method != "off":
+        spec = {"method": args.method, "num_speculative_tokens": args.k}
     llm = LLM(max_num_batched_tokens=2048, kv_cache_memory_bytes=2**30, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.chat([[{"role": "user", "content": "Say hello."}]], params, use_tqdm=False)  # warm-up
     steps: list[dict] = []
 
     def observe(record) -> None:
-        (s,) = record.scheduler_output.scheduled
-        steps.append({"tokens": s.num_tokens, "drafts": len(s.draft_token_ids),
+        scheduled = record.scheduler_output.scheduled
+        steps.append({"tokens": sum(s.num_tokens for s in scheduled), "sequences": len(scheduled),
+                      "drafts": sum(len(s.draft_token_ids) for s in scheduled),
+                      "kv_tokens": sum(s.num_computed_tokens + s.num_tokens for s in scheduled),
                       "host_ms": 1e3 * record.schedule_s, "update_ms": 1e3 * record.update_s,
                       "model_ms": 1e3 * (record.launch_s + record.wait_s)})  # fmt: skip
 
     llm.llm_engine.add_step_observer(observe)
-    per_prompt = []
-    for prompt in prompts:
+    per_call = []
+    for start in range(0, len(prompts), args.batch):
         first = len(steps)
-        out = llm.chat([[{"role": "user", "content": prompt}]], params, use_tqdm=False)[0]
-        decode = steps[first + 1 :]  # the first step is the prompt's prefill
-        per_prompt.append({
-            "output_tokens": len(out.outputs[0].token_ids),
-            "prefill_ms": steps[first]["model_ms"], "decode_steps": len(decode),
+        chunk = [[{"role": "user", "content": p}] for p in prompts[start : start + args.batch]]
+        outs = llm.chat(chunk, params, use_tqdm=False)
+        calls = steps[first:]
+        decode = [s for s in calls if s["tokens"] <= MAX_DECODE_STEP_TOKENS * s["sequences"]]
+        per_call.append({
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "prefill_ms": sum(s["model_ms"] for s in calls if s not in decode),
+            "decode_steps": len(decode),
             "steps_without_drafts": sum(not s["drafts"] for s in decode),
             "decode_model_s": sum(s["model_ms"] for s in decode) / 1e3,
-            "host_s": sum(s["host_ms"] + s["update_ms"] for s in steps[first:]) / 1e3,
+            "host_s": sum(s["host_ms"] + s["update_ms"] for s in calls) / 1e3,
         })  # fmt: skip
-        print(per_prompt[-1])
+        print(per_call[-1])
     by_tokens: dict[int, list[float]] = {}
     for s in steps:
-        if s["tokens"] <= 64:  # decode and verify steps (prefills are hundreds of tokens)
+        if s["tokens"] <= MAX_DECODE_STEP_TOKENS * s["sequences"]:
             by_tokens.setdefault(s["tokens"], []).append(s["model_ms"])
     model_ms = {t: {"steps": len(v), "median_ms": statistics.median(v)}
                 for t, v in sorted(by_tokens.items())}  # fmt: skip
     for t, v in model_ms.items():
         print(f"{t:3d} tokens: {v['steps']:3d} steps, model {v['median_ms']:.1f} ms (median)")
+    return {"command": "python " + " ".join(sys.argv), "per_call": per_call,
+            "model_ms_by_step_tokens": model_ms, "steps": steps}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--method", default="ngram", choices=["off", "ngram", "suffix"])
+    parser.add_argument("--k", type=int, default=16, help="num_speculative_tokens")
+    parser.add_argument("--num-prompts", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per chat call")
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--fit", nargs="+", type=Path, help="fit the step model to these files")
+    args = parser.parse_args()
+    if args.fit:
+        print(json.dumps(fit(args.fit), indent=2))
+        return
+    if args.out is None:
+        parser.error("--out is required to measure")
+    result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"command": "python " + " ".join(sys.argv), "per_prompt": per_prompt,
-              "model_ms_by_step_tokens": model_ms, "steps": steps}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
