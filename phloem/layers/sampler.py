@@ -22,11 +22,10 @@ depends on the order an unstable sort leaves equal values in.
 
 Assumes at least one token of every row survives banning (the engine bans only EOS and stop ids).
 
-Non-finite logits: each row is flagged on the device by its max (NaN/inf exactly when the row
-holds a NaN or +inf, max propagating NaN, or is all -inf; a -inf entry alone is a mask); on a
-plain greedy step that max is the argmax pass itself. The flags are copied to the host behind the
-step's tokens (no extra sync); a flagged random row is sampled from zeros (argmax is defined on
-NaN), and its caller fails that row's request alone (`SamplerOutput.num_nonfinite`).
+Non-finite logits: each row is flagged on the device by its max (NaN/inf exactly when it holds a
+NaN or +inf, or is all -inf; a -inf entry alone is a mask); a plain greedy step's max is its argmax
+pass (`ops/row_max.py`). The flags reach the host behind the step's tokens (no extra sync); a
+flagged random row is sampled from zeros; its caller fails that row's request (`num_nonfinite`).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phloem.ops.row_max import row_max
 from phloem.ops.staging import to_device, to_host
 from phloem.sampling_params import SamplingParams
 
@@ -345,19 +345,19 @@ class Sampler:
             for r in rows
         )
         if plain_greedy and grammar is None:
-            # Plain greedy step (the offline batch's usual case): one pass over the logits in
-            # their own dtype gives the ids and the flags. Upcasting is exact and monotone, so the
-            # ids (first index among ties) equal argmax of a float32 copy, which would cost a
-            # [B, V] float32 write and read (1 GiB each for a 2,048-row step of a 128K vocabulary).
+            # Plain greedy step (the offline batch's usual case): one max over the logits in their
+            # own dtype (`row_max`) gives the ids and the flags. Upcasting is exact and monotone,
+            # so the ids (first index among ties) equal argmax of a float32 copy, which would cost
+            # a [B, V] float32 write and read (1 GiB each for 2,048 rows of a 128K vocabulary).
             # max propagates NaN, so a row's max is non-finite when it holds a NaN or +inf (or
             # is all -inf); its id is still an id: nothing to replace.
-            values, tokens = logits.max(dim=-1)
+            values, tokens = row_max(logits)
             return SampledTokens.start(logits, tokens, rows, non_finite(values))
         num_nonfinite = non_finite(logits.amax(dim=-1))
         if grammar is not None:
             logits = apply_token_bitmask(logits.clone(), *grammar)
         if plain_greedy:
-            return SampledTokens.start(logits, logits.argmax(dim=-1), rows, num_nonfinite)
+            return SampledTokens.start(logits, row_max(logits)[1], rows, num_nonfinite)
         # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the
         # caller's logits stay as they were)
         raw = logits.float().masked_fill((num_nonfinite != 0)[:, None], 0.0)
