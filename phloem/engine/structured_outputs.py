@@ -36,7 +36,7 @@ from phloem.sampling_params import SamplingParams
 from phloem.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.05  # longest wait of an empty step for a held request's grammar [s]
+_IDLE_WAIT_S = 0.05  # longest wait of an empty step for the held requests' grammars [s]
 
 
 def default_num_threads() -> int:
@@ -123,17 +123,17 @@ class StructuredOutputs:
 
     def mark(self, sched: SchedulerOutput) -> None:
         """Set `sched.structured_seq_ids`: its sampled rows that are constrained (row order).
-        An empty step with nothing running and requests held for their grammars waits (up to
-        `_IDLE_WAIT_S`) for the first of them instead of letting the loop spin."""
+        An empty step with nothing running (requests held for their grammars) waits until every
+        waiting request's grammar is ready, at most `_IDLE_WAIT_S`: the loop does not spin,
+        and the next step admits them together (waiting for the first one only, a batch's
+        first step would start with the one or two requests ready at that instant)."""
         self._next = None
         manager = self.manager
         if manager is None or not manager.num_live:
             return
         if not sched.scheduled and not self.scheduler.running:
-            for request in self.scheduler.waiting:
-                if not manager.is_ready(request.request_id):
-                    manager.wait_ready([request.request_id], _IDLE_WAIT_S)
-                    break
+            held = [r.request_id for r in self.scheduler.waiting]
+            manager.wait_ready(held, _IDLE_WAIT_S)
         is_constrained = manager.is_constrained
         sched.structured_seq_ids = [
             s.seq_id for s in sched.scheduled if s.sample and is_constrained(s.seq_id)
