@@ -9,6 +9,9 @@ Hopper, each batch size, context length and page size:
   fa2-prefill     BatchPrefillWithPagedKVCacheWrapper(backend="fa2") with q_len 1: what phloem's
                   decode CUDA graphs replay today
   fa3-prefill     the same with backend="fa3" (Hopper)
+  fa2-nosplit     fa2-prefill planned with `disable_split_kv=True`: no split-KV merge kernel
+                  (in a CUDA graph FlashInfer launches the merge on every replay); one CTA per
+                  sequence x KV head, so it pays only for small batches of short contexts
   decode          BatchDecodeWithPagedKVCacheWrapper (CUDA cores, split-KV)
   decode-tc       BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
 
@@ -34,7 +37,7 @@ import torch
 
 from phloem.bench.roofline import measure_ceilings
 
-KERNELS = ("fa2-prefill", "fa3-prefill", "decode", "decode-tc")
+KERNELS = ("fa2-prefill", "fa3-prefill", "fa2-nosplit", "decode", "decode-tc")
 
 
 def parse_args(argv=None):
@@ -58,7 +61,7 @@ def make_wrapper(flashinfer, kernel: str, workspace, batch: int, indptr, indices
     common = dict(sm_scale=args.head_dim**-0.5, q_data_type=torch.bfloat16,
                   kv_data_type=torch.bfloat16)  # fmt: skip
     geometry = (args.num_heads, args.num_kv_heads, args.head_dim, args.page)
-    if kernel.endswith("-prefill"):
+    if kernel.startswith("fa"):
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.arange(batch + 1, **i32),
@@ -68,7 +71,8 @@ def make_wrapper(flashinfer, kernel: str, workspace, batch: int, indptr, indices
             backend=kernel.split("-")[0],
         )  # fmt: skip
         qo = torch.arange(batch + 1, dtype=torch.int32)
-        wrapper.plan(qo, indptr, indices, last, *geometry, causal=True, **common)
+        wrapper.plan(qo, indptr, indices, last, *geometry, causal=True,
+                     disable_split_kv=kernel.endswith("-nosplit"), **common)  # fmt: skip
     else:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=kernel == "decode-tc",
