@@ -23,7 +23,9 @@ MIN_VOCAB = 32_768  # narrower rows reduce fast enough in one stage
 MAX_ROWS = 64  # with more rows the one-stage reduction already has enough blocks
 
 
-def row_max(logits: torch.Tensor, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def row_max(
+    logits: torch.Tensor, split: bool | None = None, chunks: int = CHUNKS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [B] in logits' dtype, ids int64 [B]) of each row's maximum: the first index among
     equal maxima and NaN propagating, exactly as `logits.max(dim=-1)`.
 
@@ -31,6 +33,7 @@ def row_max(logits: torch.Tensor, split: bool | None = None) -> tuple[torch.Tens
         logits: [B, V], any floating dtype, on any device; rows contiguous in V.
         split: reduce in two stages (True), in one (False), or None: two on CUDA when
             B <= `MAX_ROWS` and V >= `MIN_VOCAB` (module docstring).
+        chunks: how many chunks a row is cut into in two stages (>= 1).
     Raises:
         ValueError: logits not 2-D.
     """
@@ -39,11 +42,11 @@ def row_max(logits: torch.Tensor, split: bool | None = None) -> tuple[torch.Tens
     rows, vocab = logits.shape
     if split is None:
         split = logits.is_cuda and rows <= MAX_ROWS and vocab >= MIN_VOCAB
-    width = vocab // CHUNKS
-    if not split or width == 0:
+    width = vocab // chunks
+    if not split or width == 0:  # (fewer logits than chunks: one stage)
         return logits.max(dim=-1)
-    whole = width * CHUNKS
-    values, ids = logits[:, :whole].reshape(rows, CHUNKS, width).max(dim=-1)  # [B, C]
+    whole = width * chunks
+    values, ids = logits[:, :whole].reshape(rows, chunks, width).max(dim=-1)  # [B, C]
     ids += torch.arange(0, whole, width, device=logits.device)
     if whole < vocab:  # the last vocab % CHUNKS logits: one more candidate per row, last
         tail_values, tail_ids = logits[:, whole:].max(dim=-1, keepdim=True)
