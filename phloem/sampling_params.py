@@ -114,7 +114,16 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): equal for equal constraints (a schema dict and its JSON text
-        give one key); what compiled grammars are cached by."""
+        give one key); what compiled grammars are cached by. Computed once per object (a
+        request's constraint is keyed at every check and at registration; a schema's canonical
+        JSON text costs ~0.03 ms), so a schema dict must not be mutated after first use."""
+        cached = self.__dict__.get("_key")
+        if cached is None:
+            cached = self._canonical_key()
+            object.__setattr__(self, "_key", cached)
+        return cached
+
+    def _canonical_key(self) -> tuple[str, str]:
         kind = self.kind
         if kind == "json":
             schema = self.json if isinstance(self.json, dict) else json.loads(self.json)  # type: ignore[arg-type]

@@ -32,9 +32,11 @@ from phloem.engine.data_parallel import DataParallelEngine, ReplicaReport, with_
 from phloem.engine.gc_control import gc_frozen, gc_paused
 from phloem.engine.llm_engine import LLMEngine
 from phloem.engine.prompt_batch import CheckedBatch, check_id_list, planner_input
+from phloem.engine.structured_outputs import default_num_threads
 from phloem.engine_args import EngineArgs
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
+from phloem.structured_output import validate_constraints
 
 PromptType = str | dict[str, Any]
 ParamsArg = SamplingParams | dict[str, Any]
@@ -296,6 +298,8 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
             )
+        backend = self.llm_engine.config.structured_outputs.backend  # grammars checked first,
+        validate_constraints(sampling_params, backend, default_num_threads())  # on threads
         checked: dict[int, SamplingParams] = {}  # the same object is checked once
         out = []
         for i, params in enumerate(sampling_params):

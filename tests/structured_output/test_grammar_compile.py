@@ -200,3 +200,25 @@ def test_a_grammar_still_compiling_holds_up_no_other_request(
     assert manager.num_live == 0
     engine.scheduler.check_integrity()
     llm.close()
+
+
+def test_a_batch_is_validated_on_threads_once_per_distinct_constraint():
+    """`validate_constraints` caches a verdict per distinct constraint of a batch (checked on
+    threads), so the requests' own checks read them; a bad one still raises, naming its field."""
+    import phloem.structured_output as so
+    from phloem import SamplingParams
+
+    schemas = [{"type": "object", "properties": {f"k{i}_{id(so)}": {"type": "integer"}}}
+               for i in range(3)]  # fmt: skip
+    bad = StructuredOutputsParams(regex="[unclosed")
+    shared = StructuredOutputsParams(json=schemas[0])
+    batch = [SamplingParams(structured_outputs=StructuredOutputsParams(json=s)) for s in schemas]
+    batch += [SamplingParams(structured_outputs=shared)] * 2 + [SamplingParams(), {"n": 1}]
+    batch.append(SamplingParams(structured_outputs=bad))
+    so.validate_constraints(batch, num_threads=2)
+    keys = {("llguidance", StructuredOutputsParams(json=s).key()) for s in schemas}
+    assert keys <= so._VERDICTS.keys() and all(so._VERDICTS[k] is None for k in keys)
+    assert "structured_outputs.regex" in so._VERDICTS[("llguidance", bad.key())]
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        so.validate_constraint(bad)
+    assert shared.key() is shared.key()  # computed once per constraint object
