@@ -4,9 +4,10 @@ the engine's step observer, the host time before the model (proposing drafts + s
 model's time (launch + wait), the update after it, the tokens computed, drafts verified and KV
 tokens read; per chat call (`--batch` prompts), steps with and without drafts.
 
-`--fit` fits t = t_host + c_token x T + c_kv x K + t_verify x [D > 0] by least squares to the
-decode and verify steps (T tokens computed, drafts included; K KV tokens read; D drafts) of every
-file given, and prints the constants `drafter.step_time_model` uses on the CPU.
+`--fit` fits t = t_host + c_token x T + c_kv x K by least squares to the decode and verify steps
+(T tokens computed, drafts included; K KV tokens read) of every file given, and the host time
+per step (scheduling, proposing, updating) to a + c_draft x D (D drafts): the constants of
+`drafter.step_time_model` on the CPU.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_steps.py --method ngram --k 16 \
         --out benchmarks/results/2026-11-26d-cpu-spec-decode/steps_ngram_k16_b1.json
@@ -29,26 +30,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spec_decode_cpu import copy_prompts  # noqa: E402
 
-MAX_DECODE_STEP_TOKENS = 64  # per sequence: more is a prefill chunk (prompts: hundreds)
+
+def is_decode(step: dict) -> bool:
+    """A decode or verify step: each sequence computes its last token and its drafts, no
+    prompt chunk (a step with one computes more)."""
+    return step["tokens"] == step["sequences"] + step["drafts"]
 
 
 def fit(paths: list[Path]) -> dict:
-    """Least-squares constants [ms] of t = t_host + c_token T + c_kv K + t_verify [D > 0] over
-    the decode and verify steps of the step files `paths`."""
+    """Least-squares constants [ms] of the model's time t = t_host + c_token T + c_kv K and of
+    the host time per step a + c_draft D, over the decode and verify steps of `paths`."""
     import numpy as np
 
-    rows, times = [], []
-    for path in paths:
-        for s in json.loads(path.read_text())["steps"]:
-            if s["tokens"] <= MAX_DECODE_STEP_TOKENS * s["sequences"]:
-                rows.append([1.0, s["tokens"], s["kv_tokens"], float(s["drafts"] > 0)])
-                times.append(s["model_ms"])
-    a, t = np.array(rows), np.array(times)
-    coef, *_ = np.linalg.lstsq(a, t, rcond=None)
-    residual = t - a @ coef
-    names = ("t_host_ms", "c_token_ms", "c_kv_ms", "t_verify_ms")
-    return {**dict(zip(names, coef.tolist())), "steps": len(t),
-            "residual_ms_median_abs": float(np.median(np.abs(residual)))}  # fmt: skip
+    steps = [s for path in paths for s in json.loads(path.read_text())["steps"] if is_decode(s)]
+    model = np.array([[1.0, s["tokens"], s["kv_tokens"]] for s in steps])
+    model_ms = np.array([s["model_ms"] for s in steps])
+    coef, *_ = np.linalg.lstsq(model, model_ms, rcond=None)
+    host = np.array([[1.0, s["drafts"]] for s in steps])
+    host_ms = np.array([s["host_ms"] + s["update_ms"] for s in steps])
+    host_coef, *_ = np.linalg.lstsq(host, host_ms, rcond=None)
+    residual = np.abs(model_ms - model @ coef)
+    return {"t_host_ms": coef[0], "c_token_ms": coef[1], "c_kv_ms": coef[2],
+            "host_per_step_ms": host_coef[0], "c_draft_ms": host_coef[1], "steps": len(steps),
+            "kv_tokens_range": [model[:, 2].min(), model[:, 2].max()],
+            "residual_ms_median_abs": float(np.median(residual))}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -83,7 +88,7 @@ def run(args) -> dict:
         chunk = [[{"role": "user", "content": p}] for p in prompts[start : start + args.batch]]
         outs = llm.chat(chunk, params, use_tqdm=False)
         calls = steps[first:]
-        decode = [s for s in calls if s["tokens"] <= MAX_DECODE_STEP_TOKENS * s["sequences"]]
+        decode = [s for s in calls if is_decode(s)]
         per_call.append({
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "prefill_ms": sum(s["model_ms"] for s in calls if s not in decode),
@@ -95,7 +100,7 @@ def run(args) -> dict:
         print(per_call[-1])
     by_tokens: dict[int, list[float]] = {}
     for s in steps:
-        if s["tokens"] <= MAX_DECODE_STEP_TOKENS * s["sequences"]:
+        if is_decode(s):
             by_tokens.setdefault(s["tokens"], []).append(s["model_ms"])
     model_ms = {t: {"steps": len(v), "median_ms": statistics.median(v)}
                 for t, v in sorted(by_tokens.items())}  # fmt: skip
@@ -116,7 +121,7 @@ def main() -> None:
     parser.add_argument("--fit", nargs="+", type=Path, help="fit the step model to these files")
     args = parser.parse_args()
     if args.fit:
-        print(json.dumps(fit(args.fit), indent=2))
+        print(json.dumps(fit(args.fit), indent=2, default=float))
         return
     if args.out is None:
         parser.error("--out is required to measure")

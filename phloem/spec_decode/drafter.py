@@ -9,8 +9,9 @@ one way: under the grammar bitmask, or through the verifier). Everything else de
 
 The step time model of the cost rule (`step_time_model`): on CUDA the Llama-3.1-8B-on-H100
 constants (`LLAMA_8B_H100`) scaled by the model's parameters and KV bytes; on the CPU the
-constants measured for the embedded model (`benchmarks/results/2026-11-26-cpu-spec-decode/`)
-scaled the same way. Neither is measured on the running device yet.
+constants fitted to the embedded model's steps (`benchmarks/spec_decode_steps.py --fit`,
+`benchmarks/results/2026-11-26d-cpu-spec-decode/`) scaled the same way. Neither is measured on
+the running device.
 """
 
 from __future__ import annotations
@@ -120,7 +121,18 @@ def count_parameters(hf_config) -> int:
 
 def step_time_model(hf_config, device_type: str) -> StepTimeModel:
     """The cost rule's step time model for a model of `hf_config`'s shape on `device_type`
-    ("cuda" or "cpu"): see the module docstring. Parameters counted from the config."""
+    ("cuda" or "cpu"); parameters and KV bytes per token counted from the config.
+
+    CUDA: `LLAMA_8B_H100` scaled by the parameters and KV bytes. CPU: constants fitted by least
+    squares (`benchmarks/spec_decode_steps.py --fit`) to the embedded model's decode and verify
+    steps (bf16, the reference attention, two cores, batch 1 and 8): the model's time
+    t_host + c_token x T + c_kv x K, and the host time each draft adds (c_draft). They are
+    written as rates so that another shape scales: t_host as the bf16 weights read at 6.9 GB/s,
+    c_token as 2 x params FLOP at 84 GFLOP/s, c_kv as a token's KV bytes at 1.7 GB/s (the fit:
+    39 ms, 3.2 ms, 0.0135 ms for 134.5 M parameters and 23,040 bytes). No fixed verify cost:
+    the fitted one was below zero (a verify step costs its tokens). To recalibrate, run the
+    benchmark at batch 1 and 8 and fit (results/2026-11-26d-cpu-spec-decode/README.md).
+    """
     _, layers, kv_heads, head_dim = _shape(hf_config)
     params = count_parameters(hf_config)
     kv_bytes = 2 * layers * kv_heads * head_dim * 2
@@ -133,16 +145,13 @@ def step_time_model(hf_config, device_type: str) -> StepTimeModel:
             c_token_s=base.c_token_s * scale,
             c_kv_s=base.c_kv_s * kv_bytes / 131072,
         )
-    # CPU: the embedded model's steps on two cores (bf16) grow linearly from the first token
-    # (t = 75 ms + 1.8 ms x T + 0.04 ms x K, results/2026-11-26-cpu-spec-decode/), so the
-    # weights' pass is host-like time and every token, draft or not, costs compute.
     return StepTimeModel(
-        t_host_s=params * 2 / 3.6e9,
+        t_host_s=params * 2 / 6.9e9,
         t_weights_s=0.0,
-        c_token_s=2 * params / 1.5e11,
-        c_kv_s=kv_bytes / 0.6e9,
-        c_draft_s=1e-4,
-        t_verify_s=5e-3,
+        c_token_s=2 * params / 8.4e10,
+        c_kv_s=kv_bytes / 1.7e9,
+        c_draft_s=2e-5,
+        t_verify_s=0.0,
     )
 
 
