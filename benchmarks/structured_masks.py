@@ -68,7 +68,11 @@ class LLG(Lib):
 
         self.llg = llg
         start = time.perf_counter()
-        self.tok = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab_size, eos_token=[eos])
+        from phloem.structured_output.llguidance_backend import SLICES
+
+        self.tok = llguidance.hf.from_tokenizer(
+            hf_tok, n_vocab=vocab_size, eos_token=[eos], slices=list(SLICES)
+        )  # the backend's slices
         self.tokenizer_s = time.perf_counter() - start
         self.executors = {n: llg.LLExecutor(n) for n in threads}
 

@@ -175,3 +175,40 @@ def test_async_steps_fill_while_outputs_are_processed(tiny_llama):
             check_output("json", NESTED, out.outputs[0].text)
     assert tokens[True] == tokens[False]
     assert early[False] == 0 and early[True] > 10
+
+
+def test_llguidance_extra_slices_give_the_same_masks(embedded_tokenizer_dir):
+    """The backend's slices (a JSON string of every remaining length up to 10) change how a mask
+    is computed, never what it is: masks inside and around strings with maxLength, and an
+    unbounded one, equal those of llguidance's default slices along sampled walks."""
+    import llguidance as llg
+    import llguidance.hf
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    from phloem.structured_output.llguidance_backend import SLICES, grammar_text
+
+    tok, vocab, backend = _embedded_backend(embedded_tokenizer_dir, "llguidance")
+    default = llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=[tok.eos_token_id])
+    assert set(llg.LLTokenizer.general_slices()) < set(SLICES)
+    schema = {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "string", "maxLength": 7}, "minItems": 6},
+        "b": {"type": "string", "maxLength": 13}, "c": {"type": "string"}},
+        "required": ["a", "b", "c"]}  # fmt: skip
+    grammar = grammar_text(StructuredOutputsParams(json=schema))
+    rows, executor = 6, llg.LLExecutor(1)
+    ours = [llg.LLMatcher(backend.tokenizer, grammar) for _ in range(rows)]
+    theirs = [llg.LLMatcher(default, grammar) for _ in range(rows)]
+    masks = np.zeros((2, rows, bitmask_width(vocab)), dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        for k, matchers in enumerate((ours, theirs)):
+            fill_next_token_bitmask_par(
+                executor, [(m, i) for i, m in enumerate(matchers)], masks[k]
+            )
+        assert (masks[0] == masks[1]).all()
+        for i in range(rows):
+            allowed = np.flatnonzero(
+                np.unpackbits(masks[0, i].view(np.uint8), bitorder="little")[:vocab]
+            )
+            token = int(rng.choice(allowed))
+            assert ours[i].consume_token(token) and theirs[i].consume_token(token)
