@@ -42,9 +42,9 @@ _IDLE_WAIT_S = 0.05  # longest wait of an empty step for the held requests' gram
 def default_num_threads() -> int:
     """All CPUs but two, 1 to 16: a constrained step's bitmask is filled while the engine loop
     waits for it (the fill overlaps the device's forward pass, not the loop's own work), and a
-    mask inside a JSON string walks the whole vocabulary (~1-2 ms for 128K tokens), so 1,024
-    constrained rows need every core the loop does not; two are left to the loop and the
-    device's feeders."""
+    mask inside a JSON string can walk much of the vocabulary (0.15 ms a row on average over
+    the GPU benchmark's walk at 128K tokens), so 1,024 constrained rows need every core the
+    loop does not; two are left to the loop and the device's feeders."""
     return min(16, max(1, (os.cpu_count() or 2) - 2))
 
 

@@ -1,9 +1,10 @@
 """The llguidance backend (Microsoft's Guidance grammar engine: an Earley parser over a lexer of
 derivative-based regexes, computing each token mask on the fly by walking a token trie): no
 per-grammar precomputation, so a new schema costs about a millisecond. A mask costs tens of
-microseconds between keys and on numbers, and 0.2-0.9 ms inside a string of a 128K vocabulary,
-where most tokens are allowed (numbers: benchmarks/results/2026-11-25-cpu-structured-outputs/,
-2026-11-26c-cpu-structured-masks/).
+microseconds between keys and on numbers, and up to 0.2-0.9 ms inside a string of a 128K
+vocabulary, where most tokens are allowed, unless a slice (`SLICES`) covers the string's
+characters (numbers: benchmarks/results/2026-11-25-cpu-structured-outputs/,
+2026-11-26c-cpu-structured-masks/, 2026-11-26d-cpu-structured-distinct/).
 
 JSON is compiled without free whitespace (`whitespace_flexible: False`), so a model cannot spend
 its token budget on spaces and newlines inside a value, and an object schema with `properties`
