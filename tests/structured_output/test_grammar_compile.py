@@ -222,3 +222,36 @@ def test_a_batch_is_validated_on_threads_once_per_distinct_constraint():
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         so.validate_constraint(bad)
     assert shared.key() is shared.key()  # computed once per constraint object
+
+
+def test_an_idle_engine_waits_for_every_held_grammar(tiny_llama, monkeypatch):
+    """With nothing running and every request held for its grammar, the empty step waits until
+    all of their grammars are ready (not just the first), so the batch's first prefill step
+    takes them together."""
+    import phloem.engine.structured_outputs as engine_so
+    import phloem.structured_output as so
+    from phloem import LLM, SamplingParams
+    from tests.engine.test_structured_outputs import prompts
+
+    held: list[HeldBackend] = []
+    make = so.make_backend
+
+    def make_held(*args, **kwargs):
+        held.append(HeldBackend(make(*args, **kwargs)))
+        return held[-1]
+
+    monkeypatch.setattr(so, "make_backend", make_held)
+    monkeypatch.setattr(engine_so, "_IDLE_WAIT_S", 20.0)  # the wait ends when all are ready
+    llm = LLM(str(tiny_llama), block_size=4)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts(4)):  # no shared prefix: admitted as one group
+        prompt = prompt[20:] + [3 + i]
+        regex = StructuredOutputsParams(regex=f"[a-z]{{{i + 1}}}")  # four distinct grammars
+        engine.add_request(prompt, SamplingParams(max_tokens=8, structured_outputs=regex))
+    rows: list[int] = []
+    engine.add_step_observer(lambda record: rows.append(len(record.scheduler_output.scheduled)))
+    threading.Timer(0.05, held[0].release.set).start()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert rows[0] == 4 and engine.structured.num_held >= 4 and not held[0].timed_out
+    llm.close()
