@@ -4,8 +4,10 @@ A greedy step's argmax is `logits.max(dim=-1)`. On CUDA that reduction gives eac
 thread block, so a step of few rows over a 128K vocabulary leaves the GPU almost idle while one
 block per row walks 128K values: 41 us a step at any batch up to 16 on an H200 (kernel profile,
 benchmarks/results/2026-11-26d-h200-serving), ~0.8% of a batch-1 decode step of Llama-3.1-8B.
-`row_max` cuts such rows into `CHUNKS` contiguous chunks, reduces every chunk in one launch
-(B * CHUNKS blocks), then reduces the chunks' maxima: the same values and the same ids.
+`row_max` cuts such rows into `CHUNKS` contiguous chunks, reduces every chunk in one launch, then
+reduces the chunks' maxima: the same values and the same ids. In a CUDA graph on an H200 (bf16,
+128K vocabulary; benchmarks/results/2026-11-26d-h200-checks) one stage takes 28-29 us at 1-64
+rows, two stages with 128 chunks 14.0 / 14.8 / 20.5 us at 1 / 16 / 64 rows.
 
 Why the ids are the same: each chunk's reduction returns the first index of its maximum, and the
 reduction over chunks returns the first chunk holding the row's maximum, so the id is the first
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNKS = 64  # chunks a row is cut into (B * 64 blocks fill an H100/H200's 132 SMs at B >= 2)
+CHUNKS = 128  # chunks a row is cut into (benchmarks/row_max.py, H200: 128-256 best at B <= 16)
 MIN_VOCAB = 32_768  # narrower rows reduce fast enough in one stage
 MAX_ROWS = 64  # with more rows the one-stage reduction already has enough blocks
 
