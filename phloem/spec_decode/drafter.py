@@ -247,16 +247,23 @@ class Drafter:
         return not self.config.use_cost_rule or self._may_pay(_step_shape(running, self.budget))
 
     def _may_pay(self, step: tuple[int, int, int]) -> bool:
-        """Whether one request at the proposer's global acceptance rate would get a draft (the
-        rule's ratio only falls with more candidates): else nothing is proposed this step. Once
-        it has said no for `probe_after` steps in a row, the prior rate is tried instead, so a
-        rate that fell once (and stopped being measured) can recover."""
-        rate = self.tracker.global_rate
-        if self._steps_off >= self.tracker.config.probe_after:
-            rate = max(rate, self.tracker.config.prior)
-        best = DraftCandidate(rate, self.config.num_speculative_tokens)
-        model, cost = self.time_model, self.cost
-        pays = choose_num_drafts([best], max(step[0], 1), *step[1:], model, cost)[0] > 0
+        """Whether the rule would hand out any draft if every sequence the step samples drafted
+        at the proposer's global acceptance rate: else nothing is proposed this step. Every
+        sequence, not one: the rule asks the whole step's rate to beat no drafts by `min_gain`,
+        and at a large batch one request's drafts cannot lift it that much where all of them
+        together would. The rule's loop stops as soon as its ratio falls, so where drafts do
+        not pay this costs a few iterations. Once it has said no for `probe_after` steps in a
+        row, one request at the prior rate is tried as well, so a rate that fell once (and
+        stopped being measured) can recover; one, so that the probe passes only where a single
+        request's drafts pay (small batches) and exploring never drafts a whole large batch."""
+        config = self.tracker.config
+        num_sampled = max(step[0], 1)
+        model, cost, k = self.time_model, self.cost, self.config.num_speculative_tokens
+        candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_sampled
+        pays = any(choose_num_drafts(candidates, num_sampled, *step[1:], model, cost))
+        if not pays and self._steps_off >= config.probe_after:
+            probe = [DraftCandidate(max(self.tracker.global_rate, config.prior), k)]
+            pays = any(choose_num_drafts(probe, num_sampled, *step[1:], model, cost))
         self._steps_off = 0 if pays else self._steps_off + 1
         return pays
 

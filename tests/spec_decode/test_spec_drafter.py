@@ -1,13 +1,13 @@
 """The drafter's rules without a model: who may draft, the history view the proposers read, the
 cost rule's pre-check that keeps drafts (and the engine's sync) off while acceptance is low,
-with a probe every `probe_after` steps."""
+with a probe every `probe_after` steps, and counts every sampled sequence at a large batch."""
 
 from __future__ import annotations
 
 from phloem.config import SpeculativeConfig
 from phloem.core.request import Request
 from phloem.sampling_params import SamplingParams
-from phloem.spec_decode.cost_rule import StepTimeModel
+from phloem.spec_decode.cost_rule import DraftCandidate, StepTimeModel, choose_num_drafts
 from phloem.spec_decode.drafter import Drafter, _History
 
 # bandwidth-bound steps: a draft costs almost nothing beside the weights' pass
@@ -54,3 +54,20 @@ def test_low_acceptance_turns_the_pre_check_off_with_a_probe_now_and_then():
     answers = [drafter.may_draft(running) for _ in range(probe_after + 1)]
     assert answers == [False] * probe_after + [True]  # the probe at the prior rate
     assert not drafter.may_draft(running)
+
+
+def test_the_pre_check_counts_every_sampled_sequence_at_a_large_batch():
+    """CPU-like costs (a draft costs a token of compute beside a long step): at a batch of 32 one
+    request's draft cannot lift the step's rate by `min_gain`, all 32 drafting together do, so
+    the pre-check must let the rule see them all."""
+    model = StepTimeModel(t_host_s=0.039, t_weights_s=0.0, c_token_s=3.2e-3, c_kv_s=1.35e-5,
+                          c_draft_s=2e-5, t_verify_s=0.0)  # fmt: skip
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=16), model, 4096)
+    prompt = list(range(1000))
+    running = [decoding(f"r{i}", SamplingParams(temperature=0), prompt) for i in range(32)]
+    drafter.tracker.global_rate = 0.5
+    alone = choose_num_drafts([DraftCandidate(0.5, 16)], 32, 32, 32 * 1000, model, drafter.cost)
+    together = choose_num_drafts([DraftCandidate(0.5, 16)] * 32, 32, 32, 32 * 1000, model,
+                                 drafter.cost)  # fmt: skip
+    assert alone == [0] and sum(together) > 0
+    assert drafter.may_draft(running)
