@@ -35,6 +35,10 @@ from phloem.spec_decode.ngram_proposer import NgramProposer
 from phloem.spec_decode.proposer import DraftRequest, Proposer
 from phloem.spec_decode.suffix_proposer import SuffixProposer
 
+# Weight of a proposal's outcome in `Drafter.offer_rate` (an exponential moving average): a few
+# proposals in a row that offer nothing turn the pre-check off (~log2 of the batch), one does not.
+OFFER_RATE_WEIGHT = 0.5
+
 if TYPE_CHECKING:
     from phloem.spec_decode.draft_model import DraftModelProposer
 
@@ -190,6 +194,10 @@ class Drafter:
         self.budget = max_num_batched_tokens
         self.stats = SpecDecodeStats()
         self._steps_off = 0  # consecutive steps `_may_pay` said no
+        # the share of eligible requests the proposer offered drafts for (moving average): the
+        # pre-check counts only that share as drafting, so a batch whose histories never match
+        # (random prompts) stops proposing, and stops the sync each proposal costs
+        self.offer_rate = 1.0
 
     def propose(self, running: Sequence[Request], blocked: bool = False) -> int:
         """Set `draft_token_ids` of each running request for the next `schedule()` (cleared
@@ -217,6 +225,7 @@ class Drafter:
             ]
         )
         offered = [(r, d) for r, d in zip(eligible, proposals) if d]
+        self.offer_rate += OFFER_RATE_WEIGHT * (len(offered) / len(eligible) - self.offer_rate)
         chosen = (
             self._choose([(r, len(d)) for r, d in offered], step)
             if rule
@@ -255,12 +264,18 @@ class Drafter:
         not pay this costs a few iterations. Once it has said no for `probe_after` steps in a
         row, one request at the prior rate is tried as well, so a rate that fell once (and
         stopped being measured) can recover; one, so that the probe passes only where a single
-        request's drafts pay (small batches) and exploring never drafts a whole large batch."""
+        request's drafts pay (small batches) and exploring never drafts a whole large batch.
+        Only the share of sequences the proposer has been offering drafts for
+        (`offer_rate`) counts as drafting: drafts never verified never lower the acceptance
+        rate, so without it a batch with nothing to match would propose (and sync) forever."""
         config = self.tracker.config
         num_sampled = max(step[0], 1)
         model, cost, k = self.time_model, self.cost, self.config.num_speculative_tokens
-        candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_sampled
-        pays = any(choose_num_drafts(candidates, num_sampled, *step[1:], model, cost))
+        num_offered = int(num_sampled * self.offer_rate + 0.5)  # those the proposer would serve
+        candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_offered
+        pays = num_offered > 0 and any(
+            choose_num_drafts(candidates, num_sampled, *step[1:], model, cost)
+        )
         if not pays and self._steps_off >= config.probe_after:
             probe = [DraftCandidate(max(self.tracker.global_rate, config.prior), k)]
             pays = any(choose_num_drafts(probe, num_sampled, *step[1:], model, cost))

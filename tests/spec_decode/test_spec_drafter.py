@@ -71,3 +71,23 @@ def test_the_pre_check_counts_every_sampled_sequence_at_a_large_batch():
                                  drafter.cost)  # fmt: skip
     assert alone == [0] and sum(together) > 0
     assert drafter.may_draft(running)
+
+
+def test_proposals_that_offer_nothing_turn_the_pre_check_off():
+    """A batch whose histories never repeat an n-gram gets no drafts, so no acceptance is ever
+    measured: the share of requests offered drafts must turn the pre-check off (each proposal
+    costs the engine a sync), and one empty proposal alone must not."""
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 4096)
+    running = [
+        decoding(f"r{i}", SamplingParams(temperature=0), range(i, i + 50)) for i in range(64)
+    ]
+    answers = []
+    for _ in range(12):
+        answers.append(drafter.may_draft(running))
+        if answers[-1]:
+            assert drafter.propose(running) == 0  # nothing to match
+    assert answers[:2] == [True, True] and not any(answers[-3:])
+    repeating = [decoding("a", SamplingParams(temperature=0))]
+    drafter.offer_rate = 1.0
+    assert drafter.may_draft(repeating) and drafter.propose(repeating) > 0
+    assert drafter.offer_rate == 1.0 and drafter.may_draft(repeating)
