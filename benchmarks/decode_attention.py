@@ -35,6 +35,7 @@ import traceback
 
 import torch
 
+from phloem.bench.graph_timing import graph_replay_seconds
 from phloem.bench.roofline import measure_ceilings
 
 KERNELS = ("fa2-prefill", "fa3-prefill", "fa2-nosplit", "decode", "decode-tc")
@@ -87,23 +88,7 @@ def make_wrapper(flashinfer, kernel: str, workspace, batch: int, indptr, indices
 def time_kernel(wrapper, q, kv_cache, iters: int) -> tuple[float, torch.Tensor]:
     """Mean seconds per replay of the wrapper's run captured in a CUDA graph, and its output."""
     out = torch.empty_like(q)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            wrapper.run(q, kv_cache, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, kv_cache, out=out)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters, out
+    return graph_replay_seconds(lambda: wrapper.run(q, kv_cache, out=out), iters), out
 
 
 def run_case(flashinfer, args, batch: int, context: int, page: int, ceiling: float) -> dict:

@@ -12,27 +12,13 @@ import json
 
 import torch
 
+from phloem.bench.graph_timing import graph_replay_seconds
 from phloem.ops.row_max import row_max
 
 
 def time_graph(fn, iters: int) -> float:
     """Mean microseconds per replay of `fn` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return graph_replay_seconds(fn, iters) * 1e6
 
 
 def time_rows(rows: int, args) -> dict:
