@@ -150,6 +150,22 @@ class HeldBackend(GrammarBackend):
         self.inner.fill_bitmasks(matchers, bitmask, rows)
 
 
+def held_backends(monkeypatch) -> list[HeldBackend]:
+    """Make every grammar backend the engine builds a `HeldBackend` (its compiles wait for
+    `release`); returns the list they are appended to, in order."""
+    import phloem.structured_output as so
+
+    held: list[HeldBackend] = []
+    make = so.make_backend
+
+    def make_held(*args, **kwargs):
+        held.append(HeldBackend(make(*args, **kwargs)))
+        return held[-1]
+
+    monkeypatch.setattr(so, "make_backend", make_held)
+    return held
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
     from tests.engine.tiny_models import tiny_model_dir
@@ -164,18 +180,10 @@ def test_a_grammar_still_compiling_holds_up_no_other_request(
     """A request whose grammar is slow to compile waits in the queue (the scheduler's admission
     gate) while the others run to the end; no step waits for it. Without the gate its first
     sample would block every row of its step until the compile ends."""
-    import phloem.structured_output as so
     from phloem import LLM, SamplingParams
     from tests.engine.test_structured_outputs import CHOICE, REGEX, check_output, prompts
 
-    held: list[HeldBackend] = []
-    make = so.make_backend
-
-    def make_held(*args, **kwargs):
-        held.append(HeldBackend(make(*args, **kwargs)))
-        return held[-1]
-
-    monkeypatch.setattr(so, "make_backend", make_held)
+    held = held_backends(monkeypatch)
     llm = LLM(str(tiny_llama), block_size=4, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     slow, fast, free = prompts(3)
@@ -229,18 +237,10 @@ def test_an_idle_engine_waits_for_every_held_grammar(tiny_llama, monkeypatch):
     all of their grammars are ready (not just the first), so the batch's first prefill step
     takes them together."""
     import phloem.engine.structured_outputs as engine_so
-    import phloem.structured_output as so
     from phloem import LLM, SamplingParams
     from tests.engine.test_structured_outputs import prompts
 
-    held: list[HeldBackend] = []
-    make = so.make_backend
-
-    def make_held(*args, **kwargs):
-        held.append(HeldBackend(make(*args, **kwargs)))
-        return held[-1]
-
-    monkeypatch.setattr(so, "make_backend", make_held)
+    held = held_backends(monkeypatch)
     monkeypatch.setattr(engine_so, "_IDLE_WAIT_S", 20.0)  # the wait ends when all are ready
     llm = LLM(str(tiny_llama), block_size=4)
     engine = llm.llm_engine
