@@ -225,7 +225,9 @@ class Drafter:
             ]
         )
         offered = [(r, d) for r, d in zip(eligible, proposals) if d]
-        self.offer_rate += OFFER_RATE_WEIGHT * (len(offered) / len(eligible) - self.offer_rate)
+        asked = sum(1 for budget in budgets if budget)  # (a costly proposer: those the rule chose)
+        if asked:
+            self.offer_rate += OFFER_RATE_WEIGHT * (len(offered) / asked - self.offer_rate)
         chosen = (
             self._choose([(r, len(d)) for r, d in offered], step)
             if rule
