@@ -12,6 +12,16 @@ greedy continuations; `check` reports `teacher_forced_agreement` (the fraction o
 positions whose next token equals the reference's, given the reference's tokens before it),
 the free-running greedy match (whole sequences equal, mean common prefix) and whether decode
 steps replayed CUDA graphs (`cuda_graphs`: the graphs capture the all-reduces under TP).
+
+Random weights give near-tied logits, so bf16 rounding alone (another reduction order, another
+batch shape) flips top-1 tokens whose lead is tiny. The reference therefore keeps its top-5
+log-probs at every position, and `check` also reports:
+- `agreement_by_margin`: the agreement over the positions whose reference top-1 leads its
+  top-2 by at least each threshold (nats), with the count of such positions;
+- `close_agreement`: the criterion of vLLM's `check_logprobs_close`: a position passes where the
+  tokens are equal, or each engine's token is in the other's top-5;
+- `mean_abs_logprob_diff`: the mean |difference| of the reference token's log-prob between the
+  two engines (nats), over the positions where both report it.
 """
 
 from __future__ import annotations
@@ -42,12 +52,52 @@ def _llm(args: argparse.Namespace):
     )
 
 
-def _greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+TOP_K = 5
+MARGINS = (0.0, 0.01, 0.03, 0.1, 0.3)  # nats
+
+
+def _greedy(llm, prompts: list[list[int]], max_tokens: int, logprobs: bool = False):
+    """Greedy continuations [n][max_tokens]; with `logprobs`, also each position's top-5
+    log-probs as {token_id: logprob} ([n][max_tokens])."""
     from phloem import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_K if logprobs else None
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if not logprobs:
+        return tokens
+    return tokens, [o.outputs[0].logprobs for o in outs]
+
+
+def _top(logprobs: dict) -> list[list[float]]:
+    """{token_id: logprob} -> [[token_id, logprob]] best first, at most TOP_K."""
+    pairs = sorted(((int(t), float(v)) for t, v in logprobs.items()), key=lambda p: -p[1])
+    return [[t, v] for t, v in pairs[:TOP_K]]
+
+
+def compare(want: list[int], ref_top: list, got: list[int], got_top: list) -> dict:
+    """The agreement measures of `check` over positions i: want[i] the reference's token and
+    ref_top[i] its top-5 ([[token_id, logprob]] best first), got[i] / got_top[i] the same from the
+    checked engine. Margins are in nats (log-prob of top-1 minus top-2 of the reference)."""
+    by_margin, diffs, close = {}, [], 0
+    margins = [t[0][1] - t[1][1] if len(t) > 1 else float("inf") for t in ref_top]
+    for m in MARGINS:
+        idx = [i for i, v in enumerate(margins) if v >= m]
+        hits = sum(got[i] == want[i] for i in idx)
+        by_margin[str(m)] = {"positions": len(idx), "agreement": hits / len(idx) if idx else None}
+    for w, rt, g, gt in zip(want, ref_top, got, got_top):
+        ref_ids, got_lp = {t for t, _ in rt}, {t: v for t, v in gt}
+        close += g == w or (g in ref_ids and w in got_lp)
+        ref_lp = dict((t, v) for t, v in rt).get(w)
+        if ref_lp is not None and w in got_lp:
+            diffs.append(abs(ref_lp - got_lp[w]))
+    return {
+        "agreement_by_margin": by_margin,
+        "close_agreement": close / len(want),
+        "mean_abs_logprob_diff": sum(diffs) / len(diffs) if diffs else None,
+    }
 
 
 def reference(args: argparse.Namespace) -> dict:
@@ -57,9 +107,10 @@ def reference(args: argparse.Namespace) -> dict:
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
                for _ in range(args.num_prompts)]  # fmt: skip
     start = time.perf_counter()
-    outputs = _greedy(llm, prompts, args.max_tokens)
+    outputs, logprobs = _greedy(llm, prompts, args.max_tokens, logprobs=True)
+    top = [[_top(step) for step in seq] for seq in logprobs]
     return {"tensor_parallel_size": args.tensor_parallel_size, "prompts": prompts,
-            "outputs": outputs, "generate_s": time.perf_counter() - start,
+            "outputs": outputs, "top_logprobs": top, "generate_s": time.perf_counter() - start,
             "cuda_graphs": llm.llm_engine.executor.worker.cuda_graphs}  # fmt: skip
 
 
@@ -69,12 +120,14 @@ def check(args: argparse.Namespace) -> dict:
     llm = _llm(args)
     prompts, expected = ref["prompts"], ref["outputs"]
     free = _greedy(llm, prompts, len(expected[0]))
-    forced, want = [], []
-    for prompt, out in zip(prompts, expected):
+    forced, want, ref_top = [], [], []
+    for prompt, out, top in zip(prompts, expected, ref["top_logprobs"]):
         for k in range(0, len(out), args.stride):
             forced.append(prompt + out[:k])
             want.append(out[k])
-    got = [o[0] for o in _greedy(llm, forced, 1)]
+            ref_top.append(top[k])
+    tokens, logprobs = _greedy(llm, forced, 1, logprobs=True)
+    got, got_top = [t[0] for t in tokens], [_top(lp[0]) for lp in logprobs]
     common = []
     for a, b in zip(free, expected):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
@@ -89,6 +142,7 @@ def check(args: argparse.Namespace) -> dict:
         "free_running_mean_common_prefix": sum(common) / len(common),
         "max_tokens": len(expected[0]),
         "cuda_graphs": llm.llm_engine.executor.worker.cuda_graphs,
+        **compare(want, ref_top, got, got_top),
     }
 
 
@@ -115,7 +169,8 @@ def main() -> None:
     result = reference(args) if args.mode == "reference" else check(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("prompts", "outputs")}))
+    skip = ("prompts", "outputs", "top_logprobs")
+    print(json.dumps({k: v for k, v in result.items() if k not in skip}))
 
 
 if __name__ == "__main__":
