@@ -94,6 +94,12 @@ if agree:
     print(f"TP={tp} teacher-forced top-1 agreement {agree['teacher_forced_agreement']:.4f} "
           f"(goal >= 0.99); free-running exact {agree['free_running_exact']:.3f}; "
           f"CUDA graphs {agree['cuda_graphs']}")
+for name, r in (("TP=" + tp, agree), ("TP=1 (noise floor)", load("agree-tp1"))):
+    if r and "close_agreement" in r:
+        margins = ", ".join(f">={m}: {v['agreement']} ({v['positions']})"
+                            for m, v in r["agreement_by_margin"].items())
+        print(f"{name}: top-5 close {r['close_agreement']:.4f}, mean |dlogprob| "
+              f"{r['mean_abs_logprob_diff']}, agreement by reference margin (nats) {margins}")
 floor = load("agree-tp1")
 if floor:
     summary["agreement_noise_floor"] = floor
