@@ -19,7 +19,8 @@
 #   big      Llama-3.1-70B shapes (a model that needs TP; 141 GB of bf16 weights: TP=2 on H200s,
 #            TP=4 on H100s) at TP=$TP: batchllm 100 x 16 and decode-heavy (1,000 x 1000/1000), each
 #            with its roofline ratios (per GPU: the roofline counts the group's bytes and FLOPs
-#            against TP x one GPU's ceilings); BIG_LIMIT seconds a run (default 420). Not in the
+#            against TP x one GPU's ceilings); BIG_LIMIT seconds a run (default 420),
+#            BIG_DECODE_REQUESTS decode-heavy requests (default 1,000; 500 as issue 19's table). Not in the
 #            default STAGES: run it alone, `STAGES=big bash benchmarks/tp_device.sh "$OUT/tp70b"`
 # Writes every run's JSON and summary.json under OUT_DIR; a rank's failure shows as
 # "tensor-parallel rank R ..." in the run's tail. Needs the carried .whl/ (device_setup.sh).
@@ -56,8 +57,9 @@ for stage in $STAGES; do
         ;;
     agree)
         echo "=== agreement TP=1 -> TP=$TP $(date +%T)"
-        timeout "$LIMIT" python3 benchmarks/tp_agreement.py reference --out "$OUT/agree-ref.json" \
-            2>&1 | tail -2
+        # (a reference already in OUT_DIR, e.g. made on one GPU beside another job, is kept)
+        [ -f "$OUT/agree-ref.json" ] || timeout "$LIMIT" python3 benchmarks/tp_agreement.py \
+            reference --out "$OUT/agree-ref.json" 2>&1 | tail -2
         timeout "$LIMIT" python3 benchmarks/tp_agreement.py check --ref "$OUT/agree-ref.json" \
             --tensor-parallel-size "$TP" --out "$OUT/agree-tp$TP.json" 2>&1 | tail -4
         # the noise floor: TP=1 checked against its own reference (teacher-forced prefills vs
@@ -77,7 +79,7 @@ for stage in $STAGES; do
         MODEL=llama-3.1-70b LIMIT=$BIG_LIMIT bench "70b-batchllm100-tp$TP" "$TP" \
             --workload batchllm --num-groups 100
         MODEL=llama-3.1-70b LIMIT=$BIG_LIMIT bench "70b-decode-heavy-tp$TP" "$TP" \
-            --workload decode-heavy
+            --workload decode-heavy --num-requests "${BIG_DECODE_REQUESTS:-1000}"
         ;;
     esac
 done
