@@ -16,6 +16,8 @@ Life of a quantized linear layer (vLLM's `LinearMethodBase` life cycle):
 
 from __future__ import annotations
 
+import functools
+import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -63,8 +65,33 @@ class LinearMethod(ABC):
                    if n != "bias")  # fmt: skip
 
 
+SKINNY_GEMM_ENV = "PHLOEM_SKINNY_GEMM"
+
+
+@functools.cache
+def skinny_gemm_module():
+    """`phloem.ops.skinny_gemm` when PHLOEM_SKINNY_GEMM=1, None when it is unset or "0"; read
+    once per process (the first dense forward, the engine's start-up pass; tensor-parallel
+    ranks inherit the environment).
+
+    Raises:
+        ValueError: naming PHLOEM_SKINNY_GEMM for a value other than "0" or "1".
+        ImportError: PHLOEM_SKINNY_GEMM=1 where Triton does not import.
+    """
+    value = os.environ.get(SKINNY_GEMM_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{SKINNY_GEMM_ENV} must be 0 or 1, got {value!r}")
+    if value == "0":
+        return None
+    from phloem.ops import skinny_gemm
+
+    return skinny_gemm
+
+
 class UnquantizedLinearMethod(LinearMethod):
-    """The dense layer: W in the model dtype, `F.linear`."""
+    """The dense layer: W in the model dtype, `F.linear`; with PHLOEM_SKINNY_GEMM=1, calls of
+    1..16 rows in bf16/fp16 on CUDA go through one Triton kernel that streams W once
+    (`phloem.ops.skinny_gemm`, for decode steps)."""
 
     def create_weights(self, layer: LinearBase) -> None:
         """Nothing to do: `LinearBase` builds the dense weight itself."""
@@ -76,6 +103,9 @@ class UnquantizedLinearMethod(LinearMethod):
         self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert isinstance(x, torch.Tensor), "a dense layer takes no Fp8Activation"
+        skinny = skinny_gemm_module()
+        if skinny is not None and skinny.takes(x, layer.weight):
+            return skinny.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

@@ -1,0 +1,242 @@
+"""y = x W^T (+ b) for decode-sized x (1..16 rows) as one Triton kernel that streams W once.
+
+At batch 1..16 a linear layer's GEMM is a matrix-vector product bound by reading the weight: an
+8B model's decode step reads 15 GB of weights through four GEMMs a layer. cuBLAS, as torch's
+`F.linear` picks it, reads the small Llama-3.1-8B matrices well below the copy ceiling (qkv and
+o_proj at 2.6-3.2 TB/s of ~4.2 on an H200) and adds a split-K reduce kernel to o_proj and down
+(benchmarks/results/2026-11-26d-h200-checks/README.md). This kernel gives each program
+`block_n` whole rows of W (contiguous in K, so every load is a long coalesced run) and loops over
+K in `block_k` steps; the grid is sized so enough loads are in flight to cover HBM latency.
+
+The product of a tile: with at most 4 rows of x, a broadcast multiply and a row sum on the CUDA
+cores (each weight element costs <= 4 FMAs, far below the bandwidth); with 5..16 rows, `tl.dot`
+with x padded to 16 rows (tensor cores, fp32 accumulation) so the FMAs stay off the critical
+path. `split_k` > 1 also splits K over programs, each adding its fp32 partial sums into a
+zeroed fp32 buffer (`tl.atomic_add`), which is then rounded to the output dtype: two more
+kernels (a memset and a cast), for shapes with too few rows of W to fill the GPU.
+
+Accumulation is fp32 and the output is rounded once, so results equal `F.linear`'s to bf16
+rounding (not bit for bit: the summation order differs). Which config each shape gets is
+`config_for`: the table `CONFIGS` measured by benchmarks/skinny_gemm.py, else a rule of thumb.
+Every launch allocates only its output (and, split, an fp32 buffer of fixed size) and never
+syncs, so it is captured by CUDA graphs.
+
+Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the most rows of x this kernel takes (a decode step's batch)
+DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores
+DTYPES = (torch.bfloat16, torch.float16)  # 2-byte weights (fp32 would need tl.dot's IEEE mode)
+# Whether kernels run on the CPU here (Triton's interpreter, read when Triton is imported).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch configuration.
+
+    Attributes:
+        block_n: rows of W (output features) per program; >= 16 when x has >= DOT_MIN_ROWS rows.
+        block_k: input features per loop step; a power of two >= 16.
+        split_k: programs sharing one block of rows, each over a contiguous K range (1: none).
+        num_warps: warps per program. num_stages: software-pipelining depth of the K loop.
+    """
+
+    block_n: int = 8
+    block_k: int = 512
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def validate(self, rows: int) -> None:
+        """Raises ValueError naming the field whose value a launch of `rows` rows cannot use."""
+        for name in ("block_n", "block_k", "split_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SkinnyConfig.{name} must be a power of two >= 1, got {value}")
+        if self.block_k < 16:
+            raise ValueError(f"SkinnyConfig.block_k must be >= 16, got {self.block_k}")
+        if rows >= DOT_MIN_ROWS and self.block_n < 16:
+            raise ValueError(
+                f"SkinnyConfig.block_n must be >= 16 for {rows} rows (tl.dot), got {self.block_n}"
+            )
+        if self.num_stages < 1:
+            raise ValueError(f"SkinnyConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# Measured choices: (rows bucket, N, K) -> config, rows bucket = the smallest of 1, 2, 4, 8, 16
+# that holds the rows. Filled from benchmarks/skinny_gemm.py's table on an H200; shapes missing
+# here take `default_config`.
+CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def rows_bucket(rows: int) -> int:
+    """The smallest power of two >= rows (1, 2, 4, 8 or 16 for 1..16 rows)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
+    """The rule of thumb for shapes `CONFIGS` lacks: about 4 programs per SM of an H100/H200
+    (132 SMs) from rows of W alone where N allows it (block_n 8 on the CUDA cores, 16 on the
+    tensor cores), else K split in two or four."""
+    block_n = 16 if rows >= DOT_MIN_ROWS else 8
+    block_k = 256 if rows >= DOT_MIN_ROWS else 512
+    split_k = 1
+    while triton.cdiv(n, block_n) * split_k < 512 and k >= 4 * block_k * split_k and split_k < 4:
+        split_k *= 2
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
+    """The config of a launch of `rows` rows of x [rows, k] against W [n, k]."""
+    return CONFIGS.get((rows_bucket(rows), n, k)) or default_config(rows, n, k)
+
+
+@triton.jit
+def _tile_product(x, w, USE_DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] -> x w^T, fp32 [BLOCK_M, BLOCK_N].
+    INTERPRET: Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton 3.9), multiplies
+    the same values in fp32 (IEEE) instead."""
+    if USE_DOT:
+        if INTERPRET:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+            return tl.trans(tl.dot(w, tl.trans(x), input_precision="ieee"))
+        return tl.trans(tl.dot(w, tl.trans(x), out_dtype=tl.float32))
+    prod = x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
+    return tl.sum(prod, axis=2)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Program (n, s): out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T.
+
+    K range s = [s * K_PER_SPLIT, min(K, (s + 1) * K_PER_SPLIT)), K_PER_SPLIT a multiple of
+    BLOCK_K. EVEN_K: K is a multiple of BLOCK_K (no K mask). SPLIT: out is fp32 and zeroed, and
+    every program adds its partial sums atomically (the bias once, by split 0)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * s_wn + (k_start + rk)[None, :]
+    x_ptrs = x_ptr + rm[:, None] * s_xm + (k_start + rk)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = (k + rk) < k_end
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += _tile_product(x, w, USE_DOT, INTERPRET)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
+        bias = tl.load(b_ptr + rn, mask=n_ok & first, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    out_ptrs = out_ptr + rm[:, None] * s_om + rn[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.atomic_add(out_ptrs, acc, mask=ok, sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear(x, weight)` runs here and is meant for this call: 1..MAX_ROWS rows
+    of x, both in one dtype of `DTYPES`, W's rows contiguous, on CUDA (or on the CPU under
+    Triton's interpreter, for tests)."""
+    k = x.shape[-1]
+    return (
+        0 < x.numel() <= MAX_ROWS * k
+        and x.dtype in DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and (x.is_cuda or INTERPRETED)
+    )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raises ValueError for inputs `skinny_linear` does not take."""
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, K] with K contiguous, got {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} input features, weight {weight.shape[1]}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype of {DTYPES}, got {x.dtype}, "
+                         f"{weight.dtype}")  # fmt: skip
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for at most `MAX_ROWS` rows of x, in one pass over weight.
+
+    Args:
+        x: [..., K] with at most MAX_ROWS rows in all (product of the leading dims), bf16 or
+            fp16; the last dim is made contiguous if it is not.
+        weight: [N, K], x's dtype, rows contiguous in K. bias: [N] or None.
+        config: the launch configuration; None: `config_for` the shape.
+    Returns:
+        [..., N] in x's dtype (fp32 accumulation, rounded once).
+    Raises:
+        ValueError: more than MAX_ROWS rows, a shape, layout or dtype mismatch, a bad config.
+    """
+    _check(x, weight, bias)
+    n, k = weight.shape
+    rows_x = x.reshape(-1, k)
+    if rows_x.stride(-1) != 1:
+        rows_x = rows_x.contiguous()
+    rows = rows_x.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows of x, got {rows}")
+    config = config or config_for(rows, n, k)
+    config.validate(rows)
+    use_dot = rows >= DOT_MIN_ROWS
+    block_m = 16 if use_dot else rows_bucket(rows)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(k, k_per_split)
+    split = splits > 1
+    out_dtype = torch.float32 if split else x.dtype
+    make = torch.zeros if split else torch.empty
+    out = make(rows, n, dtype=out_dtype, device=x.device)
+    if rows and n:
+        grid = (triton.cdiv(n, config.block_n), splits)
+        _skinny_gemm_kernel[grid](
+            rows_x, weight, bias if bias is not None else weight, out, rows, n, k, k_per_split,
+            rows_x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT=split,
+            USE_DOT=use_dot, INTERPRET=INTERPRETED, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )  # fmt: skip
+    if split:
+        out = out.to(x.dtype)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,226 @@
+"""The skinny-GEMM Triton kernel (decode-sized linear layers) against float64 torch (interpreted on
+the CPU), its launch checks, the PHLOEM_SKINNY_GEMM flag, and the flag's path through the linear
+layers and the engine (the same greedy tokens as F.linear's)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phloem.layers.quantization import base as quant_base
+
+
+@pytest.fixture(scope="module")
+def sk(triton_kernels):
+    """The kernel module; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
+    return triton_kernels("phloem.ops.skinny_gemm", "_skinny_gemm_kernel")
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def inputs(lead: tuple[int, ...], n: int, k: int, bias: bool, seed: int):
+    """Fresh bf16 x [*lead, k], W [n, k], bias [n] or None on the test device."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return [t.to(device()) if t is not None else None for t in (x, w, b)]
+
+
+def reference(x, w, b) -> torch.Tensor:
+    """x W^T + b in float64 from the same bf16 values, on the CPU."""
+    out = x.cpu().double() @ w.cpu().double().T
+    return out if b is None else out + b.cpu().double()
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within one bf16 step of the output (2^-7 relative: Triton's interpreter truncates float32
+    to bf16 where the GPU rounds to nearest, 2^-8) plus fp32 accumulation error."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("n,k,config", [
+    (64, 256, None),  # the default config
+    (40, 200, dict(block_n=16, block_k=64)),  # K % block_k != 0 and N % block_n != 0
+    (48, 200, dict(block_n=16, block_k=32, split_k=4)),  # split K, a ragged last split
+    (32, 96, dict(block_n=16, block_k=64, split_k=2)),  # two splits, the second one partial
+])  # fmt: skip
+def test_skinny_linear_matches_float64(sk, rows, n, k, config):
+    x, w, b = inputs((rows,), n, k, bias=rows % 2 == 1, seed=rows * 1000 + k)
+    cfg = sk.SkinnyConfig(**config) if config else None
+    got = sk.skinny_linear(x, w, b, cfg)
+    assert got.shape == (rows, n)
+    assert_bf16_close(got, reference(x, w, b))
+
+
+def test_skinny_linear_keeps_leading_dims_and_strided_rows(sk):
+    x, w, b = inputs((2, 3), 24, 80, bias=True, seed=7)
+    got = sk.skinny_linear(x, w, b, sk.SkinnyConfig(block_n=16, block_k=32))
+    assert got.shape == (2, 3, 24)
+    assert_bf16_close(got.reshape(6, 24), reference(x.reshape(6, 80), w, b))
+    wide, _, _ = inputs((4,), 1, 2 * 80, bias=False, seed=8)  # rows with stride 160 > K
+    view = wide.view(4, 2 * 80)[:, :80]
+    assert_bf16_close(sk.skinny_linear(view, w), reference(view, w, None))
+
+
+def test_skinny_linear_matches_f_linear_on_llama_like_rows(sk):
+    """A TP=2 o_proj-like shape scaled down (K a multiple of the default block_k), 1 and 16 rows:
+    within bf16 rounding of F.linear's result."""
+    for rows in (1, 16):
+        x, w, _ = inputs((rows,), 64, 1024, bias=False, seed=rows)
+        got = sk.skinny_linear(x, w)
+        want = F.linear(x.float(), w.float()).to(torch.bfloat16)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_default_configs_fit_their_rows(sk):
+    for rows in range(1, sk.MAX_ROWS + 1):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 2048)):
+            config = sk.config_for(rows, n, k)
+            config.validate(rows)
+            assert config.split_k == 1 or n // config.block_n < 512
+
+
+def test_skinny_linear_rejects_what_it_cannot_take(sk):
+    x, w, _ = inputs((17,), 16, 32, bias=False, seed=0)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        sk.skinny_linear(x, w)
+    with pytest.raises(ValueError, match="input features"):
+        sk.skinny_linear(x[:2, :16], w)
+    with pytest.raises(ValueError, match="share a dtype"):
+        sk.skinny_linear(x[:2].float(), w.float())
+    with pytest.raises(ValueError, match="block_n must be >= 16"):
+        sk.skinny_linear(x[:8], w, config=sk.SkinnyConfig(block_n=8))
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        sk.skinny_linear(x[:2], w, config=sk.SkinnyConfig(block_k=48))
+    assert sk.takes(x[:16], w) and not sk.takes(x, w) and not sk.takes(x[:0], w)
+    assert not sk.takes(x[:2].float(), w.float()) and not sk.takes(x[:2], w.T.contiguous().T)
+
+
+@pytest.fixture
+def skinny_flag(monkeypatch):
+    """`set(value)`: PHLOEM_SKINNY_GEMM=value read afresh; the flag's cache is cleared after."""
+
+    def set_flag(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(quant_base.SKINNY_GEMM_ENV, raising=False)
+        else:
+            monkeypatch.setenv(quant_base.SKINNY_GEMM_ENV, value)
+        quant_base.skinny_gemm_module.cache_clear()
+
+    yield set_flag
+    quant_base.skinny_gemm_module.cache_clear()
+
+
+def test_flag_is_off_by_default_and_validated(skinny_flag):
+    skinny_flag(None)
+    assert quant_base.skinny_gemm_module() is None
+    skinny_flag("0")
+    assert quant_base.skinny_gemm_module() is None
+    skinny_flag("yes")
+    with pytest.raises(ValueError, match="PHLOEM_SKINNY_GEMM must be 0 or 1"):
+        quant_base.skinny_gemm_module()
+
+
+@pytest.fixture
+def counted(sk, monkeypatch):
+    """How many times the layers called `skinny_linear` (a counting wrapper, test-only)."""
+    calls = []
+    real = sk.skinny_linear
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sk, "skinny_linear", counting)
+    return calls
+
+
+def test_flag_routes_decode_sized_dense_calls(sk, skinny_flag, counted):
+    from phloem.layers.linear import MergedColumnLinear, RowParallelLinear
+
+    skinny_flag("1")
+    up = MergedColumnLinear(48, [40, 40], dtype=torch.bfloat16).to(device())
+    down = RowParallelLinear(40, 48, bias=True, dtype=torch.bfloat16).to(device())
+    for layer in (up, down):
+        for p in layer.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) / 8)
+    for rows in (1, 6, 16):
+        x, _, _ = inputs((rows,), 1, 48, bias=False, seed=rows)
+        h = up(x)
+        assert_bf16_close(h, reference(x, up.weight, None))
+        assert_bf16_close(down(h[:, :40]), reference(h[:, :40], down.weight, down.bias))
+    assert len(counted) == 6
+    x, _, _ = inputs((17,), 1, 48, bias=False, seed=17)  # a prefill-sized call: F.linear
+    up(x)
+    assert len(counted) == 6
+
+
+def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_factory,
+                                           embedded_tokenizer_dir):  # fmt: skip
+    """A tiny fp16 Llama, decode batches of 6 down to 1 rows (both tile products): the flag's
+    greedy tokens are F.linear's, and its decode steps went through the kernel. fp16, not bf16:
+    Triton's interpreter truncates float32 to bf16 (the GPU rounds to nearest), enough to flip
+    one of this model's 27 greedy tokens; it rounds fp16 as the GPU does."""
+    from phloem import LLM, SamplingParams
+    from tests.engine.tiny_models import VOCAB, tiny_model_dir
+
+    path = tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_skinny", 11)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(5 + i)]}
+               for i in range(6)]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True) for i in range(6)]
+
+    def run() -> list[list[int]]:
+        llm = LLM(str(path), block_size=4, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=1 << 20, dtype="float16")  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    skinny_flag("0")
+    plain = run()
+    assert not counted
+    skinny_flag("1")
+    assert run() == plain
+    assert {shape[0] for shape in counted} >= {1, 6}
+
+
+COMPILE_FOR_HOPPER = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from phloem.ops import skinny_gemm as sk
+
+fn = sk._skinny_gemm_kernel
+types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", M="i32", N="i32", K="i32",
+             K_PER_SPLIT="i32", s_xm="i32", s_wn="i32", s_om="i32")
+built = []
+for block_m, use_dot, split, block_n in ((1, False, False, 8), (4, False, True, 8),
+                                         (16, True, False, 16), (16, True, True, 32)):
+    const = dict(HAS_BIAS=not split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256,
+                 EVEN_K=True, SPLIT=split, USE_DOT=use_dot, INTERPRET=False)
+    sig = {n: "constexpr" if n in const else types.get(n, "*fp32" if split else "*bf16")
+           for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    assert ("mma" in ptx) == use_dot, "the 5..16-row tile product must run on the tensor cores"
+    assert ("red.global" in ptx or "atom.global" in ptx) == split
+    built.append(f"BLOCK_M={block_m}")
+print("compiled:", "; ".join(built))
+"""
+
+
+def test_kernel_compiles_for_hopper(compile_for_hopper):
+    """The GPU compiler (which rejects what the interpreter accepts) takes every variant:
+    CUDA-core and tensor-core products, with and without split-K atomics."""
+    out = compile_for_hopper(COMPILE_FOR_HOPPER)
+    assert out.count("BLOCK_M=") == 4
