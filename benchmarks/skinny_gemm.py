@@ -38,7 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from phloem.bench.graph_timing import graph_replay_seconds
-from phloem.ops.skinny_gemm import DOT_MIN_ROWS, SkinnyConfig, config_for, skinny_linear
+from phloem.ops.skinny_gemm import (
+    DOT_MIN_ROWS,
+    SkinnyConfig,
+    config_for,
+    rows_bucket,
+    skinny_linear,
+)
 
 # (name, N, K): Llama-3.1-8B's linear layers (out, in), then each one's TP=2 shard.
 SHAPES = (
@@ -50,23 +56,30 @@ LAYERS = 32  # Llama-3.1-8B's decoder layers, for the per-step estimate
 
 def candidate_configs(rows: int, n: int, k: int) -> list[SkinnyConfig]:
     """The grid tried for a shape, the default config first: tiles of 4-32 KB of W per loop
-    step (4 warps up to 8 KB, else 8), split_k 1/2/4 up to ~16 programs per SM, 1 or 3 stages;
-    on the CUDA cores (< DOT_MIN_ROWS rows) only tiles whose product fits in registers."""
-    block_m = 16 if rows >= DOT_MIN_ROWS else 1 << max(0, rows - 1).bit_length()
+    step (4 warps up to 8 KB, else 8), split_k 1/2/4 up to ~16 programs per SM; the tensor-core
+    product (x padded to 16 rows; 2 or 4 stages) at every rows count, the CUDA-core one (1 or 3
+    stages) below DOT_MIN_ROWS rows, with only the tiles whose product fits in registers."""
     configs = []
-    for block_n in (4, 8, 16, 32, 64):
-        for block_k in (128, 256, 512, 1024):
-            kb = block_n * block_k * 2 // 1024
-            if not 4 <= kb <= 32 or (block_m == 16 and block_n < 16):
-                continue
-            if block_m < 16 and block_m * block_n * block_k > 8192:  # product > 64 fp32/thread
-                continue
-            for split_k in (1, 2, 4):
-                if split_k > 1 and (-(-n // block_n) * split_k > 2048 or k < 2 * split_k * block_k):
+    for tensor_cores in (False, True) if rows < DOT_MIN_ROWS else (True,):
+        block_m = 16 if tensor_cores else rows_bucket(rows)
+        for block_n in (4, 8, 16, 32, 64):
+            for block_k in (128, 256, 512, 1024):
+                kb = block_n * block_k * 2 // 1024
+                if not 4 <= kb <= 32 or (tensor_cores and block_n < 16):
                     continue
-                configs += [SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
-                                         num_warps=4 if kb <= 8 else 8, num_stages=stages)
-                            for stages in (1, 3)]  # fmt: skip
+                if not tensor_cores and block_m * block_n * block_k > 8192:  # > 64 fp32/thread
+                    continue
+                for split_k in (1, 2, 4):
+                    too_many = -(-n // block_n) * split_k > 2048
+                    if split_k > 1 and (too_many or k < 2 * split_k * block_k):
+                        continue
+                    configs += [
+                        SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
+                                     num_warps=4 if kb <= 8 else 8, num_stages=stages,
+                                     tensor_cores=None if tensor_cores == (rows >= DOT_MIN_ROWS)
+                                     else tensor_cores)
+                        for stages in ((2, 4) if tensor_cores else (1, 3))
+                    ]  # fmt: skip
     default = config_for(rows, n, k)
     return [default] + [c for c in configs if c != default]
 
@@ -159,7 +172,7 @@ def report_shape(name: str, n: int, k: int, cases: list[dict], ceiling: float) -
         b = c["best_config"]
         print(f"{c['rows']:>3} " + " ".join(f"{cell:>24}" for cell in cells) +
               f"  n{b['block_n']} k{b['block_k']} s{b['split_k']} w{b['num_warps']} "
-              f"st{b['num_stages']}")  # fmt: skip
+              f"st{b['num_stages']} tc={b['tensor_cores']}")  # fmt: skip
 
 
 def report_summary(results: dict) -> None:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # the most rows of x this kernel takes (a decode step's batch)
-DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores
+DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores by default
 DTYPES = (torch.bfloat16, torch.float16)  # 2-byte weights (fp32 would need tl.dot's IEEE mode)
 # Whether kernels run on the CPU here (Triton's interpreter, read when Triton is imported).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -45,10 +45,13 @@ class SkinnyConfig:
     """One launch configuration.
 
     Attributes:
-        block_n: rows of W (output features) per program; >= 16 when x has >= DOT_MIN_ROWS rows.
+        block_n: rows of W (output features) per program; >= 16 on the tensor cores.
         block_k: input features per loop step; a power of two >= 16.
         split_k: programs sharing one block of rows, each over a contiguous K range (1: none).
         num_warps: warps per program. num_stages: software-pipelining depth of the K loop.
+        tensor_cores: the tile product by `tl.dot` with x padded to 16 rows (True), on the
+            CUDA cores (False), or None: tensor cores from DOT_MIN_ROWS rows on. (Loads that
+            feed `tl.dot` are the ones Triton's pipeliner stages through shared memory.)
     """
 
     block_n: int = 8
@@ -56,6 +59,11 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    tensor_cores: bool | None = None
+
+    def uses_tensor_cores(self, rows: int) -> bool:
+        """Whether a launch of `rows` rows takes the `tl.dot` tile product."""
+        return rows >= DOT_MIN_ROWS if self.tensor_cores is None else self.tensor_cores
 
     def validate(self, rows: int) -> None:
         """Raises ValueError naming the field whose value a launch of `rows` rows cannot use."""
@@ -65,9 +73,10 @@ class SkinnyConfig:
                 raise ValueError(f"SkinnyConfig.{name} must be a power of two >= 1, got {value}")
         if self.block_k < 16:
             raise ValueError(f"SkinnyConfig.block_k must be >= 16, got {self.block_k}")
-        if rows >= DOT_MIN_ROWS and self.block_n < 16:
+        if self.uses_tensor_cores(rows) and self.block_n < 16:
             raise ValueError(
-                f"SkinnyConfig.block_n must be >= 16 for {rows} rows (tl.dot), got {self.block_n}"
+                f"SkinnyConfig.block_n must be >= 16 for {rows} rows on the tensor cores "
+                f"(tl.dot), got {self.block_n}"
             )
         if self.num_stages < 1:
             raise ValueError(f"SkinnyConfig.num_stages must be >= 1, got {self.num_stages}")
@@ -219,7 +228,7 @@ def skinny_linear(
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows of x, got {rows}")
     config = config or config_for(rows, n, k)
     config.validate(rows)
-    use_dot = rows >= DOT_MIN_ROWS
+    use_dot = config.uses_tensor_cores(rows)
     block_m = 16 if use_dot else rows_bucket(rows)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)

@@ -51,12 +51,20 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     (40, 200, dict(block_n=16, block_k=64)),  # K % block_k != 0 and N % block_n != 0
     (48, 200, dict(block_n=16, block_k=32, split_k=4)),  # split K, a ragged last split
     (32, 96, dict(block_n=16, block_k=64, split_k=2)),  # two splits, the second one partial
+    (40, 80, dict(block_n=16, block_k=32, tensor_cores=True)),  # tl.dot at any rows count
 ])  # fmt: skip
 def test_skinny_linear_matches_float64(sk, rows, n, k, config):
     x, w, b = inputs((rows,), n, k, bias=rows % 2 == 1, seed=rows * 1000 + k)
     cfg = sk.SkinnyConfig(**config) if config else None
     got = sk.skinny_linear(x, w, b, cfg)
     assert got.shape == (rows, n)
+    assert_bf16_close(got, reference(x, w, b))
+
+
+@pytest.mark.parametrize("rows", [5, 8, 16])
+def test_cuda_core_product_at_many_rows(sk, rows):
+    x, w, b = inputs((rows,), 24, 72, bias=True, seed=rows)
+    got = sk.skinny_linear(x, w, b, sk.SkinnyConfig(block_n=4, block_k=32, tensor_cores=False))
     assert_bf16_close(got, reference(x, w, b))
 
 
