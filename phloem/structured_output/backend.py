@@ -97,6 +97,12 @@ class GrammarBackend(abc.ABC):
     def matcher(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher at the start of `compiled`."""
 
+    def ready_matcher(self, compiled: object) -> GrammarMatcher | None:
+        """A fresh matcher of `compiled` made at once, where that costs microseconds (the
+        manager then makes it on the engine loop, and the sequence is ready when registered);
+        None where it costs more (the manager builds `matcher` in its pool). Here: None."""
+        return None
+
     def compile_with_matcher(
         self, params: StructuredOutputsParams
     ) -> tuple[object, GrammarMatcher]:

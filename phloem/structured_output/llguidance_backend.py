@@ -99,10 +99,14 @@ def _error(params: StructuredOutputsParams, message: str) -> ValueError:
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    """An `llguidance.LLMatcher` (its rollback history is unbounded)."""
+    """An `llguidance.LLMatcher` (its rollback history is unbounded) and the id of the lexer it
+    shares with other matchers (`group`: the batched calls order rows by it)."""
 
-    def __init__(self, inner) -> None:
+    __slots__ = ("inner", "group")
+
+    def __init__(self, inner, group: int) -> None:
         self.inner = inner
+        self.group = group
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask
@@ -122,23 +126,88 @@ class LLGuidanceMatcher(GrammarMatcher):
         return bool(self.inner.is_stopped())
 
 
+class LLGuidanceGrammar:
+    """A compiled constraint: its grammar text (llguidance's JSON form) and the templates its
+    sequences' matchers are copied from, up to `num_templates` of them, each built from the
+    text on first use (~1 ms at 128K tokens) and never advanced itself. Thread-safe.
+
+    Attributes:
+        text: the grammar (what `LLMatcher` is built from).
+    """
+
+    def __init__(self, text: str, num_templates: int) -> None:
+        import threading
+
+        self.text = text
+        self._templates: list[object | None] = [None] * max(1, num_templates)
+        self._next = 0  # round robin over the templates
+        self._lock = threading.Lock()
+
+    def next_slot(self, built_only: bool) -> tuple[int, object | None] | None:
+        """(slot, its template or None: to build) for the next sequence, round robin; with
+        `built_only`, None (and no turn taken) when that slot's template is not built yet."""
+        with self._lock:
+            slot = self._next % len(self._templates)
+            template = self._templates[slot]
+            if built_only and template is None:
+                return None
+            self._next += 1
+            return slot, template
+
+    def keep(self, slot: int, template: object) -> object:
+        """Store a template built for `slot` (another thread may have built one first: that one
+        is kept and returned)."""
+        with self._lock:
+            if self._templates[slot] is None:
+                self._templates[slot] = template
+            return self._templates[slot]
+
+    @property
+    def num_built(self) -> int:
+        """Templates built so far."""
+        return sum(t is not None for t in self._templates)
+
+
 class LLGuidanceBackend(GrammarBackend):
-    """llguidance over one tokenizer. `compile` returns the grammar text (checked by building a
-    matcher over the vocabulary); each sequence's matcher is built from it. `fill_bitmasks` and
-    `accept_tokens` work on many rows on `num_threads` native threads (the GIL released)."""
+    """llguidance over one tokenizer. `compile` returns an `LLGuidanceGrammar` (checked by
+    building a matcher over the vocabulary, which becomes its first sequence's); the later
+    sequences of a constraint get `deep_copy`s of its templates, round robin.
+
+    Why copies of a few templates: a copy (~1 us) shares its template's lexer, whose lazily
+    built automaton and token sets its siblings have warmed up, so its masks cost ~20% less
+    CPU than those of a matcher built apart (~1 ms each, ~3 ms on a busy 14-thread host: 1,024
+    of them held a batch's admission ~0.25 s on an H200 host). The lexer is behind a lock, so
+    copies of ONE template fill one at a time on any number of threads (one schema once ran
+    at 0.10x unconstrained that way); with `templates_per_thread` x `num_threads` templates
+    and the batched calls ordering rows by template (the library's threads take contiguous
+    runs of rows), threads rarely meet on one lexer (benchmarks/results/
+    2026-11-27-cpu-structured-one-schema). `templates_per_thread=0`: every matcher built apart.
+    `fill_bitmasks` and `accept_tokens` work on many rows on `num_threads` native threads (the
+    GIL released).
+
+    Args:
+        tokenizer: the model's (`TokenizerData`).
+        num_threads: threads of the batched fill and advance.
+        templates_per_thread: templates per constraint, per thread (0: no copies).
+    """
 
     name = "llguidance"
 
-    def __init__(self, tokenizer: TokenizerData, num_threads: int = 1) -> None:
+    def __init__(
+        self, tokenizer: TokenizerData, num_threads: int = 1, templates_per_thread: int = 4
+    ) -> None:
         import llguidance as llg
         import llguidance.hf
 
+        if templates_per_thread < 0:
+            raise ValueError(f"templates_per_thread must be >= 0, got {templates_per_thread}")
         self._llg = llg
         eos = list(tokenizer.stop_token_ids) or None
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer.tokenizer, n_vocab=tokenizer.vocab_size, eos_token=eos, slices=list(SLICES)
         )
         self._executor = llg.LLExecutor(max(1, num_threads))
+        self._num_templates = templates_per_thread * max(1, num_threads)
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
@@ -151,53 +220,79 @@ class LLGuidanceBackend(GrammarBackend):
         if error:
             raise _error(params, error)
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """The constraint's grammar (llguidance's JSON form), checked by building a matcher of
-        it over this tokenizer.
+    def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
+        """The constraint's `LLGuidanceGrammar`, checked by building a matcher of it over this
+        tokenizer.
 
         Raises:
             ValueError: as `validate`, or the grammar does not build over this vocabulary.
         """
         return self.compile_with_matcher(params)[0]
 
-    def compile_with_matcher(self, params: StructuredOutputsParams) -> tuple[str, GrammarMatcher]:
-        """The grammar and the matcher built to check it (handed to the first sequence: a
-        matcher costs as much as the check, ~0.6 ms for the benchmark's schema at 128K tokens).
+    def compile_with_matcher(
+        self, params: StructuredOutputsParams
+    ) -> tuple[LLGuidanceGrammar, GrammarMatcher]:
+        """The grammar and the matcher built to check it, handed to the first sequence (a
+        matcher built apart costs as much as the check: one build per distinct schema).
 
         Raises:
             ValueError: as `compile`.
         """
         try:
-            grammar = grammar_text(params)
-            matcher = self._llg.LLMatcher(self.tokenizer, grammar)
+            text = grammar_text(params)
+            matcher = self._llg.LLMatcher(self.tokenizer, text)
         except ValueError as e:
             raise _error(params, str(e)) from None
         if matcher.is_error():
             raise _error(params, matcher.get_error())
-        return grammar, LLGuidanceMatcher(matcher)
+        return LLGuidanceGrammar(text, self._num_templates), LLGuidanceMatcher(matcher, id(matcher))
 
-    def matcher(self, compiled: str) -> LLGuidanceMatcher:
-        """A matcher built from the grammar (~1 ms), NOT a `deep_copy` of a shared one: the
-        copies of one matcher share its lexer behind a lock, so their masks are computed one at
-        a time however many threads fill them (measured: 1.3 ms a mask at 1, 2 and 4 threads,
-        where matchers built apart scale with the threads; a batch under one schema ran at
-        0.10x unconstrained on an H200 host). Thread-safe: the manager builds matchers in its
-        pool."""
-        return LLGuidanceMatcher(self._llg.LLMatcher(self.tokenizer, compiled))
+    def matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
+        """A copy of the grammar's next template, round robin, the template built first where
+        it is not yet (~1 ms); built apart with `templates_per_thread=0`. Thread-safe: the
+        manager makes matchers in its pool."""
+        if not self._num_templates:
+            built = self._llg.LLMatcher(self.tokenizer, compiled.text)
+            return LLGuidanceMatcher(built, id(built))
+        slot, template = compiled.next_slot(built_only=False)  # type: ignore[misc]
+        if template is None:
+            template = compiled.keep(slot, self._llg.LLMatcher(self.tokenizer, compiled.text))
+        return LLGuidanceMatcher(template.deep_copy(), id(template))  # type: ignore[attr-defined]
+
+    def ready_matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher | None:
+        """A copy of the next template once it is built (microseconds), else None."""
+        taken = compiled.next_slot(built_only=True) if self._num_templates else None
+        if taken is None:
+            return None
+        template = taken[1]
+        return LLGuidanceMatcher(template.deep_copy(), id(template))  # type: ignore[union-attr]
 
     def accept_tokens(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool]:
         """Advance matchers[i] by token_ids[i] on the library's threads (`consume_token_par`,
-        the GIL released); a matcher that rejects its token is left in its error state (the
-        engine fails that sequence). [True where accepted]."""
-        pairs = [(m.inner, t) for m, t in zip(matchers, token_ids)]  # type: ignore[attr-defined]
-        return list(self._executor.consume_token_par(pairs))
+        the GIL released; rows ordered by shared lexer); a matcher that rejects its token is
+        left in its error state (the engine fails that sequence). [True where accepted]."""
+        order = _by_group(matchers)
+        pairs = [(matchers[i].inner, token_ids[i]) for i in order]  # type: ignore[attr-defined]
+        accepted = self._executor.consume_token_par(pairs)
+        results = [False] * len(matchers)
+        for i, ok in zip(order, accepted):
+            results[i] = bool(ok)
+        return results
 
     def fill_bitmasks(
         self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
     ) -> None:
         """Row rows[i] of `bitmask` (int32 [R, W], C-contiguous) = the mask of matchers[i],
-        written in place by the library's threads."""
+        written in place by the library's threads (rows ordered by shared lexer)."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        pairs = [(m.inner, row) for m, row in zip(matchers, rows)]  # type: ignore[attr-defined]
+        pairs = [(matchers[i].inner, rows[i]) for i in _by_group(matchers)]  # type: ignore[attr-defined]
         fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+
+
+def _by_group(matchers: list) -> list[int]:
+    """Indices of `matchers` (`LLGuidanceMatcher`s) with the copies of one template together:
+    the library's threads take contiguous runs of the list, so a lexer is mostly used by one
+    thread at a time."""
+    groups = [m.group for m in matchers]
+    return sorted(range(len(groups)), key=groups.__getitem__)

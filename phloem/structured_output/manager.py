@@ -4,7 +4,8 @@ per sequence, and each step's bitmask.
     add_request ─► register(seq, params): one pool task per sequence, in admission order: a
                    constraint not in the cache (keyed by its canonical text, least recently
                    used dropped) is compiled with the sequence's matcher; a cached one gets a
-                   matcher built from it
+                   matcher built from it (at once, without a task, when the backend makes
+                   one in microseconds: `GrammarBackend.ready_matcher`)
     schedule    ─► is_ready(seq): the scheduler admits a sequence once its matcher is built
     step N+1    ─► bitmask(seq_ids): fills the rows of the step's constrained samples, after
                    step N's tokens were accepted (`LLMEngine.step`); waits for a matcher only
@@ -74,6 +75,8 @@ class GrammarStats:
         matcher_s: summed over the tasks building a matcher of an already compiled constraint.
         ready_lag_s: summed over sequences, registration to matcher ready.
         max_ready_lag_s: the longest of those.
+        num_ready_at_once: sequences whose matcher was made when they were registered
+            (`GrammarBackend.ready_matcher`), not in the pool.
         num_rows_waited: bitmask rows that waited for their matcher (the step stood still).
         wait_s: how long `bitmask` waited for matchers, summed over steps.
     """
@@ -84,6 +87,7 @@ class GrammarStats:
     matcher_s: float = 0.0
     ready_lag_s: float = 0.0
     max_ready_lag_s: float = 0.0
+    num_ready_at_once: int = 0
     num_rows_waited: int = 0
     wait_s: float = 0.0
 
@@ -136,8 +140,10 @@ class StructuredOutputManager:
         """Start building the sequence's matcher in the pool; returns at once. A constraint not
         in the cache is compiled by the same task, which builds the sequence's matcher with it
         (`GrammarBackend.compile_with_matcher`: llguidance's compile check is that matcher, so
-        a distinct schema costs one grammar build, not two); later sequences of a cached
-        constraint get a task building their own matcher.
+        a distinct schema costs one grammar build, not two); a later sequence of a compiled
+        constraint gets its matcher at once where the backend makes one in microseconds
+        (`GrammarBackend.ready_matcher`: llguidance's copy of a built template, xgrammar's
+        matcher), else a task building it.
 
         One task per sequence, all in admission order: the pool's threads need the GIL between
         the library's calls, and while the engine loop runs Python each hand-over can wait for
@@ -156,9 +162,22 @@ class StructuredOutputManager:
             matcher = first
         else:
             self._compiled.move_to_end(key)
-            matcher = self._pool.submit(self._new_matcher, compiled, registered)
+            ready = self._ready_matcher(compiled)
+            if ready is not None:
+                matcher = concurrent.futures.Future()
+                matcher.set_result(ready)
+                self.stats.num_ready_at_once += 1
+            else:
+                matcher = self._pool.submit(self._new_matcher, compiled, registered)
         self.stats.num_sequences += 1
         self._sequences[seq_id] = _Sequence(matcher)
+
+    def _ready_matcher(self, compiled: concurrent.futures.Future) -> GrammarMatcher | None:
+        """`GrammarBackend.ready_matcher` of a compiled constraint (None while it compiles or
+        when it failed)."""
+        if not compiled.done() or compiled.exception() is not None:
+            return None
+        return self.backend.ready_matcher(compiled.result())
 
     def _compile(
         self, params: StructuredOutputsParams, first: concurrent.futures.Future, registered: float

@@ -180,33 +180,88 @@ def test_backend_walk_rollback_and_termination(embedded_tokenizer_dir, name):
     assert matcher.is_terminated()
 
 
-def test_llguidance_matchers_of_one_constraint_are_built_apart(embedded_tokenizer_dir):
-    """Every sequence under one schema gets a matcher built from the compiled grammar TEXT, not
-    a deep copy of one shared matcher: llguidance's copies share their lexer behind a lock, and
-    a batch's masks were then filled one at a time on any number of threads (one schema ran at
-    0.10x unconstrained on an H200 host). The manager builds them in its pool."""
+def _llguidance_manager(tokenizer_dir, templates_per_thread: int):
+    """(tokenizer, manager over llguidance with 2 threads and these templates)."""
     from transformers import AutoTokenizer
 
-    from phloem.structured_output import make_backend, tokenizer_data
-    from phloem.structured_output.manager import StructuredOutputManager
+    from phloem.structured_output import tokenizer_data
+    from phloem.structured_output.llguidance_backend import LLGuidanceBackend
 
-    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
-    backend = make_backend(tokenizer_data(tok, len(tok), tok.eos_token_id), name="llguidance")
-    params = StructuredOutputsParams(
-        json={"type": "object", "properties": {"a": {"type": "string"}}}
-    )
-    assert isinstance(backend.compile(params), str)  # nothing a later matcher could share
-    manager = StructuredOutputManager(backend, len(tok), num_compile_threads=2)
-    for i in range(3):
-        manager.register(f"s{i}", params)
-    bitmask, failed = manager.bitmask(["s0", "s1", "s2"])
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    data = tokenizer_data(tok, len(tok), tok.eos_token_id)
+    backend = LLGuidanceBackend(data, num_threads=2, templates_per_thread=templates_per_thread)
+    return tok, StructuredOutputManager(backend, len(tok), num_compile_threads=2)
+
+
+STRINGS = {"type": "object", "properties": {
+    "a": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 3},
+    "b": {"type": "integer"}}, "required": ["a", "b"]}  # fmt: skip
+
+
+def test_llguidance_sequences_of_one_constraint_copy_a_few_templates(embedded_tokenizer_dir):
+    """Under one schema the first sequence gets the compile's matcher, the other 8 copies of
+    2 x 2 templates, round robin (each built once, copied twice): their lexers are shared, their positions
+    not (one advanced leaves its siblings at the start). Once every template is built, a new
+    sequence's matcher is made when it is registered."""
+    tok, manager = _llguidance_manager(embedded_tokenizer_dir, templates_per_thread=2)
+    params = StructuredOutputsParams(json=STRINGS)
+    ids = [f"s{i}" for i in range(9)]
+    for seq_id in ids:
+        manager.register(seq_id, params)
+    assert manager.wait_ready(ids, timeout=30)
+    start, failed = manager.bitmask(ids)
     assert failed == {} and manager.num_compiled == 1
-    inner = [manager._sequences[f"s{i}"].matcher.inner for i in range(3)]
-    assert len({id(m) for m in inner}) == 3
-    first = tok.encode('{"a": "x', add_special_tokens=False)
-    assert manager.accept("s0", first[0]) is False  # s0 moves on; s1 is still at the start
-    assert (manager.bitmask(["s1"])[0].bitmask[0] == bitmask.bitmask[1]).all()
+    assert all((row == start.bitmask[0]).all() for row in start.bitmask)
+    matchers = [manager._sequences[i].matcher for i in ids]
+    assert len({id(m.inner) for m in matchers}) == 9
+    assert len({m.group for m in matchers}) == 5  # the compile's own, and 4 templates
+    grammar = manager._compiled[params.key()].result()
+    assert grammar.num_built == 4
+    sibling = next(i for i in range(2, 9) if matchers[i].group == matchers[1].group)
+    first = tok.encode('{"a":["x', add_special_tokens=False)[0]
+    assert manager.accept("s1", first) is False  # its sibling is still at the start
+    assert (manager.bitmask([ids[sibling]])[0].bitmask[0] == start.bitmask[0]).all()
+    manager.register("late", params)
+    assert manager.is_ready("late") and manager.stats.num_ready_at_once == 1
     manager.shutdown()
+
+
+def test_llguidance_copies_walk_as_matchers_built_apart(embedded_tokenizer_dir):
+    """Exactness of the copies and of the batched calls' row order: 9 sequences under one
+    schema (copies of 2 templates, rows of one template not together) and the same sequences
+    with every matcher built apart, advanced by the same sampled tokens (`accept_many`), give
+    the same masks bit for bit at every step (`bitmask`, rows in a shuffled order)."""
+    rng = np.random.default_rng(0)
+    params = StructuredOutputsParams(json=STRINGS)
+    managers = []
+    for templates in (1, 0):
+        tok, manager = _llguidance_manager(embedded_tokenizer_dir, templates)
+        ids = [f"s{i}" for i in range(9)]
+        for seq_id in ids:
+            manager.register(seq_id, params)
+        assert manager.wait_ready(ids, timeout=30)
+        managers.append(manager)
+    copies, apart = managers
+    groups = [{m._matcher(m._sequences[i]).group for i in ids} for m in managers]
+    assert [len(g) for g in groups] == [3, 9]  # the compile's own and 2 templates; 9 apart
+    live = list(ids)
+    for _ in range(40):
+        order = [live[i] for i in rng.permutation(len(live))]
+        masks = [m.bitmask(order)[0].bitmask.copy() for m in managers]
+        assert (masks[0] == masks[1]).all()
+        tokens = []
+        for row in masks[0]:
+            bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: len(tok)]
+            bits[tok.eos_token_id] = 0
+            tokens.append(int(rng.choice(np.flatnonzero(bits))))
+        pairs = list(zip(order, tokens))
+        done = [m.accept_many(pairs) for m in managers]
+        assert done[0] == done[1] and None not in done[0]
+        live = [seq_id for seq_id, end in zip(order, done[0]) if not end]
+        if not live:
+            break
+    for manager in managers:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (4, 2), (16, 14), (64, 16)])
