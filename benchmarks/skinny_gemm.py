@@ -57,17 +57,17 @@ LAYERS = 32  # Llama-3.1-8B's decoder layers, for the per-step estimate
 def candidate_configs(rows: int, n: int, k: int) -> list[SkinnyConfig]:
     """The grid tried for a shape, the default config first: tiles of 4-32 KB of W per loop
     step (4 warps up to 8 KB, else 8), split_k 1/2/4 up to ~16 programs per SM; the tensor-core
-    product (x padded to 16 rows; 2 or 4 stages) at every rows count, the CUDA-core one (1 or 3
-    stages) below DOT_MIN_ROWS rows, with only the tiles whose product fits in registers."""
+    product (x padded to 16 rows; 2 or 4 stages) at every rows count, the CUDA-core one below
+    DOT_MIN_ROWS rows with the tiles whose fp32 accumulators take <= 64 registers a thread."""
     configs = []
     for tensor_cores in (False, True) if rows < DOT_MIN_ROWS else (True,):
-        block_m = 16 if tensor_cores else rows_bucket(rows)
         for block_n in (4, 8, 16, 32, 64):
             for block_k in (128, 256, 512, 1024):
                 kb = block_n * block_k * 2 // 1024
+                warps = 4 if kb <= 8 else 8
                 if not 4 <= kb <= 32 or (tensor_cores and block_n < 16):
                     continue
-                if not tensor_cores and block_m * block_n * block_k > 8192:  # > 64 fp32/thread
+                if not tensor_cores and rows_bucket(rows) * block_n * block_k > 64 * 32 * warps:
                     continue
                 for split_k in (1, 2, 4):
                     too_many = -(-n // block_n) * split_k > 2048
@@ -75,10 +75,10 @@ def candidate_configs(rows: int, n: int, k: int) -> list[SkinnyConfig]:
                         continue
                     configs += [
                         SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k,
-                                     num_warps=4 if kb <= 8 else 8, num_stages=stages,
+                                     num_warps=warps, num_stages=stages,
                                      tensor_cores=None if tensor_cores == (rows >= DOT_MIN_ROWS)
                                      else tensor_cores)
-                        for stages in ((2, 4) if tensor_cores else (1, 3))
+                        for stages in ((2, 4) if tensor_cores else (1,))
                     ]  # fmt: skip
     default = config_for(rows, n, k)
     return [default] + [c for c in configs if c != default]

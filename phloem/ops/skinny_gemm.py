@@ -8,12 +8,15 @@ o_proj at 2.6-3.2 TB/s of ~4.2 on an H200) and adds a split-K reduce kernel to o
 `block_n` whole rows of W (contiguous in K, so every load is a long coalesced run) and loops over
 K in `block_k` steps; the grid is sized so enough loads are in flight to cover HBM latency.
 
-The product of a tile: with at most 4 rows of x, a broadcast multiply and a row sum on the CUDA
-cores (each weight element costs <= 4 FMAs, far below the bandwidth); with 5..16 rows, `tl.dot`
-with x padded to 16 rows (tensor cores, fp32 accumulation) so the FMAs stay off the critical
-path. `split_k` > 1 also splits K over programs, each adding its fp32 partial sums into a
-zeroed fp32 buffer (`tl.atomic_add`), which is then rounded to the output dtype: two more
-kernels (a memset and a cast), for shapes with too few rows of W to fill the GPU.
+The product of a tile: with at most 4 rows of x, on the CUDA cores (`_skinny_fma_kernel`: each
+W tile times each row of x into fp32 accumulators of the tile's shape, summed over K once at the
+end, the next tile's loads issued before this tile's FMAs; each weight element costs <= 4 FMAs,
+far below the bandwidth); with 5..16 rows (or by choice at fewer), `tl.dot` with x padded to 16
+rows (`_skinny_dot_kernel`: tensor cores, fp32 accumulation, W's loads staged through shared
+memory by Triton's pipeliner, `num_stages` deep). `split_k` > 1 also splits K over programs,
+each adding its fp32 partial sums into a zeroed fp32 buffer (`tl.atomic_add`), which is then
+rounded to the output dtype: two more kernels (a memset and a cast), for shapes with too few
+rows of W to fill the GPU.
 
 Accumulation is fp32 and the output is rounded once, so results equal `F.linear`'s to bf16
 rounding (not bit for bit: the summation order differs). Which config each shape gets is
@@ -34,7 +37,8 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # the most rows of x this kernel takes (a decode step's batch)
-DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores by default
+DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores
+FMA_MAX_ROWS = 4  # the most rows the CUDA-core product takes
 DTYPES = (torch.bfloat16, torch.float16)  # 2-byte weights (fp32 would need tl.dot's IEEE mode)
 # Whether kernels run on the CPU here (Triton's interpreter, read when Triton is imported).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,8 +54,8 @@ class SkinnyConfig:
         split_k: programs sharing one block of rows, each over a contiguous K range (1: none).
         num_warps: warps per program. num_stages: software-pipelining depth of the K loop.
         tensor_cores: the tile product by `tl.dot` with x padded to 16 rows (True), on the
-            CUDA cores (False), or None: tensor cores from DOT_MIN_ROWS rows on. (Loads that
-            feed `tl.dot` are the ones Triton's pipeliner stages through shared memory.)
+            CUDA cores (False: at most FMA_MAX_ROWS rows), or None: tensor cores from
+            DOT_MIN_ROWS rows on.
     """
 
     block_n: int = 8
@@ -78,6 +82,10 @@ class SkinnyConfig:
                 f"SkinnyConfig.block_n must be >= 16 for {rows} rows on the tensor cores "
                 f"(tl.dot), got {self.block_n}"
             )
+        if not self.uses_tensor_cores(rows) and rows > FMA_MAX_ROWS:
+            raise ValueError(
+                f"SkinnyConfig.tensor_cores=False takes at most {FMA_MAX_ROWS} rows, got {rows}"
+            )
         if self.num_stages < 1:
             raise ValueError(f"SkinnyConfig.num_stages must be >= 1, got {self.num_stages}")
 
@@ -94,11 +102,11 @@ def rows_bucket(rows: int) -> int:
 
 
 def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """The rule of thumb for shapes `CONFIGS` lacks: about 4 programs per SM of an H100/H200
-    (132 SMs) from rows of W alone where N allows it (block_n 8 on the CUDA cores, 16 on the
-    tensor cores), else K split in two or four."""
+    """The rule of thumb for shapes `CONFIGS` lacks (no measurement behind it yet): about 4
+    programs per SM of an H100/H200 (132 SMs) from rows of W alone where N allows it (block_n 8
+    on the CUDA cores, 16 on the tensor cores), else K split in two or four."""
     block_n = 16 if rows >= DOT_MIN_ROWS else 8
-    block_k = 256 if rows >= DOT_MIN_ROWS else 512
+    block_k = 512 if rows <= 2 else 256  # CUDA cores: <= 64 accumulator registers a thread
     split_k = 1
     while triton.cdiv(n, block_n) * split_k < 512 and k >= 4 * block_k * split_k and split_k < 4:
         split_k *= 2
@@ -111,35 +119,104 @@ def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
 
 
 @triton.jit
-def _tile_product(x, w, USE_DOT: tl.constexpr, INTERPRET: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] -> x w^T, fp32 [BLOCK_M, BLOCK_N].
-    INTERPRET: Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton 3.9), multiplies
-    the same values in fp32 (IEEE) instead."""
-    if USE_DOT:
-        if INTERPRET:
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-            return tl.trans(tl.dot(w, tl.trans(x), input_precision="ieee"))
-        return tl.trans(tl.dot(w, tl.trans(x), out_dtype=tl.float32))
-    prod = x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
-    return tl.sum(prod, axis=2)
+def _w_tile(w_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile of W at `w_ptrs` (zeros outside N and the K range)."""
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    return tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
 
 
 @triton.jit
-def _skinny_gemm_kernel(
+def _row_times_w(x_ptr, m, M, offs_k, k_ok, w, rn, s_xm):
+    """Row m of x over `offs_k` (zeros past M rows or outside the K range), broadcast over the
+    tile's rows, times the fp32 tile w: fp32 [BLOCK_N, BLOCK_K]. The pointers repeat along the
+    rows, so x is loaded in w's own layout (no shared-memory layout conversion; the repeated
+    addresses are the same loads)."""
+    ptrs = x_ptr + m * s_xm + offs_k[None, :] + rn[:, None] * 0
+    ok = k_ok[None, :] & ((rn[:, None] * 0 + m) < M)
+    return w * tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _finish_row(out_ptr, m, M, rn, n_ok, acc, bias, s_om, SPLIT: tl.constexpr):
+    """out[m, rn] = the sum over K of acc [BLOCK_N, BLOCK_K] + bias (rounded to out's dtype),
+    or added atomically (fp32) when SPLIT."""
+    ok = n_ok & ((rn * 0 + m) < M)
+    y = tl.sum(acc, axis=1) + bias
+    if SPLIT:
+        tl.atomic_add(out_ptr + m * s_om + rn, y, mask=ok, sem="relaxed")
+    else:
+        tl.store(out_ptr + m * s_om + rn, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _skinny_fma_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Program (n, s): out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T.
+    """The CUDA-core product for ROWS (1, 2 or 4) >= M rows: program (n, s) computes
+    out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T. Each row of x has an fp32
+    accumulator of W's tile shape, updated elementwise (FMAs only in the loop: no shuffles, no
+    barriers) and summed over K once at the end. K range s, EVEN_K and SPLIT as in
+    `_skinny_dot_kernel`."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * s_wn + (k_start + rk)[None, :]
+    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_next = _w_tile(w_ptrs, n_ok, (k_start + rk) < k_end, EVEN_K)
+    for k in range(k_start, k_end, BLOCK_K):
+        # Prefetch: the next tile's loads are issued before this tile's FMAs, so two tiles are
+        # in flight per program (the last step reloads its own tile: no mask, no HBM traffic).
+        w = w_next.to(tl.float32)
+        step = BLOCK_K * (k + BLOCK_K < k_end).to(tl.int32)
+        w_ptrs += step
+        w_next = _w_tile(w_ptrs, n_ok, (k + step + rk) < k_end, EVEN_K)
+        offs_k = k + rk
+        k_ok = offs_k < k_end
+        a0 += _row_times_w(x_ptr, 0, M, offs_k, k_ok, w, rn, s_xm)
+        if ROWS > 1:
+            a1 += _row_times_w(x_ptr, 1, M, offs_k, k_ok, w, rn, s_xm)
+        if ROWS > 2:
+            a2 += _row_times_w(x_ptr, 2, M, offs_k, k_ok, w, rn, s_xm)
+            a3 += _row_times_w(x_ptr, 3, M, offs_k, k_ok, w, rn, s_xm)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
+        bias = tl.load(b_ptr + rn, mask=n_ok & first, other=0.0).to(tl.float32)
+    _finish_row(out_ptr, 0, M, rn, n_ok, a0, bias, s_om, SPLIT)
+    if ROWS > 1:
+        _finish_row(out_ptr, 1, M, rn, n_ok, a1, bias, s_om, SPLIT)
+    if ROWS > 2:
+        _finish_row(out_ptr, 2, M, rn, n_ok, a2, bias, s_om, SPLIT)
+        _finish_row(out_ptr, 3, M, rn, n_ok, a3, bias, s_om, SPLIT)
+
+
+@triton.jit
+def _skinny_dot_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The tensor-core product, x padded to 16 rows: program (n, s) computes
+    out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T with `tl.dot` (fp32).
 
     K range s = [s * K_PER_SPLIT, min(K, (s + 1) * K_PER_SPLIT)), K_PER_SPLIT a multiple of
     BLOCK_K. EVEN_K: K is a multiple of BLOCK_K (no K mask). SPLIT: out is fp32 and zeroed, and
-    every program adds its partial sums atomically (the bias once, by split 0)."""
+    every program adds its partial sums atomically (the bias once, by split 0). INTERPRET:
+    Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton 3.9), multiplies the same
+    values in fp32 (IEEE) instead."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.arange(0, 16)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
@@ -148,24 +225,25 @@ def _skinny_gemm_kernel(
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * s_wn + (k_start + rk)[None, :]
     x_ptrs = x_ptr + rm[:, None] * s_xm + (k_start + rk)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
+        k_ok = (k + rk) < k_end
+        w = _w_tile(w_ptrs, n_ok, k_ok, EVEN_K)
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         else:
-            k_ok = (k + rk) < k_end
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += _tile_product(x, w, USE_DOT, INTERPRET)
+        if INTERPRET:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(w, tl.trans(x), out_dtype=tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
-        bias = tl.load(b_ptr + rn, mask=n_ok & first, other=0.0).to(tl.float32)
-        acc += bias[None, :]
-    out_ptrs = out_ptr + rm[:, None] * s_om + rn[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
+        acc += tl.load(b_ptr + rn, mask=n_ok & first, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rm[None, :] * s_om + rn[:, None]  # acc is out^T: [BLOCK_N, 16]
+    ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT:
         tl.atomic_add(out_ptrs, acc, mask=ok, sem="relaxed")
     else:
@@ -228,8 +306,6 @@ def skinny_linear(
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows of x, got {rows}")
     config = config or config_for(rows, n, k)
     config.validate(rows)
-    use_dot = config.uses_tensor_cores(rows)
-    block_m = 16 if use_dot else rows_bucket(rows)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
     split = splits > 1
@@ -238,14 +314,15 @@ def skinny_linear(
     out = make(rows, n, dtype=out_dtype, device=x.device)
     if rows and n:
         grid = (triton.cdiv(n, config.block_n), splits)
-        _skinny_gemm_kernel[grid](
-            rows_x, weight, bias if bias is not None else weight, out, rows, n, k, k_per_split,
-            rows_x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT=split,
-            USE_DOT=use_dot, INTERPRET=INTERPRETED, num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )  # fmt: skip
+        args = (rows_x, weight, bias if bias is not None else weight, out, rows, n, k,
+                k_per_split, rows_x.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+        consts = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                      EVEN_K=k % config.block_k == 0, SPLIT=split, num_warps=config.num_warps,
+                      num_stages=config.num_stages)  # fmt: skip
+        if config.uses_tensor_cores(rows):
+            _skinny_dot_kernel[grid](*args, INTERPRET=INTERPRETED, **consts)
+        else:
+            _skinny_fma_kernel[grid](*args, ROWS=rows_bucket(rows), **consts)
     if split:
         out = out.to(x.dtype)
     return out.view(*x.shape[:-1], n)

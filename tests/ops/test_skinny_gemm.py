@@ -16,7 +16,7 @@ from phloem.layers.quantization import base as quant_base
 @pytest.fixture(scope="module")
 def sk(triton_kernels):
     """The kernel module; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
-    return triton_kernels("phloem.ops.skinny_gemm", "_skinny_gemm_kernel")
+    return triton_kernels("phloem.ops.skinny_gemm", "_skinny_dot_kernel")
 
 
 def device() -> torch.device:
@@ -61,13 +61,6 @@ def test_skinny_linear_matches_float64(sk, rows, n, k, config):
     assert_bf16_close(got, reference(x, w, b))
 
 
-@pytest.mark.parametrize("rows", [5, 8, 16])
-def test_cuda_core_product_at_many_rows(sk, rows):
-    x, w, b = inputs((rows,), 24, 72, bias=True, seed=rows)
-    got = sk.skinny_linear(x, w, b, sk.SkinnyConfig(block_n=4, block_k=32, tensor_cores=False))
-    assert_bf16_close(got, reference(x, w, b))
-
-
 def test_skinny_linear_keeps_leading_dims_and_strided_rows(sk):
     x, w, b = inputs((2, 3), 24, 80, bias=True, seed=7)
     got = sk.skinny_linear(x, w, b, sk.SkinnyConfig(block_n=16, block_k=32))
@@ -106,6 +99,8 @@ def test_skinny_linear_rejects_what_it_cannot_take(sk):
         sk.skinny_linear(x[:2].float(), w.float())
     with pytest.raises(ValueError, match="block_n must be >= 16"):
         sk.skinny_linear(x[:8], w, config=sk.SkinnyConfig(block_n=8))
+    with pytest.raises(ValueError, match="tensor_cores=False takes at most 4 rows"):
+        sk.skinny_linear(x[:5], w, config=sk.SkinnyConfig(block_n=16, tensor_cores=False))
     with pytest.raises(ValueError, match="block_k must be a power of two"):
         sk.skinny_linear(x[:2], w, config=sk.SkinnyConfig(block_k=48))
     assert sk.takes(x[:16], w) and not sk.takes(x, w) and not sk.takes(x[:0], w)
@@ -207,28 +202,35 @@ from triton.compiler import ASTSource
 
 from phloem.ops import skinny_gemm as sk
 
-fn = sk._skinny_gemm_kernel
 types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", M="i32", N="i32", K="i32",
              K_PER_SPLIT="i32", s_xm="i32", s_wn="i32", s_om="i32")
 built = []
-for block_m, use_dot, split, block_n in ((1, False, False, 8), (4, False, True, 8),
-                                         (16, True, False, 16), (16, True, True, 32)):
-    const = dict(HAS_BIAS=not split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256,
-                 EVEN_K=True, SPLIT=split, USE_DOT=use_dot, INTERPRET=False)
+for fn, rows, split, block_n in ((sk._skinny_fma_kernel, 1, False, 8),
+                                 (sk._skinny_fma_kernel, 4, True, 8),
+                                 (sk._skinny_dot_kernel, 16, False, 16),
+                                 (sk._skinny_dot_kernel, 16, True, 64)):
+    dot = fn is sk._skinny_dot_kernel
+    const = dict(HAS_BIAS=not split, BLOCK_N=block_n, BLOCK_K=256, EVEN_K=True, SPLIT=split,
+                 **(dict(INTERPRET=False) if dot else dict(ROWS=rows)))
     sig = {n: "constexpr" if n in const else types.get(n, "*fp32" if split else "*bf16")
            for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=const)
+    # what a launch specializes on: 16-byte aligned pointers, ints divisible by 16 (not M)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and n != "M"}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    assert ("mma" in ptx) == use_dot, "the 5..16-row tile product must run on the tensor cores"
-    assert ("red.global" in ptx or "atom.global" in ptx) == split
-    built.append(f"BLOCK_M={block_m}")
+    assert ("mma" in ptx) == dot, "only the tl.dot product runs on the tensor cores"
+    assert (".gpu.relaxed.add." in ptx) == split, "split K adds its partial sums atomically"
+    assert ("cp.async" if dot else "ld.global.v4") in ptx, "W in 16-byte vectors (dot: staged)"
+    built.append(f"{fn.fn.__name__} rows={rows} split={split}")
 print("compiled:", "; ".join(built))
 """
 
 
 def test_kernel_compiles_for_hopper(compile_for_hopper):
     """The GPU compiler (which rejects what the interpreter accepts) takes every variant:
-    CUDA-core and tensor-core products, with and without split-K atomics."""
+    CUDA-core and tensor-core products, with and without split-K atomics, W read in 16-byte
+    vectors (or staged by cp.async)."""
     out = compile_for_hopper(COMPILE_FOR_HOPPER)
-    assert out.count("BLOCK_M=") == 4
+    assert out.count("rows=") == 4
