@@ -186,12 +186,16 @@ def report_summary(results: dict) -> None:
                    for s in tp1) * LAYERS  # fmt: skip
         print(f"  M={rows:>2}: F.linear {base:7.0f} us, best per shape {best:7.0f} us "
               f"({base - best:+.0f} us saved)")  # fmt: skip
-    print("\nCONFIGS = {")
+    print("\nCONFIGS = {  # None: F.linear (cuBLAS) was faster")
     for s in results["shapes"]:
         for c in s["cases"]:
+            key = f"({c['rows']}, {s['n']}, {s['k']})"
+            speed = f"F.linear {c['F.linear']:.1f} us, kernel {c['skinny-best']:.1f} us"
             if c["skinny-best"] < c["F.linear"]:
                 cfg = ", ".join(f"{k}={v}" for k, v in c["best_config"].items())
-                print(f"    ({c['rows']}, {s['n']}, {s['k']}): SkinnyConfig({cfg}),")
+                print(f"    {key}: SkinnyConfig({cfg}),  # {speed}")
+            else:
+                print(f"    {key}: None,  # {speed}")
     print("}")
 
 

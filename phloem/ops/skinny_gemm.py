@@ -20,7 +20,8 @@ rows of W to fill the GPU.
 
 Accumulation is fp32 and the output is rounded once, so results equal `F.linear`'s to bf16
 rounding (not bit for bit: the summation order differs). Which config each shape gets is
-`config_for`: the table `CONFIGS` measured by benchmarks/skinny_gemm.py, else a rule of thumb.
+`config_for`: the table `CONFIGS` measured by benchmarks/skinny_gemm.py, else a rule of thumb;
+a shape the table gives None stays with cuBLAS (`takes` says no).
 Every launch allocates only its output (and, split, an fp32 buffer of fixed size) and never
 syncs, so it is captured by CUDA graphs.
 
@@ -90,10 +91,10 @@ class SkinnyConfig:
             raise ValueError(f"SkinnyConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-# Measured choices: (rows bucket, N, K) -> config, rows bucket = the smallest of 1, 2, 4, 8, 16
-# that holds the rows. Filled from benchmarks/skinny_gemm.py's table on an H200; shapes missing
-# here take `default_config`.
-CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+# Measured choices: (rows bucket, N, K) -> config, or None where cuBLAS was faster; rows bucket =
+# the smallest of 1, 2, 4, 8, 16 that holds the rows. Filled from benchmarks/skinny_gemm.py's
+# table on an H200; shapes missing here take `default_config`.
+CONFIGS: dict[tuple[int, int, int], SkinnyConfig | None] = {}
 
 
 def rows_bucket(rows: int) -> int:
@@ -116,6 +117,12 @@ def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
 def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
     """The config of a launch of `rows` rows of x [rows, k] against W [n, k]."""
     return CONFIGS.get((rows_bucket(rows), n, k)) or default_config(rows, n, k)
+
+
+def measured_slower(rows: int, n: int, k: int) -> bool:
+    """Whether `CONFIGS` says cuBLAS is faster for this shape (an entry of None)."""
+    key = (rows_bucket(rows), n, k)
+    return key in CONFIGS and CONFIGS[key] is None
 
 
 @triton.jit
@@ -253,7 +260,7 @@ def _skinny_dot_kernel(
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear(x, weight)` runs here and is meant for this call: 1..MAX_ROWS rows
     of x, both in one dtype of `DTYPES`, W's rows contiguous, on CUDA (or on the CPU under
-    Triton's interpreter, for tests)."""
+    Triton's interpreter, for tests), and a shape `CONFIGS` does not leave to cuBLAS."""
     k = x.shape[-1]
     return (
         0 < x.numel() <= MAX_ROWS * k
@@ -262,6 +269,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and weight.stride(1) == 1
         and (x.is_cuda or INTERPRETED)
+        and not measured_slower(x.numel() // k, weight.shape[0], k)
     )
 
 

@@ -89,6 +89,16 @@ def test_default_configs_fit_their_rows(sk):
             assert config.split_k == 1 or n // config.block_n < 512
 
 
+def test_shapes_measured_slower_stay_with_cublas(sk, monkeypatch):
+    x, w, _ = inputs((3,), 32, 64, bias=False, seed=0)
+    assert sk.takes(x, w)
+    monkeypatch.setitem(sk.CONFIGS, (4, 32, 64), None)  # 3 rows: the bucket of 4
+    assert not sk.takes(x, w) and sk.takes(x[:2], w)
+    config = sk.SkinnyConfig(block_n=16, block_k=32)
+    monkeypatch.setitem(sk.CONFIGS, (2, 32, 64), config)
+    assert sk.config_for(2, 32, 64) is config
+
+
 def test_skinny_linear_rejects_what_it_cannot_take(sk):
     x, w, _ = inputs((17,), 16, 32, bias=False, seed=0)
     with pytest.raises(ValueError, match="at most 16 rows"):
