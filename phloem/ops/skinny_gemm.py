@@ -334,3 +334,17 @@ def skinny_linear(
     if split:
         out = out.to(x.dtype)
     return out.view(*x.shape[:-1], n)
+
+
+def compile_variants(shapes: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    """Call `skinny_linear` on CPU tensors for each (N, K) of `shapes` (one rank's linear layers)
+    at 1, 2, 4, 8 and 16 rows, for `phloem.worker.triton_prebuild`'s compile-only driver: the
+    launches record every variant a decode step of 1..16 rows compiles (Triton specializes M
+    only on equalling 1 or being divisible by 16; the rows bucket picks the constexprs) and run
+    nothing. Under a real driver it would launch on CPU memory: call it only there. W is
+    allocated, never written (`torch.empty`)."""
+    for n, k in shapes:
+        weight = torch.empty(n, k, dtype=dtype)
+        for rows in (1, 2, 4, 8, 16):
+            if not measured_slower(rows, n, k):
+                skinny_linear(torch.empty(rows, k, dtype=dtype), weight)

@@ -244,3 +244,26 @@ def test_kernel_compiles_for_hopper(compile_for_hopper):
     vectors (or staged by cp.async)."""
     out = compile_for_hopper(COMPILE_FOR_HOPPER)
     assert out.count("rows=") == 4
+
+
+RECORD_VARIANTS = r"""
+import torch
+from phloem.ops import skinny_gemm as sk
+from phloem.worker.triton_variants import cuda_target, record_variants
+
+shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+variants = record_variants(lambda: sk.compile_variants(shapes, torch.bfloat16),
+                           cuda_target((9, 0)))
+print(len(variants), *sorted(v.describe() for v in variants), sep="\n")
+"""
+
+
+def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
+    """The prebuild hook records, per Llama-3.1-8B shape, the variants of 1, 2, 4, 8 and 16
+    rows (CUDA-core kernel at 1/2/4 rows by default, tl.dot at 8 and 16) and compiles none."""
+    count, *names = compile_for_hopper(RECORD_VARIANTS).splitlines()
+    assert int(count) == len(names) >= 5, names
+    assert any(n.startswith("_skinny_fma_kernel(M=1, ") for n in names), names  # 1 row
+    for rows in (1, 2, 4):
+        assert any(f"ROWS={rows}," in n for n in names), (rows, names)
+    assert sum("_skinny_dot_kernel" in n for n in names) >= 2, names  # 8 and 16 rows
