@@ -267,3 +267,22 @@ def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
     for rows in (1, 2, 4):
         assert any(f"ROWS={rows}," in n for n in names), (rows, names)
     assert sum("_skinny_dot_kernel" in n for n in names) >= 2, names  # 8 and 16 rows
+
+
+def test_benchmark_grid_is_valid(sk):
+    """Every config benchmarks/skinny_gemm.py times validates for its rows (a bad one would fail
+    the GPU run), the engine's default comes first, and none is timed twice."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "skinny_gemm.py"
+    spec = importlib.util.spec_from_file_location("skinny_gemm_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for rows in (1, 2, 4, 8, 16):
+        for _, n, k in bench.SHAPES:
+            configs = bench.candidate_configs(rows, n, k)
+            assert configs[0] == sk.config_for(rows, n, k)
+            assert len(set(configs)) == len(configs) > 20
+            for config in configs:
+                config.validate(rows)
