@@ -22,7 +22,9 @@ against F.linear within bf16 tolerance (an assertion). The kernel variants are c
 parallel processes (`phloem.worker.triton_variants`). Prints one table per shape, the per-step
 saving of the best kernel at TP=1 and a `CONFIGS` table for phloem/ops/skinny_gemm.py.
 
-    python benchmarks/skinny_gemm.py [--rows 1 2 4 8 16] [--json OUT.json]   (GPU, ~1-2 min)
+    python benchmarks/skinny_gemm.py [--rows 1 2 4 8 16] [--json OUT.json]
+        [--configs-out CONFIGS.json]    (GPU, <= 2 min; PHLOEM_SKINNY_GEMM_CONFIGS=CONFIGS.json
+        then runs the engine with the measured table)
 """
 
 from __future__ import annotations
@@ -201,6 +203,17 @@ def report_summary(results: dict) -> None:
     print("}")
 
 
+def write_configs(results: dict, path: str) -> None:
+    """The CONFIGS table as `phloem.ops.skinny_gemm.load_configs` reads it: per shape and rows,
+    the best config where the kernel beat F.linear, else null (F.linear)."""
+    entries = [{"rows": c["rows"], "n": s["n"], "k": s["k"],
+                "config": c["best_config"] if c["skinny-best"] < c["F.linear"] else None}
+               for s in results["shapes"] for c in s["cases"]]  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(entries, f, indent=1)
+    print(f"wrote {len(entries)} configs to {path} (PHLOEM_SKINNY_GEMM_CONFIGS={path})")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -214,6 +227,8 @@ def parse_args(argv=None):
                    help="seconds after which cases time only the default config")  # fmt: skip
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json")
+    p.add_argument("--configs-out", help="write the CONFIGS table as JSON (for "
+                   "PHLOEM_SKINNY_GEMM_CONFIGS; needs every shape)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -242,6 +257,8 @@ def main(argv=None) -> None:
         results["shapes"].append({"name": name, "n": n, "k": k, "cases": cases})
     if len(results["shapes"]) == len(SHAPES):
         report_summary(results)
+        if args.configs_out:
+            write_configs(results, args.configs_out)
     late = time.perf_counter() > args.deadline
     note = " (past --time-limit: later cases timed the default config only)" if late else ""
     print(f"\n{time.perf_counter() - start:.0f} s in all{note}")

@@ -97,6 +97,28 @@ class SkinnyConfig:
 CONFIGS: dict[tuple[int, int, int], SkinnyConfig | None] = {}
 
 
+def load_configs(path: str) -> int:
+    """Add the table benchmarks/skinny_gemm.py wrote (`--configs-out`: a JSON list of {"rows",
+    "n", "k", "config": SkinnyConfig fields or null}) to `CONFIGS` (mutates it); returns the
+    number of entries. For trying measured configs before they are pasted into `CONFIGS`.
+
+    Raises:
+        ValueError: naming `path`, for an entry that is not of that form.
+    """
+    import json
+
+    with open(path) as f:
+        entries = json.load(f)
+    for entry in entries:
+        try:
+            key = (int(entry["rows"]), int(entry["n"]), int(entry["k"]))
+            fields = entry["config"]
+            CONFIGS[key] = None if fields is None else SkinnyConfig(**fields)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: bad skinny-GEMM config entry {entry!r}: {e}") from None
+    return len(entries)
+
+
 def rows_bucket(rows: int) -> int:
     """The smallest power of two >= rows (1, 2, 4, 8 or 16 for 1..16 rows)."""
     return 1 << max(0, rows - 1).bit_length()

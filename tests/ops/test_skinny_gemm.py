@@ -99,6 +99,23 @@ def test_shapes_measured_slower_stay_with_cublas(sk, monkeypatch):
     assert sk.config_for(2, 32, 64) is config
 
 
+def test_a_measured_table_loads_from_the_benchmarks_file(sk, skinny_flag, monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setattr(sk, "CONFIGS", {})
+    path = tmp_path / "configs.json"
+    best = dict(block_n=16, block_k=256, split_k=2, num_warps=8, num_stages=4, tensor_cores=True)
+    path.write_text(json.dumps([{"rows": 1, "n": 32, "k": 64, "config": best},
+                                {"rows": 4, "n": 32, "k": 64, "config": None}]))  # fmt: skip
+    monkeypatch.setenv(quant_base.SKINNY_GEMM_CONFIGS_ENV, str(path))
+    skinny_flag("1")
+    assert quant_base.skinny_gemm_module() is sk
+    assert sk.CONFIGS == {(1, 32, 64): sk.SkinnyConfig(**best), (4, 32, 64): None}
+    path.write_text(json.dumps([{"rows": 1, "n": 32, "config": None}]))
+    with pytest.raises(ValueError, match="bad skinny-GEMM config entry"):
+        sk.load_configs(str(path))
+
+
 def test_skinny_linear_rejects_what_it_cannot_take(sk):
     x, w, _ = inputs((17,), 16, 32, bias=False, seed=0)
     with pytest.raises(ValueError, match="at most 16 rows"):

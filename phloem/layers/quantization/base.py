@@ -66,16 +66,19 @@ class LinearMethod(ABC):
 
 
 SKINNY_GEMM_ENV = "PHLOEM_SKINNY_GEMM"
+SKINNY_GEMM_CONFIGS_ENV = "PHLOEM_SKINNY_GEMM_CONFIGS"
 
 
 @functools.cache
 def skinny_gemm_module():
     """`phloem.ops.skinny_gemm` when PHLOEM_SKINNY_GEMM=1, None when it is unset or "0"; read
     once per process (the first dense forward, the engine's start-up pass; tensor-parallel
-    ranks inherit the environment).
+    ranks inherit the environment). PHLOEM_SKINNY_GEMM_CONFIGS=FILE adds the config table
+    benchmarks/skinny_gemm.py wrote (`--configs-out`) to the kernel's, once.
 
     Raises:
-        ValueError: naming PHLOEM_SKINNY_GEMM for a value other than "0" or "1".
+        ValueError: naming PHLOEM_SKINNY_GEMM for a value other than "0" or "1"; naming the
+            file for a bad config table.
         ImportError: PHLOEM_SKINNY_GEMM=1 where Triton does not import.
     """
     value = os.environ.get(SKINNY_GEMM_ENV, "0")
@@ -85,6 +88,9 @@ def skinny_gemm_module():
         return None
     from phloem.ops import skinny_gemm
 
+    table = os.environ.get(SKINNY_GEMM_CONFIGS_ENV)
+    if table:
+        skinny_gemm.load_configs(table)
     return skinny_gemm
 
 
