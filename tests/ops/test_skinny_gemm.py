@@ -303,3 +303,33 @@ def test_benchmark_grid_is_valid(sk):
             assert len(set(configs)) == len(configs) > 20
             for config in configs:
                 config.validate(rows)
+
+
+def test_flag_under_tensor_parallelism(sk, skinny_flag, counted, tmp_path_factory,
+                                       embedded_tokenizer_dir):  # fmt: skip
+    """TP = 2 on the CPU (gloo, a spawned rank that inherits the flag): column- and row-parallel
+    shards through the kernel give F.linear's greedy tokens (fp16, as above)."""
+    import gc
+
+    from phloem import LLM, SamplingParams
+    from tests.engine.tiny_models import VOCAB, tiny_model_dir
+
+    path = tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_skinny_tp", 3)
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(4 + i)]}
+               for i in range(3)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(str(path), tensor_parallel_size=2, block_size=4, max_num_batched_tokens=32,
+                  kv_cache_memory_bytes=1 << 20, dtype="float16")  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.close()
+        gc.collect()
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    skinny_flag("0")
+    plain = run()
+    skinny_flag("1")
+    assert run() == plain
+    assert {shape[0] for shape in counted} == {15, 3}  # rank 0's prefill (15 tokens), decodes
