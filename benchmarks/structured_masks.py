@@ -16,11 +16,18 @@ row. Compile: one schema, and `--distinct` schemas with renamed properties (per 
     python -m benchmarks.structured_masks --out DIR/masks.json
     python -m benchmarks.structured_masks --embedded --out DIR/masks-embedded.json
 
-The engine's own host work for a 1,024-row step (`StructuredOutputManager.bitmask` and the
-rows' `accept`) at the GPU host's thread counts:
+The engine's own host work for a 1,024-row step (`StructuredOutputManager.bitmask` and
+`accept_many`) at the GPU host's thread counts, llguidance's matchers copied from templates
+(the backend's default) and built apart, over one recorded walk; a line per run as it ends
+(~40 s on this 2-core machine at --threads 1,2; the 1-thread run is the longest):
 
-    python -m benchmarks.structured_masks --libs llguidance --rows 1 --distinct 0 \
-        --manager-seqs 1024 --threads 1,4,8,14 --out DIR/manager.json
+    python -m benchmarks.structured_masks --libs llguidance --manager-seqs 1024 \
+        --threads 1,4,8,14 --out DIR/manager.json
+
+Mask cost by schema family, each matcher built apart (the one-schema run's schema for every
+row, one renamed schema for every row, a schema per row):
+
+    python -m benchmarks.structured_masks --by-schema --rows 32 --out DIR/by-schema.json
 """
 
 from __future__ import annotations
@@ -233,45 +240,174 @@ def bench(lib: Lib, decode, vocab_size: int, eos: int, args) -> dict:
     }
 
 
-def manager_steps(data, backend: str, num_seqs: int, steps: int, threads: int) -> dict:
-    """The engine's own per-step host work for `num_seqs` sequences under the one schema:
-    `StructuredOutputManager.bitmask` (fill plus the manager's copies and checks) and the
-    advance of every row by its token (uniform among the allowed): `accept` one by one on even
-    steps, `accept_many` on odd ones; mean ms per step."""
-    from phloem.sampling_params import StructuredOutputsParams
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int32)
+
+
+def choose_tokens(bitmask: np.ndarray, eos: int, rng: np.random.Generator) -> list[int]:
+    """One token per row of `bitmask` (int32 [R, W]), uniform among the row's allowed tokens
+    but `eos` (EOS where it is the only one), as a random-weight model sampling under the mask:
+    popcounts by byte, the chosen word by cumulative count (vectorized; ~50 ms for 1,024 rows
+    of 128K tokens, against ~0.3 s unpacking every bit)."""
+    words = bitmask.copy().view(np.uint32)
+    words[:, eos // 32] &= np.uint32(~(1 << (eos % 32)) & 0xFFFFFFFF)
+    num_rows = words.shape[0]
+    counts = _POPCOUNT[words.view(np.uint8)].reshape(num_rows, -1, 4).sum(axis=2)
+    cumulative = np.cumsum(counts, axis=1)
+    total = cumulative[:, -1]
+    pick = (rng.random(num_rows) * total).astype(np.int64)
+    word = (cumulative <= pick[:, None]).sum(axis=1)
+    before = np.where(word > 0, cumulative[np.arange(num_rows), np.maximum(word - 1, 0)], 0)
+    tokens = []
+    for r in range(num_rows):
+        if total[r] == 0:
+            tokens.append(eos)
+            continue
+        bits = int(words[r, word[r]])
+        for _ in range(int(pick[r] - before[r])):
+            bits &= bits - 1  # drop the lowest set bit
+        tokens.append(32 * int(word[r]) + (bits & -bits).bit_length() - 1)
+    return tokens
+
+
+def _grammar_backend(data, name: str, threads: int, sharing: str):
+    """The engine's backend `name` on `threads`; llguidance with `sharing` "templates" (the
+    default: copies of 4 x threads templates) or "apart" (every matcher built apart)."""
     from phloem.structured_output import make_backend
+    from phloem.structured_output.llguidance_backend import LLGuidanceBackend
+
+    if name == "llguidance":
+        per_thread = 0 if sharing == "apart" else 4
+        return LLGuidanceBackend(data, num_threads=threads, templates_per_thread=per_thread)
+    return make_backend(data, threads, name)
+
+
+def manager_steps(data, name: str, num_seqs: int, walk: list[list[int]], threads: int,
+                  sharing: str, time_every: int) -> dict:  # fmt: skip
+    """The engine's own per-step host work for `num_seqs` sequences under the one schema,
+    replaying `walk` (each step's token per sequence): `StructuredOutputManager.bitmask` (fill
+    plus the manager's copies and checks) on every `time_every`-th step, `accept_many` on
+    every step (a matcher needs no mask to advance); mean ms per timed step, and the fill's
+    CPU time (the process's, all threads: `threads_busy` = CPU / wall, the threads the fill
+    kept busy; one waiting for a lexer's lock is not). Also how long
+    registering the sequences took until every matcher was ready (the manager's pool on
+    `threads` threads; the engine holds a request's admission until then)."""
+    from phloem.sampling_params import StructuredOutputsParams
     from phloem.structured_output.manager import StructuredOutputManager
 
-    manager = StructuredOutputManager(make_backend(data, threads, backend), data.vocab_size, 2)
+    backend = _grammar_backend(data, name, threads, sharing)
+    manager = StructuredOutputManager(backend, data.vocab_size, threads)
+    params = StructuredOutputsParams(json=schema(None, 200, 400))
+    ids = [f"s{i}" for i in range(num_seqs)]
+    start = time.perf_counter()
+    for seq_id in ids:
+        manager.register(seq_id, params)
+    manager.wait_ready(ids)
+    ready_s = time.perf_counter() - start
+    manager.bitmask(ids)  # the first masks (all at the start state) apart
+    fill_s: list[float] = []
+    fill_cpu_s: list[float] = []  # all of the process's threads
+    accept_s: list[float] = []
+    for step, tokens in enumerate(walk):
+        if step % time_every == 0:
+            start, cpu = time.perf_counter(), time.process_time()
+            _, failed = manager.bitmask(ids)
+            fill_s.append(time.perf_counter() - start)
+            fill_cpu_s.append(time.process_time() - cpu)
+            assert not failed, failed
+        start = time.perf_counter()
+        done = manager.accept_many(list(zip(ids, tokens)))
+        accept_s.append(time.perf_counter() - start)
+        assert None not in done, "the walk left the grammar"
+    manager.shutdown()
+    return {"backend": name, "sharing": sharing, "num_seqs": num_seqs, "threads": threads,
+            "timed_steps": len(fill_s), "all_ready_ms": 1e3 * ready_s,
+            "bitmask_ms_per_step": 1e3 * float(np.mean(fill_s)),
+            "bitmask_ms_per_row": 1e3 * float(np.mean(fill_s)) / num_seqs,
+            "bitmask_cpu_ms_per_row": 1e3 * float(np.mean(fill_cpu_s)) / num_seqs,
+            "threads_busy": float(np.sum(fill_cpu_s) / np.sum(fill_s)),
+            "accept_many_ms_per_step": 1e3 * float(np.mean(accept_s))}  # fmt: skip
+
+
+def record_walk(data, num_seqs: int, steps: int, threads: int) -> list[list[int]]:
+    """`steps` tokens for each of `num_seqs` sequences under the one schema, each uniform
+    among the allowed non-EOS tokens (`choose_tokens`), seeded."""
+    from phloem.sampling_params import StructuredOutputsParams
+    from phloem.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(_grammar_backend(data, "llguidance", threads, "templates"),
+                                      data.vocab_size, threads)  # fmt: skip
     params = StructuredOutputsParams(json=schema(None, 200, 400))
     ids = [f"s{i}" for i in range(num_seqs)]
     for seq_id in ids:
         manager.register(seq_id, params)
-    manager.bitmask(ids)  # matchers built (in the pool)
     rng = np.random.default_rng(0)
-    eos = data.stop_token_ids[0]
-    fill_s: list[float] = []
-    accept_s: dict[str, list[float]] = {"one by one": [], "together": []}
-    for step in range(steps):
-        start = time.perf_counter()
-        grammar, failed = manager.bitmask(ids)
-        fill_s.append(time.perf_counter() - start)
-        assert not failed, failed
-        bits = np.unpackbits(grammar.bitmask.view(np.uint8), axis=1, bitorder="little")
-        bits[:, eos] = 0
-        tokens = [int(rng.choice(np.flatnonzero(row[: data.vocab_size]))) for row in bits]
-        start = time.perf_counter()
-        if step % 2:  # together, as the engine does (`StructuredOutputs.advance`)
-            assert manager.accept_many(list(zip(ids, tokens))) == [False] * num_seqs
-            accept_s["together"].append(time.perf_counter() - start)
-        else:
-            for seq_id, token in zip(ids, tokens):
-                assert manager.accept(seq_id, token) is False
-            accept_s["one by one"].append(time.perf_counter() - start)
+    walk = []
+    for _ in range(steps):
+        grammar, _ = manager.bitmask(ids)
+        tokens = choose_tokens(grammar.bitmask, data.stop_token_ids[0], rng)
+        assert None not in manager.accept_many(list(zip(ids, tokens)))
+        walk.append(tokens)
     manager.shutdown()
-    return {"backend": backend, "num_seqs": num_seqs, "threads": threads,
-            "bitmask_ms_per_step": 1e3 * float(np.mean(fill_s[1:])),
-            "accept_ms_per_step": {k: 1e3 * float(np.mean(v)) for k, v in accept_s.items()}}  # fmt: skip
+    return walk
+
+
+def thread_scaling(data, args) -> list[dict]:
+    """`manager_steps` for each of `args.libs`, `args.sharing` and `args.threads` over one
+    recorded walk (the masks do not depend on them), one line printed per run as it ends."""
+    start = time.perf_counter()
+    walk = record_walk(data, args.manager_seqs, args.steps, max(args.threads))
+    print(f"walk of {args.manager_seqs} x {args.steps} tokens recorded in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+    runs = []
+    for name in args.libs.split(","):
+        for sharing in args.sharing.split(",") if name == "llguidance" else ["-"]:
+            for threads in args.threads:
+                run = manager_steps(data, name, args.manager_seqs, walk, threads, sharing,
+                                    args.time_every)  # fmt: skip
+                print(json.dumps(run), flush=True)
+                runs.append(run)
+    return runs
+
+
+def schema_walks(data, args) -> dict:
+    """Mask cost by schema, apart from any sharing: `args.rows` matchers, each built apart,
+    walked `args.steps` tokens (uniform among the allowed), each mask timed alone by state
+    class, for three families: the one-schema run's schema for every row ("shared"), one
+    renamed schema for every row ("renamed": `schema(7)`, the keys of the per-request runs),
+    and a schema per row ("distinct")."""
+    import llguidance as llg
+
+    from phloem.sampling_params import StructuredOutputsParams
+    from phloem.structured_output.llguidance_backend import grammar_text
+
+    backend = _grammar_backend(data, "llguidance", 1, "apart")
+    decode, eos = data.tokenizer.decode, data.stop_token_ids[0]
+    families = {"shared": lambda i: None, "renamed": lambda i: 7, "distinct": lambda i: i}
+    out = {}
+    for family, index in families.items():
+        texts = [grammar_text(StructuredOutputsParams(json=schema(index(r), 200, 400)))
+                 for r in range(args.rows)]  # fmt: skip
+        matchers = [llg.LLMatcher(backend.tokenizer, t) for t in texts]
+        one = np.zeros((1, (data.vocab_size + 31) // 32), dtype=np.int32)
+        rng = np.random.default_rng(0)
+        outputs = [""] * args.rows
+        times: dict[str, list[float]] = {"string": [], "number": [], "other": []}
+        for _ in range(args.steps):
+            for r, m in enumerate(matchers):
+                start = time.perf_counter()
+                m.unsafe_compute_mask_ptr(one.ctypes.data, one.nbytes)
+                times[classify(outputs[r])].append(time.perf_counter() - start)
+                token = choose_tokens(one, eos, rng)[0]
+                assert m.consume_token(token)
+                outputs[r] += decode([token])
+        total = sum(sum(v) for v in times.values())
+        out[family] = {"mask_ms": 1e3 * total / (args.rows * args.steps),
+                       "by_state": {k: {"share": len(v) / (args.rows * args.steps),
+                                        "ms": 1e3 * float(np.mean(v)) if v else None}
+                                    for k, v in times.items()},
+                       "sample_text": outputs[0][:120]}  # fmt: skip
+        print(family, json.dumps(out[family]), flush=True)
+    return out
 
 
 def main() -> None:
@@ -283,8 +419,25 @@ def main() -> None:
     parser.add_argument("--libs", default="llguidance,xgrammar", help="also: llguidance-copies")
     parser.add_argument("--threads", default="1,2", help="fill threads to time, comma-separated")
     parser.add_argument("--unbounded-strings", action="store_true", help="drop maxLength")
-    parser.add_argument("--manager-seqs", type=int, default=0,
-                        help="also time the manager's step for this many sequences")  # fmt: skip
+    parser.add_argument(
+        "--manager-seqs",
+        type=int,
+        default=0,
+        help="time the manager's step for this many sequences (only that)",
+    )
+    parser.add_argument(
+        "--sharing",
+        default="templates,apart",
+        help="llguidance matchers in --manager-seqs runs: templates, apart",
+    )
+    parser.add_argument(
+        "--time-every",
+        type=int,
+        default=4,
+        help="--manager-seqs runs time the bitmask of every N-th step",
+    )
+    parser.add_argument("--by-schema", action="store_true",
+                        help="mask cost by schema family (shared, renamed, distinct) only")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]
@@ -314,13 +467,14 @@ def main() -> None:
                     "tokenizer": "embedded" if args.embedded else "byte-level"}  # fmt: skip
     classes = {"llguidance": LLG, "llguidance-copies": LLGCopies, "xgrammar": XGR}
     if args.manager_seqs:
-        result["manager"] = [manager_steps(data, name, args.manager_seqs, args.steps, threads)
-                             for name in args.libs.split(",") for threads in args.threads]  # fmt: skip
-        print(json.dumps(result["manager"], indent=1), flush=True)
-    for name in args.libs.split(","):
-        lib = classes[name](hf_tok, vocab_size, eos, args.threads)
-        result[name] = bench(lib, decode, vocab_size, eos, args)
-        print(name, json.dumps(result[name], indent=1), flush=True)
+        result["manager"] = thread_scaling(data, args)
+    elif args.by_schema:
+        result["by_schema"] = schema_walks(data, args)
+    else:
+        for name in args.libs.split(","):
+            lib = classes[name](hf_tok, vocab_size, eos, args.threads)
+            result[name] = bench(lib, decode, vocab_size, eos, args)
+            print(name, json.dumps(result[name], indent=1), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -8,10 +8,14 @@ capped the same way. Ratios are output tokens/s of a constrained run over the un
 run, best of two runs each, interleaved (other work on the machine drifts); the second
 per-request run has new schemas, so both compile every one of theirs; compiling is inside a
 constrained run's wall time (a job pays it); loading the grammar library and building its
-tokenizer info (once per process) is not: the warm-up does it, timed apart. Each constrained
-run also reports the grammar counters it added (`GrammarStats`: compile and matcher time, how
-long after its registration the last matcher was ready, rows a step waited for, admissions put
-off for a grammar still compiling).
+tokenizer info (once per process) is not: the warm-up does it, timed apart. The warm-up also
+runs the whole batch for 4 tokens, unconstrained and under a schema not measured after, so no
+measured run is the engine's first at the batch's size (`--small-warm-up`: 2 requests only,
+as before 2026-11-27). Each constrained run also reports the grammar counters it added
+(`GrammarStats`: compile and matcher time, how long after its registration the last matcher
+was ready, rows a step waited for, admissions put off for a grammar still compiling) and every
+run where the engine loop's time went (`steps`: mean ms per step of scheduling, launching,
+waiting for the device, updating, the rest; see `step_times`).
 
 CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
 
@@ -114,19 +118,46 @@ SHRINK = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
 
 def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
     """(seconds, output lengths, texts, the grammar counters this call added) of one generate
-    call (`GrammarStats`, and `num_held`: admissions put off for a grammar not compiled yet)."""
-    structured = llm.llm_engine.structured
+    call (`GrammarStats`, and `num_held`: admissions put off for a grammar not compiled yet;
+    `steps`: where the loop's time went, `step_times`)."""
+    engine = llm.llm_engine
+    structured = engine.structured
     if structured.manager is not None:
         structured.manager.stats.max_ready_lag_s = 0.0  # this call's
     before = _grammar_counters(structured)
+    records: list = []
+    observer = records.append
+    engine.add_step_observer(observer)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.remove_step_observer(observer)
     wall = time.perf_counter() - start
     after = _grammar_counters(structured)
     added = {k: v - before.get(k, 0) for k, v in after.items() if k != "max_ready_lag_s"}
     added["max_ready_lag_s"] = after.get("max_ready_lag_s", 0.0)
+    added["steps"] = step_times(records, start)
     lens = [len(o.outputs[0].token_ids) for o in outs]
     return wall, lens, [o.outputs[0].text for o in outs], added
+
+
+def step_times(records: list, start: float) -> dict:
+    """Mean ms per step of the engine loop's parts over a run's `StepRecord`s: the period
+    between steps' starts, and of it scheduling, launching, waiting for the step's tokens
+    (`wait`: the device's lead; ~0 when the host is the bottleneck), updating (`update`: the
+    scheduler, the grammars' advance and the outputs), and the rest (`other`: waiting for the
+    step after's bitmask, launching its sampling); and how long after the call's start the
+    first step began (`first_step_s`: admissions held for grammars delay it)."""
+    if len(records) < 2:
+        return {"num_steps": len(records)}
+    starts = [r.started_at for r in records]
+    period = (starts[-1] - starts[0]) / (len(records) - 1)
+    parts = {name: 1e3 * sum(getattr(r, f"{name}_s") for r in records[:-1]) / (len(records) - 1)
+             for name in ("schedule", "launch", "wait", "update")}  # fmt: skip
+    return {"num_steps": len(records), "period_ms": 1e3 * period, **{f"{k}_ms": v for k, v in parts.items()},
+            "other_ms": 1e3 * period - sum(parts.values()),
+            "first_step_s": starts[0] - (start - time.perf_counter() + time.monotonic())}  # fmt: skip
 
 
 def _grammar_counters(structured) -> dict:
@@ -163,9 +194,9 @@ def measure(llm, prompts, items, args) -> dict:
     wall_one, lens, texts, grammar_one = run(llm, prompts, cons)
     free = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=True)
             for i, k in enumerate(lens)]  # fmt: skip
-    wall_free = run(llm, prompts, free)[0]
+    wall_free, _, _, loop_free = run(llm, prompts, free)
     wall_one_again, _, _, grammar_one_again = run(llm, prompts, cons)
-    wall_free_again = run(llm, prompts, free)[0]
+    wall_free_again, _, _, loop_free_again = run(llm, prompts, free)
     tokens, best_free = sum(lens), min(wall_free, wall_free_again)
     result = {
         "output_tokens": tokens, "one_schema_valid_json": sum(1 for t in texts if _parses(t)),
@@ -173,6 +204,7 @@ def measure(llm, prompts, items, args) -> dict:
         "one_schema_ratio": best_free / min(wall_one, wall_one_again),
         "one_schema_first_run_ratio": best_free / wall_one,
         "one_schema_grammar": [grammar_one, grammar_one_again],
+        "unconstrained_steps": [loop_free["steps"], loop_free_again["steps"]],
     }  # fmt: skip
     if args.skip_per_request:
         return result
@@ -195,6 +227,21 @@ def measure(llm, prompts, items, args) -> dict:
     return result
 
 
+def full_batch_warm_up(llm, prompts, items) -> list[float]:
+    """Seconds of two 4-token runs of the whole batch, unconstrained and under a schema of
+    the family not used after (`schema(-1)`): the engine's first steps at the batch's size
+    (the sampler's and the bitmask's buffers at 1,024 rows) are paid here, not by the first
+    measured run, which thus compiles its schema as a job would, on a warm engine."""
+    spare = StructuredOutputsParams(json=schema(-1, *items))
+    walls = []
+    for constraint in (None, spare):
+        params = SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=constraint)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+    return walls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a shipped config (random weights)")
@@ -204,6 +251,9 @@ def main() -> None:
     parser.add_argument("--skip-per-request", action="store_true")
     parser.add_argument("--shrink", action="store_true", help="--model on one narrow layer")
     parser.add_argument("--backend", default="llguidance", help="structured_outputs_backend")
+    parser.add_argument("--small-warm-up", action="store_true",
+                        help="warm up on 2 requests only (before 2026-11-27: the first measured "
+                        "run was the engine's first at the batch's size)")  # fmt: skip
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,6 +267,8 @@ def main() -> None:
                         "output_len": args.output_len, "machine": platform.machine(),
                         "cpus": os.cpu_count(), "grammar_library_load_s": time.perf_counter() - start,
                         "grammar_threads": llm.llm_engine.structured.num_threads}  # fmt: skip
+        if not args.small_warm_up:
+            result["full_batch_warm_up_s"] = full_batch_warm_up(llm, prompts, items)
         result.update(measure(llm, prompts, items, args))
     print(json.dumps(result, indent=2))
     print(f"one schema / unconstrained: {result['one_schema_ratio']:.3f}x")
