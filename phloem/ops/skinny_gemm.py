@@ -53,7 +53,9 @@ class SkinnyConfig:
         block_n: rows of W (output features) per program; >= 16 on the tensor cores.
         block_k: input features per loop step; a power of two >= 16.
         split_k: programs sharing one block of rows, each over a contiguous K range (1: none).
-        num_warps: warps per program. num_stages: software-pipelining depth of the K loop.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the tensor-core kernel's K loop (the CUDA-core
+            kernel prefetches one tile ahead itself and ignores it).
         tensor_cores: the tile product by `tl.dot` with x padded to 16 rows (True), on the
             CUDA cores (False: at most FMA_MAX_ROWS rows), or None: tensor cores from
             DOT_MIN_ROWS rows on.
@@ -113,7 +115,10 @@ def load_configs(path: str) -> int:
         try:
             key = (int(entry["rows"]), int(entry["n"]), int(entry["k"]))
             fields = entry["config"]
-            CONFIGS[key] = None if fields is None else SkinnyConfig(**fields)
+            config = None if fields is None else SkinnyConfig(**fields)
+            if config is not None:
+                config.validate(key[0])
+            CONFIGS[key] = config
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: bad skinny-GEMM config entry {entry!r}: {e}") from None
     return len(entries)
@@ -159,8 +164,8 @@ def _w_tile(w_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
 def _row_times_w(x_ptr, m, M, offs_k, k_ok, w, rn, s_xm):
     """Row m of x over `offs_k` (zeros past M rows or outside the K range), broadcast over the
     tile's rows, times the fp32 tile w: fp32 [BLOCK_N, BLOCK_K]. The pointers repeat along the
-    rows, so x is loaded in w's own layout (no shared-memory layout conversion; the repeated
-    addresses are the same loads)."""
+    rows, so x is loaded in w's own layout (no shared-memory layout conversion and barrier in
+    the loop; the repeated addresses hit L1)."""
     ptrs = x_ptr + m * s_xm + offs_k[None, :] + rn[:, None] * 0
     ok = k_ok[None, :] & ((rn[:, None] * 0 + m) < M)
     return w * tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
