@@ -1,4 +1,4 @@
-"""y = x W^T (+ b) for decode-sized x (1..16 rows) as one Triton kernel that streams W once.
+"""y = x W^T (+ b) for decode-sized x (1..16 rows) in one Triton kernel launch that streams W once.
 
 At batch 1..16 a linear layer's GEMM is a matrix-vector product bound by reading the weight: an
 8B model's decode step reads 15 GB of weights through four GEMMs a layer. cuBLAS, as torch's
