@@ -305,6 +305,8 @@ def test_benchmark_grid_is_valid(sk):
                 config.validate(rows)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="TP = 2 on CUDA needs two GPUs")  # fmt: skip
 def test_flag_under_tensor_parallelism(sk, skinny_flag, counted, tmp_path_factory,
                                        embedded_tokenizer_dir):  # fmt: skip
     """TP = 2 on the CPU (gloo, a spawned rank that inherits the flag): column- and row-parallel
