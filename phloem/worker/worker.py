@@ -1,9 +1,10 @@
 """One worker: a device, the model's weights on it, a KV pool sized for it, and a model runner.
 
 Memory sizing on CUDA (vLLM's method): load the weights, run one dummy step as large as the
-scheduler allows and record its activation peak, then give the KV pool
-`total * gpu_memory_utilization - in use - peak`. CUDA graphs are captured after that, from the
-headroom the profiled peak left (their replays include the tensor-parallel all-reduces).
+scheduler allows and record its activation peak, probe what the CUDA graphs will take
+(`graph_memory`), then give the KV pool `total * gpu_memory_utilization - in use - peak - graphs`.
+CUDA graphs are captured after that, into the memory reserved for them (their replays include the
+tensor-parallel all-reduces).
 
 Under tensor parallelism every rank runs one of these (`phloem.engine.tp_executor`): its model
 holds its shards and its KV pool its KV heads; the ranks agree on the smallest block count.
@@ -22,7 +23,9 @@ from phloem.layers.attention import Attention
 from phloem.ops.attention import get_attention_backend
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.kv_store import FP8_KV_DTYPE
+from phloem.worker.cuda_graph import graph_batch_sizes
 from phloem.worker.fusion import compile_elementwise_layers
+from phloem.worker.graph_memory import cuda_free_bytes, estimate_graph_memory
 from phloem.worker.kernel_prebuild import KernelPrebuild
 from phloem.worker.model_runner import ModelRunner
 from phloem.worker.piecewise_graph import piecewise_token_sizes
@@ -102,6 +105,8 @@ class Worker:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
+        # CUDA graphs' memory [bytes]: reserved before the KV pool was sized, taken by the capture
+        self.graph_memory_reserved = self.graph_memory_taken = 0
         phases = StartupPhases()  # kernels build while the weights load:
         settings = (model_config, cache_config, hf_config, self.device, self.dtype, tp_size())
         prebuild = KernelPrebuild.for_engine(*settings)  # FlashInfer's modules
@@ -140,7 +145,7 @@ class Worker:
         phases.mark("setup_and_flashinfer_wait")
         triton_s = triton_prebuild.wait()  # before the first launch of a Triton kernel
         phases.mark("triton_wait")
-        self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
+        self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens, model_config)
         phases.mark("memory_profile_and_kv")
         self._warm_up(model_config, sched, phases)
         phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s, triton_prebuild=triton_s)
@@ -156,9 +161,16 @@ class Worker:
         phases.mark("attention_warmup")
         self.cuda_graphs = False
         if self.device.type == "cuda" and not model_config.enforce_eager:
+            free = cuda_free_bytes(self.device)
             self.cuda_graphs = self._capture(sched.max_num_seqs)
             if model_config.cuda_graph_mode == "piecewise":
                 self._capture_piecewise(sched.max_num_batched_tokens)
+            self.graph_memory_taken = free - cuda_free_bytes(self.device)
+            logger.info(
+                "CUDA graphs took %.2f GiB (%.2f GiB reserved); %.2f GiB free after the capture",
+                self.graph_memory_taken / 2**30, self.graph_memory_reserved / 2**30,
+                torch.cuda.mem_get_info(self.device)[0] / 2**30,
+            )  # fmt: skip
 
     def _attention_backend(
         self, model_config: ModelConfig, cache_config: CacheConfig, sched: SchedulerConfig
@@ -179,15 +191,26 @@ class Worker:
         )
 
     def _allocate_kv_cache(
-        self, cache_config: CacheConfig, sched: SchedulerConfig, profile_tokens: int
+        self,
+        cache_config: CacheConfig,
+        sched: SchedulerConfig,
+        profile_tokens: int,
+        model_config: ModelConfig,
     ) -> int:
-        """Size the KV pool (after a memory profile of the largest step, on CUDA without an
-        explicit block count), allocate it in the runner, log it; returns its blocks."""
+        """Size the KV pool (on CUDA without an explicit block count or byte budget: after a
+        memory profile of the largest step and a probe of the CUDA graphs' memory,
+        `graph_memory`), allocate it in the runner, log it; returns its blocks."""
         block_size = cache_config.block_size
-        activation_peak = 0
+        reserve = 0
         if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:
-            activation_peak = self._profile_activations(profile_tokens, sched.max_num_seqs)
-        num_blocks = tp_min(self._num_kv_blocks(cache_config, activation_peak), self.device)
+            reserve = self._profile_activations(profile_tokens, sched.max_num_seqs)
+            if cache_config.kv_cache_memory_bytes is None:
+                self.graph_memory_reserved = self._graph_memory(model_config, sched)
+                reserve += self.graph_memory_reserved
+        self.model_runner.kv_caches = []  # the profiling cache
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        num_blocks = tp_min(self._num_kv_blocks(cache_config, reserve), self.device)
         self.model_runner.allocate_kv_cache(num_blocks)
         tokens = num_blocks * block_size
         logger.info(
@@ -211,8 +234,6 @@ class Worker:
         self.model_runner.profile_run(num_tokens, num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.model_runner.kv_caches = []
-        torch.cuda.empty_cache()
         logger.info(
             "memory profile: %d-token step peaks at %.2f GiB of activations; weights %.2f GiB",
             num_tokens,
@@ -220,6 +241,25 @@ class Worker:
             before / 2**30,
         )
         return peak
+
+    def _graph_memory(self, model_config: ModelConfig, sched: SchedulerConfig) -> int:
+        """Bytes the CUDA graphs `_warm_up` will capture are expected to take (0 where none
+        will be captured), probed on the profiling KV cache (`graph_memory`). A probe that
+        fails reserves nothing on one GPU (the real capture then runs eagerly); under tensor
+        parallelism it raises, as the capture would."""
+        if model_config.enforce_eager or not self.model_runner.backend.supports_cuda_graphs:
+            return 0
+        pieces = []
+        if model_config.cuda_graph_mode == "piecewise":
+            pieces = piecewise_token_sizes(sched.max_num_batched_tokens)
+        decode = graph_batch_sizes(sched.max_num_seqs)
+        try:
+            return estimate_graph_memory(self.model_runner, sched.max_num_seqs, decode, pieces)
+        except Exception:
+            if tp_size() > 1:
+                raise
+            logger.exception("CUDA graph memory probe failed; no memory reserved for graphs")
+            return 0
 
     def release_cuda_graphs(self) -> None:
         """Free the captured decode and piecewise graphs and their memory pools (idempotent;

@@ -190,3 +190,17 @@ def test_greedy_and_logits_vs_transformers(setup):
     # token would sit far below the float32 argmax; how often near-ties flip depends on the
     # prompts, so the agreement count itself is printed, not asserted.
     assert all(t <= 1.0 for t in ties), ties
+
+
+def test_graph_memory_is_reserved_before_the_kv_cache(setup):
+    """The probe's estimate covers what the capture took (the KV pool was sized without it
+    before: 70B shapes at TP = 4 ran out of memory after the capture) and is not far above it."""
+    path, prompts = setup
+    llm, _ = _phloem(path, prompts[:1], max_num_seqs=512, max_num_batched_tokens=2048)
+    worker = llm.llm_engine.executor.worker
+    reserved, taken = worker.graph_memory_reserved, worker.graph_memory_taken
+    _free(llm)
+    print(f"graph memory reserved {reserved / 2**20:.0f} MiB, taken {taken / 2**20:.0f} MiB")
+    assert taken > 0
+    assert taken <= 1.2 * reserved + 64 * 2**20
+    assert reserved <= 4 * taken + 512 * 2**20
