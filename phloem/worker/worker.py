@@ -1,10 +1,10 @@
 """One worker: a device, the model's weights on it, a KV pool sized for it, and a model runner.
 
 Memory sizing on CUDA (vLLM's method): load the weights, run one dummy step as large as the
-scheduler allows and record its activation peak, probe what the CUDA graphs will take
-(`graph_memory`), then give the KV pool `total * gpu_memory_utilization - in use - peak - graphs`.
-CUDA graphs are captured after that, into the memory reserved for them (their replays include the
-tensor-parallel all-reduces).
+scheduler allows and record its activation peak, then give the KV pool
+`total * gpu_memory_utilization - in use - peak`. CUDA graphs are captured after that (their
+replays include the tensor-parallel all-reduces); if they leave less than the peak free, the pool
+gives back the difference and they are captured again (`graph_memory`).
 
 Under tensor parallelism every rank runs one of these (`phloem.engine.tp_executor`): its model
 holds its shards and its KV pool its KV heads; the ranks agree on the smallest block count.
@@ -23,9 +23,8 @@ from phloem.layers.attention import Attention
 from phloem.ops.attention import get_attention_backend
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.kv_store import FP8_KV_DTYPE
-from phloem.worker.cuda_graph import graph_batch_sizes
 from phloem.worker.fusion import compile_elementwise_layers
-from phloem.worker.graph_memory import cuda_free_bytes, estimate_graph_memory
+from phloem.worker.graph_memory import available_bytes, kv_blocks_to_release, runtime_need
 from phloem.worker.kernel_prebuild import KernelPrebuild
 from phloem.worker.model_runner import ModelRunner
 from phloem.worker.piecewise_graph import piecewise_token_sizes
@@ -105,8 +104,8 @@ class Worker:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
-        # CUDA graphs' memory [bytes]: reserved before the KV pool was sized, taken by the capture
-        self.graph_memory_reserved = self.graph_memory_taken = 0
+        # [bytes]: the largest step's activations (CUDA profile); what the CUDA graphs took
+        self.activation_peak = self.graph_memory_taken = 0
         phases = StartupPhases()  # kernels build while the weights load:
         settings = (model_config, cache_config, hf_config, self.device, self.dtype, tp_size())
         prebuild = KernelPrebuild.for_engine(*settings)  # FlashInfer's modules
@@ -145,32 +144,78 @@ class Worker:
         phases.mark("setup_and_flashinfer_wait")
         triton_s = triton_prebuild.wait()  # before the first launch of a Triton kernel
         phases.mark("triton_wait")
-        self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens, model_config)
+        self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
         phases.mark("memory_profile_and_kv")
-        self._warm_up(model_config, sched, phases)
+        self._warm_up(model_config, sched, phases, cache_config)
         phases.finish("cuda_graphs", flashinfer_prebuild=prebuild_s, triton_prebuild=triton_s)
 
     def _warm_up(
-        self, model_config: ModelConfig, sched: SchedulerConfig, phases: StartupPhases
+        self,
+        model_config: ModelConfig,
+        sched: SchedulerConfig,
+        phases: StartupPhases,
+        cache_config: CacheConfig,
     ) -> None:
         """On CUDA, before the first request: compile the attention kernels (phase
         "attention_warmup"), then capture the decode CUDA graphs and, in "piecewise" mode, the
-        piecewise ones (sets `cuda_graphs`; `enforce_eager` captures none)."""
+        piecewise ones (sets `cuda_graphs`; `enforce_eager` captures none); if they left too
+        little memory for eager steps, shrink the KV pool and capture again (`graph_memory`)."""
         if self.device.type == "cuda":
             self.model_runner.warmup_attention(_num_heads(self.model))
         phases.mark("attention_warmup")
         self.cuda_graphs = False
         if self.device.type == "cuda" and not model_config.enforce_eager:
-            free = cuda_free_bytes(self.device)
-            self.cuda_graphs = self._capture(sched.max_num_seqs)
-            if model_config.cuda_graph_mode == "piecewise":
-                self._capture_piecewise(sched.max_num_batched_tokens)
-            self.graph_memory_taken = free - cuda_free_bytes(self.device)
-            logger.info(
-                "CUDA graphs took %.2f GiB (%.2f GiB reserved); %.2f GiB free after the capture",
-                self.graph_memory_taken / 2**30, self.graph_memory_reserved / 2**30,
-                torch.cuda.mem_get_info(self.device)[0] / 2**30,
-            )  # fmt: skip
+            self._capture_all(model_config, sched)
+            sized = (
+                cache_config.num_gpu_blocks is None and cache_config.kv_cache_memory_bytes is None
+            )
+            if self.cuda_graphs and sized:
+                self._fit_graphs(model_config, sched)
+
+    def _capture_all(self, model_config: ModelConfig, sched: SchedulerConfig) -> None:
+        """Capture the decode graphs and, in "piecewise" mode, the piecewise ones; log the
+        memory they took (`graph_memory_taken`)."""
+        before, _ = available_bytes(self.device)
+        self.cuda_graphs = self._capture(sched.max_num_seqs)
+        if model_config.cuda_graph_mode == "piecewise":
+            self._capture_piecewise(sched.max_num_batched_tokens)
+        after, _ = available_bytes(self.device)
+        self.graph_memory_taken = before - after
+        logger.info("CUDA graphs took %.2f GiB; %.2f GiB available after the capture",
+                    self.graph_memory_taken / 2**30, after / 2**30)  # fmt: skip
+
+    def _fit_graphs(self, model_config: ModelConfig, sched: SchedulerConfig) -> None:
+        """If the graphs left less memory than the largest eager step needs (`runtime_need`),
+        give the KV pool back the difference (the ranks agree on the smallest pool) and
+        capture the graphs again into the freed memory.
+
+        Raises:
+            ValueError: if no KV block would be left.
+        """
+        available, total = available_bytes(self.device)
+        need = runtime_need(self.activation_peak, total)
+        per_block = kv_bytes_per_block(self.model, self.model_runner.block_size, self.kv_dtype)
+        release = kv_blocks_to_release(available, need, per_block)
+        num_blocks = tp_min(self.num_blocks - release, self.device)
+        if num_blocks == self.num_blocks:
+            return
+        if num_blocks < 1:
+            raise ValueError(
+                f"the CUDA graphs leave no memory for the KV cache ({available / 2**30:.2f} GiB "
+                "available after the capture); lower max_num_seqs or set enforce_eager"
+            )
+        logger.warning(
+            "CUDA graphs left %.2f GiB, eager steps need %.2f GiB: the KV cache gives back %d "
+            "of %d blocks (%.2f GiB) and the graphs are captured again (a lower "
+            "gpu_memory_utilization or max_num_seqs avoids the second capture)",
+            available / 2**30, need / 2**30, self.num_blocks - num_blocks, self.num_blocks,
+            (self.num_blocks - num_blocks) * per_block / 2**30,
+        )  # fmt: skip
+        self.release_cuda_graphs()
+        self.model_runner.allocate_kv_cache(num_blocks)
+        torch.cuda.empty_cache()
+        self.num_blocks = num_blocks
+        self._capture_all(model_config, sched)
 
     def _attention_backend(
         self, model_config: ModelConfig, cache_config: CacheConfig, sched: SchedulerConfig
@@ -191,26 +236,14 @@ class Worker:
         )
 
     def _allocate_kv_cache(
-        self,
-        cache_config: CacheConfig,
-        sched: SchedulerConfig,
-        profile_tokens: int,
-        model_config: ModelConfig,
+        self, cache_config: CacheConfig, sched: SchedulerConfig, profile_tokens: int
     ) -> int:
-        """Size the KV pool (on CUDA without an explicit block count or byte budget: after a
-        memory profile of the largest step and a probe of the CUDA graphs' memory,
-        `graph_memory`), allocate it in the runner, log it; returns its blocks."""
+        """Size the KV pool (after a memory profile of the largest step, on CUDA without an
+        explicit block count), allocate it in the runner, log it; returns its blocks."""
         block_size = cache_config.block_size
-        reserve = 0
         if self.device.type == "cuda" and cache_config.num_gpu_blocks is None:
-            reserve = self._profile_activations(profile_tokens, sched.max_num_seqs)
-            if cache_config.kv_cache_memory_bytes is None:
-                self.graph_memory_reserved = self._graph_memory(model_config, sched)
-                reserve += self.graph_memory_reserved
-        self.model_runner.kv_caches = []  # the profiling cache
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        num_blocks = tp_min(self._num_kv_blocks(cache_config, reserve), self.device)
+            self.activation_peak = self._profile_activations(profile_tokens, sched.max_num_seqs)
+        num_blocks = tp_min(self._num_kv_blocks(cache_config, self.activation_peak), self.device)
         self.model_runner.allocate_kv_cache(num_blocks)
         tokens = num_blocks * block_size
         logger.info(
@@ -234,6 +267,8 @@ class Worker:
         self.model_runner.profile_run(num_tokens, num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.model_runner.kv_caches = []
+        torch.cuda.empty_cache()
         logger.info(
             "memory profile: %d-token step peaks at %.2f GiB of activations; weights %.2f GiB",
             num_tokens,
@@ -241,25 +276,6 @@ class Worker:
             before / 2**30,
         )
         return peak
-
-    def _graph_memory(self, model_config: ModelConfig, sched: SchedulerConfig) -> int:
-        """Bytes the CUDA graphs `_warm_up` will capture are expected to take (0 where none
-        will be captured), probed on the profiling KV cache (`graph_memory`). A probe that
-        fails reserves nothing on one GPU (the real capture then runs eagerly); under tensor
-        parallelism it raises, as the capture would."""
-        if model_config.enforce_eager or not self.model_runner.backend.supports_cuda_graphs:
-            return 0
-        pieces = []
-        if model_config.cuda_graph_mode == "piecewise":
-            pieces = piecewise_token_sizes(sched.max_num_batched_tokens)
-        decode = graph_batch_sizes(sched.max_num_seqs)
-        try:
-            return estimate_graph_memory(self.model_runner, sched.max_num_seqs, decode, pieces)
-        except Exception:
-            if tp_size() > 1:
-                raise
-            logger.exception("CUDA graph memory probe failed; no memory reserved for graphs")
-            return 0
 
     def release_cuda_graphs(self) -> None:
         """Free the captured decode and piecewise graphs and their memory pools (idempotent;

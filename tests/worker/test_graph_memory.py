@@ -1,50 +1,58 @@
-"""phloem/worker/graph_memory.py: the CUDA-graph memory probe's measurement and extrapolation,
-on a simulated device (the real probe runs in tests/gpu/test_engine_gpu.py)."""
+"""phloem/worker/graph_memory.py and `Worker._fit_graphs`: when the captured CUDA graphs leave
+less memory than eager steps need, the KV pool gives back the difference and the graphs are
+captured again (simulated on the CPU; tests/gpu/test_engine_gpu.py runs it on a GPU)."""
 
 import pytest
+import torch
 
-from phloem.worker.graph_memory import extrapolate, probe
+from phloem.worker import worker as worker_module
+from phloem.worker.graph_memory import kv_blocks_to_release, runtime_need
+from phloem.worker.worker import kv_bytes_per_block
 
-
-class FakeDevice:
-    """Graphs of one kind: a shared pool as large as the largest bucket's activations
-    (`per_token` bytes a row) plus `per_graph` bytes of executable per graph; `kept` bytes
-    per bucket stay allocated after a release (per-bucket buffers)."""
-
-    def __init__(self, per_token: int, per_graph: int, kept: int = 0) -> None:
-        self.free, self.per_token, self.per_graph, self.kept = 10**12, per_token, per_graph, kept
-        self.captures = []
-
-    def capture(self, buckets):
-        self.captures.append(list(buckets))
-        taken = max(buckets) * self.per_token + len(buckets) * self.per_graph
-        self.free -= taken + self.kept * len(buckets)
-
-        def release():
-            self.free += taken
-
-        return release
+GiB = 2**30
 
 
-def test_extrapolate():
-    assert extrapolate(100, 130, 1) == 100
-    assert extrapolate(100, 130, 10) == 100 + 30 * 9
-    assert extrapolate(100, 90, 10) == 100  # a negative increment counts as nothing
+def test_runtime_need_and_blocks_to_release():
+    assert runtime_need(3 * GiB, 80 * GiB) == 3 * GiB + int(0.8 * GiB)
+    assert runtime_need(0, 8 * GiB) == 512 * 2**20  # the margin's floor
+    assert kv_blocks_to_release(available=5 * GiB, need=4 * GiB, bytes_per_block=100) == 0
+    assert kv_blocks_to_release(available=4 * GiB, need=4 * GiB, bytes_per_block=100) == 0
+    assert kv_blocks_to_release(available=1000, need=1250, bytes_per_block=100) == 3  # rounds up
 
 
-@pytest.mark.parametrize("kept", [0, 7])
-def test_probe_covers_the_full_capture(kept):
-    sizes = [1, 2, 4, 8] + list(range(16, 513, 16))
-    device = FakeDevice(per_token=1000, per_graph=50_000, kept=kept)
-    estimate = probe(device.capture, sizes, lambda: device.free)
-    assert device.captures == [[512], [496, 512]]  # the largest, then the largest two
-    assert device.free == 10**12 - 3 * kept  # released (the kept buffers stay)
-    actual = 512 * 1000 + len(sizes) * 50_000
-    assert actual <= estimate <= actual + kept * (1 + 2 * (len(sizes) - 1))
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory, embedded_tokenizer_dir):
+    from tests.engine.tiny_models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_fit", 7)
 
 
-def test_probe_edge_cases():
-    device = FakeDevice(per_token=10, per_graph=5)
-    assert probe(device.capture, [], lambda: device.free) == 0
-    assert probe(device.capture, [64], lambda: device.free) == 64 * 10 + 5
-    assert device.captures == [[64]]
+def test_fit_graphs_gives_back_kv_blocks_and_captures_again(tiny_llama_dir, monkeypatch):
+    from phloem import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_gpu_blocks=200)
+    worker = llm.llm_engine.executor.worker
+    per_block = kv_bytes_per_block(worker.model, worker.model_runner.block_size, worker.kv_dtype)
+    worker.activation_peak = 40 * per_block
+    total = 1000 * GiB  # margin: 10 GiB
+    available = {"bytes": runtime_need(worker.activation_peak, total) + 5 * per_block}
+    captures = []
+    monkeypatch.setattr(
+        worker_module, "available_bytes", lambda device: (available["bytes"], total)
+    )
+    monkeypatch.setattr(worker, "_capture_all", lambda *args: captures.append(args))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    worker._fit_graphs(None, None)  # enough left: nothing changes
+    assert worker.num_blocks == 200 and captures == []
+
+    available["bytes"] -= 12 * per_block + 1  # 7 blocks and a byte short
+    worker._fit_graphs(None, None)
+    assert worker.num_blocks == 192 and len(captures) == 1
+    assert worker.model_runner.num_blocks == 192
+    assert worker.model_runner.kv_caches[0].shape[0] == 193  # plus the scratch block
+
+    available["bytes"] = 0
+    with pytest.raises(ValueError, match="no memory for the KV cache"):
+        worker.activation_peak = 10**6 * per_block
+        worker._fit_graphs(None, None)
