@@ -51,7 +51,7 @@ for stage in $STAGES; do
         echo "=== tests $(date +%T)"
         # 3 cases x 3 engine starts (TP=1, TP=2 with graphs, TP=2 eager): ~60 s a case; a case
         # that hangs is named by pytest-timeout
-        timeout "$TESTS_LIMIT" python3 -m pytest -v -p no:cacheprovider --timeout 150 \
+        timeout "$TESTS_LIMIT" python3 -m pytest -v -x --tb=short -p no:cacheprovider --timeout 150 \
             --durations=0 tests/distributed/test_tp_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.txt" \
             | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|s call"
         ;;
