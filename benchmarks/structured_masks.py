@@ -33,6 +33,7 @@ row, one renamed schema for every row, a schema per row):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -269,16 +270,23 @@ def choose_tokens(bitmask: np.ndarray, eos: int, rng: np.random.Generator) -> li
     return tokens
 
 
+_TOKENIZER_INFO: dict = {}  # id(TokenizerData) -> the first llguidance backend over it
+
+
 def _grammar_backend(data, name: str, threads: int, sharing: str):
     """The engine's backend `name` on `threads`; llguidance with `sharing` "templates" (the
-    default: copies of 4 x threads templates) or "apart" (every matcher built apart)."""
+    default: copies of 4 x threads templates) or "apart" (every matcher built apart), its
+    tokenizer info built once per process."""
     from phloem.structured_output import make_backend
     from phloem.structured_output.llguidance_backend import LLGuidanceBackend
 
-    if name == "llguidance":
-        per_thread = 0 if sharing == "apart" else 4
-        return LLGuidanceBackend(data, num_threads=threads, templates_per_thread=per_thread)
-    return make_backend(data, threads, name)
+    if name != "llguidance":
+        return make_backend(data, threads, name)
+    per_thread = 0 if sharing == "apart" else 4
+    first = _TOKENIZER_INFO.get(id(data))
+    backend = LLGuidanceBackend(data, threads, per_thread, same_tokenizer_as=first)
+    _TOKENIZER_INFO.setdefault(id(data), backend)
+    return backend
 
 
 def manager_steps(data, name: str, num_seqs: int, walk: list[list[int]], threads: int,
@@ -298,6 +306,7 @@ def manager_steps(data, name: str, num_seqs: int, walk: list[list[int]], threads
     manager = StructuredOutputManager(backend, data.vocab_size, threads)
     params = StructuredOutputsParams(json=schema(None, 200, 400))
     ids = [f"s{i}" for i in range(num_seqs)]
+    gc.collect()  # the previous run's garbage is not this one's readiness
     start = time.perf_counter()
     for seq_id in ids:
         manager.register(seq_id, params)
@@ -389,7 +398,7 @@ def schema_walks(data, args) -> dict:
                  for r in range(args.rows)]  # fmt: skip
         matchers = [llg.LLMatcher(backend.tokenizer, t) for t in texts]
         one = np.zeros((1, (data.vocab_size + 31) // 32), dtype=np.int32)
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(args.seed)
         outputs = [""] * args.rows
         times: dict[str, list[float]] = {"string": [], "number": [], "other": []}
         for _ in range(args.steps):
@@ -438,6 +447,7 @@ def main() -> None:
     )
     parser.add_argument("--by-schema", action="store_true",
                         help="mask cost by schema family (shared, renamed, distinct) only")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="--by-schema walks' seed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]

@@ -1,11 +1,11 @@
 """The engine's side of structured outputs: compiled grammars cached by constraint, one matcher
 per sequence, and each step's bitmask.
 
-    add_request ─► register(seq, params): one pool task per sequence, in admission order: a
-                   constraint not in the cache (keyed by its canonical text, least recently
-                   used dropped) is compiled with the sequence's matcher; a cached one gets a
-                   matcher built from it (at once, without a task, when the backend makes
-                   one in microseconds: `GrammarBackend.ready_matcher`)
+    add_request ─► register(seq, params): a constraint not in the cache (keyed by its
+                   canonical text, least recently used dropped) is compiled in the pool with
+                   the sequence's matcher; a cached one gives a matcher at once when the
+                   backend makes one in microseconds (`GrammarBackend.ready_matcher`), else
+                   the sequence queues for one pool task making its constraint's matchers
     schedule    ─► is_ready(seq): the scheduler admits a sequence once its matcher is built
     step N+1    ─► bitmask(seq_ids): fills the rows of the step's constrained samples, after
                    step N's tokens were accepted (`LLMEngine.step`); waits for a matcher only
@@ -33,6 +33,8 @@ from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, bit
 
 logger = logging.getLogger(__name__)
 
+# sequences a task makes matchers for before it looks at the queue again (and queued per task)
+_MATCHERS_PER_TASK = 64
 # why a sequence fails when its grammar allows no token of the vocabulary
 NO_TOKEN_MESSAGE = "structured output: the grammar allows no token of the vocabulary here"
 
@@ -72,7 +74,7 @@ class GrammarStats:
         num_compiled: distinct constraints compiled (cache misses).
         num_sequences: sequences registered.
         compile_s: summed over compile tasks (each with its first matcher).
-        matcher_s: summed over the tasks building a matcher of an already compiled constraint.
+        matcher_s: summed over the matchers made in the pool of an already compiled constraint.
         ready_lag_s: summed over sequences, registration to matcher ready.
         max_ready_lag_s: the longest of those.
         num_ready_at_once: sequences whose matcher was made when they were registered
@@ -124,6 +126,11 @@ class StructuredOutputManager:
         self._sequences: dict[str, _Sequence] = {}
         self.stats = GrammarStats()
         self._stats_lock = threading.Lock()  # the pool's threads add to `stats`
+        # constraint key -> [(future of a sequence's matcher, registered at)] still to make
+        self._waiting: dict[tuple[str, str], list[tuple[concurrent.futures.Future, float]]] = {}
+        self._num_making: dict[tuple[str, str], int] = {}  # its tasks emptying the queue
+        self._waiting_lock = threading.Lock()
+        self._num_threads = num_compile_threads
         # two bitmask buffers used in turn, grown as needed: a fresh [1,024, 4,008] array a
         # step cost ~8 ms of page faults on the loop (np.full), plus ~1.3 ms to scatter the
         # filled rows into it (benchmarks/results/2026-11-26c-cpu-structured-masks)
@@ -138,17 +145,20 @@ class StructuredOutputManager:
 
     def register(self, seq_id: str, params: StructuredOutputsParams) -> None:
         """Start building the sequence's matcher in the pool; returns at once. A constraint not
-        in the cache is compiled by the same task, which builds the sequence's matcher with it
-        (`GrammarBackend.compile_with_matcher`: llguidance's compile check is that matcher, so
-        a distinct schema costs one grammar build, not two); a later sequence of a compiled
+        in the cache is compiled by a task of its own, which builds the sequence's matcher with
+        it (`GrammarBackend.compile_with_matcher`: llguidance's compile check is that matcher,
+        so a distinct schema costs one grammar build, not two). A later sequence of a compiled
         constraint gets its matcher at once where the backend makes one in microseconds
         (`GrammarBackend.ready_matcher`: llguidance's copy of a built template, xgrammar's
-        matcher), else a task building it.
+        matcher); otherwise it joins the constraint's queue, which one pool task empties
+        (`_make_waiting`), in admission order.
 
-        One task per sequence, all in admission order: the pool's threads need the GIL between
-        the library's calls, and while the engine loop runs Python each hand-over can wait for
-        the interpreter's switch interval (5 ms): fewer calls per sequence is what counts
-        (benchmarks/results/2026-11-26d-cpu-structured-distinct)."""
+        Few tasks, not one per sequence: the pool's threads need the GIL between the library's
+        calls, and while another thread runs Python each hand-over can wait for the
+        interpreter's switch interval (5 ms): 1,024 sequences of one schema, a task each, were
+        ready after 190-260 ms on 2 threads against 25 ms on 1
+        (benchmarks/results/2026-11-26d-cpu-structured-distinct,
+        2026-11-27-cpu-structured-one-schema)."""
         key = params.key()
         compiled = self._compiled.get(key)
         registered = time.perf_counter()
@@ -162,13 +172,13 @@ class StructuredOutputManager:
             matcher = first
         else:
             self._compiled.move_to_end(key)
+            matcher = concurrent.futures.Future()
             ready = self._ready_matcher(compiled)
             if ready is not None:
-                matcher = concurrent.futures.Future()
                 matcher.set_result(ready)
                 self.stats.num_ready_at_once += 1
             else:
-                matcher = self._pool.submit(self._new_matcher, compiled, registered)
+                self._wait_for_matcher(key, compiled, matcher, registered)
         self.stats.num_sequences += 1
         self._sequences[seq_id] = _Sequence(matcher)
 
@@ -193,11 +203,61 @@ class StructuredOutputManager:
         self._count(registered, compile_s=time.perf_counter() - start)
         return compiled
 
-    def _new_matcher(self, compiled: concurrent.futures.Future, registered: float):
-        start = time.perf_counter()
-        matcher = self.backend.matcher(compiled.result())
-        self._count(registered, matcher_s=time.perf_counter() - start)
-        return matcher
+    def _wait_for_matcher(
+        self,
+        key: tuple[str, str],
+        compiled: concurrent.futures.Future,
+        matcher: concurrent.futures.Future,
+        registered: float,
+    ) -> None:
+        """Queue `matcher` (a sequence's future) on the constraint; the queue's first entry
+        starts the task that empties it."""
+        with self._waiting_lock:
+            queue = self._waiting.setdefault(key, [])
+            queue.append((matcher, registered))
+            active = self._num_making.get(key, 0)
+            start = len(queue) > _MATCHERS_PER_TASK * active and active < self._num_threads
+            if start:
+                self._num_making[key] = active + 1
+        if start:
+            self._pool.submit(self._make_waiting, key, compiled)
+
+    def _make_waiting(self, key: tuple[str, str], compiled: concurrent.futures.Future) -> None:
+        """Resolve the constraint's queued futures with matchers (in the pool, after its
+        compile), `_MATCHERS_PER_TASK` at a time until the queue is empty; a failed compile
+        fails them all. A long queue has several of these tasks (one per
+        `_MATCHERS_PER_TASK` queued, up to the pool's threads): matchers built apart take ~1 ms
+        each."""
+        error: BaseException | None = None
+        try:
+            grammar = compiled.result()
+        except BaseException as e:  # noqa: BLE001 - the constraint's own failure
+            error = e
+        while True:
+            with self._waiting_lock:
+                queue = self._waiting.get(key, [])
+                batch = queue[:_MATCHERS_PER_TASK]
+                del queue[:_MATCHERS_PER_TASK]
+                if not batch:
+                    self._waiting.pop(key, None)
+                    self._num_making[key] -= 1
+                    if not self._num_making[key]:
+                        del self._num_making[key]
+                    return
+            for future, registered in batch:
+                if error is not None:
+                    future.set_exception(error)
+                    continue
+                start = time.perf_counter()
+                try:
+                    made = self.backend.ready_matcher(grammar)
+                    if made is None:
+                        made = self.backend.matcher(grammar)
+                except BaseException as e:  # noqa: BLE001 - this sequence fails alone
+                    future.set_exception(e)
+                    continue
+                future.set_result(made)
+                self._count(registered, matcher_s=time.perf_counter() - start)
 
     def _count(self, registered: float, compile_s: float = 0.0, matcher_s: float = 0.0) -> None:
         """Add a finished task to `stats` (its sequence registered at `registered`)."""

@@ -93,6 +93,45 @@ def test_readiness_and_waits_are_per_sequence():
     manager.shutdown()
 
 
+class ThreadRecordingBackend(SlowBackend):
+    """SlowBackend that records the thread of every matcher it builds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def matcher(self, compiled):
+        self.threads.append(threading.get_ident())
+        return super().matcher(compiled)
+
+
+def test_sequences_of_a_compiling_constraint_queue_for_one_task():
+    """Sequences registered while their constraint compiles are not a pool task each (each
+    task's GIL hand-overs cost more than a cheap matcher): one task per 64 makes their matchers, in
+    order, after the compile; a sequence registered once it compiled is made at once when the
+    backend can (`ready_matcher`), else queued the same way; a failed compile fails the queue."""
+    backend = ThreadRecordingBackend()
+    manager = StructuredOutputManager(backend, VOCAB, num_compile_threads=4)
+    ids = [f"s{i}" for i in range(40)]
+    for seq_id in ids:
+        manager.register(seq_id, StructuredOutputsParams(regex="slow:5"))
+    assert not manager.wait_ready(ids[1:], timeout=0.05)
+    backend.release.set()
+    assert manager.wait_ready(ids, timeout=10)
+    assert backend.num_matchers == 39 and len(set(backend.threads)) == 1
+    grammar, failed = manager.bitmask(ids)
+    assert failed == {} and all(allowed(r) == [5] for r in grammar.bitmask)
+    manager.register("late", StructuredOutputsParams(regex="slow:5"))
+    assert manager.wait_ready(["late"], timeout=10) and backend.num_matchers == 40
+    for i in range(3):
+        manager.register(f"f{i}", StructuredOutputsParams(regex="fail"))
+    assert manager.wait_ready(["f0", "f1", "f2"], timeout=10)
+    _, failed = manager.bitmask(["f0", "f1", "f2"])
+    assert sorted(failed) == ["f0", "f1", "f2"]
+    assert manager.stats.num_ready_at_once == 0  # FakeBackend has no cheap matchers
+    manager.shutdown()
+
+
 def test_a_failed_compile_fails_every_sequence_of_its_constraint():
     backend = SlowBackend()
     manager = StructuredOutputManager(backend, VOCAB)
