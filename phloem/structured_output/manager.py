@@ -150,15 +150,14 @@ class StructuredOutputManager:
         so a distinct schema costs one grammar build, not two). A later sequence of a compiled
         constraint gets its matcher at once where the backend makes one in microseconds
         (`GrammarBackend.ready_matcher`: llguidance's copy of a built template, xgrammar's
-        matcher); otherwise it joins the constraint's queue, which one pool task empties
-        (`_make_waiting`), in admission order.
+        matcher); otherwise it joins the constraint's queue, which pool tasks empty in
+        admission order (`_make_waiting`: one per 64 queued, up to the pool's threads).
 
         Few tasks, not one per sequence: the pool's threads need the GIL between the library's
         calls, and while another thread runs Python each hand-over can wait for the
-        interpreter's switch interval (5 ms): 1,024 sequences of one schema, a task each, were
-        ready after 190-260 ms on 2 threads against 25 ms on 1
-        (benchmarks/results/2026-11-26d-cpu-structured-distinct,
-        2026-11-27-cpu-structured-one-schema)."""
+        interpreter's switch interval (5 ms); 1,024 sequences of one schema are ready 15-27 ms
+        after their registration on 1-2 threads (benchmarks/results/
+        2026-11-26d-cpu-structured-distinct, 2026-11-27-cpu-structured-one-schema)."""
         key = params.key()
         compiled = self._compiled.get(key)
         registered = time.perf_counter()
@@ -210,8 +209,8 @@ class StructuredOutputManager:
         matcher: concurrent.futures.Future,
         registered: float,
     ) -> None:
-        """Queue `matcher` (a sequence's future) on the constraint; the queue's first entry
-        starts the task that empties it."""
+        """Queue `matcher` (a sequence's future) on the constraint, starting a task to empty
+        the queue for every `_MATCHERS_PER_TASK` queued (up to the pool's threads)."""
         with self._waiting_lock:
             queue = self._waiting.setdefault(key, [])
             queue.append((matcher, registered))
@@ -403,5 +402,10 @@ class StructuredOutputManager:
             seq.matcher.rollback(num_tokens)
 
     def shutdown(self) -> None:
-        """Stop the compile threads (pending compilations are cancelled)."""
+        """Stop the compile threads (pending compilations and queued matchers are cancelled)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._waiting_lock:
+            for queue in self._waiting.values():
+                for future, _ in queue:
+                    future.cancel()
+            self._waiting.clear()
