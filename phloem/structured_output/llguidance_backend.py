@@ -183,7 +183,7 @@ class LLGuidanceBackend(GrammarBackend):
     at 0.10x unconstrained that way); with `templates_per_thread` x `num_threads` templates
     and the batched calls ordering rows by template (the library's threads take contiguous
     runs of rows), threads rarely meet on one lexer (benchmarks/results/
-    2026-11-27-cpu-structured-one-schema). `templates_per_thread=0`: every matcher built apart.
+    2026-11-26e-cpu-structured-one-schema). `templates_per_thread=0`: every matcher built apart.
     `fill_bitmasks` and `accept_tokens` work on many rows on `num_threads` native threads (the
     GIL released).
 

@@ -157,7 +157,7 @@ class StructuredOutputManager:
         calls, and while another thread runs Python each hand-over can wait for the
         interpreter's switch interval (5 ms); 1,024 sequences of one schema are ready 15-27 ms
         after their registration on 1-2 threads (benchmarks/results/
-        2026-11-26d-cpu-structured-distinct, 2026-11-27-cpu-structured-one-schema)."""
+        2026-11-26d-cpu-structured-distinct, 2026-11-26e-cpu-structured-one-schema)."""
         key = params.key()
         compiled = self._compiled.get(key)
         registered = time.perf_counter()
