@@ -341,6 +341,8 @@ class LLMEngine:
             outputs += self._finish_in_flight()  # synchronous: collect right after launch
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
+        if self.drafter is not None and not self.scheduler.has_unfinished_requests():
+            self.drafter.idle()  # the time until the next request is no step's
         return outputs
 
     def _propose_drafts(self) -> list[StepOutput]:
@@ -396,8 +398,10 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, accepted
         )
-        if accepted and self.drafter is not None:
-            self.drafter.observe(scheduler_output, accepted)
+        if self.drafter is not None:
+            if accepted:
+                self.drafter.observe(scheduler_output, accepted)
+            self.drafter.step_done(scheduler_output, collected)  # measures the step's time
         self.structured.advance(updated)
         outputs = self._process_outputs(scheduler_output, updated, runner_output)
         if self._step_observers:

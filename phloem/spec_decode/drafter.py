@@ -10,8 +10,10 @@ one way: under the grammar bitmask, or through the verifier). Everything else de
 The step time model of the cost rule (`step_time_model`): on CUDA the Llama-3.1-8B-on-H100
 constants (`LLAMA_8B_H100`) scaled by the model's parameters and KV bytes; on the CPU the
 constants fitted to the embedded model's steps (`benchmarks/spec_decode_steps.py --fit`,
-`benchmarks/results/2026-11-26d-cpu-spec-decode/`) scaled the same way. Neither is measured on
-the running device.
+`benchmarks/results/2026-11-26d-cpu-spec-decode/`) scaled the same way: the prior, which
+`step_time.StepTimeLearner` corrects by the running device's measured step times (the engine
+reports each collected step to `step_done`; the module docstring of `step_time.py` gives the
+rule, its EMA weights and its probes without drafts).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from phloem.spec_decode.cost_rule import (
 )
 from phloem.spec_decode.ngram_proposer import NgramProposer
 from phloem.spec_decode.proposer import DraftRequest, Proposer
+from phloem.spec_decode.step_time import StepShape, StepTimeConfig, StepTimeLearner
 from phloem.spec_decode.suffix_proposer import SuffixProposer
 
 # Weight of a proposal's outcome in `Drafter.offer_rate` (an exponential moving average): a few
@@ -164,10 +167,11 @@ class Drafter:
 
     Args:
         config: the user's speculative decoding settings.
-        time_model: the step time model of the cost rule.
+        time_model: the cost rule's prior step time model (corrected online: `timer`).
         max_num_batched_tokens: the scheduler's step budget [tokens].
         proposer: the proposer, built by the caller (a draft model: `draft_model.py`); None
             builds the n-gram or suffix proposer of `config`.
+        timer_config: settings of the online step time correction; None: the defaults.
     """
 
     def __init__(
@@ -176,6 +180,7 @@ class Drafter:
         time_model: StepTimeModel,
         max_num_batched_tokens: int,
         proposer: Proposer | None = None,
+        timer_config: StepTimeConfig | None = None,
     ) -> None:
         self.config = config
         if proposer is None:
@@ -190,7 +195,8 @@ class Drafter:
         self.proposer = proposer
         self.tracker = AcceptanceTracker()
         self.cost = CostRuleConfig(max_draft_tokens=config.num_speculative_tokens)
-        self.time_model = time_model
+        self.timer = StepTimeLearner(time_model, timer_config)
+        self._last_step_end: float | None = None  # when the previous step was collected [s]
         self.budget = max_num_batched_tokens
         self.stats = SpecDecodeStats()
         self._steps_off = 0  # consecutive steps `_may_pay` said no
@@ -242,6 +248,11 @@ class Drafter:
                 self.tracker.skipped(request.request_id)
         return handed
 
+    @property
+    def time_model(self) -> StepTimeModel:
+        """The cost rule's step time model: the prior corrected by the measured steps."""
+        return self.timer.model
+
     def _choose(self, offered: list[tuple[Request, int]], step: tuple[int, int, int]) -> list[int]:
         """The cost rule's drafts per (request, drafts available) for a step of shape `step`."""
         chains = [self.tracker.chain(r.request_id) for r, _ in offered]
@@ -251,11 +262,14 @@ class Drafter:
 
     def may_draft(self, running: Sequence[Request]) -> bool:
         """Whether the next step may verify drafts at all (the cost rule's pre-check over the
-        step's shape, `_may_pay`); reads only counts, so it runs before the step in flight is
+        step's shape, `_may_pay`; no while the step time model probes a step without drafts,
+        `StepTimeLearner.probe_due`); reads only counts, so it runs before the step in flight is
         collected (async scheduling keeps its overlap while it says no)."""
         if not running:
             return False
-        return not self.config.use_cost_rule or self._may_pay(_step_shape(running, self.budget))
+        if not self.config.use_cost_rule:
+            return True
+        return not self.timer.probe_due() and self._may_pay(_step_shape(running, self.budget))
 
     def _may_pay(self, step: tuple[int, int, int]) -> bool:
         """Whether the rule would hand out any draft if every sequence the step samples drafted
@@ -297,6 +311,18 @@ class Drafter:
                 self.stats.num_accepted_tokens += accepted
                 verified = True
         self.stats.num_spec_steps += verified
+
+    def step_done(self, sched: SchedulerOutput, now: float) -> None:
+        """The engine collected the step of `sched` at `now` [s, `time.perf_counter`]: the time
+        since the previous step's collection is this step's cost (`step_time.py`)."""
+        last, self._last_step_end = self._last_step_end, now
+        if last is not None and self.config.use_cost_rule:
+            self.timer.observe(StepShape.of(sched.scheduled), max(0.0, now - last))
+
+    def idle(self) -> None:
+        """The engine has nothing left to run: the next step's period would span the idle
+        time, so it is not measured."""
+        self._last_step_end = None
 
     def finish(self, seq_id: str) -> None:
         """Forget a sequence that left (finished, aborted, failed)."""

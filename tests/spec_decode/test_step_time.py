@@ -1,0 +1,197 @@
+"""The cost rule's step time model learned online (`spec_decode/step_time.py`): the residuals of
+plain and verify steps, clipping, the probes without drafts; and the drafter on a simulated
+device whose step times come from a fake clock: verify steps that cost 3x a decode step with
+modest acceptance turn drafting off at batch 32, cheap verify steps with high acceptance keep
+it on. No wall-clock timings: every time is synthetic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from phloem.config import SpeculativeConfig
+from phloem.core.request import Request
+from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from phloem.sampling_params import SamplingParams
+from phloem.spec_decode.cost_rule import StepTimeModel
+from phloem.spec_decode.drafter import Drafter
+from phloem.spec_decode.step_time import StepShape, StepTimeConfig, StepTimeLearner
+
+# a GPU-like prior: the weights' pass dominates, a verify step costs almost nothing extra
+PRIOR = StepTimeModel(t_host_s=1e-3, t_weights_s=5e-3, c_token_s=1e-6, c_kv_s=0.0)
+PLAIN = StepShape(num_sampled=32, num_tokens=32, num_kv_tokens=3200, num_drafts=0)
+VERIFY = StepShape(num_sampled=32, num_tokens=96, num_kv_tokens=3200, num_drafts=64)
+
+
+def test_residuals_correct_host_and_verify_times() -> None:
+    learner = StepTimeLearner(PRIOR, StepTimeConfig(clip_factor=10.0))
+    plain_prior = PRIOR.step_time_s(32, 3200)
+    for _ in range(30):
+        learner.observe(PLAIN, 0.010)
+    assert learner.model.t_host_s == pytest.approx(PRIOR.t_host_s + 0.010 - plain_prior)
+    assert learner.model.step_time_s(32, 3200) == pytest.approx(0.010)
+    assert learner.model.t_verify_s == PRIOR.t_verify_s  # no verify step measured yet
+    for _ in range(30):
+        learner.observe(VERIFY, 0.030)
+    assert learner.model.step_time_s(96, 3200, 64) == pytest.approx(0.030, rel=0.01)
+    assert learner.model.step_time_s(32, 3200) == pytest.approx(0.010)  # plain unchanged
+
+
+def test_order_of_samples_does_not_matter() -> None:
+    """Verify steps measured before any plain step charge the excess to verifying; once plain
+    steps come, the verify extra is what lies beyond them."""
+    early = StepTimeLearner(PRIOR, StepTimeConfig(clip_factor=10.0))
+    for _ in range(10):
+        early.observe(VERIFY, 0.030)
+    assert early.model.step_time_s(96, 3200, 64) == pytest.approx(0.030)
+    assert early.model.t_host_s == PRIOR.t_host_s
+    for _ in range(10):
+        early.observe(PLAIN, 0.010)
+    late = StepTimeLearner(PRIOR, StepTimeConfig(clip_factor=10.0, forget_weight=0.0))
+    for shape, seconds in [(PLAIN, 0.010)] * 10 + [(VERIFY, 0.030)] * 10:
+        late.observe(shape, seconds)
+    for learner in (early, late):
+        assert learner.model.step_time_s(32, 3200) == pytest.approx(0.010)
+        assert learner.model.step_time_s(96, 3200, 64) == pytest.approx(0.030, rel=0.01)
+
+
+def test_one_stall_moves_the_estimate_at_most_by_the_clip() -> None:
+    learner = StepTimeLearner(PRIOR)
+    for _ in range(20):
+        learner.observe(PLAIN, 0.010)
+    learner.observe(PLAIN, 5.0)  # a collection, another process on the core
+    assert learner.model.step_time_s(32, 3200) <= 0.010 + 0.1 * 0.010 + 1e-12
+
+
+def test_steps_with_prompt_chunks_are_not_samples() -> None:
+    learner = StepTimeLearner(PRIOR)
+    chunk = StepShape(num_sampled=2, num_tokens=500, num_kv_tokens=0, num_drafts=0)
+    learner.observe(chunk, 1.0)
+    assert learner.num_plain == 0 and learner.model == PRIOR
+    rows = [ScheduledSequence("a", 10, 3, True, draft_token_ids=(4, 5)),
+            ScheduledSequence("b", 7, 1, True), ScheduledSequence("c", 0, 8, False)]  # fmt: skip
+    assert StepShape.of(rows) == StepShape(2, 12, 17, 2) and not StepShape.of(rows).decode_only
+    assert StepShape.of(rows[:2]).decode_only
+
+
+def test_probes_come_after_verify_steps_and_are_bounded() -> None:
+    config = StepTimeConfig(warmup_samples=1, warmup_probe_every=3, probe_every=10)
+    learner = StepTimeLearner(PRIOR, config)
+    answers = []
+    for _ in range(3):
+        answers.append(learner.probe_due())
+        learner.observe(VERIFY, 0.01)
+    answers += [learner.probe_due() for _ in range(4)]  # two probe steps, then none
+    assert answers == [False] * 3 + [True, True, False, False]
+    learner.observe(PLAIN, 0.01)  # warmed up: the long interval
+    for _ in range(9):
+        learner.observe(VERIFY, 0.01)
+        assert not learner.probe_due()
+    learner.observe(VERIFY, 0.01)
+    assert learner.probe_due()
+
+
+def test_bad_settings_raise_naming_the_field() -> None:
+    for field, value in [("ema_weight", 0.0), ("clip_factor", 1.0), ("probe_every", 0),
+                         ("warmup_samples", -1), ("forget_weight", 2.0)]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            StepTimeConfig(**{field: value}).validate()
+    with pytest.raises(ValueError, match="seconds"):
+        StepTimeLearner(PRIOR).observe(PLAIN, -1.0)
+
+
+def decoding(request_id: str) -> Request:
+    """A request that decodes next step, whose history repeats (n-gram drafts always exist)."""
+    r = Request(request_id, [5, 6, 7, 8] * 20, SamplingParams(temperature=0))
+    r.output_token_ids = [5]
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def simulate(plain_s: float, verify_s: float, acceptance: float, num_steps: int = 150):
+    """The drafter at batch 32 (k = 4) on a device whose decode steps take `plain_s` and verify
+    steps `verify_s` [s], each draft accepted with probability `acceptance` (until the first
+    rejection). Returns the drafts verified per step and the drafter."""
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), PRIOR, 4096)
+    running = [decoding(f"r{i}") for i in range(32)]
+    rng = random.Random(0)
+    clock, drafts_per_step = 0.0, []
+    for _ in range(num_steps):
+        if drafter.may_draft(running):
+            drafter.propose(running)
+        else:
+            for r in running:
+                r.draft_token_ids = []
+        rows, accepted = [], {}
+        for r in running:
+            drafts = tuple(r.draft_token_ids)
+            rows.append(ScheduledSequence(r.request_id, r.num_computed_tokens, 1 + len(drafts),
+                                          True, draft_token_ids=drafts))  # fmt: skip
+            n = 0
+            while n < len(drafts) and rng.random() < acceptance:
+                n += 1
+            accepted[r.request_id] = n
+        sched = SchedulerOutput(scheduled=rows)
+        num_drafts = sum(len(s.draft_token_ids) for s in rows)
+        clock += verify_s if num_drafts else plain_s
+        if num_drafts:
+            drafter.observe(sched, accepted)
+        drafter.step_done(sched, clock)
+        drafts_per_step.append(num_drafts)
+    return drafts_per_step, drafter
+
+
+def test_costly_verify_steps_with_modest_acceptance_turn_drafting_off_at_batch_32() -> None:
+    drafts, drafter = simulate(plain_s=0.010, verify_s=0.030, acceptance=0.5)
+    assert sum(drafts[:10]) > 0  # the prior model drafts
+    assert sum(drafts[-100:]) == 0  # the measured one does not
+    assert drafter.timer.num_plain > 50
+
+
+def test_cheap_verify_steps_with_high_acceptance_keep_drafting_at_batch_32() -> None:
+    drafts, drafter = simulate(plain_s=0.010, verify_s=0.011, acceptance=0.9)
+    drafting = sum(1 for d in drafts[-100:] if d)
+    assert drafting >= 90  # probes without drafts: at most 2 per 64 verify steps
+    assert drafter.timer.num_plain >= 2  # the probes measured plain steps
+
+
+def test_a_period_over_an_idle_engine_is_not_measured() -> None:
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), PRIOR, 4096)
+    sched = SchedulerOutput(scheduled=[ScheduledSequence("a", 10, 1, True)])
+    drafter.step_done(sched, 1.0)  # the first step: no period yet
+    assert drafter.timer.num_plain == 0
+    drafter.step_done(sched, 1.01)
+    assert drafter.timer.num_plain == 1
+    drafter.idle()
+    drafter.step_done(sched, 100.0)
+    assert drafter.timer.num_plain == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
+    from tests.engine.tiny_models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_steps", 5)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_engine_reports_its_steps_and_greedy_outputs_stay_equal(tiny_llama, async_scheduling):
+    """With the cost rule on, the engine tells the drafter every collected step (decode-only
+    ones become samples, whatever the wall-clock times were) and outputs equal speculation off."""
+    from phloem import LLM
+    from tests.spec_decode.test_spec_engine import GREEDY, prompts
+
+    outputs, samples = [], []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        llm = LLM(str(tiny_llama), speculative_config=spec, block_size=4,
+                  max_num_batched_tokens=32, async_scheduling=async_scheduling)  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+        outputs.append([[c.token_ids for c in o.outputs] for o in outs])
+        drafter = llm.llm_engine.drafter
+        if drafter is not None:
+            samples.append(drafter.timer.num_plain + drafter.timer.num_verify)
+            assert drafter._last_step_end is None  # idle after the run: no period spans it
+        llm.close()
+    assert outputs[0] == outputs[1]
+    assert samples[0] >= 10  # 30 tokens a request: most steps decode only
