@@ -9,6 +9,8 @@ plus what drafts cost beyond their tokens:
 T = tokens the step computes (scheduled tokens plus D drafts), K = KV tokens read, D = drafts.
 Below the knee (c_token x T < t_weights: the step is bound by reading the weights) a draft costs
 only c_draft; past it, a full token of compute too.
+The engine's model is a prior whose t_host and t_verify are corrected online by the device's
+measured step times (`step_time.StepTimeLearner`).
 
 Expected tokens (Leviathan et al. 2023, arXiv 2211.17192, §3.1, with an i.i.d. per-token
 acceptance rate a): a request verifying k drafts emits 1 + a + a^2 + ... + a^k tokens, so its
