@@ -341,8 +341,6 @@ class LLMEngine:
             outputs += self._finish_in_flight()  # synchronous: collect right after launch
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
-        if self.drafter is not None and not self.scheduler.has_unfinished_requests():
-            self.drafter.idle()  # the time until the next request is no step's
         return outputs
 
     def _propose_drafts(self) -> list[StepOutput]:
@@ -380,6 +378,8 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return None
         self._num_steps += 1
+        if self.drafter is not None:
+            self.drafter.launched(scheduler_output)
         return LaunchedStep(
             self._num_steps - 1, scheduler_output, handle, schedule_s, time.perf_counter() - start
         )
@@ -398,12 +398,12 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, accepted
         )
-        if self.drafter is not None:
-            if accepted:
-                self.drafter.observe(scheduler_output, accepted)
-            self.drafter.step_done(scheduler_output, collected)  # measures the step's time
+        if accepted and self.drafter is not None:
+            self.drafter.observe(scheduler_output, accepted)
         self.structured.advance(updated)
         outputs = self._process_outputs(scheduler_output, updated, runner_output)
+        if self.drafter is not None:  # the step's cost: its host work, its collection, its update
+            self.drafter.step_done(scheduler_output, start)
         if self._step_observers:
             record = launched.record(
                 runner_output, collected - start, time.perf_counter() - collected

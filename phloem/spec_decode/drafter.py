@@ -12,13 +12,14 @@ constants (`LLAMA_8B_H100`) scaled by the model's parameters and KV bytes; on th
 constants fitted to the embedded model's steps (`benchmarks/spec_decode_steps.py --fit`,
 `benchmarks/results/2026-11-26d-cpu-spec-decode/`) scaled the same way: the prior, which
 `step_time.StepTimeLearner` corrects by the running device's measured step times (the engine
-reports each collected step to `step_done`; the module docstring of `step_time.py` gives the
+reports each step to `launched` and `step_done`; the module docstring of `step_time.py` gives the
 rule, its EMA weights and its probes without drafts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -172,6 +173,7 @@ class Drafter:
         proposer: the proposer, built by the caller (a draft model: `draft_model.py`); None
             builds the n-gram or suffix proposer of `config`.
         timer_config: settings of the online step time correction; None: the defaults.
+        clock: the step timer's clock [s] (tests pass a fake one).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class Drafter:
         max_num_batched_tokens: int,
         proposer: Proposer | None = None,
         timer_config: StepTimeConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.config = config
         if proposer is None:
@@ -196,7 +199,9 @@ class Drafter:
         self.tracker = AcceptanceTracker()
         self.cost = CostRuleConfig(max_draft_tokens=config.num_speculative_tokens)
         self.timer = StepTimeLearner(time_model, timer_config)
-        self._last_step_end: float | None = None  # when the previous step was collected [s]
+        self._clock = clock
+        self._call_start = self._collect_end = 0.0  # this step() call began; a collection ended
+        self._host_s: dict[int, float] = {}  # id(launched SchedulerOutput) -> its host work [s]
         self.budget = max_num_batched_tokens
         self.stats = SpecDecodeStats()
         self._steps_off = 0  # consecutive steps `_may_pay` said no
@@ -265,6 +270,7 @@ class Drafter:
         step's shape, `_may_pay`; no while the step time model probes a step without drafts,
         `StepTimeLearner.probe_due`); reads only counts, so it runs before the step in flight is
         collected (async scheduling keeps its overlap while it says no)."""
+        self._call_start = self._clock()  # the engine's step() begins here (`launched`)
         if not running:
             return False
         if not self.config.use_cost_rule:
@@ -312,17 +318,27 @@ class Drafter:
                 verified = True
         self.stats.num_spec_steps += verified
 
-    def step_done(self, sched: SchedulerOutput, now: float) -> None:
-        """The engine collected the step of `sched` at `now` [s, `time.perf_counter`]: the time
-        since the previous step's collection is this step's cost (`step_time.py`)."""
-        last, self._last_step_end = self._last_step_end, now
-        if last is not None and self.config.use_cost_rule:
-            self.timer.observe(StepShape.of(sched.scheduled), max(0.0, now - last))
+    def launched(self, sched: SchedulerOutput) -> None:
+        """The engine launched the step of `sched`: its host work (proposing, scheduling,
+        launching; on the CPU the forward pass too) is the time since this step() call began or
+        since the collection the call made before it, whichever is later."""
+        if self.config.use_cost_rule:
+            now = self._clock()
+            self._host_s[id(sched)] = now - max(self._call_start, self._collect_end)
 
-    def idle(self) -> None:
-        """The engine has nothing left to run: the next step's period would span the idle
-        time, so it is not measured."""
-        self._last_step_end = None
+    def step_done(self, sched: SchedulerOutput, collect_start: float) -> None:
+        """The engine collected and updated the step of `sched`, having begun waiting for it at
+        `collect_start` [s, the drafter's clock]. Its cost, host work + wait + update, is a
+        sample of the step time model (`step_time.py`): each moment of a step() call is
+        charged to one step, device time that overlapped host work to none."""
+        self._collect_end = now = self._clock()
+        host_s = self._host_s.pop(id(sched), None)
+        if host_s is not None:
+            self.timer.observe(
+                StepShape.of(sched.scheduled), host_s + max(0.0, now - collect_start)
+            )
+        if len(self._host_s) > 8:  # steps launched and never collected (an abort): forget them
+            self._host_s.clear()
 
     def finish(self, seq_id: str) -> None:
         """Forget a sequence that left (finished, aborted, failed)."""

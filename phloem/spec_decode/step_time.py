@@ -2,14 +2,18 @@
 prior model (`drafter.step_time_model`: constants scaled by the model's shape, not measured on
 this device) plus two residuals learned from the engine's steps. Pure Python.
 
-What is measured: the engine reports every step it collects with its shape (`StepShape`: sampled
-sequences, tokens computed, KV tokens read, drafts verified) and the wall time since the previous
-step's collection (`Drafter.step_done`). In steady state that period is what a step costs the
-engine's throughput: host work (proposing, scheduling, outputs), the device's work and the sync,
-with async overlap where the step kept it; a verify step is charged the overlap it lost. Only
-decode-only steps are samples (every row samples, none computes a prompt chunk): a chunk's time
-is charged to the chunk by the cost rule, and the prior model's prefill cost is the least
-trusted part of it. A period that spans an idle engine is never measured (`Drafter.idle`).
+What is measured: the engine reports every step it launches and collects, with its shape
+(`StepShape`: sampled sequences, tokens computed, KV tokens read, drafts verified) and its cost:
+the host work of its step() call up to its launch (proposing drafts, scheduling, launching; on
+the CPU the forward pass runs inside the launch), plus the wait for its results and its update
+and outputs (`Drafter.launched`, `Drafter.step_done`). Each moment of a step() call is charged to
+one step; device time that overlapped host work (async scheduling) is charged to none, so a step
+that kept the overlap costs less than one that gave it up, which is what a verify step does. Not
+the period between collections: under async scheduling on the CPU a step's forward pass runs
+before the previous step is collected, so periods alternate between ~0 and two steps. Only
+decode-only steps are samples (every row samples, none computes a prompt chunk): a chunk's time is
+charged to the chunk by the cost rule, and the prior model's prefill cost is the least trusted
+part of it.
 
 What is learned, with t_model(T, K, D) the prior model's time (`StepTimeModel.step_time_s`):
 
@@ -23,10 +27,15 @@ decode step replays one whole graph; the drafter's own host time). Keeping r_ver
 prior model, not against r_plain, makes the two estimates independent of the order their samples
 come in; until a plain step is measured all of the excess is charged to verify steps.
 
-The EMAs weigh a sample 1/n while n < 1/`ema_weight` (the mean of the first samples), then
-`ema_weight` (0.1). A sample is first clipped to [1/c, c] times the corrected model's time for
-its shape (c = `clip_factor`, 2): one stall (a collection, another process on the core) moves
-an estimate by at most the clip, while a real error of 5x is learned within a few samples.
+The EMAs weigh the n-th sample 1/(n + n0) until that falls to `ema_weight` (0.1), then
+`ema_weight`: n0 = 0 for plain steps (the mean of the first samples), n0 = `prior_samples` = 4
+for verify steps (the prior counts as 4 samples of residual 0: plain samples keep coming and
+correct an outlier, verify samples stop once the rule turns drafts off). A sample is first
+clipped to [1/c, c] times the corrected model's time for its shape (c = `clip_factor`, 3). So
+one outlier (the first proposal indexing every prompt of a batch, a collection, another process
+on the core) moves an estimate by at most 2/5 of the model's time, and cannot alone turn drafts
+off, while a real error of 5x is learned within about 6 samples (the model's time grows by up
+to 1.4x a sample).
 
 Probing: the plain residual needs steps without drafts. Where the rule drafts every step, the
 drafter skips drafting for `probe_steps` (2: async scheduling decides the next step before the
@@ -53,7 +62,8 @@ class StepTimeConfig:
     """Settings of the online correction (see the module docstring).
 
     Attributes:
-        ema_weight: the residuals' EMA weight once 1/ema_weight samples are in, in (0, 1].
+        ema_weight: the residuals' EMA weight once 1/(n + n0) falls to it, in (0, 1].
+        prior_samples: the samples the prior counts as in the verify residual [samples], >= 0.
         clip_factor: a sample is clipped to [1/c, c] times the corrected model's time, > 1.
         warmup_samples: plain samples below which the shorter probe interval holds, >= 0.
         warmup_probe_every: verify steps between probes while warming up [steps], >= 1.
@@ -64,7 +74,8 @@ class StepTimeConfig:
     """
 
     ema_weight: float = 0.1
-    clip_factor: float = 2.0
+    prior_samples: float = 4.0
+    clip_factor: float = 3.0
     warmup_samples: int = 4
     warmup_probe_every: int = 8
     probe_every: int = 64
@@ -75,6 +86,8 @@ class StepTimeConfig:
         """Raise ValueError naming the field out of range."""
         if not 0.0 < self.ema_weight <= 1.0:
             raise ValueError(f"ema_weight must lie in (0, 1], got {self.ema_weight}")
+        if self.prior_samples < 0:
+            raise ValueError(f"prior_samples must be >= 0, got {self.prior_samples}")
         if self.clip_factor <= 1.0:
             raise ValueError(f"clip_factor must be > 1, got {self.clip_factor}")
         counts = (self.warmup_probe_every, self.probe_every, self.probe_steps)
@@ -155,7 +168,7 @@ class StepTimeLearner:
         residual = seconds - self.prior.step_time_s(t, k, d)
         if d:
             self.num_verify += 1
-            self.verify_residual_s += self._weight(self.num_verify) * (
+            self.verify_residual_s += self._weight(self.num_verify + self.config.prior_samples) * (
                 residual - self.verify_residual_s
             )
             self._since_plain += 1
@@ -183,7 +196,7 @@ class StepTimeLearner:
             self._since_plain = self._probing = 0
         return True
 
-    def _weight(self, num_samples: int) -> float:
+    def _weight(self, num_samples: float) -> float:
         return max(self.config.ema_weight, 1.0 / num_samples)
 
     def _correct(self) -> StepTimeModel:
