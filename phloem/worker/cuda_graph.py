@@ -58,8 +58,6 @@ class CUDAGraphRunner:
         backend: an attention backend that `supports_cuda_graphs`.
         block_size: tokens per block; scratch_block: a block id no request ever owns.
         max_num_seqs: the largest decode batch; device: the CUDA device.
-        batch_sizes: the buckets to capture (ascending); default `graph_batch_sizes(max_num_seqs)`
-            (`graph_memory` captures the largest two alone to measure them).
     """
 
     def __init__(
@@ -71,7 +69,6 @@ class CUDAGraphRunner:
         scratch_block: int,
         max_num_seqs: int,
         device: torch.device,
-        batch_sizes: list[int] | None = None,
     ) -> None:
         if not backend.supports_cuda_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot plan CUDA-graph steps")
@@ -82,7 +79,7 @@ class CUDAGraphRunner:
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         self.device = device
-        self.batch_sizes = batch_sizes or graph_batch_sizes(max_num_seqs)
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch_size = self.batch_sizes[-1]
         # rows: input ids, positions, slots (int64 [3, max_batch])
         self._static_inputs = torch.zeros(3, self.max_batch_size, dtype=torch.int64, device=device)
