@@ -88,9 +88,9 @@ def compare(want: list[int], ref_top: list, got: list[int], got_top: list) -> di
         hits = sum(got[i] == want[i] for i in idx)
         by_margin[str(m)] = {"positions": len(idx), "agreement": hits / len(idx) if idx else None}
     for w, rt, g, gt in zip(want, ref_top, got, got_top):
-        ref_ids, got_lp = {t for t, _ in rt}, {t: v for t, v in gt}
-        close += g == w or (g in ref_ids and w in got_lp)
-        ref_lp = dict((t, v) for t, v in rt).get(w)
+        ref_lp_of, got_lp = {t: v for t, v in rt}, {t: v for t, v in gt}
+        close += g == w or (g in ref_lp_of and w in got_lp)
+        ref_lp = ref_lp_of.get(w)
         if ref_lp is not None and w in got_lp:
             diffs.append(abs(ref_lp - got_lp[w]))
     return {
