@@ -37,6 +37,7 @@ import torch
 
 from phloem.ops.row_max import row_max
 from phloem.ops.staging import to_device, to_host
+from phloem.ops.token_bitmask import apply_token_bitmask_
 from phloem.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: temperatures below it are greedy. Dividing by a smaller positive
@@ -117,25 +118,6 @@ def apply_banned(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]
     if row_idx:
         idx = _device_tensor([row_idx, col_idx], dtype=torch.long, device=logits.device)
         logits[idx[0], idx[1]] = float("-inf")
-    return logits
-
-
-def apply_token_bitmask(
-    logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor
-) -> torch.Tensor:
-    """Set `logits[row_indices[i], t] = -inf` for every token t that row i of `bitmask` does not
-    allow; modified in place and returned.
-
-    logits: [B, V] float; bitmask: int32 [R, ceil(V / 32)] on logits' device, bit t % 32 of word
-    t // 32 set = token t allowed (xgrammar's and llguidance's layout; little-endian words, so
-    byte b of a row holds tokens 8b..8b+7, least significant bit first); row_indices: int64 [R].
-    Unpacks through a uint8 [R, V] temporary (no [R, V] int32), pure torch on any device.
-    """
-    num_rows, vocab_size = bitmask.shape[0], logits.shape[1]
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
-    bits = (bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1
-    disallowed = bits.view(num_rows, -1)[:, :vocab_size] == 0
-    logits[row_indices] = logits[row_indices].masked_fill(disallowed, float("-inf"))
     return logits
 
 
@@ -331,8 +313,9 @@ class Sampler:
         the host; `SampledTokens.tokens` (int64 [B], on the logits' device) can feed the next
         step's inputs on the device before the host has the ids. grammar: (bitmask int32
         [R, ceil(V / 32)], row indices int64 [R]) on logits' device:
-        structured-output rows' allowed tokens, applied to a copy first (`apply_token_bitmask`;
-        the non-finite flags are taken before it: its -inf is no model fault)."""
+        structured-output rows' allowed tokens, applied to the float32 copy the other steps
+        work on (`ops.token_bitmask.apply_token_bitmask_`; a plain greedy step masks a copy of
+        `logits`); the non-finite flags are taken before it: its -inf is no model fault."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
@@ -354,13 +337,15 @@ class Sampler:
             values, tokens = row_max(logits)
             return SampledTokens.start(logits, tokens, rows, non_finite(values))
         num_nonfinite = non_finite(logits.amax(dim=-1))
-        if grammar is not None:
-            logits = apply_token_bitmask(logits.clone(), *grammar)
-        if plain_greedy:
+        if plain_greedy:  # under a grammar: masked on a copy (the caller's logits stay)
+            assert grammar is not None
+            logits = apply_token_bitmask_(logits.clone(), *grammar)
             return SampledTokens.start(logits, row_max(logits)[1], rows, num_nonfinite)
         # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the
-        # caller's logits stay as they were)
+        # caller's logits stay as they were; the grammar masks it in place, a flagged row too)
         raw = logits.float().masked_fill((num_nonfinite != 0)[:, None], 0.0)
+        if grammar is not None:
+            apply_token_bitmask_(raw, *grammar)
         needs_copy = any(r.banned_token_ids or r.params.has_penalties for r in rows)
         x = raw.clone() if needs_copy else raw  # bans and penalties write in place; raw is
         # what the log-probs are taken of

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from phloem.layers.sampler import Sampler, SamplingRow, apply_token_bitmask
+from phloem.layers.sampler import Sampler, SamplingRow
+from phloem.ops.token_bitmask import apply_token_bitmask_
 from phloem.sampling_params import SamplingParams, StructuredOutputsParams
 from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_width
 from phloem.structured_output.manager import NO_TOKEN_MESSAGE, StructuredOutputManager
@@ -123,7 +124,7 @@ def test_apply_token_bitmask_matches_reference(dtype):
         for t in keep[r].nonzero().flatten().tolist():
             bitmask[r, t // 32] |= np.uint32(1 << (t % 32)).view(np.int32)
     rows = torch.tensor([4, 0, 2])
-    out = apply_token_bitmask(logits.clone(), torch.from_numpy(bitmask), rows)
+    out = apply_token_bitmask_(logits.clone(), torch.from_numpy(bitmask), rows)
     expected = logits.clone()
     for r, row in enumerate(rows.tolist()):
         expected[row] = logits[row].masked_fill(~keep[r], float("-inf"))

@@ -1,0 +1,181 @@
+"""`ops.token_bitmask`: the Triton kernel (interpreted on the CPU) and the CPU path mask exactly
+the tokens a plain reference masks, on fresh random bitmasks, row subsets and vocabularies (not
+a multiple of 32, wider and narrower than the bitmask, strided rows); rows not named are left
+as they were; bad arguments raise; the kernel compiles for Hopper; the sampler's constrained
+rows draw only allowed tokens on both of its paths without touching the caller's logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from phloem.layers.sampler import Sampler, SamplingRow
+from phloem.ops.token_bitmask import _apply_torch, apply_token_bitmask_
+from phloem.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tb(triton_kernels):
+    """The kernel module; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
+    return triton_kernels("phloem.ops.token_bitmask_triton", "_token_bitmask_kernel")
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A copy of logits, masked token by token from the bits read one at a time (numpy)."""
+    out = logits.clone().cpu()
+    words = bitmask.cpu().numpy().view(np.uint32)
+    vocab = out.shape[1]
+    for i, row in enumerate(rows.tolist()):
+        for t in range(vocab):
+            word = t // 32
+            if word >= words.shape[1] or not (int(words[i, word]) >> (t % 32)) & 1:
+                out[row, t] = float("-inf")
+    return out
+
+
+def random_case(batch: int, vocab: int, width: int, num_rows: int, dtype, seed: int):
+    """Fresh logits [batch, vocab], a bitmask int32 [num_rows, width] of random bits (~1/2
+    allowed, some rows all zeros or all ones), distinct random rows [num_rows]."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=g).to(dtype)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (num_rows, width), dtype=torch.int32, generator=g)
+    if num_rows > 2:
+        bitmask[0] = 0  # nothing allowed (the manager never sends it; the kernel must not care)
+        bitmask[1] = -1  # everything
+    rows = torch.randperm(batch, generator=g)[:num_rows]
+    return logits, bitmask, rows
+
+
+# (batch, vocab, bitmask words, rows): vocab % 32 != 0 (the last word partial), the logits wider
+# than the bitmask covers (tokens past it masked), the bitmask wider than the logits (bits past
+# V ignored), more words than one program's block, a single row
+CASES = [
+    (5, 70, 3, 3),
+    (6, 300, 8, 4),
+    (4, 100, 5, 2),
+    (7, 4099 * 2, 257, 5),
+    (3, 32 * 130, 130, 3),
+    (1, 33, 2, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_path_matches_reference(case, dtype):
+    batch, vocab, width, num_rows = case
+    logits, bitmask, rows = random_case(batch, vocab, width, num_rows, dtype, seed=vocab)
+    want = reference(logits, bitmask, rows)
+    got = apply_token_bitmask_(logits.clone(), bitmask, rows)
+    assert torch.equal(got, want)
+    untouched = sorted(set(range(batch)) - set(rows.tolist()))
+    assert torch.equal(got[untouched], logits[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference(tb, case, dtype):
+    batch, vocab, width, num_rows = case
+    logits, bitmask, rows = random_case(batch, vocab, width, num_rows, dtype, seed=vocab + 1)
+    want = reference(logits, bitmask, rows)
+    dev = device()
+    got = logits.to(dev)
+    tb.launch(got, bitmask.to(dev), rows.to(dev))
+    assert torch.equal(got.cpu(), want)
+
+
+def test_strided_rows_and_row_subset(tb):
+    """Rows of a wider buffer (as tensor parallelism's gathered logits cut to the vocabulary)
+    and int32 row indices: only the named rows' first V columns change, on both paths."""
+    batch, vocab, width = 6, 150, 5
+    logits, bitmask, rows = random_case(batch, vocab, width, 3, torch.float32, seed=7)
+    want = reference(logits, bitmask, rows)
+    for apply in (_apply_torch, tb.launch):
+        wide = torch.full((batch, vocab + 10), 7.0)
+        wide[:, :vocab] = logits
+        view = wide[:, :vocab]
+        apply(view, bitmask, rows.to(torch.int32))
+        assert torch.equal(view, want)
+        assert torch.equal(wide[:, vocab:], torch.full((batch, 10), 7.0))
+
+
+def test_cpu_path_chunks_many_rows():
+    """More rows than one unpacked chunk, in shuffled order."""
+    logits, bitmask, rows = random_case(150, 40, 2, 150, torch.float32, seed=3)
+    assert torch.equal(
+        apply_token_bitmask_(logits.clone(), bitmask, rows), reference(logits, bitmask, rows)
+    )
+
+
+def test_bad_arguments_raise_naming_them():
+    logits, bitmask, rows = random_case(4, 64, 2, 2, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="logits must be"):
+        apply_token_bitmask_(logits[0], bitmask, rows)
+    with pytest.raises(ValueError, match="logits must be"):
+        apply_token_bitmask_(logits.t(), bitmask, rows)
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        apply_token_bitmask_(logits, bitmask.long(), rows)
+    with pytest.raises(ValueError, match=r"row_indices must be \[R\] = \[2\]"):
+        apply_token_bitmask_(logits, bitmask, rows[:1])
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="must be on logits' device"):
+            apply_token_bitmask_(logits.cuda(), bitmask, rows.cuda())
+    empty = torch.zeros(0, 2, dtype=torch.int32)
+    assert torch.equal(apply_token_bitmask_(logits.clone(), empty, rows[:0]), logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampler_masks_constrained_rows_only_and_keeps_callers_logits(temperature):
+    """Greedy (a masked copy) and random (the float32 copy masked in place): each constrained
+    row draws an allowed token, the free rows draw as without a grammar, and the caller's
+    logits are unchanged."""
+    vocab, batch = 200, 6
+    logits, bitmask, rows = random_case(batch, vocab, 7, 3, torch.float32, seed=11)
+    bitmask[0] = 0
+    bitmask[0, 6] = 1 << 3  # token 195 only
+    before = logits.clone()
+    params = SamplingParams(temperature=temperature)
+    sample_rows = [
+        SamplingRow(params, [1], [], torch.Generator().manual_seed(i)) for i in range(batch)
+    ]
+    out = Sampler(seed=0).launch(logits, sample_rows, (bitmask, rows)).result()
+    assert torch.equal(logits, before)
+    masked = reference(logits, bitmask, rows)
+    assert out.token_ids[rows[0]] == 195
+    for k, row in enumerate(rows.tolist()):
+        assert masked[row, out.token_ids[row]] > float("-inf"), (k, row)
+    free = sorted(set(range(batch)) - set(rows.tolist()))
+    plain_rows = [
+        SamplingRow(params, [1], [], torch.Generator().manual_seed(i)) for i in range(batch)
+    ]
+    plain = Sampler(seed=0).launch(logits, plain_rows).result()
+    assert [out.token_ids[i] for i in free] == [plain.token_ids[i] for i in free]
+    assert out.num_nonfinite == [0] * batch
+
+
+COMPILE_FOR_HOPPER = r"""
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from phloem.ops import token_bitmask_triton as tb
+
+fn = tb._token_bitmask_kernel
+for ty in ("*bf16", "*fp32"):
+    types = dict(logits_ptr=ty, mask_ptr="*i32", rows_ptr="*i64", vocab="i32", num_words="i32",
+                 s_logits="i32", s_mask="i32")
+    sig = {n: "constexpr" if n == "BLOCK_WORDS" else types[n] for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_WORDS": tb.BLOCK_WORDS})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    assert "st.global" in ptx
+    print("compiled", ty)
+"""
+
+
+def test_kernel_compiles_for_hopper(compile_for_hopper):
+    """The GPU compiler (stricter than the interpreter) takes the kernel for bf16 and float32
+    logits (the greedy and the random sampling paths)."""
+    assert compile_for_hopper(COMPILE_FOR_HOPPER).count("compiled") == 2
