@@ -70,7 +70,7 @@ def runtime_launches(shapes: dict, kv: str, fp8: bool, steps: int, seed: int) ->
     """Run the engine's code paths that launch phloem's Triton kernels, on CPU tensors."""
     import torch
 
-    from phloem.ops import activation, rope_kv
+    from phloem.ops import activation, rope_kv, token_bitmask_triton
     from phloem.ops.attention.metadata import AttentionMetadata
     from phloem.ops.attention.reference import ReferenceAttention
     from phloem.ops.attention.shared_prefix import SharedPrefixAttention
@@ -99,6 +99,11 @@ def runtime_launches(shapes: dict, kv: str, fp8: bool, steps: int, seed: int) ->
             gate_up = torch.zeros(t, 2 * shapes["intermediate_size"], dtype=bf16)
             fp8_fused_quant.silu_and_mul_quant(gate_up, 1e-12)
             fp8_quant.per_token_quant(torch.zeros(t, h * d, dtype=bf16), 1e-12)
+    for dtype in (bf16, torch.float32):  # the sampler's grammar mask: greedy copy, float32 copy
+        for rows, vocab in ((1, 128_256), (3, 49_152)):
+            bitmask = torch.zeros(rows, (vocab + 31) // 32, dtype=torch.int32)
+            token_bitmask_triton.launch(torch.zeros(rows, vocab, dtype=dtype), bitmask,
+                                        torch.arange(rows))  # fmt: skip
     backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", num_heads=h,
                                     num_kv_heads=hkv, head_dim=d, device="cpu")  # fmt: skip
     pool = allocate_kv_cache(4096, bs, hkv, d, kv_dtype, "cpu")

@@ -51,9 +51,11 @@ def launch(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tenso
 
 
 def compile_variants(dtype: torch.dtype) -> None:
-    """Launch the kernel once on CPU tensors with `dtype` logits, for
-    `phloem.worker.triton_prebuild`'s compile-only driver: the launch records the variant the
-    engine compiles (only the logits' dtype picks one) and runs nothing. Under a real driver it
-    would launch on CPU memory: call it only there."""
-    logits = torch.zeros(1, 64, dtype=dtype)
-    launch(logits, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+    """Launch the kernel once on CPU tensors per logits dtype the sampler masks (`dtype`, the
+    model's: a greedy step's copy of its logits; float32: the random path's copy), for
+    `phloem.worker.triton_prebuild`'s compile-only driver: each launch records the variant the
+    engine compiles (only the logits' dtype picks one) and runs nothing. Under a real driver
+    it would launch on CPU memory: call it only there."""
+    for logits_dtype in dict.fromkeys([dtype, torch.float32]):
+        logits = torch.zeros(1, 64, dtype=logits_dtype)
+        launch(logits, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
