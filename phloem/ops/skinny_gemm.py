@@ -94,9 +94,56 @@ class SkinnyConfig:
 
 
 # Measured choices: (rows bucket, N, K) -> config, or None where cuBLAS was faster; rows bucket =
-# the smallest of 1, 2, 4, 8, 16 that holds the rows. Filled from benchmarks/skinny_gemm.py's
-# table on an H200; shapes missing here take `default_config`.
-CONFIGS: dict[tuple[int, int, int], SkinnyConfig | None] = {}
+# the smallest of 1, 2, 4, 8, 16 that holds the rows. benchmarks/skinny_gemm.py's table on an
+# H100 80GB HBM3 (2026-11-26, benchmarks/results/2026-11-26f-h100/): Llama-3.1-8B's qkv, o,
+# gate_up and down at TP = 1 and 2, the best config against F.linear's time. By default
+# (PHLOEM_SKINNY_GEMM unset) only these shapes run here; PHLOEM_SKINNY_GEMM=1 gives the others
+# `default_config`.
+_C = SkinnyConfig  # (block_n, block_k, split_k, num_warps, num_stages, tensor_cores)
+# fmt: off
+CONFIGS: dict[tuple[int, int, int], SkinnyConfig | None] = {  # F.linear -> kernel time
+    (1, 6144, 4096): _C(8, 512, 1, 4, 3, None),  # 20.8 -> 19.9 us
+    (2, 6144, 4096): _C(32, 128, 1, 4, 4, True),  # 20.8 -> 20.3 us
+    (4, 6144, 4096): _C(16, 128, 1, 4, 4, True),  # 20.8 -> 20.4 us
+    (8, 6144, 4096): _C(32, 128, 1, 4, 4, None),  # 21.0 -> 20.4 us
+    (16, 6144, 4096): _C(32, 128, 1, 4, 4, None),  # 21.3 -> 20.6 us
+    (1, 4096, 4096): _C(4, 512, 1, 4, 1, None),  # 16.4 -> 13.6 us
+    (2, 4096, 4096): _C(8, 512, 1, 4, 3, None),  # 16.2 -> 14.3 us
+    (4, 4096, 4096): _C(16, 256, 1, 4, 4, True),  # 16.3 -> 14.6 us
+    (8, 4096, 4096): _C(16, 256, 1, 4, 4, None),  # 16.4 -> 14.7 us
+    (16, 4096, 4096): _C(16, 256, 1, 4, 4, None),  # 16.7 -> 14.9 us
+    (1, 28672, 4096): _C(4, 512, 1, 4, 1, None),  # 82.3 -> 78.4 us
+    (2, 28672, 4096): _C(64, 128, 1, 8, 4, True),  # 82.4 -> 81.4 us
+    (4, 28672, 4096): _C(64, 128, 1, 8, 4, True),  # 82.6 -> 81.8 us
+    (8, 28672, 4096): _C(64, 128, 1, 8, 4, None),  # 83.0 -> 82.3 us
+    (16, 28672, 4096): _C(64, 128, 1, 8, 4, None),  # 83.6 -> 83.3 us
+    (1, 4096, 14336): _C(4, 1024, 1, 4, 1, None),  # 44.4 -> 41.3 us
+    (2, 4096, 14336): _C(4, 1024, 1, 4, 1, None),  # 44.3 -> 43.4 us
+    (4, 4096, 14336): _C(32, 512, 1, 8, 4, True),  # 44.3 -> 43.7 us
+    (8, 4096, 14336): _C(16, 256, 1, 4, 4, None),  # 44.7 -> 43.8 us
+    (16, 4096, 14336): _C(16, 256, 1, 4, 4, None),  # 45.3 -> 43.9 us
+    (1, 3072, 4096): _C(4, 1024, 1, 4, 1, None),  # 14.1 -> 11.0 us
+    (2, 3072, 4096): _C(4, 512, 1, 4, 1, None),  # 14.1 -> 11.3 us
+    (4, 3072, 4096): _C(32, 256, 1, 8, 4, True),  # 14.2 -> 12.7 us
+    (8, 3072, 4096): _C(32, 256, 1, 8, 4, None),  # 14.3 -> 12.7 us
+    (16, 3072, 4096): _C(32, 256, 1, 8, 4, None),  # 14.6 -> 12.8 us
+    (1, 4096, 2048): _C(4, 512, 1, 4, 1, None),  # 8.6 -> 7.8 us
+    (2, 4096, 2048): _C(16, 512, 1, 8, 1, None),  # 8.6 -> 8.5 us
+    (4, 4096, 2048): None,  # F.linear 8.5 us, kernel 8.7 us
+    (8, 4096, 2048): None,  # F.linear 8.6 us, kernel 8.8 us
+    (16, 4096, 2048): None,  # F.linear 8.7 us, kernel 8.8 us
+    (1, 14336, 4096): _C(4, 512, 1, 4, 1, None),  # 42.2 -> 41.1 us
+    (2, 14336, 4096): None,  # F.linear 42.2 us, kernel 42.8 us
+    (4, 14336, 4096): None,  # F.linear 42.3 us, kernel 43.4 us
+    (8, 14336, 4096): None,  # F.linear 43.6 us, kernel 43.6 us
+    (16, 14336, 4096): None,  # F.linear 42.9 us, kernel 43.9 us
+    (1, 4096, 7168): _C(4, 512, 1, 4, 1, None),  # 25.2 -> 22.1 us
+    (2, 4096, 7168): _C(8, 512, 1, 4, 1, None),  # 24.9 -> 23.2 us
+    (4, 4096, 7168): _C(16, 256, 1, 4, 4, True),  # 25.1 -> 23.4 us
+    (8, 4096, 7168): _C(16, 256, 1, 4, 4, None),  # 25.1 -> 23.5 us
+    (16, 4096, 7168): _C(16, 256, 1, 4, 4, None),  # 25.6 -> 23.7 us
+}
+# fmt: on
 
 
 def load_configs(path: str) -> int:
@@ -284,11 +331,14 @@ def _skinny_dot_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def takes(x: torch.Tensor, weight: torch.Tensor, measured_only: bool = False) -> bool:
     """Whether `skinny_linear(x, weight)` runs here and is meant for this call: 1..MAX_ROWS rows
     of x, both in one dtype of `DTYPES`, W's rows contiguous, on CUDA (or on the CPU under
-    Triton's interpreter, for tests), and a shape `CONFIGS` does not leave to cuBLAS."""
+    Triton's interpreter, for tests), and a shape `CONFIGS` does not leave to cuBLAS; with
+    `measured_only`, a shape `CONFIGS` gives a config (measured faster than cuBLAS)."""
     k = x.shape[-1]
+    if measured_only and CONFIGS.get((rows_bucket(x.numel() // max(k, 1)), *weight.shape)) is None:
+        return False
     return (
         0 < x.numel() <= MAX_ROWS * k
         and x.dtype in DTYPES
@@ -363,15 +413,20 @@ def skinny_linear(
     return out.view(*x.shape[:-1], n)
 
 
-def compile_variants(shapes: list[tuple[int, int]], dtype: torch.dtype) -> None:
+def compile_variants(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, measured_only: bool = False
+) -> None:
     """Call `skinny_linear` on CPU tensors for each (N, K) of `shapes` (one rank's linear layers)
     at 1, 2, 4, 8 and 16 rows, for `phloem.worker.triton_prebuild`'s compile-only driver: the
     launches record every variant a decode step of 1..16 rows compiles (Triton specializes M
     only on equalling 1 or being divisible by 16; the rows bucket picks the constexprs) and run
-    nothing. Under a real driver it would launch on CPU memory: call it only there. W is
-    allocated, never written (`torch.empty`)."""
+    nothing; `measured_only`: only the launches `takes(..., measured_only=True)` sends here.
+    Under a real driver it would launch on CPU memory: call it only there. W is allocated,
+    never written (`torch.empty`)."""
     for n, k in shapes:
         weight = torch.empty(n, k, dtype=dtype)
         for rows in (1, 2, 4, 8, 16):
+            if measured_only and CONFIGS.get((rows, n, k)) is None:
+                continue
             if not measured_slower(rows, n, k):
                 skinny_linear(torch.empty(rows, k, dtype=dtype), weight)

@@ -67,6 +67,9 @@ class TritonShapes:
         tp_size: tensor-parallel ranks (a row-parallel layer's slice quantizes in torch).
         shared_prefix: the shared-prefix Triton kernels run (the attention backend wraps them).
         cuda_graphs: decode steps are captured, the shared-prefix graph variant among them.
+        skinny_gemm: which dense projections' decode-sized calls run the skinny-GEMM kernel
+            (`layers.quantization.base.skinny_gemm_mode`): "0" none, "auto" the shapes its
+            table measured faster than cuBLAS, "1" all.
     """
 
     num_heads: int
@@ -83,8 +86,11 @@ class TritonShapes:
     tp_size: int = 1
     shared_prefix: bool = True
     cuda_graphs: bool = True
+    skinny_gemm: str = "0"
 
     def __post_init__(self) -> None:
+        if self.skinny_gemm not in ("0", "auto", "1"):
+            raise ValueError(f"skinny_gemm must be '0', 'auto' or '1', got {self.skinny_gemm!r}")
         if self.fp8_quant not in ("", "fused", "per_token"):
             raise ValueError(
                 f"fp8_quant must be '', 'fused' or 'per_token', got {self.fp8_quant!r}"
@@ -131,6 +137,8 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
                                               if s.tp_size == 1 else [])}  # fmt: skip
     for width in widths.get(s.fp8_quant, []):
         hooks.append(("fp8_quant", partial(fp8_quant.compile_variants, width, dtype)))
+    if s.skinny_gemm != "0":  # the dense projections' decode-sized calls
+        hooks.extend(_skinny_hook(s, dtype))
     # the sampler's grammar mask (structured outputs): any engine may get a constrained request
     hooks.append(("token_bitmask", partial(token_bitmask_triton.compile_variants, dtype)))
     if s.shared_prefix:
@@ -270,6 +278,17 @@ def _log_summary(summary: dict[str, Any], seconds: float) -> None:
     )  # fmt: skip
 
 
+def _skinny_hook(s: TritonShapes, dtype) -> list[tuple[str, Any]]:
+    """The skinny-GEMM hook for one rank's qkv, o, gate_up and down projections (no bias)."""
+    from phloem.ops import skinny_gemm as skinny
+
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    shapes = [(q + 2 * kv, s.hidden_size), (s.hidden_size, q),
+              (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]  # fmt: skip
+    measured = s.skinny_gemm == "auto"
+    return [("skinny_gemm", partial(skinny.compile_variants, shapes, dtype, measured))]
+
+
 def shapes_for_engine(
     model_config, cache_config, hf_config, dtype: str, tp_size: int = 1,
     flashinfer: bool | None = None,
@@ -286,6 +305,7 @@ def shapes_for_engine(
     Raises:
         ValueError: a quantization the checkpoint contradicts (`resolve_quantization`).
     """
+    from phloem.layers.quantization.base import skinny_gemm_mode
     from phloem.layers.quantization.formats import Fp8Config, resolve_quantization
     from phloem.layers.rotary import rope_parameters_from_hf
     from phloem.ops.attention import FLASHINFER_HEAD_DIMS
@@ -323,6 +343,9 @@ def shapes_for_engine(
         cuda_graphs=not model_config.enforce_eager
         and flashinfer
         and num_heads // num_kv_heads <= 16,
+        skinny_gemm=skinny_gemm_mode()
+        if quant is None and dtype in ("bfloat16", "float16")
+        else "0",
     )
 
 

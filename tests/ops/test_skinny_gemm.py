@@ -143,20 +143,36 @@ def skinny_flag(monkeypatch):
             monkeypatch.delenv(quant_base.SKINNY_GEMM_ENV, raising=False)
         else:
             monkeypatch.setenv(quant_base.SKINNY_GEMM_ENV, value)
+        quant_base.skinny_gemm_mode.cache_clear()
         quant_base.skinny_gemm_module.cache_clear()
 
     yield set_flag
+    quant_base.skinny_gemm_mode.cache_clear()
     quant_base.skinny_gemm_module.cache_clear()
 
 
-def test_flag_is_off_by_default_and_validated(skinny_flag):
+def test_flag_defaults_to_the_measured_shapes_and_is_validated(sk, skinny_flag):
     skinny_flag(None)
-    assert quant_base.skinny_gemm_module() is None
+    assert quant_base.skinny_gemm_mode() == "auto" and quant_base.skinny_gemm_module() is sk
     skinny_flag("0")
     assert quant_base.skinny_gemm_module() is None
     skinny_flag("yes")
-    with pytest.raises(ValueError, match="PHLOEM_SKINNY_GEMM must be 0 or 1"):
+    with pytest.raises(ValueError, match="PHLOEM_SKINNY_GEMM must be 0, 1 or auto"):
         quant_base.skinny_gemm_module()
+
+
+def test_by_default_only_measured_shapes_take_the_kernel(sk, monkeypatch):
+    x, w, _ = inputs((3,), 32, 64, bias=False, seed=5)
+    assert sk.takes(x, w) and not sk.takes(x, w, measured_only=True)  # no entry: rule of thumb
+    monkeypatch.setitem(sk.CONFIGS, (4, 32, 64), sk.SkinnyConfig(block_n=16, block_k=32))
+    assert sk.takes(x, w, measured_only=True) and not sk.takes(x[:1], w, measured_only=True)
+    monkeypatch.setitem(sk.CONFIGS, (4, 32, 64), None)  # measured slower: cuBLAS either way
+    assert not sk.takes(x, w, measured_only=True) and not sk.takes(x, w)
+    # the table's own entries are well-formed for the rows they serve
+    for (rows, n, k), config in sk.CONFIGS.items():
+        assert rows in (1, 2, 4, 8, 16) and n % 16 == 0 and k % 16 == 0
+        if config is not None:
+            config.validate(rows)
 
 
 @pytest.fixture
@@ -173,7 +189,7 @@ def counted(sk, monkeypatch):
     return calls
 
 
-def test_flag_routes_decode_sized_dense_calls(sk, skinny_flag, counted):
+def test_flag_routes_decode_sized_dense_calls(sk, skinny_flag, counted, monkeypatch):
     from phloem.layers.linear import MergedColumnLinear, RowParallelLinear
 
     skinny_flag("1")
@@ -191,6 +207,12 @@ def test_flag_routes_decode_sized_dense_calls(sk, skinny_flag, counted):
     x, _, _ = inputs((17,), 1, 48, bias=False, seed=17)  # a prefill-sized call: F.linear
     up(x)
     assert len(counted) == 6
+    skinny_flag(None)  # the default: only shapes the table measured faster (up's, at 1 row)
+    monkeypatch.setitem(sk.CONFIGS, (1, 80, 48), sk.SkinnyConfig(block_n=16, block_k=16))
+    for rows in (1, 2):
+        up(inputs((rows,), 1, 48, bias=False, seed=rows)[0])
+        down(inputs((rows,), 1, 40, bias=False, seed=rows)[0])
+    assert [shape[0] for shape in counted[6:]] == [1]
 
 
 def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_factory,
@@ -267,24 +289,37 @@ def test_kernel_compiles_for_hopper(compile_for_hopper):
 RECORD_VARIANTS = r"""
 import torch
 from phloem.ops import skinny_gemm as sk
+from phloem.worker.triton_prebuild import TritonShapes, launch_all
 from phloem.worker.triton_variants import cuda_target, record_variants
 
+llama = dict(num_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=128, hidden_size=4096,
+             intermediate_size=14336, shared_prefix=False)
+for mode in ("0", "auto", "1"):  # the engine's prebuild hooks, the measured table in place
+    variants = record_variants(lambda: launch_all(TritonShapes(**llama, skinny_gemm=mode)),
+                               cuda_target((9, 0)))
+    print(mode, "", *sorted(v.describe() for v in variants if "_skinny_" in v.describe()), sep="|")
+sk.CONFIGS.clear()  # the rule of thumb alone
 shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 variants = record_variants(lambda: sk.compile_variants(shapes, torch.bfloat16),
                            cuda_target((9, 0)))
-print(len(variants), *sorted(v.describe() for v in variants), sep="\n")
+print("rule", "", *sorted(v.describe() for v in variants), sep="|")
 """
 
 
 def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
     """The prebuild hook records, per Llama-3.1-8B shape, the variants of 1, 2, 4, 8 and 16
-    rows (CUDA-core kernel at 1/2/4 rows by default, tl.dot at 8 and 16) and compiles none."""
-    count, *names = compile_for_hopper(RECORD_VARIANTS).splitlines()
-    assert int(count) == len(names) >= 5, names
-    assert any(n.startswith("_skinny_fma_kernel(M=1, ") for n in names), names  # 1 row
+    rows and compiles none: by the rule of thumb the CUDA-core kernel at 1/2/4 rows and tl.dot
+    at 8 and 16; through the engine's hooks none with PHLOEM_SKINNY_GEMM=0, and by default
+    (auto) those of the measured shapes (all of these: their table is complete)."""
+    lines = dict(line.split("|", 1) for line in compile_for_hopper(RECORD_VARIANTS).splitlines()
+                 if "|" in line)  # fmt: skip
+    names = {mode: set(text.split("|")) - {""} for mode, text in lines.items()}
+    rule = names["rule"]
+    assert any(n.startswith("_skinny_fma_kernel(M=1, ") for n in rule), rule  # 1 row
     for rows in (1, 2, 4):
-        assert any(f"ROWS={rows}," in n for n in names), (rows, names)
-    assert sum("_skinny_dot_kernel" in n for n in names) >= 2, names  # 8 and 16 rows
+        assert any(f"ROWS={rows}," in n for n in rule), (rows, rule)
+    assert sum("_skinny_dot_kernel" in n for n in rule) >= 2, rule  # 8 and 16 rows
+    assert not names["0"] and names["auto"] and names["auto"] <= names["1"], names
 
 
 def test_benchmark_grid_is_valid(sk):

@@ -70,24 +70,42 @@ SKINNY_GEMM_CONFIGS_ENV = "PHLOEM_SKINNY_GEMM_CONFIGS"
 
 
 @functools.cache
+def skinny_gemm_mode() -> str:
+    """PHLOEM_SKINNY_GEMM, read once per process (tensor-parallel ranks inherit the
+    environment): "auto" (unset: the skinny-GEMM kernel for the shapes its measured table
+    `skinny_gemm.CONFIGS` gives a config, where Triton imports), "1" (every decode-sized call,
+    unmeasured shapes by the kernel's rule of thumb) or "0" (cuBLAS only).
+
+    Raises:
+        ValueError: naming PHLOEM_SKINNY_GEMM for another value.
+    """
+    value = os.environ.get(SKINNY_GEMM_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{SKINNY_GEMM_ENV} must be 0, 1 or auto, got {value!r}")
+    return value
+
+
+@functools.cache
 def skinny_gemm_module():
-    """`phloem.ops.skinny_gemm` when PHLOEM_SKINNY_GEMM=1, None when it is unset or "0"; read
-    once per process (the first dense forward, the engine's start-up pass; tensor-parallel
-    ranks inherit the environment). PHLOEM_SKINNY_GEMM_CONFIGS=FILE adds the config table
+    """`phloem.ops.skinny_gemm`, or None when `skinny_gemm_mode()` is "0" or is "auto" where
+    Triton does not import; read once per process (the first dense forward on CUDA, the
+    engine's start-up pass). PHLOEM_SKINNY_GEMM_CONFIGS=FILE adds the config table
     benchmarks/skinny_gemm.py wrote (`--configs-out`) to the kernel's, once.
 
     Raises:
-        ValueError: naming PHLOEM_SKINNY_GEMM for a value other than "0" or "1"; naming the
-            file for a bad config table.
+        ValueError: a bad PHLOEM_SKINNY_GEMM (`skinny_gemm_mode`); naming the file for a bad
+            config table.
         ImportError: PHLOEM_SKINNY_GEMM=1 where Triton does not import.
     """
-    value = os.environ.get(SKINNY_GEMM_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{SKINNY_GEMM_ENV} must be 0 or 1, got {value!r}")
-    if value == "0":
+    mode = skinny_gemm_mode()
+    if mode == "0":
         return None
-    from phloem.ops import skinny_gemm
-
+    try:
+        from phloem.ops import skinny_gemm
+    except ImportError:
+        if mode == "1":
+            raise
+        return None
     table = os.environ.get(SKINNY_GEMM_CONFIGS_ENV)
     if table:
         skinny_gemm.load_configs(table)
@@ -95,9 +113,10 @@ def skinny_gemm_module():
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """The dense layer: W in the model dtype, `F.linear`; with PHLOEM_SKINNY_GEMM=1, calls of
-    1..16 rows in bf16/fp16 on CUDA go through one Triton kernel that streams W once
-    (`phloem.ops.skinny_gemm`, for decode steps)."""
+    """The dense layer: W in the model dtype, `F.linear`; calls of 1..16 rows in bf16/fp16 on
+    CUDA (decode steps) go through one Triton kernel that streams W once
+    (`phloem.ops.skinny_gemm`) for the shapes it measured faster than cuBLAS
+    (`skinny_gemm_mode`: PHLOEM_SKINNY_GEMM=0 turns it off, =1 takes every shape)."""
 
     def create_weights(self, layer: LinearBase) -> None:
         """Nothing to do: `LinearBase` builds the dense weight itself."""
@@ -109,9 +128,12 @@ class UnquantizedLinearMethod(LinearMethod):
         self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
     ) -> torch.Tensor:
         assert isinstance(x, torch.Tensor), "a dense layer takes no Fp8Activation"
-        skinny = skinny_gemm_module()
-        if skinny is not None and skinny.takes(x, layer.weight):
-            return skinny.skinny_linear(x, layer.weight, bias)
+        mode = skinny_gemm_mode()
+        # on the CPU only under Triton's interpreter (tests): no Triton import otherwise
+        if mode != "0" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            skinny = skinny_gemm_module()
+            if skinny is not None and skinny.takes(x, layer.weight, measured_only=mode == "auto"):
+                return skinny.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 
