@@ -273,6 +273,11 @@ class SpeculativeConfig:
             in (0, 1].
         use_cost_rule: decide per step and request how many drafts pay (`spec_decode.cost_rule`;
             0 on large batches or low acceptance); False always verifies every draft offered.
+        verify_graph_max_batch: on CUDA with graphs on, verify steps of at most this many
+            sequences replay a full CUDA graph per batch bucket, every sequence padded to
+            1 + num_speculative_tokens query tokens (`worker/verify_graph.py`) [sequences],
+            >= 0; 0 captures none (verify steps replay the piecewise graphs). Also capped at
+            max_num_seqs and max_num_batched_tokens // (1 + k).
     """
 
     method: str = "ngram"
@@ -283,6 +288,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     use_cost_rule: bool = True
+    verify_graph_max_batch: int = 64
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
     draft_num_blocks: int | None = None
@@ -332,6 +338,11 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config.suffix_decoding_min_token_prob must lie in (0, 1], "
                 f"got {self.suffix_decoding_min_token_prob!r}"
+            )
+        limit = self.verify_graph_max_batch
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(
+                f"speculative_config.verify_graph_max_batch must be an integer >= 0, got {limit!r}"
             )
         self._validate_draft_model()
 

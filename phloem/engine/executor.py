@@ -110,5 +110,6 @@ def build_executor(
         config.seed,
         eos_token_id,
         scheduler_config=scheduler_config,
+        speculative_config=config.speculative,
     )
     return (executor_factory or UniProcExecutor)(worker)

@@ -219,7 +219,7 @@ def start_tensor_parallel(
     kwargs = {
         "model_config": config.model, "cache_config": config.cache, "source": source,
         "hf_config": hf_config, "seed": config.seed, "eos_token_id": eos_token_id,
-        "scheduler_config": scheduler_config,
+        "scheduler_config": scheduler_config, "speculative_config": config.speculative,
     }  # fmt: skip
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     level = logging.getLogger("phloem").getEffectiveLevel()

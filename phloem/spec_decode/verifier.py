@@ -18,8 +18,9 @@ draw exactly what they would in a step without drafts.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from phloem.layers.sampler import (
@@ -177,3 +178,28 @@ class VerifyStep:
         for j, b in enumerate(drafted):
             self.num_accepted[b] = verified.num_accepted[j]  # type: ignore[union-attr]
         return out
+
+
+def launch_verify(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    drafts: Sequence[Sequence[int]],
+    fallback_generator: torch.Generator | None,
+    sample_plain: Callable[[torch.Tensor, list[int]], SampledTokens],
+) -> VerifyStep:
+    """Enqueue a verify step's sampling: drafted rows through `verify_drafts` (their 1 + k_b
+    packed positions of `logits` [N, V], module docstring), the others through
+    `sample_plain(their logits [P, V], their row indices)` (their one position each: the
+    caller's sampler). Nothing waits for the device."""
+    drafted, positions, plain, plain_positions = split_verify_rows(drafts)
+    device = logits.device
+    index = to_device(np.array(positions, dtype=np.int64), device)
+    verified = verify_drafts(
+        logits[index], [rows[b] for b in drafted], [drafts[b] for b in drafted],
+        fallback_generator,
+    )  # fmt: skip
+    sampled = None
+    if plain:
+        index = to_device(np.array(plain_positions, dtype=np.int64), device)
+        sampled = sample_plain(logits[index], plain)
+    return VerifyStep(verified, drafted, sampled, plain)

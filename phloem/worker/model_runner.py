@@ -4,8 +4,9 @@ This is the only place a step's tensors are built: input ids, positions, the slo
 tables and the positions whose logits are sampled. The model sees packed tokens (no batch dim)
 and reads its attention metadata from the forward context. Each step calls the backend's
 `begin_step` once (planning backends such as FlashInfer). Once graphs are captured, a decode-only
-step replays its batch bucket's graph (cuda_graph.py), another step of at most the largest token
-bucket the piecewise graphs, attention eager between them (piecewise_graph.py); larger steps run
+step replays its batch bucket's graph (cuda_graph.py), a verify step of at most k drafts a row
+its bucket's verify graph (verify_graph.py), another step of at most the largest token bucket
+the piecewise graphs, attention eager between them (piecewise_graph.py); larger steps run
 eagerly.
 
 Structured outputs: a step with constrained samples (`SchedulerOutput.structured_seq_ids`) is
@@ -22,8 +23,6 @@ fails alone: its row is sampled as a placeholder so the batch goes on, and its i
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,8 +41,9 @@ from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
+from phloem.ops.token_bitmask import bitmask_to_device
 from phloem.sampling_params import SamplingParams
-from phloem.spec_decode.verifier import VerifyStep, split_verify_rows, verify_drafts
+from phloem.spec_decode.verifier import VerifyStep, launch_verify
 from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.cuda_graph import CUDAGraphRunner
 from phloem.worker.input_batch import (
@@ -54,6 +54,8 @@ from phloem.worker.input_batch import (
     sampling_row,
 )
 from phloem.worker.piecewise_graph import CUDAPieceGraphs, PieceGraphs, PiecewiseGraphRunner
+from phloem.worker.runner_output import LaunchedStep, ModelRunnerOutput, StepInputs
+from phloem.worker.verify_graph import VerifyGraphRunner
 
 __all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
 
@@ -64,49 +66,6 @@ _PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
 def _placeholder_row(state: SequenceState) -> SamplingRow:
     """The row sampled for a sequence that failed alone: greedy, no bans, draws nothing."""
     return SamplingRow(_PLACEHOLDER_PARAMS, state.prompt_token_ids, [], generator=None)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Per sampled sequence (by seq id): the new token, its log-prob under the model's raw
-    distribution, and the top-k log-probs when the request asked for them; `failed` maps the
-    sequences that failed alone this step to the reason (their token is a placeholder);
-    `num_nans_in_logits` is 1 for each sampled row whose logits hold a NaN/inf (vLLM's name; the
-    sampler flags rows, it does not count values; those sequences are in `failed` with
-    `NON_FINITE_MESSAGE`). Plain data (picklable)."""
-
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, float | None] = field(default_factory=dict)
-    top_logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
-    num_nans_in_logits: dict[str, int] = field(default_factory=dict)
-    # speculative decoding: drafts accepted per sequence that verified any (its
-    # `sampled_token_ids` entry is the token after them)
-    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose sampling is enqueued on the device (see `ModelRunner.launch`)."""
-
-    seq_ids: list[str]  # the sampled sequences, in row order
-    states: list[SequenceState]  # their states when launched (the tokens are appended there)
-    sampled: SampledTokens | VerifyStep | None  # None until `ModelRunner.sample` (a
-    # constrained step); VerifyStep for a verify step (speculative decoding)
-    failed: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed
-    # a constrained step's logits [S, V] and sampling rows, until its grammar bitmask comes
-    deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
-    drafts: list[tuple[int, ...]] | None = None  # a verify step's drafts per sampled row
-
-
-@dataclass
-class StepInputs:
-    """The tensors of one step. T tokens, B sequences, S of them sampled."""
-
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # int64 [S], token index of each sampled sequence's last token
 
 
 class ModelRunner:
@@ -152,13 +111,14 @@ class ModelRunner:
         self.input_batch = InputBatch()
         self.graph_runner: CUDAGraphRunner | None = None
         self.piecewise_runner: PiecewiseGraphRunner | None = None
+        self.verify_runner: VerifyGraphRunner | None = None
         # the last launched step's sampled tokens (device int64 [S]) and seq id -> row
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the per-layer caches: num_blocks usable blocks plus the scratch block
         (id num_blocks). Drops any captured CUDA graphs (they point at the old caches)."""
-        self.graph_runner = self.piecewise_runner = None
+        self.graph_runner = self.piecewise_runner = self.verify_runner = None
         self.kv_caches = []
         geometry = (num_blocks + 1, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         self.kv_caches = [
@@ -202,6 +162,22 @@ class ModelRunner:
         )  # fmt: skip
         runner.capture()
         self.piecewise_runner = runner
+
+    def capture_verify_graphs(
+        self, query_len: int, batch_sizes: list[int], graphs: PieceGraphs | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> None:  # fmt: skip
+        """Capture the verify graphs of `query_len` (1 + k) tokens a sequence for these
+        buckets (`verify_graph`); `graphs`: how (default CUDA graphs); `backend`: whose
+        `prepare_verify_replay` plans them (default the runner's; CPU tests pass a re-planning
+        one). Writes the scratch block."""
+        runner = VerifyGraphRunner(
+            self.model, self.kv_caches, backend or self.backend, self.block_size,
+            self.num_blocks, query_len, batch_sizes, self.device,
+            graphs or CUDAPieceGraphs(self.device),
+        )  # fmt: skip
+        runner.capture()
+        self.verify_runner = runner
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -299,7 +275,7 @@ class ModelRunner:
             raise ValueError(
                 f"grammar bitmask names {e}, which this step does not sample"
             ) from None
-        mask = (to_device(grammar.bitmask, self.device), to_device(row_indices, self.device))
+        mask = bitmask_to_device(grammar.bitmask, row_indices, self.device)  # a copy stream
         handle = self._launch_sampler(logits, rows, seq_ids, launched.states, launched.failed, mask)
         launched.sampled = handle
         self._last_sampled = (handle.tokens, index)
@@ -344,22 +320,15 @@ class ModelRunner:
         states: list[SequenceState],
         failed: dict[str, str],
     ) -> VerifyStep:
-        """A verify step's sampling: drafted rows through `verify_drafts` (their 1 + k_b packed
-        positions of `logits` [N, V]), the others through the sampler (their one position)."""
-        drafted, positions, plain, plain_positions = split_verify_rows(drafts)
-        index = to_device(np.array(positions, dtype=np.int64), self.device)
-        verified = verify_drafts(
-            logits[index], [rows[b] for b in drafted], [drafts[b] for b in drafted],
-            self._shared_generator,
-        )  # fmt: skip
-        sampled = None
-        if plain:
-            index = to_device(np.array(plain_positions, dtype=np.int64), self.device)
-            sampled = self._launch_sampler(
-                logits[index], [rows[b] for b in plain], [seq_ids[b] for b in plain],
+        """`verifier.launch_verify`: the rows without drafts through `_launch_sampler`."""
+
+        def sample_plain(plain_logits: torch.Tensor, plain: list[int]) -> SampledTokens:
+            return self._launch_sampler(
+                plain_logits, [rows[b] for b in plain], [seq_ids[b] for b in plain],
                 [states[b] for b in plain], failed,
             )  # fmt: skip
-        return VerifyStep(verified, drafted, sampled, plain)
+
+        return launch_verify(logits, rows, drafts, self._shared_generator, sample_plain)
 
     def needs_token_history(self, sched: SchedulerOutput) -> bool:
         """`InputBatch.needs_token_history`: the step's sampling reads earlier output tokens."""
@@ -389,15 +358,18 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     def _run_graph(self, host: HostStep) -> torch.Tensor | None:
-        """Hidden states [S, hidden] of the step's sampled rows from graph replays: the decode
-        graph of a decode-only step (`CUDAGraphRunner.run_decode`), else the piecewise graphs
-        when a token bucket holds the step; None when it runs eagerly."""
+        """Hidden states [N, hidden] of the step's `logits_indices` from graph replays: the
+        decode graph of a decode-only step (`CUDAGraphRunner.run_decode`), the verify graph of a
+        verify step that fits one (`VerifyGraphRunner.run`), else the piecewise graphs when a
+        token bucket holds the step; None when it runs eagerly."""
         fill = None
         if host.pending:
             fill = lambda input_ids: self._fill_pending(input_ids, host.pending)  # noqa: E731
         hidden = None
         if self.graph_runner is not None and host.is_decode:
             hidden = self.graph_runner.run_decode(host, fill)
+        if hidden is None and self.verify_runner is not None and host.draft_counts:
+            hidden = self.verify_runner.run(host, self._fill_pending)
         pieces = self.piecewise_runner
         if hidden is None and pieces is not None and pieces.bucket(len(host.input_ids)):
             hidden = pieces.run(host, fill)

@@ -3,8 +3,9 @@
 Memory sizing on CUDA (vLLM's method): load the weights, run one dummy step as large as the
 scheduler allows and record its activation peak, then give the KV pool
 `total * gpu_memory_utilization - in use - peak`. CUDA graphs are captured after that (their
-replays include the tensor-parallel all-reduces); if they leave less than the peak free, the pool
-gives back the difference and they are captured again (`graph_memory`).
+replays include the tensor-parallel all-reduces; with speculative decoding the verify graphs
+too); if they leave less than the peak free, the pool gives back the difference and they are
+captured again (`graph_memory`).
 
 Under tensor parallelism every rank runs one of these (`phloem.engine.tp_executor`): its model
 holds its shards and its KV pool its KV heads; the ranks agree on the smallest block count.
@@ -16,7 +17,7 @@ import logging
 
 import torch
 
-from phloem.config import CacheConfig, ModelConfig, SchedulerConfig
+from phloem.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from phloem.distributed.communication import tp_min
 from phloem.distributed.parallel_state import tp_size
 from phloem.layers.attention import Attention
@@ -30,6 +31,7 @@ from phloem.worker.model_runner import ModelRunner
 from phloem.worker.piecewise_graph import piecewise_token_sizes
 from phloem.worker.startup_phases import StartupPhases
 from phloem.worker.triton_prebuild import prebuild_for_engine
+from phloem.worker.verify_graph import verify_batch_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class Worker:
         seed: the sampler's seed; eos_token_id: banned below `min_tokens`.
         scheduler_config: the step limits (largest step for memory profiling, largest decode
             batch for CUDA graphs); None assumes `SchedulerConfig`'s defaults.
+        speculative_config: speculative decoding's settings (the verify graphs' k and batch
+            limit); None: no verify graphs.
     """
 
     def __init__(
@@ -98,12 +102,14 @@ class Worker:
         seed: int = 0,
         eos_token_id: int | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         from phloem.models.loader import load_model
 
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(seed)
+        self.speculative = speculative_config
         # [bytes]: the largest step's activations (CUDA profile); what the CUDA graphs took
         self.activation_peak = self.graph_memory_taken = 0
         phases = StartupPhases()  # kernels build while the weights load:
@@ -173,10 +179,12 @@ class Worker:
                 self._fit_graphs(model_config, sched)
 
     def _capture_all(self, model_config: ModelConfig, sched: SchedulerConfig) -> None:
-        """Capture the decode graphs and, in "piecewise" mode, the piecewise ones; log the
-        memory they took (`graph_memory_taken`)."""
+        """Capture the decode graphs, the verify graphs (speculative decoding) and, in
+        "piecewise" mode, the piecewise ones; log the memory they took (`graph_memory_taken`)."""
         before, _ = available_bytes(self.device)
         self.cuda_graphs = self._capture(sched.max_num_seqs)
+        if self.cuda_graphs:
+            self._capture_verify(sched)
         if model_config.cuda_graph_mode == "piecewise":
             self._capture_piecewise(sched.max_num_batched_tokens)
         after, _ = available_bytes(self.device)
@@ -278,17 +286,17 @@ class Worker:
         return peak
 
     def release_cuda_graphs(self) -> None:
-        """Free the captured decode and piecewise graphs and their memory pools (idempotent;
+        """Free the captured decode, verify and piecewise graphs and their memory pools (idempotent;
         later steps run eagerly). A tensor-parallel member calls it before leaving its NCCL
         group, whose teardown hangs while graphs that captured its collectives are alive."""
         runner = self.model_runner
         graphs, runner.graph_runner = runner.graph_runner, None
         pieces, runner.piecewise_runner = runner.piecewise_runner, None
+        verify, runner.verify_runner = runner.verify_runner, None
         self.cuda_graphs = False
-        if graphs is not None:
-            graphs.release()
-        if pieces is not None:
-            pieces.release()
+        for captured in (graphs, pieces, verify):
+            if captured is not None:
+                captured.release()
 
     def _capture_piecewise(self, max_num_batched_tokens: int) -> None:
         """Capture the piecewise graphs of the steps decode graphs do not take, for every token
@@ -303,6 +311,26 @@ class Worker:
                 raise
             logger.exception("piecewise CUDA graph capture failed; those steps run eagerly")
             self.model_runner.piecewise_runner = None
+
+    def _capture_verify(self, sched: SchedulerConfig) -> None:
+        """With speculative decoding, capture the verify graphs (`verify_graph`: q = 1 + k
+        tokens a sequence, buckets by `verify_batch_sizes`) when the backend plans them; if
+        that fails on one GPU, verify steps keep their piecewise or eager path."""
+        spec, backend = self.speculative, self.model_runner.backend
+        if spec is None or not backend.supports_verify_graphs:
+            return
+        query_len = 1 + spec.num_speculative_tokens
+        sizes = verify_batch_sizes(spec.verify_graph_max_batch, sched.max_num_seqs, query_len,
+                                   sched.max_num_batched_tokens)  # fmt: skip
+        if not sizes:
+            return
+        try:
+            self.model_runner.capture_verify_graphs(query_len, sizes)
+        except Exception:  # a verify step off the graph is slower, not wrong
+            if tp_size() > 1:
+                raise
+            logger.exception("verify CUDA graph capture failed; verify steps run as before")
+            self.model_runner.verify_runner = None
 
     def _capture(self, max_num_seqs: int) -> bool:
         if not self.model_runner.backend.supports_cuda_graphs:

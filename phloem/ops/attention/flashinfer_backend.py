@@ -17,7 +17,12 @@ defines them: `k_scale` multiplies the softmax scale, `v_scale` the output.
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
 split-KV decisions); every layer's `forward` then only launches the kernel. A decode step captured
 in a CUDA graph uses a wrapper of its own per batch size, planned into fixed buffers
-(`prepare_replay`), so the replayed kernel reads the new step's page table.
+(`prepare_replay`), so the replayed kernel reads the new step's page table. A verify step of
+speculative decoding captured in a CUDA graph (`worker/verify_graph.py`: every sequence padded
+to q = 1 + k query tokens) likewise has a prefill wrapper per (batch, q), whose query offsets
+never change (b * q) (`prepare_verify_replay`). FlashInfer's plan in CUDA-graph mode keeps the
+batch size and the total query rows of the capture, sizing its tiles for the worst ragged split
+of those rows; the launch grid is fixed, the work per block varies with the page table.
 
 KV layout: phloem's cache tensor is FlashInfer's "NHD" paged layout (`[num_blocks, 2, block_size,
 H_kv, D]`), passed as is; an "HND" cache (`kv_store.allocate_kv_cache`) is a transposed view of a
@@ -108,6 +113,7 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     needs_block_tables = False  # plans from `block_tables_cpu`
     supports_cuda_graphs = True
+    supports_verify_graphs = True
 
     def __init__(
         self,
@@ -146,6 +152,7 @@ class FlashInferAttention(AttentionBackend):
             self._workspace, kv_layout, backend=kernel_backend
         )
         self._graph_wrappers: dict[int, object] = {}
+        self._verify_wrappers: dict[tuple[int, int], object] = {}  # (batch, q) -> wrapper
         # FP8 cache: decode-only steps on the batch decode kernel (module docstring)
         self.fp8_decode = (
             self.kv_dtype == torch.float8_e4m3fn
@@ -162,11 +169,7 @@ class FlashInferAttention(AttentionBackend):
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
             i32 = dict(dtype=torch.int32, device=self.device)
-            # One page-index buffer for every bucket (the largest is made first): only one
-            # graph replays at a time, and each replay's plan rewrites the buffer first.
-            need = batch_size * self.max_num_blocks_per_seq
-            if self._graph_kv_indices is None or self._graph_kv_indices.numel() < need:
-                self._graph_kv_indices = torch.zeros(need, **i32)
+            self._graph_indices(batch_size * self.max_num_blocks_per_seq)
             if self.fp8_decode:
                 wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace,
@@ -189,6 +192,36 @@ class FlashInferAttention(AttentionBackend):
                     backend="fa2",
                 )
             self._graph_wrappers[batch_size] = wrapper
+        return wrapper
+
+    def _graph_indices(self, need: int) -> torch.Tensor:
+        """The page-index buffer of the graph wrappers made from now on, grown to `need`
+        entries. One buffer serves every bucket of the decode and verify graphs (the largest
+        is made first): only one graph replays at a time, and each replay's plan rewrites the
+        buffer first (wrappers made before a growth keep the old one)."""
+        if self._graph_kv_indices is None or self._graph_kv_indices.numel() < need:
+            self._graph_kv_indices = torch.zeros(need, dtype=torch.int32, device=self.device)
+        return self._graph_kv_indices
+
+    def _verify_wrapper(self, batch_size: int, query_len: int, block_size: int):
+        """The fixed-buffer prefill wrapper of verify graphs of `batch_size` sequences of
+        `query_len` query tokens each (made once): a padded sequence's KV is at most
+        max_num_blocks_per_seq pages plus the pages its query_len - 1 padding tokens add."""
+        wrapper = self._verify_wrappers.get((batch_size, query_len))
+        if wrapper is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            pages = self.max_num_blocks_per_seq + -(-query_len // block_size)
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace,
+                self.kv_layout,
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.arange(batch_size + 1, **i32) * query_len,
+                paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
+                paged_kv_indices_buf=self._graph_indices(batch_size * pages),
+                paged_kv_last_page_len_buf=torch.zeros(batch_size, **i32),
+                backend="fa2",
+            )
+            self._verify_wrappers[batch_size, query_len] = wrapper
         return wrapper
 
     def _eager_decode_wrapper(self):
@@ -225,6 +258,20 @@ class FlashInferAttention(AttentionBackend):
         if meta.max_query_len != 1:
             raise ValueError("CUDA-graph steps must be decode-only (q_len 1)")
         self._plan(meta, self._graph_wrapper(meta.num_seqs))
+
+    def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
+        """Plan a padded verify step (every sequence `meta.max_query_len` query tokens) into
+        the fixed buffers of the wrapper for `meta.num_seqs` sequences of that length, before
+        the capture or a replay of its verify graph; always the fa2 prefill kernel (an FP8
+        cache's too).
+
+        Raises:
+            ValueError: if the sequences' query lengths differ.
+        """
+        q_len = meta.max_query_len
+        if meta.query_start_loc_cpu[-1] != q_len * meta.num_seqs:
+            raise ValueError(f"verify CUDA-graph steps need {q_len} query tokens a sequence")
+        self._plan(meta, self._verify_wrapper(meta.num_seqs, q_len, meta.block_size))
 
     def _plan(self, meta: AttentionMetadata, wrapper) -> None:
         """FlashInfer's `plan()` of the step into `wrapper`, which becomes the active one."""

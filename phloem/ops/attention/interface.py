@@ -6,6 +6,7 @@ step the callers do, in order:
 
     eager step:   begin_step(meta) -> forward(...) per layer -> end_step()
     graph step:   plan_decode(...) -> prepare_replay(padded meta, variant, groups) -> replay
+    verify graph: prepare_verify_replay(padded meta) -> replay   (speculative decoding)
 
 A CUDA graph replays kernels whose inputs live at fixed addresses, so `prepare_replay` writes the
 step's plan into buffers of the variant's graph for `meta.num_seqs` sequences (the same call,
@@ -63,12 +64,16 @@ class AttentionBackend(abc.ABC):
             fills it, and asks `plan_decode` before replaying a decode graph).
         supports_cuda_graphs: whether `prepare_replay` can plan the "plain" variant, i.e. the
             backend's decode kernels read only fixed-address buffers.
+        supports_verify_graphs: whether `prepare_verify_replay` can plan a verify step whose
+            sequences all have the same query length (`worker/verify_graph.py`) into
+            fixed-address buffers.
     """
 
     name: str = "abstract"
     needs_block_tables: bool = True
     reads_prefix_lens: bool = False
     supports_cuda_graphs: bool = False
+    supports_verify_graphs: bool = False
 
     @abc.abstractmethod
     def forward(
@@ -144,6 +149,17 @@ class AttentionBackend(abc.ABC):
             ValueError: when the backend cannot plan that variant (default: any).
         """
         raise ValueError(f"attention backend {self.name!r} cannot plan CUDA graphs ({variant!r})")
+
+    def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
+        """Plan a padded verify step into the fixed buffers of the verify graph of
+        `meta.num_seqs` sequences; called before its capture and before each replay. Every
+        sequence has the same query length (`meta.max_query_len`, 1 + k), its padding tokens
+        after its real ones (`worker/verify_graph.py`); no prefix groups.
+
+        Raises:
+            ValueError: when the backend cannot plan verify graphs (default: any).
+        """
+        raise ValueError(f"attention backend {self.name!r} cannot plan verify CUDA graphs")
 
     # -- start-up and counters ------------------------------------------------------------------
 

@@ -65,7 +65,8 @@ class SharedPrefixAttention(AttentionBackend):
     CUDA graphs: decode steps replay captured graphs in one of two variants (`graph_variants`):
     "plain" (the fallback's kernels) or, with the Triton impl on CUDA, "shared_prefix" (our kernels
     over fixed-capacity tile tables, `decode_graph_plan.DecodeGraphPlan`). The model runner asks
-    `plan_decode` which one a step takes (`sharing_rule.decode_path`).
+    `plan_decode` which one a step takes (`sharing_rule.decode_path`). Verify graphs
+    (speculative decoding) run the fallback's kernels, for steps without prefix groups only.
 
     Counters (`stats()`, for `--json`): steps that ran the shared path (eagerly or in a graph),
     eager plain steps, CUDA-graph plain steps and shared-prefix graph steps (each replay plans
@@ -115,6 +116,7 @@ class SharedPrefixAttention(AttentionBackend):
         # the shared path plans from host lists; the fallback may read the device table
         self.needs_block_tables = fallback.needs_block_tables
         self.supports_cuda_graphs = fallback.supports_cuda_graphs
+        self.supports_verify_graphs = fallback.supports_verify_graphs  # the fallback's kernels
         self.prefill_min_query_len = prefill_min_query_len
         self.prefill = None if prefill_backend is None else PrefillSplit(
             prefill_backend, prefill_min_query_len
@@ -255,6 +257,18 @@ class SharedPrefixAttention(AttentionBackend):
         self.num_graph_steps += 1
         self.last_path = self.fallback.name
         self.fallback.prepare_replay(meta)
+
+    def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
+        """Plan a padded verify step on the fallback (`AttentionBackend.prepare_verify_replay`);
+        verify steps of prefix groups never replay a verify graph (the model runner keeps them
+        on the eager or piecewise path, where the cost rule may share).
+
+        Raises:
+            ValueError: when the fallback cannot plan verify graphs.
+        """
+        self._graph_step = False
+        self._meta, self._sp, self._split = meta, None, None
+        self.fallback.prepare_verify_replay(meta)
 
     # -- the step -------------------------------------------------------------------------------
 

@@ -1,0 +1,287 @@
+"""Full CUDA graphs for verify steps (speculative decoding): one captured forward pass per batch
+bucket, every sequence padded to the same query length q = 1 + k (vLLM's "uniform decode" graphs
+for speculative decoding).
+
+A verify step whose sequences each compute their last token and at most k drafts (rows without
+drafts included; no prompt chunk, no prefix group) runs the graph of the smallest bucket >= B
+sequences; anything else keeps the piecewise or eager path (`verify_graph_fits`):
+
+    row b    |-- last, d_1 .. d_kb (real) --|-- k - k_b padding tokens --|     q tokens
+    rows     |-- B real rows --|-- bucket - B dummy rows (q padding tokens each) --|
+    padding  token 0 at position 0, its K/V written to the scratch slot
+
+A padded row's KV length counts its padding (start_b + q), so its real tokens keep their
+positions; attention is causal (query i of row b reads KV positions <= start_b + i), so no real
+token reads a padding position. The row's page table is its real pages, then the scratch block
+for pages only padding falls in; a dummy row's pages are all the scratch block. Padding queries
+read stale or scratch K/V and their outputs are never gathered (`VerifyPadding.gather`); every
+op outside attention is row-wise, so they reach no real row. The sampling and verification then
+see exactly the eager step's rows, in its order.
+
+The backend plans each padded step into the fixed buffers of its (bucket, q) wrapper
+(`AttentionBackend.prepare_verify_replay`, declared by `supports_verify_graphs`), before the
+capture and before each replay. The capture mechanism is the piecewise graphs' (`PieceGraphs`):
+CUDA graphs on a GPU, re-runs of the same forward on the same buffers in the CPU tests.
+
+Memory: one graph per bucket, all in one pool (largest first), captured only with a
+speculative config, for buckets up to `SpeculativeConfig.verify_graph_max_batch` whose
+bucket x q tokens fit `max_num_batched_tokens` (`verify_batch_sizes`); the worker measures them
+with the other graphs (`worker/graph_memory.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from phloem.forward_context import ForwardContext, forward_context
+from phloem.ops.attention.interface import AttentionBackend
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.staging import pinned, to_device
+from phloem.worker.cuda_graph import graph_batch_sizes
+from phloem.worker.input_batch import HostStep
+from phloem.worker.piecewise_graph import PieceGraph, PieceGraphs
+
+logger = logging.getLogger(__name__)
+
+FillPending = Callable[[torch.Tensor, list[tuple[int, str]]], None]
+
+
+def verify_batch_sizes(
+    max_batch: int, max_num_seqs: int, query_len: int, max_num_batched_tokens: int
+) -> list[int]:
+    """The verify graphs' buckets (`cuda_graph.graph_batch_sizes` up to the limit): at most
+    `max_batch` (`SpeculativeConfig.verify_graph_max_batch`; 0: none) and `max_num_seqs`
+    sequences, and bucket x query_len <= max_num_batched_tokens (the memory profile's step).
+    Empty when no bucket fits.
+
+    Raises:
+        ValueError: if query_len < 2 (a verify step has at least one draft).
+    """
+    if query_len < 2:
+        raise ValueError(f"verify graphs need query_len >= 2 (1 + k), got {query_len}")
+    limit = min(max_batch, max_num_seqs, max_num_batched_tokens // query_len)
+    return graph_batch_sizes(limit) if limit >= 1 else []
+
+
+def verify_graph_fits(host: HostStep, query_len: int) -> bool:
+    """Whether a step can replay a verify graph of `query_len` (1 + k) tokens a sequence: it
+    verifies drafts, every sequence samples and computes exactly its last token plus its
+    drafts (no prompt chunk), at most query_len tokens, and no sequence is in a prefix group."""
+    if not host.draft_counts or len(host.sampled) != len(host.query_lens):
+        return False
+    if host.prefix_lens is not None and any(host.prefix_lens):
+        return False
+    return all(
+        q == 1 + d <= query_len for q, d in zip(host.query_lens, host.draft_counts, strict=True)
+    )
+
+
+@dataclass
+class VerifyPadding:
+    """A verify step padded to a bucket (module docstring).
+
+    Attributes:
+        step: the padded step: bucket x q tokens, bucket sequences of q queries each; its
+            `logits_indices` and `pending` index the padded tokens.
+        gather: int64 [N], the padded token of each of the real step's `logits_indices`, in
+            its order (the rows the sampling and verification read).
+    """
+
+    step: HostStep
+    gather: np.ndarray
+
+
+def pad_verify_step(
+    host: HostStep, query_len: int, batch: int, scratch_block: int, block_size: int
+) -> VerifyPadding:
+    """Pad a step that `verify_graph_fits` (B sequences, T tokens) to `batch` >= B sequences of
+    `query_len` tokens each; real token t of row b, at offset j of the row, goes to b * q + j.
+    Pure host work: the host lists are not modified (block tables are sliced, not copied,
+    where no page is added)."""
+    q, bs = query_len, block_size
+    num_seqs = len(host.query_lens)
+    q_lens = np.array(host.query_lens, dtype=np.int64)
+    seq_lens = np.array(host.seq_lens, dtype=np.int64)
+    row_of = np.repeat(np.arange(num_seqs, dtype=np.int64), q_lens)
+    row_start = np.cumsum(q_lens) - q_lens
+    where = row_of * q + (np.arange(len(row_of), dtype=np.int64) - row_start[row_of])
+    total = batch * q
+    ids = np.zeros(total, dtype=np.int64)
+    positions = np.zeros(total, dtype=np.int64)
+    slots = np.full(total, scratch_block * bs, dtype=np.int64)
+    ids[where], positions[where], slots[where] = host.input_ids, host.positions, host.slots
+    padded_lens = seq_lens - q_lens + q
+    tables = []
+    for table, real_len, padded_len in zip(host.block_tables, seq_lens.tolist(),
+                                           padded_lens.tolist()):  # fmt: skip
+        real_pages, pages = -(-real_len // bs), -(-padded_len // bs)
+        head = table if len(table) == real_pages else table[:real_pages]
+        tables.append(
+            head if pages == real_pages else head + [scratch_block] * (pages - real_pages)
+        )
+    num_dummies = batch - num_seqs
+    tables += [[scratch_block] * -(-q // bs)] * num_dummies
+    gather = where[np.array(host.logits_indices, dtype=np.int64)]
+    step = HostStep(
+        input_ids=ids,
+        positions=positions,
+        slots=slots,
+        query_lens=[q] * batch,
+        seq_lens=padded_lens.tolist() + [q] * num_dummies,
+        block_tables=tables,
+        logits_indices=gather.tolist(),
+        sampled=host.sampled,
+        prefix_lens=None,
+        pending=[(int(where[i]), seq_id) for i, seq_id in host.pending],
+        draft_counts=host.draft_counts,
+    )
+    return VerifyPadding(step, gather)
+
+
+def _no_step() -> HostStep:
+    """A step of no sequence (what the graphs are captured with, padded: dummy rows only)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return HostStep(empty, empty, empty, [], [], [], [], [], None, [])
+
+
+class VerifyGraphRunner:
+    """Captures and replays verify steps (see the module docstring).
+
+    Args:
+        model: the phloem model (forward(input_ids, positions) -> hidden; `config.hidden_size`
+            and `dtype`).
+        kv_caches: the per-layer caches (fixed addresses); backend: one that
+            `supports_verify_graphs`.
+        block_size: tokens per block; scratch_block: a block id no request ever owns.
+        query_len: q = 1 + k tokens a sequence; batch_sizes: the buckets (`verify_batch_sizes`),
+            ascending, each >= 1; device: where the buffers live.
+        graphs: the capture mechanism (`CUDAPieceGraphs`; CPU tests re-run, `RerunPieceGraphs`).
+    Raises:
+        ValueError: for a backend without verify graphs, query_len < 2 or bad batch_sizes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        block_size: int,
+        scratch_block: int,
+        query_len: int,
+        batch_sizes: list[int],
+        device: torch.device,
+        graphs: PieceGraphs,
+    ) -> None:
+        if not backend.supports_verify_graphs:
+            raise ValueError(f"attention backend {backend.name!r} cannot plan verify graphs")
+        if query_len < 2:
+            raise ValueError(f"verify graphs need query_len >= 2 (1 + k), got {query_len}")
+        if not batch_sizes or batch_sizes != sorted(set(batch_sizes)) or batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes must be ascending positive counts, got {batch_sizes}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.query_len = query_len
+        self.batch_sizes = batch_sizes
+        self.device = device
+        self.graphs = graphs
+        rows = batch_sizes[-1] * query_len
+        # rows: input ids, positions, slots (int64 [3, largest bucket x q])
+        self._inputs = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self._hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=device)
+        self._graphs: dict[int, PieceGraph] = {}
+        self._ctx: ForwardContext | None = None  # the step being replayed (read by re-runs)
+        self.num_replays = 0
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest captured bucket >= num_seqs, or None when there is none."""
+        for size in self.batch_sizes:
+            if size >= num_seqs and size in self._graphs:
+                return size
+        return None
+
+    def _prepare(self, padded: HostStep) -> None:
+        """Plan the padded step (`prepare_verify_replay`) and make its forward context; the
+        slot mapping views the static buffer. Device copies of the step's lists only for a
+        backend that reads the padded device table (the CPU tests' reference)."""
+        slots = self._inputs[2, : len(padded.input_ids)]
+        args = (padded.query_lens, padded.seq_lens, padded.block_tables, self.block_size)
+        if self.backend.needs_block_tables:
+            meta = AttentionMetadata.from_host(*args, self.device, slot_mapping=slots,
+                                               padded_tables=True)  # fmt: skip
+        else:
+            meta = AttentionMetadata.from_host(*args, slot_mapping=slots, placeholder=slots)
+        self.backend.prepare_verify_replay(meta)
+        self._ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
+
+    def _forward(self, batch: int) -> Callable[[], None]:
+        """The captured step of bucket `batch`: the forward pass over the first batch x q rows
+        of the static buffers, its hidden states copied into the static output."""
+        rows = batch * self.query_len
+        ids, positions = self._inputs[0, :rows], self._inputs[1, :rows]
+        hidden = self._hidden[:rows]
+
+        def forward() -> None:
+            with forward_context(self._ctx):
+                hidden.copy_(self.model(ids, positions))
+
+        return forward
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first. Mutates the scratch block of the KV caches."""
+        start = time.perf_counter()
+        self._inputs.zero_()
+        self._inputs[2].fill_(self.scratch_block * self.block_size)
+        for batch in reversed(self.batch_sizes):
+            padded = pad_verify_step(_no_step(), self.query_len, batch, self.scratch_block,
+                                     self.block_size)  # fmt: skip
+            self._prepare(padded.step)
+            self._graphs[batch] = self.graphs.capture(self._forward(batch))
+        self.backend.reset_stats()  # the counters count the workload's steps
+        logger.info(
+            "captured %d verify CUDA graphs (%d query tokens a sequence; batch sizes %d..%d) "
+            "in %.1f s", len(self._graphs), self.query_len, self.batch_sizes[0],
+            self.batch_sizes[-1], time.perf_counter() - start,
+        )  # fmt: skip
+
+    def release(self) -> None:
+        """Free every captured graph and their memory pool."""
+        self._graphs.clear()
+        self.graphs.release()
+
+    def run(self, host: HostStep, fill_pending: FillPending | None = None) -> torch.Tensor | None:
+        """Replay the verify graph of the step's bucket when it fits (`verify_graph_fits`, a
+        captured bucket); None otherwise (the caller runs its other path). `fill_pending`, if
+        given, is called with the static input-id rows and the padded step's pending (token
+        index, seq id) pairs (it writes ids sampled by the step in flight). Mutates the KV
+        caches at the step's slots and the scratch slot.
+
+        Returns:
+            hidden [N, hidden_size] of the real step's `logits_indices`, in its order.
+        """
+        if not verify_graph_fits(host, self.query_len):
+            return None
+        batch = self.bucket(len(host.query_lens))
+        if batch is None:
+            return None
+        padding = pad_verify_step(host, self.query_len, batch, self.scratch_block,
+                                  self.block_size)  # fmt: skip
+        step, rows = padding.step, batch * self.query_len
+        inputs = np.stack((step.input_ids, step.positions, step.slots))
+        self._inputs[:, :rows].copy_(pinned(inputs), non_blocking=True)
+        if step.pending and fill_pending is not None:
+            fill_pending(self._inputs[0, :rows], step.pending)
+        self._prepare(step)
+        self._graphs[batch].replay()
+        self.num_replays += 1
+        return self._hidden[:rows][to_device(padding.gather, self.device)]
