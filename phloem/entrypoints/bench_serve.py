@@ -32,7 +32,10 @@ import logging
 import random
 import sys
 import time
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
+
+from phloem.entrypoints.sse_client import HTTPStatusError, Target, stream_data_lines
 
 
 class ServerUnavailableError(Exception):
@@ -182,21 +185,20 @@ async def _server_model(client, base_url: str) -> str:
 # -- one request ------------------------------------------------------------------------------------
 
 
-async def _send(client, endpoint: str, body: dict, timeout: float) -> RequestResult:
+async def _send(client, target: Target | None, endpoint: str, body: bytes,
+                timeout: float) -> RequestResult:  # fmt: skip
+    """One streamed request (`body`: its JSON, encoded before the run's clock started); its
+    timings from here to the end of the response, within `timeout` seconds."""
     start = time.perf_counter()
     last = None
     result = RequestResult(ok=False)
     try:
-        async with client.stream("POST", endpoint, json=body, timeout=timeout) as r:
-            if r.status_code != 200:
-                await r.aread()
-                result.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+        async with (
+            asyncio.timeout(timeout),
+            aclosing(_data_lines(client, target, endpoint, body)) as lines,
+        ):
+            async for data in lines:
+                if data == b"[DONE]":
                     result.ok = result.error is None
                     break
                 chunk = json.loads(data)
@@ -215,11 +217,31 @@ async def _send(client, endpoint: str, body: dict, timeout: float) -> RequestRes
                         else:
                             result.itl.append(now - last)
                         last = now
+    except HTTPStatusError as e:
+        result.error = f"HTTP {e.status}: {e.text}"
     except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
-        result.error = f"{type(e).__name__}: {e}"
+        result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         result.ok = False
     result.e2e = time.perf_counter() - start
     return result
+
+
+async def _data_lines(client, target: Target | None, endpoint: str, body: bytes):
+    """The `data:` payloads of the response (bytes): over `sse_client` for http:// targets,
+    else over httpx (https)."""
+    if target is not None:
+        async with aclosing(stream_data_lines(target, endpoint, body)) as lines:
+            async for data in lines:
+                yield data
+        return
+    headers = {"Content-Type": "application/json"}
+    async with client.stream("POST", endpoint, content=body, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise HTTPStatusError(r.status_code, r.text[:200])
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                yield line[6:].encode()
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -241,7 +263,7 @@ async def _wait_ready(client, base_url: str, timeout_s: float) -> None:
         await asyncio.sleep(1.0)
 
 
-async def _warm_up(client, args, model: str) -> None:
+async def _warm_up(client, target: Target | None, args, model: str) -> None:
     """`args.warmup` short requests at once, every other one sharing the first half of its
     prompt (so kernels of shared-prefix steps compile here too); other token ids than the run's,
     so the run finds nothing of them in a prefix cache."""
@@ -253,7 +275,8 @@ async def _warm_up(client, args, model: str) -> None:
         own = [rng.randrange(1000, 20000) for _ in range(args.input_len - len(head))]
         bodies.append({"prompt": head + own, "model": model, "max_tokens": 16, "stream": True,
                        "ignore_eos": True, "temperature": 0.0})  # fmt: skip
-    results = await asyncio.gather(*(_send(client, "/v1/completions", b, args.timeout)
+    results = await asyncio.gather(*(_send(client, target, "/v1/completions",
+                                           json.dumps(b).encode(), args.timeout)
                                      for b in bodies))  # fmt: skip
     failed = [r.error for r in results if not r.ok]
     if failed:
@@ -271,35 +294,38 @@ async def _run(args) -> tuple[list[RequestResult], tuple[float, float], str]:
             await _wait_ready(client, args.base_url, args.wait_ready)
         served = await _server_model(client, args.base_url)  # reachable, and the key is right
         model = args.model or served
+        target = Target.from_url(args.base_url, headers)
         if args.warmup:
-            await _warm_up(client, args, model)
+            await _warm_up(client, target, args, model)
         if args.dataset:
             items = _load_dataset(args.dataset, args.num_prompts, args.output_len)
         else:
             items = await _random_workload(client, args)
-        results, window = await _send_all(client, args, items, model)
+        results, window = await _send_all(client, target, args, items, model)
         return results, window, model
 
 
-async def _send_all(client, args, items: list[dict], model: str) -> tuple[list, tuple]:
+async def _send_all(client, target: Target | None, args, items: list[dict],
+                    model: str) -> tuple[list, tuple]:  # fmt: skip
     """Send `items` (all at once or Poisson), return (results, (start, end)): `time.monotonic()`
-    when the first request was sent and when the last one ended [s]."""
+    when the first request was sent and when the last one ended [s]. The bodies are encoded
+    before the clock starts (the client's own work is not the server's latency)."""
     rng = random.Random(args.seed + 1)
     semaphore = asyncio.Semaphore(args.max_concurrency or len(items))
-    ignore_eos = args.dataset is None
+    extra = {"model": model, "stream": True, "temperature": args.temperature,
+             "stream_options": {"include_usage": True}}  # fmt: skip
+    if args.dataset is None:
+        extra["ignore_eos"] = True
+    bodies = [json.dumps({**item, **extra}).encode() for item in items]
 
-    async def one(item: dict) -> RequestResult:
-        body = {**item, "model": model, "stream": True, "temperature": args.temperature,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        if ignore_eos:
-            body["ignore_eos"] = True
+    async def one(body: bytes) -> RequestResult:
         async with semaphore:
-            return await _send(client, args.endpoint, body, args.timeout)
+            return await _send(client, target, args.endpoint, body, args.timeout)
 
     tasks = []
     start = time.monotonic()
-    for item in items:
-        tasks.append(asyncio.create_task(one(item)))
+    for body in bodies:
+        tasks.append(asyncio.create_task(one(body)))
         if args.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.request_rate))
     results = await asyncio.gather(*tasks)

@@ -14,6 +14,10 @@ unknown fields all get the same bounded 400 naming the field. Nothing heavy runs
 loop: the body is read there (bounded by `ServerLimits.max_request_body_bytes`, else 413), then
 parsed, validated and tokenized on one worker thread (`ServerState.off_loop`), after the cheap
 checks that need no tokens (`n`, prompt count, prompt characters against `limits.py`'s bound).
+A generation request makes one trip to that thread (parse, checks and preparation together): with
+two trips, a burst's requests queued their second trip behind every other request's first, so
+none reached the engine until the whole burst was parsed (800 token-id prompts of 1,280 tokens:
+~0.3 s of an idle GPU; benchmarks/results/2026-11-26f-cpu-serving-burst).
 
 Shutdown (SIGTERM/SIGINT, `serve.py`): uvicorn stops accepting; in-flight requests run on for
 `shutdown_timeout` seconds; then those left get `ServerShuttingDownError` (in-band for streams,
@@ -26,11 +30,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -154,6 +159,28 @@ async def read_json(state: ServerState, request: Request, model_cls):
     return await state.off_loop(parse_json, await read_body(state, request), model_cls)
 
 
+async def read_and_prepare(
+    state: ServerState, request: Request, model_cls, prepare: Callable, num_prompts: Callable
+):
+    """Read the body (on the loop), then in ONE trip to the preparation thread parse and
+    validate it (`parse_json`), check the model and the limits, and `prepare(state, req)`.
+    Returns (request model, `PreparedRequest`); raises APIError (400/404/413) as those do.
+
+    One trip, so that the requests of a burst reach the engine one after another as each is
+    prepared, not all after the last one is parsed (the module docstring).
+    """
+    return await state.off_loop(
+        _parse_and_prepare, state, await read_body(state, request), model_cls, prepare, num_prompts
+    )
+
+
+def _parse_and_prepare(state: ServerState, chunks, model_cls, prepare, num_prompts):
+    req = parse_json(chunks, model_cls)
+    check_model(state, req.model)
+    check_request_limits(state, req.n, num_prompts(req))
+    return req, prepare(state, req)
+
+
 async def read_body(state: ServerState, request: Request) -> list[bytes]:
     """The body's chunks as they arrive; 413 as soon as it passes the server's limit."""
     limit = state.limits.max_request_body_bytes
@@ -178,12 +205,21 @@ def _too_large(limit: int) -> APIError:
     )
 
 
+_json_decoder = msgspec.json.Decoder()
+_NOT_DECODED = object()
+
+
 def parse_json(chunks: list[bytes], model_cls):
     """JSON body -> validated request model (blocking: run it off the event loop)."""
     body = b"".join(chunks)
     chunks.clear()
+    try:  # msgspec: ~3x faster on a long token-id list; anything it refuses, json decides
+        data = _json_decoder.decode(body)
+    except Exception:  # noqa: BLE001 - the standard parser below gives the error (or a value)
+        data = _NOT_DECODED
     try:
-        data = json.loads(body)
+        if data is _NOT_DECODED:
+            data = json.loads(body)
     except json.JSONDecodeError as e:
         raise APIError(
             400,
@@ -377,10 +413,9 @@ def _check_open(state: ServerState) -> None:
 
 
 async def create_completion(state: ServerState, request: Request):
-    req = await read_json(state, request, CompletionRequest)
-    check_model(state, req.model)
-    check_request_limits(state, req.n, _num_prompts(req.prompt))
-    prep = await state.off_loop(prepare_completion, state, req)
+    req, prep = await read_and_prepare(
+        state, request, CompletionRequest, prepare_completion, lambda r: _num_prompts(r.prompt)
+    )
     _check_open(state)
     arrival = time.monotonic()
     created = int(time.time())
@@ -421,10 +456,9 @@ async def _in_band_errors(frames):
 
 
 async def create_chat_completion(state: ServerState, request: Request):
-    req = await read_json(state, request, ChatCompletionRequest)
-    check_model(state, req.model)
-    check_request_limits(state, req.n, 1)
-    prep = await state.off_loop(prepare_chat, state, req)
+    req, prep = await read_and_prepare(
+        state, request, ChatCompletionRequest, prepare_chat, lambda r: 1
+    )
     _check_open(state)
     arrival = time.monotonic()
     created = int(time.time())
