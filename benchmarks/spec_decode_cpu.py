@@ -14,7 +14,8 @@ The engines (off, ngram, suffix: cost rule on, k = `--k`, default 16 since
 results/2026-11-26c-cpu-spec-decode (5 before): on the CPU a draft costs a few percent of a step,
 so the rule verifies long drafts while a request copies; `draft_model`: the embedded model
 as its own draft, cost rule off, so every draft is accepted in float32 and the ratio shows the
-draft machinery's overhead; `--engines` picks some) are built once; each workload runs on them
+draft machinery's overhead; `ngram_nograph`, `suffix_nograph`: on CUDA, verify steps without
+their full CUDA graphs, `verify_graph_max_batch` 0; `--engines` picks some) are built once; each workload runs on them
 back to back (the order rotated per repeat), so a load that drifts on a shared machine touches
 them alike. Reported per workload and engine: output
 tokens/s end to end (prefill included), mean time per output token after the first (TPOT), the
@@ -145,7 +146,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", nargs="*", help="run only these workloads (e.g. copy_b1)")
     parser.add_argument("--engines", nargs="*", default=["off", "ngram", "suffix"],
-                        choices=["off", "ngram", "suffix", "draft_model"])  # fmt: skip
+                        choices=["off", "ngram", "suffix", "draft_model", "ngram_nograph",
+                                 "suffix_nograph"])  # fmt: skip
     parser.add_argument("--dtype", default="auto", help="the engines' dtype")
     parser.add_argument("--model", default=None,
                         help="a GGUF file or checkpoint dir (default: the embedded model)")  # fmt: skip
@@ -173,6 +175,12 @@ def main() -> None:
         "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
         "draft_model": {"model": "embedded", "num_speculative_tokens": args.k,
                         "use_cost_rule": False},
+        # on CUDA: verify steps without their full CUDA graphs (the piecewise ones), to
+        # measure what the verify graphs gain (issue 20)
+        "ngram_nograph": {"method": "ngram", "num_speculative_tokens": args.k,
+                          "verify_graph_max_batch": 0},
+        "suffix_nograph": {"method": "suffix", "num_speculative_tokens": args.k,
+                           "verify_graph_max_batch": 0},
     }  # fmt: skip
     engines = {name: engines[name] for name in args.engines}
     llms = {}

