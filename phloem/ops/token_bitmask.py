@@ -13,6 +13,10 @@ logits several times over (1,024 rows of a 128K vocabulary: ~0.5 GB of temporari
   chunk of rows at a time into bool rows, and each logits row is filled in place
   (`masked_fill_`): no gather or scatter, one chunk's [64, V] bools at a time.
 
+The bitmask reaches a GPU on a copy stream of its own (`bitmask_to_device`): filled on the host
+while the step's forward pass runs, its copy (16 MB for 1,024 rows of a 128K vocabulary) then
+overlaps the forward pass instead of waiting behind it on the compute stream.
+
 Tokens the bitmask does not cover (t >= 32 * words, a logits row wider than the grammar's
 vocabulary) are disallowed; bits past the logits' width are ignored.
 """
@@ -21,6 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from phloem.ops.staging import to_device
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}  # per GPU, made on first use
 
 CPU_CHUNK_ROWS = 64  # rows unpacked together on the CPU (64 x 128K bools: 8 MB)
 
@@ -81,3 +89,36 @@ def apply_token_bitmask_(
     else:
         _apply_torch(logits, bitmask, row_indices)
     return logits
+
+
+def bitmask_to_device(
+    bitmask: np.ndarray, row_indices: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bitmask, row_indices) as tensors on `device`, for `apply_token_bitmask_`.
+
+    On a GPU both are copied on a copy stream of the device's own (without waiting for the
+    work queued on the current stream), and the current stream waits for the copies: work
+    enqueued after this call reads them, and the copy of a step's bitmask runs while its
+    forward pass still does. The host arrays may be reused once the current stream has passed
+    this point (the manager's buffers are rewritten only after the step was collected); best
+    from pinned memory (`StructuredOutputManager(pin_memory=True)`), else staged
+    (`staging.to_device`). Elsewhere: `to_device`.
+
+    Args:
+        bitmask: int32 [R, W]. row_indices: int64 [R].
+    """
+    if device.type != "cuda":
+        return to_device(bitmask, device), to_device(row_indices, device)
+    device = torch.device(
+        "cuda", torch.cuda.current_device() if device.index is None else device.index
+    )
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        tensors = to_device(bitmask, device), to_device(row_indices, device)
+    current.wait_stream(stream)
+    for t in tensors:  # allocated on the copy stream, freed after the current stream's use
+        t.record_stream(current)
+    return tensors

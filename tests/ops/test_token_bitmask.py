@@ -179,3 +179,17 @@ def test_kernel_compiles_for_hopper(compile_for_hopper):
     """The GPU compiler (stricter than the interpreter) takes the kernel for bf16 and float32
     logits (the greedy and the random sampling paths)."""
     assert compile_for_hopper(COMPILE_FOR_HOPPER).count("compiled") == 2
+
+
+def test_bitmask_to_device_copies_both_arrays():
+    """The step's bitmask and row indices reach logits' device unchanged (on a GPU through the
+    copy stream, which the current stream waits for: the mask applied right after reads them)."""
+    from phloem.ops.token_bitmask import bitmask_to_device
+
+    logits, bitmask, rows = random_case(5, 70, 3, 3, torch.float32, seed=5)
+    dev = device()
+    on_device = bitmask_to_device(bitmask.numpy(), rows.numpy(), dev)
+    assert [t.device.type for t in on_device] == [dev.type] * 2
+    assert torch.equal(on_device[0].cpu(), bitmask) and torch.equal(on_device[1].cpu(), rows)
+    got = apply_token_bitmask_(logits.to(dev), *on_device)
+    assert torch.equal(got.cpu(), reference(logits, bitmask, rows))
