@@ -25,6 +25,7 @@ BACKEND_MODULES = {"reference", "flashinfer_backend", "shared_prefix", "shared_p
                    "shared_prefix_triton", "decode_graph_plan", "prefill_split"}  # fmt: skip
 # the files that hold or call attention backends
 CALLERS = ["worker/model_runner.py", "worker/cuda_graph.py", "worker/worker.py",
+           "worker/verify_graph.py", "worker/piecewise_graph.py",
            "layers/attention.py", "forward_context.py", "entrypoints/bench.py"]  # fmt: skip
 
 
@@ -206,9 +207,15 @@ def test_every_backend_implements_the_interface():
     assert plain.plan_decode([3], [[0]], [0], 16) == DecodePlan(DecodePath.GRAPH, None)
     with pytest.raises(ValueError, match="CUDA graphs"):
         plain.prepare_replay(None)
+    assert not plain.supports_verify_graphs  # it reads each step's metadata at every call
+    with pytest.raises(ValueError, match="verify CUDA graphs"):
+        plain.prepare_verify_replay(None)
     shared = get_attention_backend("shared_prefix")
     assert isinstance(shared, SharedPrefixAttention) and shared.reads_prefix_lens
     assert shared.needs_block_tables == plain.needs_block_tables  # the fallback's
+    assert shared.supports_verify_graphs == plain.supports_verify_graphs  # the fallback's
+    with pytest.raises(ValueError, match="verify CUDA graphs"):
+        shared.prepare_verify_replay(None)  # planned on the fallback, which has none
     with pytest.raises(TypeError):
         AttentionBackend()  # forward is abstract
 
