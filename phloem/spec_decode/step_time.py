@@ -21,11 +21,21 @@ What is learned, with t_model(T, K, D) the prior model's time (`StepTimeModel.st
     r_verify = EMA over steps with drafts of (measured - t_model(T, K, D))
 
 The corrected model has t_host' = max(0, t_host + r_plain) and
-t_verify' = max(0, t_verify + r_verify - r_plain): the verify step's extra cost beyond a plain
-step's residual (on CUDA: a verify step runs the piecewise graphs with eager attention where a
-decode step replays one whole graph; the drafter's own host time). Keeping r_verify against the
-prior model, not against r_plain, makes the two estimates independent of the order their samples
-come in; until a plain step is measured all of the excess is charged to verify steps.
+t_verify' = max(0, t_verify + r_verify - b * D_mean - r_plain), c_draft' = max(0, c_draft + b):
+the verify step's extra cost beyond a plain step's residual (the drafter's own host time; on
+CUDA, verify steps off their full graphs ran the piecewise graphs with eager attention), split
+into a fixed part and a part per draft. b is the least-squares slope of the verify residual
+against the step's drafts D (EMAs of D, r, D^2 and D r over verify samples, no prior), used once
+`slope_min_samples` verify samples spread over a variance of at least `slope_min_var` drafts^2
+(else 0: all of the excess is fixed, as it is where every verify step has the same drafts);
+D_mean is their EMA, so at the mean draft count the model predicts r_verify either way. On the
+CPU the excess grows per draft (~6 ms a draft at batch 32 against the prior's 3.2 ms,
+benchmarks/results/2026-11-26e-cpu-spec-cost): charged as fixed, it weighed on a few drafts as
+much as on many, and the rule chose fewer. A verify graph's cost hardly moves with the drafts
+(every row is padded to 1 + k): b then cancels the prior's per-draft charge. Keeping r_verify
+against the prior model, not against r_plain, makes the two estimates independent of the order
+their samples come in; until a plain step is measured all of the excess is charged to verify
+steps.
 
 The EMAs weigh the n-th sample 1/(n + n0) until that falls to `ema_weight` (0.1), then
 `ema_weight`: n0 = 0 for plain steps (the mean of the first samples), n0 = `prior_samples` = 4
@@ -71,6 +81,8 @@ class StepTimeConfig:
         probe_steps: steps without drafts a probe asks for [steps], >= 1.
         forget_weight: per plain sample, the share of the way r_verify moves towards r_plain,
             in [0, 1].
+        slope_min_samples: verify samples before the per-draft slope is used [samples], >= 2.
+        slope_min_var: the least variance of their draft counts for it [drafts^2], > 0.
     """
 
     ema_weight: float = 0.1
@@ -81,6 +93,8 @@ class StepTimeConfig:
     probe_every: int = 64
     probe_steps: int = 2
     forget_weight: float = 0.001
+    slope_min_samples: int = 8
+    slope_min_var: float = 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the field out of range."""
@@ -98,6 +112,10 @@ class StepTimeConfig:
             raise ValueError(f"warmup_samples must be >= 0, got {self.warmup_samples}")
         if not 0.0 <= self.forget_weight <= 1.0:
             raise ValueError(f"forget_weight must lie in [0, 1], got {self.forget_weight}")
+        if self.slope_min_samples < 2:
+            raise ValueError(f"slope_min_samples must be >= 2, got {self.slope_min_samples}")
+        if not self.slope_min_var > 0:
+            raise ValueError(f"slope_min_var must be > 0, got {self.slope_min_var}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +167,8 @@ class StepTimeLearner:
         self.model = prior  # the corrected model (`_correct`)
         self.plain_residual_s = 0.0
         self.verify_residual_s = 0.0
+        self.draft_slope_s = 0.0  # b: the verify residual per draft [s / draft]
+        self._moments = [0.0, 0.0, 0.0, 0.0]  # verify samples' EMAs of D, r, D^2, D r
         self.num_plain = 0  # samples of each kind so far
         self.num_verify = 0
         self._since_plain = 0  # verify samples since the last plain one
@@ -171,6 +191,7 @@ class StepTimeLearner:
             self.verify_residual_s += self._weight(self.num_verify + self.config.prior_samples) * (
                 residual - self.verify_residual_s
             )
+            self._learn_slope(d, residual)
             self._since_plain += 1
         else:
             self.num_plain += 1
@@ -199,14 +220,34 @@ class StepTimeLearner:
     def _weight(self, num_samples: float) -> float:
         return max(self.config.ema_weight, 1.0 / num_samples)
 
+    def _learn_slope(self, num_drafts: int, residual: float) -> None:
+        """Update the moments with one verify sample and the slope b from them (module
+        docstring): cov(D, r) / var(D) once there are enough samples spread enough, at least
+        -c_draft (a draft never makes a step cheaper); else 0."""
+        m, w = self._moments, self._weight(self.num_verify)
+        values = (num_drafts, residual, num_drafts * num_drafts, num_drafts * residual)
+        for i, value in enumerate(values):
+            m[i] += w * (value - m[i])
+        var = m[2] - m[0] * m[0]
+        config = self.config
+        if self.num_verify >= config.slope_min_samples and var >= config.slope_min_var:
+            self.draft_slope_s = max(-self.prior.c_draft_s, (m[3] - m[0] * m[1]) / var)
+        else:
+            self.draft_slope_s = 0.0
+
     def _correct(self) -> StepTimeModel:
         prior = self.prior
         # no verify sample yet: the prior's t_verify (its residual stays that of plain steps)
-        verify_extra = self.verify_residual_s - self.plain_residual_s if self.num_verify else 0.0
+        slope = self.draft_slope_s
+        verify_extra = 0.0
+        if self.num_verify:
+            fixed = self.verify_residual_s - slope * self._moments[0]
+            verify_extra = fixed - self.plain_residual_s
         return dataclasses.replace(
             prior,
             t_host_s=max(0.0, prior.t_host_s + self.plain_residual_s),
             t_verify_s=max(0.0, prior.t_verify_s + verify_extra),
+            c_draft_s=max(0.0, prior.c_draft_s + slope),
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -218,4 +259,6 @@ class StepTimeLearner:
             "num_verify_samples": self.num_verify,
             "t_host_s": self.model.t_host_s,
             "t_verify_s": self.model.t_verify_s,
+            "draft_slope_s": self.draft_slope_s,
+            "c_draft_s": self.model.c_draft_s,
         }

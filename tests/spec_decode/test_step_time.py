@@ -113,6 +113,65 @@ def test_bad_settings_raise_naming_the_field() -> None:
         StepTimeLearner(PRIOR).observe(PLAIN, -1.0)
 
 
+def _verify_shape(num_drafts: int) -> StepShape:
+    return StepShape(num_sampled=32, num_tokens=32 + num_drafts, num_kv_tokens=3200,
+                     num_drafts=num_drafts)  # fmt: skip
+
+
+def _learn_verify_costs(cost, config: StepTimeConfig, draft_counts=(8, 16, 32, 64)):
+    """A learner fed plain steps at the prior's time and verify steps of varied drafts whose
+    time is cost(drafts) [s], alternately."""
+    learner = StepTimeLearner(PRIOR, config)
+    for i in range(200):
+        learner.observe(PLAIN, PRIOR.step_time_s(32, 3200))
+        d = draft_counts[i % len(draft_counts)]
+        learner.observe(_verify_shape(d), cost(d))
+    return learner
+
+
+def test_a_verify_cost_that_grows_per_draft_is_learned_per_draft() -> None:
+    """On the CPU a verify step's excess over the prior grows with its drafts (~6 ms a draft):
+    with the slope, the model predicts few and many drafts alike; charged as a fixed cost (the
+    slope off), a step of 8 drafts would look about twice as costly as it is."""
+
+    def cost(d: int) -> float:
+        return PRIOR.step_time_s(32 + d, 3200, d) + 0.005 + 0.006 * d
+
+    config = StepTimeConfig(clip_factor=100.0)
+    learner = _learn_verify_costs(cost, config)
+    assert learner.draft_slope_s == pytest.approx(0.006, rel=0.02)
+    for d in (8, 20, 64):
+        assert learner.model.step_time_s(32 + d, 3200, d) == pytest.approx(cost(d), rel=0.03)
+    fixed = _learn_verify_costs(cost, StepTimeConfig(clip_factor=100.0, slope_min_var=1e9))
+    assert fixed.draft_slope_s == 0.0
+    assert fixed.model.step_time_s(40, 3200, 8) > 1.5 * cost(8)
+
+
+def test_a_verify_cost_independent_of_the_drafts_cancels_the_per_draft_charge() -> None:
+    """A verify graph pads every row to 1 + k tokens: its cost hardly moves with the drafts, so
+    the learned slope cancels the prior's per-draft charge."""
+
+    def cost(d: int) -> float:
+        return PRIOR.step_time_s(96, 3200, 0) + 0.004
+
+    learner = _learn_verify_costs(cost, StepTimeConfig(clip_factor=100.0))
+    assert learner.model.c_draft_s == pytest.approx(0.0, abs=1e-9)
+    for d in (8, 64):
+        assert learner.model.step_time_s(96, 3200, d) == pytest.approx(cost(d), rel=0.01)
+
+
+def test_the_same_drafts_every_step_keep_the_whole_excess_fixed() -> None:
+    learner = _learn_verify_costs(lambda d: 0.03, StepTimeConfig(), draft_counts=(64,))
+    assert learner.draft_slope_s == 0.0 and learner.model.c_draft_s == PRIOR.c_draft_s
+    few = StepTimeLearner(PRIOR, StepTimeConfig(slope_min_samples=50))
+    for i in range(20):  # spread, but fewer samples than slope_min_samples
+        few.observe(_verify_shape(8 + 8 * (i % 2)), 0.02 + 0.001 * (i % 2))
+    assert few.draft_slope_s == 0.0
+    for field, value in [("slope_min_samples", 1), ("slope_min_var", 0.0)]:
+        with pytest.raises(ValueError, match=field):
+            StepTimeConfig(**{field: value}).validate()
+
+
 def decoding(request_id: str) -> Request:
     """A request that decodes next step, whose history repeats (n-gram drafts always exist)."""
     r = Request(request_id, [5, 6, 7, 8] * 20, SamplingParams(temperature=0))
