@@ -21,6 +21,10 @@ compares runs of several engines (benchmarks/serving.sh runs the whole compariso
 
 A server it cannot reach, or one that refuses `/v1/models` (a wrong `--api-key`), is one line
 on stderr and exit status 1, before any request is sent. Requests are not logged one by one.
+
+The measured requests stream over `sse_client` (one HTTP/1.1 connection each, the JSON bodies
+encoded before the clock starts; https URLs over httpx), so that the client keeps up with ~25k
+tokens a second from one process (issue 24; benchmarks/results/2026-11-26f-cpu-serving-burst).
 """
 
 from __future__ import annotations

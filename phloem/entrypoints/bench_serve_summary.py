@@ -16,7 +16,9 @@ plot).
 
 Step traces: where DIR holds ENGINE-steps.jsonl (`phloem serve --step-trace`), each run of that
 engine is cut from it by the run's monotonic window, and the summary gets the step analysis of
-every run (`phloem.bench.step_analysis`: step duration, wall share and cost fit by step kind).
+every run (`phloem.bench.step_analysis`: step duration, wall share and cost fit by step kind)
+and its edges (`run_edges`: how much of the client's window came before the engine's first step
+and after its last, the prompt tokens the steps computed).
 """
 
 from __future__ import annotations
@@ -186,8 +188,28 @@ def step_analyses(directory: Path, runs: list[dict]) -> dict[str, dict[str, dict
             continue
         mine = in_window(max(before, key=lambda t: t[0])[1], window[0], window[1])
         if mine:
-            result.setdefault(engine, {})[run["workload"]] = analyze(mine)
+            analysis = analyze(mine)
+            analysis["edges"] = run_edges(mine, window)
+            result.setdefault(engine, {})[run["workload"]] = analysis
     return result
+
+
+def run_edges(steps: list[dict], window: list[float]) -> dict:
+    """Where a run's client window [s] went around its engine steps (`steps`: those applied
+    within it, in order): "before_first_step_s" (window start to the first step's start: the
+    requests' way through client, HTTP and front), "steps_span_s" (first step's start to the last
+    one's tokens), "after_last_step_s" (the last tokens to the window's end: the front and the
+    client catching up), "window_s"; and "steps" and "prefill_tokens" (prompt tokens computed,
+    a shared prefix computed once counts once)."""
+    start, end = window
+    return {
+        "window_s": end - start,
+        "before_first_step_s": steps[0]["t0"] - start,
+        "steps_span_s": steps[-1]["t1"] - steps[0]["t0"],
+        "after_last_step_s": end - steps[-1]["t1"],
+        "steps": len(steps),
+        "prefill_tokens": sum(s["prefill_tokens"] for s in steps),
+    }
 
 
 def _when(text: str | None) -> datetime | None:
@@ -222,6 +244,17 @@ def step_tables(steps: dict[str, dict[str, dict]]) -> list[str]:
     for engine, runs in sorted(steps.items()):
         for workload, analysis in sorted(runs.items()):
             lines += table_rows(analysis, f"| {engine} | {workload} ")
+    lines += ["", "Run edges (the client's window around the engine's steps, s):", "",
+              "| engine | workload | window | before first step | steps' span | after last step "
+              "| steps | prompt tokens computed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for engine, runs in sorted(steps.items()):
+        for workload, analysis in sorted(runs.items()):
+            e = analysis.get("edges")
+            if e:
+                lines.append(f"| {engine} | {workload} | {e['window_s']:.3f} | "
+                             f"{e['before_first_step_s']:.3f} | {e['steps_span_s']:.3f} | "
+                             f"{e['after_last_step_s']:.3f} | {e['steps']} | "
+                             f"{e['prefill_tokens']} |")  # fmt: skip
     return lines
 
 

@@ -211,3 +211,9 @@ def test_summary_compares_each_configuration_and_reads_its_trace(tmp_path):
     text = markdown(summary)
     assert "| phloem@a | poisson-30 | 0.80 |" in text and "- phloem@b / vllm: 1.20" in text
     assert "| phloem@b | poisson-30 | mixed | 40 |" in text
+    edges = summary["steps"]["phloem@b"]["poisson-30"]["edges"]
+    assert edges["before_first_step_s"] == 0 and edges["after_last_step_s"] == 0
+    assert edges["steps"] == 120 and edges["prefill_tokens"] == sum(
+        s["prefill_tokens"] for s in steps
+    )
+    assert f"| phloem@b | poisson-30 | {window[1] - window[0]:.3f} | 0.000 |" in text
