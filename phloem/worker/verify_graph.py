@@ -3,8 +3,9 @@ bucket, every sequence padded to the same query length q = 1 + k (vLLM's "unifor
 for speculative decoding).
 
 A verify step whose sequences each compute their last token and at most k drafts (rows without
-drafts included; no prompt chunk, no prefix group) runs the graph of the smallest bucket >= B
-sequences; anything else keeps the piecewise or eager path (`verify_graph_fits`):
+drafts included; no prompt chunk) runs the graph of the smallest bucket >= B sequences, unless
+the backend would share its prefix groups' KV (`AttentionBackend.plan_verify`: the shared-prefix
+backend's cost rule); anything else keeps the piecewise or eager path (`verify_graph_fits`):
 
     row b    |-- last, d_1 .. d_kb (real) --|-- k - k_b padding tokens --|     q tokens
     rows     |-- B real rows --|-- bucket - B dummy rows (q padding tokens each) --|
@@ -71,12 +72,11 @@ def verify_batch_sizes(
 
 
 def verify_graph_fits(host: HostStep, query_len: int) -> bool:
-    """Whether a step can replay a verify graph of `query_len` (1 + k) tokens a sequence: it
-    verifies drafts, every sequence samples and computes exactly its last token plus its
-    drafts (no prompt chunk), at most query_len tokens, and no sequence is in a prefix group."""
+    """Whether a step has the shape of a verify graph of `query_len` (1 + k) tokens a
+    sequence: it verifies drafts, and every sequence samples and computes exactly its last
+    token plus its drafts (no prompt chunk), at most query_len tokens. (Prefix groups are the
+    backend's call: `AttentionBackend.plan_verify`.)"""
     if not host.draft_counts or len(host.sampled) != len(host.query_lens):
-        return False
-    if host.prefix_lens is not None and any(host.prefix_lens):
         return False
     return all(
         q == 1 + d <= query_len for q, d in zip(host.query_lens, host.draft_counts, strict=True)
@@ -119,8 +119,8 @@ def pad_verify_step(
     ids[where], positions[where], slots[where] = host.input_ids, host.positions, host.slots
     padded_lens = seq_lens - q_lens + q
     tables = []
-    for table, real_len, padded_len in zip(host.block_tables, seq_lens.tolist(),
-                                           padded_lens.tolist()):  # fmt: skip
+    real_lens, lens = seq_lens.tolist(), padded_lens.tolist()
+    for table, real_len, padded_len in zip(host.block_tables, real_lens, lens):
         real_pages, pages = -(-real_len // bs), -(-padded_len // bs)
         head = table if len(table) == real_pages else table[:real_pages]
         tables.append(
@@ -209,6 +209,14 @@ class VerifyGraphRunner:
                 return size
         return None
 
+    def _plain_prefixes(self, host: HostStep) -> bool:
+        """True unless the step has prefix groups the backend would share (`plan_verify`)."""
+        if host.prefix_lens is None or not any(host.prefix_lens):
+            return True
+        return self.backend.plan_verify(
+            host.query_lens, host.seq_lens, host.block_tables, host.prefix_lens, self.block_size
+        )
+
     def _prepare(self, padded: HostStep) -> None:
         """Plan the padded step (`prepare_verify_replay`) and make its forward context; the
         slot mapping views the static buffer. Device copies of the step's lists only for a
@@ -261,7 +269,8 @@ class VerifyGraphRunner:
 
     def run(self, host: HostStep, fill_pending: FillPending | None = None) -> torch.Tensor | None:
         """Replay the verify graph of the step's bucket when it fits (`verify_graph_fits`, a
-        captured bucket); None otherwise (the caller runs its other path). `fill_pending`, if
+        captured bucket, and for a step of prefix groups the backend's `plan_verify`); None
+        otherwise (the caller runs its other path). `fill_pending`, if
         given, is called with the static input-id rows and the padded step's pending (token
         index, seq id) pairs (it writes ids sampled by the step in flight). Mutates the KV
         caches at the step's slots and the scratch slot.
@@ -272,7 +281,7 @@ class VerifyGraphRunner:
         if not verify_graph_fits(host, self.query_len):
             return None
         batch = self.bucket(len(host.query_lens))
-        if batch is None:
+        if batch is None or not self._plain_prefixes(host):
             return None
         padding = pad_verify_step(host, self.query_len, batch, self.scratch_block,
                                   self.block_size)  # fmt: skip

@@ -208,6 +208,7 @@ def test_every_backend_implements_the_interface():
     with pytest.raises(ValueError, match="CUDA graphs"):
         plain.prepare_replay(None)
     assert not plain.supports_verify_graphs  # it reads each step's metadata at every call
+    assert plain.plan_verify([2], [5], [[0, 1]], [4], 4)  # no prefix sharing of its own
     with pytest.raises(ValueError, match="verify CUDA graphs"):
         plain.prepare_verify_replay(None)
     shared = get_attention_backend("shared_prefix")

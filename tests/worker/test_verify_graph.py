@@ -6,6 +6,8 @@ generates the same greedy tokens with them, without them and with speculation of
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -101,9 +103,8 @@ def test_which_steps_fit():
     assert not verify_graph_fits(_host([3, 6], [5, 0], [2], tables, sampled=[0]), Q)
     # ... or samples its last token only (q_len != 1 + drafts)
     assert not verify_graph_fits(_host([3, 3], [5, 0], [2, 0], tables), Q)
-    # a prefix group (the shared-prefix backend may share its KV): eager or piecewise
-    assert not verify_graph_fits(_host([3, 1], [5, 6], [2, 0], tables, prefix_lens=[4, 0]), Q)
-    assert verify_graph_fits(_host([3, 1], [5, 6], [2, 0], tables, prefix_lens=[0, 0]), Q)
+    # prefix groups are the backend's call (`plan_verify`, below), not the shape's
+    assert verify_graph_fits(_host([3, 1], [5, 6], [2, 0], tables, prefix_lens=[4, 0]), Q)
 
 
 def test_padding_layout():
@@ -198,6 +199,38 @@ def test_steps_without_a_bucket_keep_their_path():
     assert graph is None and runner.verify_runner.num_replays == 0
     _, graph, *_ = verify_both_ways(runner, verify_step(verify_steps(a, b, c)[2]))
     assert graph is not None and runner.verify_runner.num_replays == 1
+
+
+def test_prefix_groups_worth_sharing_keep_their_path():
+    """A verify step of prefix groups asks the backend (`plan_verify`, only then): the test
+    double says no, then yes; the shared-prefix backend says no only where a decode step would
+    leave its plain graph (2^19 saved KV tokens), not for a chat template's few blocks."""
+    from phloem.ops.attention import get_attention_backend
+
+    model = tiny_phloem_model("llama")
+    backend = ReplanningReference()
+    runner = _runner(model, [1, 2, 4], backend=backend)
+    a, b, c = sequences(model.config.vocab_size)
+    prefill(runner, [(a, 10), (b, 7), (c, 13)])
+    rows = verify_steps(a, b, c)
+    sched = verify_step(rows[0])
+    # as if A, B and C shared their first block (host data only)
+    sched.scheduled = [dataclasses.replace(s, prefix_len=4) for s in sched.scheduled]
+    states = runner.input_batch.update(sched)
+    host = HostStep.build(sched, states, BLOCK_SIZE, prefix_lens=True)
+    assert host.prefix_lens == [4, 4, 4]
+    backend.share = True
+    assert runner.verify_runner.run(host) is None and backend.asked == 1
+    backend.share = False
+    assert runner.verify_runner.run(host) is not None and backend.asked == 2
+    host.prefix_lens = [0, 0, 0]
+    assert runner.verify_runner.run(host) is not None and backend.asked == 2  # not asked
+    shared = get_attention_backend("shared_prefix")
+    tables = [list(range(600))] * 64
+    # 64 members of a 64-token prefix (a chat template): 63 x 64 KV tokens saved
+    assert shared.plan_verify([Q] * 64, [64 + 40] * 64, tables, [64] * 64, 16)
+    # of an 8,448-token one: 63 x 8,448 >= 2^19 saved, worth the eager path's launches
+    assert not shared.plan_verify([Q] * 64, [8448 + 40] * 64, tables, [8448] * 64, 16)
 
 
 @pytest.fixture(scope="module")

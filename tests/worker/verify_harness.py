@@ -28,6 +28,12 @@ class ReplanningReference(ReferenceAttention):
     def __init__(self) -> None:
         super().__init__()
         self.plans = 0
+        self.share = False  # `plan_verify`'s answer: would it share the step's prefix groups
+        self.asked = 0
+
+    def plan_verify(self, query_lens, seq_lens, block_tables, prefix_lens, block_size) -> bool:
+        self.asked += 1
+        return not self.share
 
     def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
         if meta.query_start_loc_cpu[-1] != meta.max_query_len * meta.num_seqs:

@@ -6,7 +6,7 @@ step the callers do, in order:
 
     eager step:   begin_step(meta) -> forward(...) per layer -> end_step()
     graph step:   plan_decode(...) -> prepare_replay(padded meta, variant, groups) -> replay
-    verify graph: prepare_verify_replay(padded meta) -> replay   (speculative decoding)
+    verify graph: plan_verify(...) -> prepare_verify_replay(padded meta) -> replay   (spec decoding)
 
 A CUDA graph replays kernels whose inputs live at fixed addresses, so `prepare_replay` writes the
 step's plan into buffers of the variant's graph for `meta.num_seqs` sequences (the same call,
@@ -149,6 +149,21 @@ class AttentionBackend(abc.ABC):
             ValueError: when the backend cannot plan that variant (default: any).
         """
         raise ValueError(f"attention backend {self.name!r} cannot plan CUDA graphs ({variant!r})")
+
+    def plan_verify(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        prefix_lens: list[int],
+        block_size: int,
+    ) -> bool:
+        """Whether a verify step of sequences in prefix groups (host lists of the real,
+        unpadded step; some `prefix_lens` > 0) may replay a verify graph, which runs the
+        backend's plain kernels; False when the backend would run it another way (the
+        shared-prefix backend: its cost rule shares the prefixes). The model runner asks only
+        for steps with prefix groups. Host only, no counters. Default: True."""
+        return True
 
     def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
         """Plan a padded verify step into the fixed buffers of the verify graph of

@@ -66,7 +66,8 @@ class SharedPrefixAttention(AttentionBackend):
     "plain" (the fallback's kernels) or, with the Triton impl on CUDA, "shared_prefix" (our kernels
     over fixed-capacity tile tables, `decode_graph_plan.DecodeGraphPlan`). The model runner asks
     `plan_decode` which one a step takes (`sharing_rule.decode_path`). Verify graphs
-    (speculative decoding) run the fallback's kernels, for steps without prefix groups only.
+    (speculative decoding) run the fallback's kernels, for steps whose groups a decode step
+    would not leave its plain graph for (`plan_verify`).
 
     Counters (`stats()`, for `--json`): steps that ran the shared path (eagerly or in a graph),
     eager plain steps, CUDA-graph plain steps and shared-prefix graph steps (each replay plans
@@ -258,10 +259,28 @@ class SharedPrefixAttention(AttentionBackend):
         self.last_path = self.fallback.name
         self.fallback.prepare_replay(meta)
 
+    def plan_verify(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        prefix_lens: list[int],
+        block_size: int,
+    ) -> bool:
+        """A verify step of prefix groups replays a verify graph (the fallback's kernels)
+        where a decode step would replay the plain graph (`sharing_rule.decode_path` without a
+        shared graph: sharing does not pay, or saves less than the graph's launch savings);
+        else it keeps the eager or piecewise path, which shares the prefixes
+        (`AttentionBackend.plan_verify`). Host only."""
+        meta = AttentionMetadata.from_host(
+            query_lens, seq_lens, block_tables, block_size, prefix_lens=prefix_lens
+        )
+        path = sharing_rule.decode_path(self.rule, self.plan(meta), shared_graph=False)
+        return path is DecodePath.GRAPH
+
     def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
-        """Plan a padded verify step on the fallback (`AttentionBackend.prepare_verify_replay`);
-        verify steps of prefix groups never replay a verify graph (the model runner keeps them
-        on the eager or piecewise path, where the cost rule may share).
+        """Plan a padded verify step on the fallback (`AttentionBackend.prepare_verify_replay`;
+        the step's groups, if any, were not worth sharing: `plan_verify`).
 
         Raises:
             ValueError: when the fallback cannot plan verify graphs.
