@@ -14,6 +14,7 @@
 #   bash benchmarks/serving.sh OUT_DIR                          # everything (~25 min: 2 calls+)
 #   ENGINES=phloem RATES="20 30" BURST=1 SHARED=1 bash benchmarks/serving.sh OUT_DIR
 #   ENGINES=vllm   RATES="20 30" BURST=1 SHARED=1 bash benchmarks/serving.sh OUT_DIR
+#   ENGINES="phloem vllm" RATES=" " bash benchmarks/serving.sh OUT_DIR   # the two bursts only
 #
 # Several phloem configurations back to back (one server start each), labelled phloem@NAME:
 #   PHLOEM_CONFIGS="default:|seqs256:--max-num-seqs 256 --max-num-batched-tokens 4096|\
