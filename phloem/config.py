@@ -51,7 +51,8 @@ class ModelConfig:
             (decode-only steps replay one graph per batch bucket; any other step of at most
             2,048 tokens and `max_num_batched_tokens` replays per token bucket the forward pass
             in pieces between the attention calls, which run eagerly:
-            `phloem.worker.piecewise_graph`) or "decode" (decode-only steps only).
+            `phloem.worker.piecewise_graph`) or "decode" (decode-only steps only); either way
+            speculative verify steps replay their own graphs (`SpeculativeConfig`).
         attention_backend: "auto" (on CUDA with FlashInfer: prefix-shared attention on steps
             where it pays, FlashInfer on the others; else the plain-torch reference),
             "reference", "flashinfer" (never shares) or "shared_prefix" (cascade attention over

@@ -270,10 +270,10 @@ class VerifyGraphRunner:
     def run(self, host: HostStep, fill_pending: FillPending | None = None) -> torch.Tensor | None:
         """Replay the verify graph of the step's bucket when it fits (`verify_graph_fits`, a
         captured bucket, and for a step of prefix groups the backend's `plan_verify`); None
-        otherwise (the caller runs its other path). `fill_pending`, if
-        given, is called with the static input-id rows and the padded step's pending (token
-        index, seq id) pairs (it writes ids sampled by the step in flight). Mutates the KV
-        caches at the step's slots and the scratch slot.
+        otherwise (the caller runs its other path). `fill_pending`, if given, is called with
+        the static input-id rows and the padded step's pending (token index, seq id) pairs (it
+        writes ids sampled by the step in flight). Mutates the KV caches at the step's slots
+        and the scratch slot.
 
         Returns:
             hidden [N, hidden_size] of the real step's `logits_indices`, in its order.
