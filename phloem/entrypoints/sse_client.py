@@ -151,8 +151,9 @@ async def stream_data_lines(target: Target, path: str, body: bytes) -> AsyncIter
     """
     reader, writer = await asyncio.open_connection(target.host, target.port)
     try:
+        host = f"[{target.host}]" if ":" in target.host else target.host  # an IPv6 literal
         head = (
-            f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
+            f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {host}:{target.port}\r\n"
             f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n"
         ).encode("latin-1")
