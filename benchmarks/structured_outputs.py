@@ -15,7 +15,9 @@ as before 2026-11-27). Each constrained run also reports the grammar counters it
 (`GrammarStats`: compile and matcher time, how long after its registration the last matcher
 was ready, rows a step waited for, admissions put off for a grammar still compiling) and every
 run where the engine loop's time went (`steps`: mean ms per step of scheduling, launching,
-waiting for the device, updating, the rest; see `step_times`).
+waiting for the device, updating, the rest; see `step_times`); a constrained run also its
+structured-output work per constrained step (`loop_ms_per_bitmask`: marking rows, advancing
+the matchers, the fill and the loop's wait for it).
 
 CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
 
@@ -138,6 +140,7 @@ def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
     added = {k: v - before.get(k, 0) for k, v in after.items() if k != "max_ready_lag_s"}
     added["max_ready_lag_s"] = after.get("max_ready_lag_s", 0.0)
     added["steps"] = step_times(records, start)
+    added["loop_ms_per_bitmask"] = loop_ms_per_bitmask(added)
     lens = [len(o.outputs[0].token_ids) for o in outs]
     return wall, lens, [o.outputs[0].text for o in outs], added
 
@@ -161,9 +164,18 @@ def step_times(records: list, start: float) -> dict:
 
 
 def _grammar_counters(structured) -> dict:
+    """The manager's `GrammarStats`, the admissions held and the loop's `LoopTimes`."""
     manager = structured.manager
     counters = {} if manager is None else dataclasses.asdict(manager.stats)
-    return counters | {"num_held": structured.num_held}
+    return counters | {"num_held": structured.num_held} | dataclasses.asdict(structured.times)
+
+
+def loop_ms_per_bitmask(added: dict) -> dict:
+    """A run's `LoopTimes` in ms per constrained step: `mark`, `advance` (on the loop), `fill`
+    (the fill's own time, mostly in its thread) and `fill_wait` (the loop blocked on it)."""
+    n = added.get("num_bitmasks", 0)
+    names = ("mark", "advance", "fill", "fill_wait")
+    return {f"{k}_ms": 1e3 * added[f"{k}_s"] / n for k in names} if n else {}
 
 
 def setup(args, tmp: str):

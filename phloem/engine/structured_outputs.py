@@ -29,6 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
+from dataclasses import dataclass
 
 from phloem.core.request import Request, RequestStatus
 from phloem.core.scheduler import Scheduler, SchedulerOutput
@@ -46,6 +48,27 @@ def default_num_threads() -> int:
     the GPU benchmark's walk at 128K tokens), so 1,024 constrained rows need every core the
     loop does not; two are left to the loop and the device's feeders."""
     return min(16, max(1, (os.cpu_count() or 2) - 2))
+
+
+@dataclass
+class LoopTimes:
+    """Where the engine loop's structured-output work went since the engine started (seconds of
+    wall time; benchmarks read them to tell the host's share of a constrained step).
+
+    Attributes:
+        mark_s: `mark` (setting each step's constrained rows; an empty step's wait for held
+            requests' grammars included).
+        advance_s: `advance` (the matchers accepting a step's tokens, on the loop).
+        fill_s: the bitmask fills themselves (in the fill thread or on the loop).
+        fill_wait_s: the loop blocked in `bitmask` for a fill started in `advance`.
+        num_bitmasks: the steps' bitmasks taken.
+    """
+
+    mark_s: float = 0.0
+    advance_s: float = 0.0
+    fill_s: float = 0.0
+    fill_wait_s: float = 0.0
+    num_bitmasks: int = 0
 
 
 class StructuredOutputs:
@@ -75,6 +98,7 @@ class StructuredOutputs:
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
         self.num_early_fills = 0  # bitmasks whose fill started in `advance`
         self.num_held = 0  # times a waiting request was passed over, its grammar not ready
+        self.times = LoopTimes()
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
@@ -131,6 +155,7 @@ class StructuredOutputs:
         manager = self.manager
         if manager is None or not manager.num_live:
             return
+        start = time.perf_counter()
         if not sched.scheduled and not self.scheduler.running:
             held = [r.request_id for r in self.scheduler.waiting]
             manager.wait_ready(held, _IDLE_WAIT_S)
@@ -139,17 +164,21 @@ class StructuredOutputs:
             s.seq_id for s in sched.scheduled if s.sample and is_constrained(s.seq_id)
         ]
         self._next = sched if sched.structured_seq_ids else None
+        self.times.mark_s += time.perf_counter() - start
 
     def bitmask(self, sched: SchedulerOutput) -> GrammarBitmask:
         """The step's `GrammarBitmask` (after the previous step's tokens were advanced); rows
         that cannot be constrained fail their sequence alone (`Scheduler.fail_request`)."""
         assert self.manager is not None
+        start = time.perf_counter()
         started = self._take_fill()
         self._next = None
         if started is not None and started[0] is sched:
+            self.times.fill_wait_s += time.perf_counter() - start
             grammar, failed = started[1].result()
         else:
-            grammar, failed = self.manager.bitmask(sched.structured_seq_ids)
+            grammar, failed = self._timed_fill(sched.structured_seq_ids)
+        self.times.num_bitmasks += 1
         for seq_id, message in failed.items():
             request = self.scheduler.requests.get(seq_id)
             if request is not None and not request.is_finished:
@@ -163,6 +192,7 @@ class StructuredOutputs:
         if manager is None or not manager.num_live:
             return
         self._take_fill()  # a fill of the states before these tokens: stale (not in `step`)
+        start = time.perf_counter()
         requests = [r for r in updated if manager.is_constrained(r.request_id)]
         pairs = [(r.request_id, r.output_token_ids[-1]) for r in requests]
         # together: 1,024 rows one by one were ~5 ms of the loop a step
@@ -172,8 +202,19 @@ class StructuredOutputs:
                 self.scheduler.fail_request(request, message)
             elif done and not request.is_finished:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        self.times.advance_s += time.perf_counter() - start
         if self._next is not None:
             self._start_fill(self._next)
+
+    def _timed_fill(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
+        """`manager.bitmask(seq_ids)`, its time added to `times.fill_s` (any thread: one fill
+        runs at a time)."""
+        assert self.manager is not None
+        start = time.perf_counter()
+        try:
+            return self.manager.bitmask(seq_ids)
+        finally:
+            self.times.fill_s += time.perf_counter() - start
 
     def _start_fill(self, sched: SchedulerOutput) -> None:
         """Fill the marked step's bitmask in a background thread (its rows' previous tokens are
@@ -182,7 +223,7 @@ class StructuredOutputs:
         assert self.manager is not None
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
-        future = self._filler.submit(self.manager.bitmask, list(sched.structured_seq_ids))
+        future = self._filler.submit(self._timed_fill, list(sched.structured_seq_ids))
         self._fill = (sched, future)
         self.num_early_fills += 1
 

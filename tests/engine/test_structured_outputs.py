@@ -143,6 +143,9 @@ def test_mixed_batch_every_output_valid(tiny_llama, async_scheduling, sampled):
     manager = llm.llm_engine.structured.manager
     assert manager.num_compiled == len({c[2].key() for c in cases})  # once per constraint
     assert manager.num_live == 0  # every matcher forgotten
+    times = llm.llm_engine.structured.times  # the loop's structured-output work was timed
+    assert times.num_bitmasks > 0 and times.fill_s > 0 and times.advance_s > 0
+    assert times.mark_s > 0 and (times.fill_wait_s > 0) == async_scheduling  # early fills
 
 
 def test_n_samples_preemption_and_prefix_sharing(tiny_llama):
