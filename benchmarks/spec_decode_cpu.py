@@ -109,6 +109,7 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     drafter = llm.llm_engine.drafter
     before = drafter.stats.as_dict() if drafter is not None else None
+    replays_before = _verify_graph_replays(llm)
     outputs, elapsed = [], 0.0
     for start in range(0, len(prompts), batch):
         chunk = [[{"role": "user", "content": p}] for p in prompts[start : start + batch]]
@@ -132,8 +133,16 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
         accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         rows = after["num_drafts"] - before["num_drafts"]
         result.update(num_draft_tokens=drafted, num_accepted_tokens=accepted, num_verify_rows=rows,
-                      acceptance_rate=accepted / drafted if drafted else 0.0)  # fmt: skip
+                      acceptance_rate=accepted / drafted if drafted else 0.0,
+                      num_verify_steps=after["num_spec_steps"] - before["num_spec_steps"],
+                      verify_graph_replays=_verify_graph_replays(llm) - replays_before)  # fmt: skip
     return result
+
+
+def _verify_graph_replays(llm) -> int:
+    """Verify steps that replayed a full CUDA graph so far (0 without verify graphs)."""
+    runner = llm.llm_engine.executor.worker.model_runner.verify_runner
+    return 0 if runner is None else runner.num_replays
 
 
 def main() -> None:

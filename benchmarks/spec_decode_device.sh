@@ -109,7 +109,10 @@ if os.path.exists(path):
                     "ratio": round(s["ratio"], 3), "tpot_ratio": round(s["tpot_ratio"], 3),
                     "tok_s": round(s["output_tokens_per_s"], 1),
                     "runs_ratio": [round(r["output_tokens_per_s"] / o["output_tokens_per_s"], 3)
-                                   for r, o in zip(s["runs"], engines["off"]["runs"])]}
+                                   for r, o in zip(s["runs"], engines["off"]["runs"])],
+                    "verify_steps": sum(r.get("num_verify_steps", 0) for r in s["runs"]),
+                    "verify_graph_replays": sum(r.get("verify_graph_replays", 0)
+                                                for r in s["runs"])}
 runs = {}
 for f in sorted(glob.glob(os.path.join(out, "batchllm-g100-*-r*.json"))):
     d = json.load(open(f))
