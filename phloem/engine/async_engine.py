@@ -198,6 +198,19 @@ class AsyncLLMEngine:
                 self._submit(("abort", request_id))
             self._streams.pop(request_id, None)
 
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`generate`'s iterator, under the name the server calls on either engine
+        (`EngineCoreClient.submit` queues the prompt at the call); here the prompt is queued at
+        the first iteration, so `abort` of one never iterated has nothing to do."""
+        return self.generate(prompt_token_ids, sampling_params, request_id, prompt, arrival_time)
+
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Abort a request from the event loop; its `generate` raises `error` (default
         CancelledError)."""

@@ -9,7 +9,8 @@
 The core sends token deltas only; each request's `RequestStream` (engine/core_stream.py) turns
 them into text with its own incremental detokenizer and applies stop strings (then tells the
 core to stop the sequence). The surface is the server's view of `AsyncLLMEngine`: `generate`
-(cumulative `RequestOutput`s), `abort`, `abort_all`, `validate`, `validate_prompt`, `is_dead`,
+(cumulative `RequestOutput`s), `submit` (the same iterator, the prompt queued at the call),
+`abort`, `abort_all`, `validate`, `validate_prompt`, `is_dead`,
 `tokenizer`, `max_model_len`, `stats`, `start`, `shutdown`.
 
 - A stream keeps only its latest state (outputs are coalesced), so a slow reader costs no
@@ -32,6 +33,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -103,6 +105,7 @@ class EngineCoreClient:
         self.on_death = on_death
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._unconsumed: set[str] = set()  # submitted, their output iterator not started yet
         self._stats: CoreStats | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -227,7 +230,32 @@ class EngineCoreClient:
     ) -> AsyncIterator[RequestOutput]:
         """Queue one prompt in the core and yield its outputs (cumulative, coalesced) until
         it finishes; leaving early aborts it in the core. Raises as `AsyncLLMEngine.generate`
-        (ValueError, RequestFailedError, EngineDeadError, asyncio.CancelledError on `abort`)."""
+        (ValueError, RequestFailedError, EngineDeadError, asyncio.CancelledError on `abort`).
+        The prompt is queued at the first iteration (`submit` queues it at the call)."""
+        outputs = self.submit(prompt_token_ids, sampling_params, request_id, prompt, arrival_time)
+        async with aclosing(outputs):
+            async for output in outputs:
+                yield output
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue one prompt in the core now and return the iterator of its outputs (what
+        `generate` yields). The request runs from this call on: leaving the iteration early
+        aborts it, and a caller that never starts it must `abort(request_id)`, which then
+        forgets it too. Why: a burst's responses start one event-loop round after another, so a
+        request sent only when its stream is first read reached the core ~0.3 s after it was
+        prepared (benchmarks/results/2026-11-26f-cpu-serving-burst).
+
+        Raises at once: ValueError (the prompt or the parameters cannot run, or `request_id` is
+        in use), EngineDeadError; the iteration raises RequestFailedError, EngineDeadError, or
+        asyncio.CancelledError after `abort`.
+        """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has died: {self.dead_error}")
         if request_id in self._streams:
@@ -237,7 +265,13 @@ class EngineCoreClient:
         ids = list(prompt_token_ids)
         stream = RequestStream(request_id, prompt, ids, sampling_params, self.tokenizer, now)
         self._streams[request_id] = stream
+        self._unconsumed.add(request_id)
         self._send(CoreRequest(request_id, ids, params_to_dict(sampling_params), now))
+        return self._outputs(stream)
+
+    async def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        request_id = stream.request_id
+        self._unconsumed.discard(request_id)
         try:
             while True:
                 await stream.wait()
@@ -256,12 +290,15 @@ class EngineCoreClient:
             self._streams.pop(request_id, None)
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
-        """Abort a request; its `generate` raises `error` (default CancelledError)."""
+        """Abort a request; its `generate` raises `error` (default CancelledError). A request
+        `submit`ted whose outputs were never read is forgotten here (no reader will)."""
         stream = self._streams.get(request_id)
-        if stream is None or stream.finished:
-            return
-        stream.fail(error or asyncio.CancelledError(f"request {request_id} aborted"))
-        self._send(CoreAbort([request_id]))
+        if stream is not None and not stream.finished:
+            stream.fail(error or asyncio.CancelledError(f"request {request_id} aborted"))
+            self._send(CoreAbort([request_id]))
+        if request_id in self._unconsumed:
+            self._unconsumed.discard(request_id)
+            self._streams.pop(request_id, None)
 
     def abort_all(self, error: BaseException) -> int:
         """Abort every unfinished request, each `generate` raising `error`; returns how many."""

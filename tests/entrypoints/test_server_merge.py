@@ -1,6 +1,9 @@
 """`server._merged`, the outputs of a request's several prompts: a slow consumer gets each
 prompt's newest output (at most one pending per prompt, nothing queued per step), every prompt's
-last output, and a prompt's error."""
+last output, and a prompt's error; leaving early aborts every prompt's request. A streamed
+completion is queued in the engine before its response starts (issue 24: a burst's requests
+reached the core only as their responses started, one loop round after another), and a response
+that ends before its body began aborts it."""
 
 from __future__ import annotations
 
@@ -14,12 +17,29 @@ from phloem.sampling_params import SamplingParams
 
 
 class _Engine:
-    """`generate` yields `steps` cumulative outputs (ints 1..steps), one per loop turn."""
+    """`generate` yields `steps` cumulative outputs (ints 1..steps), one per loop turn;
+    `submit` records the request (queued at the call) and returns the same iterator."""
+
+    max_model_len = 64
 
     def __init__(self, steps: int, fail: str | None = None) -> None:
         self.steps, self.fail = steps, fail
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self.read: list[str] = []  # requests whose outputs someone began to read
+
+    def submit(self, ids, params, request_id, prompt, arrival):
+        self.submitted.append(request_id)
+        return self.generate(ids, params, request_id, prompt, arrival)
+
+    def abort(self, request_id, error=None) -> None:
+        self.aborted.append(request_id)
+
+    def validate_prompt(self, ids) -> None:
+        pass
 
     async def generate(self, ids, params, request_id, prompt, arrival):
+        self.read.append(request_id)
         for step in range(1, self.steps + 1):
             await asyncio.sleep(0)
             if request_id == self.fail and step == 3:
@@ -54,3 +74,49 @@ def test_error_of_one_prompt_is_raised() -> None:
 
     with pytest.raises(RuntimeError, match="failed"):
         asyncio.run(consume())
+
+
+def test_leaving_early_aborts_every_prompt() -> None:
+    engine = _Engine(100)
+
+    async def consume():
+        async for index, _ in _merged(engine, _prep(3), 0.0):
+            if index == 0:
+                break
+
+    asyncio.run(consume())
+    assert engine.submitted == ["r-0", "r-1", "r-2"]
+    assert sorted(engine.aborted) == ["r-0", "r-1", "r-2"]
+
+
+def test_a_stream_is_queued_before_its_response_starts() -> None:
+    from fastapi import Request
+
+    from phloem.entrypoints.openai.server import ServerState, create_completion
+
+    engine = _Engine(5)
+    state = ServerState(engine=engine, model_name="m", tokenizer=None)
+    body = b'{"prompt": [5, 6, 7], "max_tokens": 4, "stream": true}'
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                 "asgi": {"version": "3.0", "spec_version": "2.4"}}  # fmt: skip
+        response = await create_completion(state, Request(scope, receive))
+        assert len(engine.submitted) == 1 and not engine.aborted  # queued, not yet streamed
+
+        async def send(message):
+            raise OSError("the client is gone")  # before the headers: the body never starts
+
+        with pytest.raises(Exception):  # noqa: B017 - Starlette's ClientDisconnect
+            await response(scope, receive, send)
+
+    try:
+        asyncio.run(run())
+    finally:
+        state.close()
+    assert engine.read == [] and engine.aborted == engine.submitted

@@ -1,6 +1,6 @@
 """The benchmark's streaming client (phloem/entrypoints/sse_client.py, issue 24): chunked bodies
 cut at every byte, SSE lines split across chunks, plain bodies read to the close, error statuses
-with their text; and the server's intake (server.read_and_prepare): one trip to the preparation
+with their text; and the server's intake (request_body.read_and_prepare): one trip to the preparation
 thread per request, the fast JSON parse giving what the standard one gives."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from phloem.entrypoints.openai.protocol import APIError, CompletionRequest
-from phloem.entrypoints.openai.server import parse_json, read_and_prepare
+from phloem.entrypoints.openai.request_body import parse_json, read_and_prepare
 from phloem.entrypoints.sse_client import ChunkedBody, HTTPStatusError, Target, stream_data_lines
 
 EVENTS = [b'{"choices": [{"text": "h\\u00e9"}]}', b'{"usage": {"x": 1}}', b"[DONE]"]

@@ -30,13 +30,12 @@ from phloem.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from phloem.entrypoints.openai.request_body import check_model, read_json
 from phloem.entrypoints.openai.server import (
     ServerState,
-    check_model,
     create_chat_completion,
     create_completion,
     error_response,
-    read_json,
 )
 from phloem.entrypoints.openai.serving import check_chars, render_chat
 

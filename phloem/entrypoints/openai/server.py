@@ -9,15 +9,12 @@ server failed (non-finite logits: 500 for that request only; a dead engine loop:
 `/health` turns 503). A request is aborted as soon as its client disconnects, streaming or not,
 so its KV blocks return to the pool and, if it was still waiting, it never runs.
 
-Bodies are read and parsed here (not by FastAPI) so that malformed JSON, wrong types and
-unknown fields all get the same bounded 400 naming the field. Nothing heavy runs on the event
-loop: the body is read there (bounded by `ServerLimits.max_request_body_bytes`, else 413), then
-parsed, validated and tokenized on one worker thread (`ServerState.off_loop`), after the cheap
-checks that need no tokens (`n`, prompt count, prompt characters against `limits.py`'s bound).
-A generation request makes one trip to that thread (parse, checks and preparation together): with
-two trips, a burst's requests queued their second trip behind every other request's first, so
-none reached the engine until the whole burst was parsed (800 token-id prompts of 1,280 tokens:
-~0.3 s of an idle GPU; benchmarks/results/2026-11-26f-cpu-serving-burst).
+Bodies are read and parsed by `request_body.py` (not by FastAPI) so that malformed JSON, wrong
+types and unknown fields all get the same bounded 400 naming the field. Nothing heavy runs on
+the event loop: the body is read there (bounded by `ServerLimits.max_request_body_bytes`, else
+413), then parsed, checked (`n`, prompt count, prompt characters against `limits.py`'s bound),
+validated and tokenized in one trip to one worker thread (`ServerState.off_loop`). A prepared
+generation request is queued in the engine at once, before its response starts (`_start`).
 
 Shutdown (SIGTERM/SIGINT, `serve.py`): uvicorn stops accepting; in-flight requests run on for
 `shutdown_timeout` seconds; then those left get `ServerShuttingDownError` (in-band for streams,
@@ -27,7 +24,6 @@ before `data: [DONE]`; 503 otherwise).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,10 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from phloem.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from phloem.engine.core_client import EngineCoreClient
@@ -48,8 +42,8 @@ from phloem.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     sampling_field_of,
-    validation_error,
 )
+from phloem.entrypoints.openai.request_body import read_and_prepare
 from phloem.entrypoints.openai.responses import (
     PreparedRequest,
     chat_chunks,
@@ -150,117 +144,6 @@ def error_response(error: APIError, headers: dict[str, str] | None = None) -> JS
     return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
 
-async def read_json(state: ServerState, request: Request, model_cls):
-    """Read the body (bounded, on the loop), then parse and validate it strictly on the
-    preparation thread. Raises APIError(400/413).
-
-    The Content-Type is not checked (curl -d sends a form type): the body must be JSON.
-    """
-    return await state.off_loop(parse_json, await read_body(state, request), model_cls)
-
-
-async def read_and_prepare(
-    state: ServerState, request: Request, model_cls, prepare: Callable, num_prompts: Callable
-):
-    """Read the body (on the loop), then in ONE trip to the preparation thread parse and
-    validate it (`parse_json`), check the model and the limits, and `prepare(state, req)`.
-    Returns (request model, `PreparedRequest`); raises APIError (400/404/413) as those do.
-
-    One trip, so that the requests of a burst reach the engine one after another as each is
-    prepared, not all after the last one is parsed (the module docstring).
-    """
-    return await state.off_loop(
-        _parse_and_prepare, state, await read_body(state, request), model_cls, prepare, num_prompts
-    )
-
-
-def _parse_and_prepare(state: ServerState, chunks, model_cls, prepare, num_prompts):
-    req = parse_json(chunks, model_cls)
-    check_model(state, req.model)
-    check_request_limits(state, req.n, num_prompts(req))
-    return req, prepare(state, req)
-
-
-async def read_body(state: ServerState, request: Request) -> list[bytes]:
-    """The body's chunks as they arrive; 413 as soon as it passes the server's limit."""
-    limit = state.limits.max_request_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return chunks
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(
-        413,
-        f"The request body is larger than this server's limit of {limit} bytes "
-        "(--max-request-body-bytes).",
-        code="request_too_large",
-    )
-
-
-_json_decoder = msgspec.json.Decoder()
-_NOT_DECODED = object()
-
-
-def parse_json(chunks: list[bytes], model_cls):
-    """JSON body -> validated request model (blocking: run it off the event loop)."""
-    body = b"".join(chunks)
-    chunks.clear()
-    try:  # msgspec: ~3x faster on a long token-id list; anything it refuses, json decides
-        data = _json_decoder.decode(body)
-    except Exception:  # noqa: BLE001 - the standard parser below gives the error (or a value)
-        data = _NOT_DECODED
-    try:
-        if data is _NOT_DECODED:
-            data = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise APIError(
-            400,
-            f"We could not parse the JSON body of your request: {e.msg} "
-            f"(line {e.lineno}, column {e.colno})",
-        ) from None
-    except (UnicodeDecodeError, RecursionError, ValueError) as e:
-        raise APIError(
-            400, f"We could not parse the JSON body of your request: {type(e).__name__}"
-        ) from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-
-
-def check_model(state, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(
-            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
-
-
-def check_request_limits(state: ServerState, n: int, num_prompts: int) -> None:
-    """400s naming `n` or `prompt` past the server's limits (checked before any tokenizing)."""
-    limits = state.limits
-    if n > limits.max_n:
-        raise APIError(
-            400, f"n must be at most {limits.max_n} on this server (--max-n), got {n}", param="n"
-        )
-    if num_prompts > limits.max_prompts_per_request:
-        raise APIError(
-            400,
-            f"prompt holds {num_prompts} prompts; this server takes at most "
-            f"{limits.max_prompts_per_request} per request (--max-prompts-per-request)",
-            param="prompt",
-        )
-
-
 def _num_prompts(prompt) -> int:
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         return 1
@@ -290,22 +173,50 @@ async def wait_disconnect(request: Request) -> None:
 # -- the endpoints' core --------------------------------------------------------------------------
 
 
-async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest, arrival: float):
-    """Yield (prompt index, RequestOutput) from all prompts of one API request as they come.
+def _start(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest, arrival: float):
+    """Queue every prompt of `prep` in the engine now (`submit`): their output iterators, in
+    prompt order. On an error the prompts already queued are aborted and the error raised
+    (ValueError, EngineDeadError)."""
+    gens: list = []
+    try:
+        for rid, (text, ids), params in zip(prep.request_ids, prep.prompts, prep.params):
+            gens.append(engine.submit(ids, params, rid, text, arrival))
+    except BaseException:
+        for rid in prep.request_ids[: len(gens)]:
+            engine.abort(rid)
+        raise
+    return gens
+
+
+async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest,
+                  arrival: float, gens: list | BaseException | None = None):  # fmt: skip
+    """Yield (prompt index, RequestOutput) from all prompts of one API request as they come
+    (`gens`: `_start`'s iterators, or the error `_start` raised, raised here; None: `_start`
+    at the first iteration).
 
     Outputs are cumulative, so only each prompt's newest matters: one pump task per prompt
     keeps it in `newest` (never waiting on this consumer), and the consumer takes what is there
     in prompt order. A slow reader thus holds at most one output per prompt, and no engine
-    stream waits for it.
+    stream waits for it. Leaving early aborts every prompt's request, read or not.
     """
-    gens = [
-        engine.generate(ids, params, rid, text, arrival)
-        for rid, (text, ids), params in zip(prep.request_ids, prep.prompts, prep.params)
-    ]
-    if len(gens) == 1:
-        async for output in gens[0]:
-            yield 0, output
-        return
+    if gens is None:
+        gens = _start(engine, prep, arrival)
+    if isinstance(gens, BaseException):
+        raise gens
+    try:
+        if len(gens) == 1:
+            async for output in gens[0]:
+                yield 0, output
+        else:
+            async for item in _merge_many(gens):
+                yield item
+    finally:
+        for rid in prep.request_ids:  # no-op for the finished; forgets the never read
+            engine.abort(rid)
+
+
+async def _merge_many(gens: list):
+    """`_merged`'s pumps for several prompts."""
     newest: dict[int, Any] = {}
     errors: list[BaseException] = []
     news = asyncio.Event()
@@ -342,6 +253,14 @@ async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedReque
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _start_or_error(state: ServerState, prep: PreparedRequest, arrival: float):
+    """`_start`, or the engine error it raised (a stream reports it in-band, as before)."""
+    try:
+        return _start(state.engine, prep, arrival)
+    except _ENGINE_ERRORS as e:
+        return e
+
+
 async def _collect(state: ServerState, prep: PreparedRequest, arrival: float):
     finals: list = [None] * len(prep.request_ids)
     async for index, output in _merged(state.engine, prep, arrival):
@@ -376,29 +295,50 @@ async def _final_outputs(state: ServerState, request: Request, prep: PreparedReq
         raise engine_error(e) from None
 
 
+class _EngineStream(StreamingResponse):
+    """A StreamingResponse that calls `on_end()` once it is over, however it ended (its
+    requests were queued in the engine before it started: `_start`)."""
+
+    def __init__(self, content, on_end: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 def _stream_response(state: ServerState, request: Request, chunks: AsyncIterator[str], ids):
     """SSE response whose request ids are aborted if the client goes away.
 
     Starlette already listens for the client's disconnect while it streams and cancels this
     body when it comes; a second listener on the same connection would race it for ASGI
-    messages, so the abort rides on that cancellation (`finally`). Aborting a request that has
-    finished is a no-op.
+    messages, so the abort rides on that cancellation (`finally`). A response that ends before
+    its body began (a client gone before the headers) aborts them when it ends (`_EngineStream`).
+    Aborting a request that has finished is a no-op.
     """
+    completed = False
+
+    def abort_unless_completed() -> None:
+        if not completed:
+            for request_id in ids:
+                state.engine.abort(request_id)
 
     async def body():
-        completed = False
+        nonlocal completed
         try:
             async for chunk in chunks:
                 yield chunk
             completed = True
         finally:
-            if not completed:
-                for request_id in ids:
-                    state.engine.abort(request_id)
+            abort_unless_completed()
             await chunks.aclose()  # type: ignore[attr-defined]
 
-    return StreamingResponse(
+    return _EngineStream(
         body(),
+        abort_unless_completed,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -425,7 +365,7 @@ async def create_completion(state: ServerState, request: Request):
     n = req.n
     if req.stream:
         usage = stream_usage_mode(req)
-        outputs = _merged(state.engine, prep, arrival)
+        outputs = _merged(state.engine, prep, arrival, _start_or_error(state, prep, arrival))
         chunks = _in_band_errors(
             completion_chunks(state, prep, outputs, response_id, created, n, usage)
         )
@@ -464,7 +404,7 @@ async def create_chat_completion(state: ServerState, request: Request):
     created = int(time.time())
     if req.stream:
         usage = stream_usage_mode(req)
-        outputs = _merged(state.engine, prep, arrival)
+        outputs = _merged(state.engine, prep, arrival, _start_or_error(state, prep, arrival))
         chunks = _in_band_errors(chat_chunks(state, prep, outputs, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
     finals = await _final_outputs(state, request, prep, arrival)
