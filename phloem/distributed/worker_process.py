@@ -132,6 +132,9 @@ def _serve(worker, conn) -> None:
                 worker.release_cuda_graphs()
                 destroy_tensor_parallel()
                 return
+            if header[0] == "presample":  # a constrained step's noise, before its bitmask
+                runner.presample(handles.get(header[1]))
+                continue
             if header[0] == "sample":  # a constrained step's sampling, with its bitmask
                 runner.sample(handles.get(header[1]), header[2])
                 continue

@@ -45,6 +45,11 @@ class Executor(abc.ABC):
         """Run one step and wait for it (a step without constrained samples)."""
         return self.collect(self.launch(scheduler_output))
 
+    def presample(self, launched: Any) -> None:  # noqa: B027 - optional: it only saves time
+        """Enqueue the part of a launched constrained step's sampling that needs no bitmask
+        (its random rows' noise), while the engine's threads fill the bitmask; before
+        `sample`, which otherwise does it."""
+
     @abc.abstractmethod
     def sample(self, launched: Any, grammar: GrammarBitmask) -> None:
         """Enqueue the sampling of a launched step with constrained samples
@@ -72,6 +77,9 @@ class UniProcExecutor(Executor):
 
     def collect(self, launched) -> ModelRunnerOutput:
         return self.worker.model_runner.collect(launched)
+
+    def presample(self, launched) -> None:
+        self.worker.model_runner.presample(launched)
 
     def sample(self, launched, grammar: GrammarBitmask) -> None:
         self.worker.model_runner.sample(launched, grammar)

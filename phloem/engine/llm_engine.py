@@ -335,6 +335,7 @@ class LLMEngine:
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
         if launched is not None and scheduler_output.structured_seq_ids:
+            self.executor.presample(launched.handle)  # beside the bitmask's fill
             self.executor.sample(launched.handle, self.structured.bitmask(scheduler_output))
         self._in_flight = launched
         if not self.scheduler_config.async_scheduling and launched is not None:

@@ -150,6 +150,18 @@ class TensorParallelExecutor(Executor):
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)
 
+    def presample(self, launched: _Handle) -> None:
+        """Every rank draws the constrained step's noise (a "presample" message, in pipe
+        order before its "sample")."""
+        self._check_open()
+        payload = encode_step(("presample", launched.step_no), SchedulerOutput())
+        try:
+            for r in self._group.ranks:
+                r.conn.send_bytes(payload)
+            self.worker.model_runner.presample(launched.inner)
+        except Exception as e:
+            raise self._fail(e) from e
+
     def sample(self, launched: _Handle, grammar: GrammarBitmask) -> None:
         """Sample a launched constrained step on every rank under the same grammar bitmask (a
         "sample" message, in pipe order before the next step), so the ranks' tokens agree."""

@@ -308,6 +308,7 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+        noise: torch.Tensor | None = None,
     ) -> SampledTokens:
         """`__call__` without waiting: enqueues the sampling and the copy of its results to
         the host; `SampledTokens.tokens` (int64 [B], on the logits' device) can feed the next
@@ -315,7 +316,9 @@ class Sampler:
         [R, ceil(V / 32)], row indices int64 [R]) on logits' device:
         structured-output rows' allowed tokens, applied to the float32 copy the other steps
         work on (`ops.token_bitmask.apply_token_bitmask_`; a plain greedy step masks a copy of
-        `logits`); the non-finite flags are taken before it: its -inf is no model fault."""
+        `logits`); the non-finite flags are taken before it: its -inf is no model fault.
+        noise: `draw_noise(rows, V, device)`, drawn earlier (a constrained step draws it while
+        its bitmask is filled), or None: drawn here; the same tokens either way."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
@@ -355,16 +358,18 @@ class Sampler:
         device = x.device
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= GREEDY_TEMPERATURE]
+        if noise is not None and tuple(noise.shape) != (len(random), x.shape[1]):
+            raise ValueError(f"noise must be [random rows, V], got {tuple(noise.shape)}")
         if not random:
             tokens = x.argmax(dim=-1)
         elif not greedy:
-            tokens = self._sample(x, rows)
+            tokens = self._sample(x, rows, noise)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=device)
             g_idx = _device_tensor(greedy, dtype=torch.long, device=device)
             r_idx = _device_tensor(random, dtype=torch.long, device=device)
             tokens[g_idx] = x[g_idx].argmax(dim=-1)
-            tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random])
+            tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random], noise)
         return SampledTokens.start(raw, tokens, rows, num_nonfinite)
 
     def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -389,10 +394,19 @@ class Sampler:
         )
         return x
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, min_p, top-k/top-p, then draw. x: [R, V] float32; returns [R] int64."""
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow], noise=None) -> torch.Tensor:
+        """Temperature, min_p, top-k/top-p, then draw (`noise`: drawn already, or None).
+        x: [R, V] float32; returns [R] int64."""
         probs = processed_probs(x, [r.params for r in rows])
-        return probs.div_(self._exponentials(rows, x.shape[1], x.device)).argmax(dim=-1)
+        q = self._exponentials(rows, x.shape[1], x.device) if noise is None else noise
+        return probs.div_(q).argmax(dim=-1)
+
+    def draw_noise(self, rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor | None:
+        """The noise `launch` would draw for the random rows of `rows` (float32 [random rows,
+        V], in row order; None if none), drawn now: it needs neither logits nor bitmask. The
+        same generators advance by the same draws; `launch` takes it as `noise`."""
+        random = [r for r in rows if r.params.temperature >= GREEDY_TEMPERATURE]
+        return self._exponentials(random, vocab_size, device) if random else None
 
     def _exponentials(
         self, rows: list[SamplingRow], vocab_size: int, device: torch.device

@@ -255,6 +255,20 @@ class ModelRunner:
         return LaunchedStep(seq_ids, sampled_states, handle, failed, drafts=drafts)
 
     @torch.inference_mode()
+    def presample(self, launched: LaunchedStep | None) -> None:
+        """Enqueue the part of a launched constrained step's sampling that needs no bitmask
+        (`Sampler.draw_noise`: its random rows' noise, a draw per row with its own generator),
+        while the engine's threads fill the bitmask; `sample` then uses it. A draw that raises
+        is left to `sample`, which draws again (its rows fail alone there). No-op otherwise."""
+        if launched is None or launched.deferred is None or launched.noise is not None:
+            return
+        logits, rows = launched.deferred
+        try:
+            launched.noise = self.sampler.draw_noise(rows, logits.shape[1], logits.device)
+        except Exception:  # noqa: BLE001 - `sample` finds the row that raises
+            launched.noise = None
+
+    @torch.inference_mode()
     def sample(self, launched: LaunchedStep | None, grammar: GrammarBitmask) -> None:
         """Enqueue the sampling of a launched constrained step with its grammar bitmask (rows
         `grammar.seq_ids`; the others are unconstrained). Must come before the next `launch`
@@ -266,7 +280,7 @@ class ModelRunner:
         if launched is None or launched.deferred is None:
             raise ValueError("sample() needs a launched step waiting for its grammar bitmask")
         logits, rows = launched.deferred
-        launched.deferred = None
+        noise, launched.deferred, launched.noise = launched.noise, None, None
         seq_ids = launched.seq_ids
         index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
         try:
@@ -276,7 +290,9 @@ class ModelRunner:
                 f"grammar bitmask names {e}, which this step does not sample"
             ) from None
         mask = bitmask_to_device(grammar.bitmask, row_indices, self.device)  # a copy stream
-        handle = self._launch_sampler(logits, rows, seq_ids, launched.states, launched.failed, mask)
+        handle = self._launch_sampler(
+            logits, rows, seq_ids, launched.states, launched.failed, mask, noise
+        )
         launched.sampled = handle
         self._last_sampled = (handle.tokens, index)
 
@@ -403,8 +419,10 @@ class ModelRunner:
         states: list[SequenceState],
         failed: dict[str, str],
         grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
+        noise: torch.Tensor | None = None,
     ) -> SampledTokens:
-        """`sampler.launch(logits, rows, grammar)`, failing alone each row whose sampling raises.
+        """`sampler.launch(logits, rows, grammar, noise)`, failing alone each row whose sampling
+        raises (the trials and the launch after them draw their own noise).
 
         When the batch raises, each row is tried alone (the others replaced by greedy
         placeholders, every generator's state restored after each trial, so the rows that go on
@@ -413,7 +431,7 @@ class ModelRunner:
         real launch. A fault no single row causes, or one that survives the replacement, is the
         step's own: it propagates. Mutates `rows` and `failed` only on that path."""
         try:
-            return self.sampler.launch(logits, rows, grammar)
+            return self.sampler.launch(logits, rows, grammar, noise)
         except Exception:  # noqa: BLE001 - find out whether one sequence causes it
             placeholders = [_placeholder_row(state) for state in states]
             generators = {id(g): g for g in [self._shared_generator] + [r.generator for r in rows]}

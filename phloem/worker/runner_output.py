@@ -45,6 +45,7 @@ class LaunchedStep:
     failed: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed
     # a constrained step's logits [S, V] and sampling rows, until its grammar bitmask comes
     deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
+    noise: torch.Tensor | None = None  # its random rows' noise, drawn by `ModelRunner.presample`
     drafts: list[tuple[int, ...]] | None = None  # a verify step's drafts per sampled row
 
 

@@ -193,3 +193,29 @@ def test_bitmask_to_device_copies_both_arrays():
     assert torch.equal(on_device[0].cpu(), bitmask) and torch.equal(on_device[1].cpu(), rows)
     got = apply_token_bitmask_(logits.to(dev), *on_device)
     assert torch.equal(got.cpu(), reference(logits, bitmask, rows))
+
+
+def test_noise_drawn_before_the_bitmask_gives_the_same_tokens():
+    """A constrained step draws its random rows' noise while its bitmask is filled
+    (`Sampler.draw_noise`, `ModelRunner.presample`): the same tokens as drawing it at sampling,
+    for seeded rows, rows on the sampler's generator and greedy rows mixed; a wrong shape
+    raises."""
+    vocab, batch = 300, 6
+    logits, bitmask, rows = random_case(batch, vocab, 10, 4, torch.float32, seed=13)
+    temps = [0.0, 0.9, 1.2, 0.0, 0.7, 1.0]
+
+    def sample_rows():
+        return [SamplingRow(SamplingParams(temperature=t, top_k=50 if i == 2 else 0), [1], [],
+                            torch.Generator().manual_seed(i) if i % 2 else None)
+                for i, t in enumerate(temps)]  # fmt: skip
+
+    plain = Sampler(seed=3).launch(logits, sample_rows(), (bitmask, rows)).result()
+    sampler, drawn_rows = Sampler(seed=3), sample_rows()
+    noise = sampler.draw_noise(drawn_rows, vocab, logits.device)
+    assert noise is not None and noise.shape == (4, vocab)
+    early = sampler.launch(logits, drawn_rows, (bitmask, rows), noise).result()
+    assert early.token_ids == plain.token_ids
+    greedy = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None)] * batch
+    assert sampler.draw_noise(greedy, vocab, logits.device) is None
+    with pytest.raises(ValueError, match=r"noise must be \[random rows, V\]"):
+        sampler.launch(logits, sample_rows(), None, noise[:3])
