@@ -56,7 +56,9 @@ _STEP_ENV = "PHLOEM_FRONT_PATH_STEP_MS"
 # -- the stand-in engine core (its own process, spawned by the front's EngineCoreClient) ----------
 
 
-def stand_in_core(args, input_path: str, output_path: str, executor_factory) -> None:
+def stand_in_core(
+    args, input_path: str, output_path: str, executor_factory, step_trace=None
+) -> None:
     """`run_engine_core`'s signature: one token per held request every step, no model."""
     import msgspec
     import zmq
