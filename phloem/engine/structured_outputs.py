@@ -13,6 +13,7 @@ N's outputs (detokenizing, building outputs) runs beside it; `bitmask` then wait
 
     mark(N+1) ... advance(N) -> fill(N+1) starts ──────────────┐ grammar threads
                   process N's outputs (engine loop)             │
+                  presample(N+1): the noise (`LLMEngine.step`)  │
                   bitmask(N+1): wait ◄──────────────────────────┘ -> sample(N+1)
 
 A request's grammar starts compiling when it is added (`register`: a batch's are all queued
