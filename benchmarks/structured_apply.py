@@ -7,7 +7,9 @@ For each row count (every row constrained, the GPU benchmark's 128,256-token voc
 - `after`: `phloem.ops.token_bitmask.apply_token_bitmask_` (CUDA: the Triton kernel; CPU:
   numpy-unpacked chunks filled row by row);
 - `sampler_*`: `Sampler.launch` with and without the grammar, greedy and at temperature 0.7
-  (the structured_outputs.py benchmark's setting; every row its own seeded generator);
+  (the structured_outputs.py benchmark's setting; every row its own seeded generator); at 0.7
+  also the noise draw alone (`noise_ms`, drawn beside the fill since bcb558c) and the
+  constrained launch given it (`sampler_grammar_given_noise_ms`);
 - `h2d_ms`: the copy of the pinned bitmask to the device (CUDA only; it runs on the compute
   stream before the mask).
 Bitmask densities: `string` (~97% of tokens allowed, a JSON string's state), `key` (~0.1%: a
@@ -89,7 +91,9 @@ def case(rows: int, density: str, dtype: torch.dtype, device: torch.device, repe
 
 def sampler_case(rows: int, temperature: float, device: torch.device, repeats: int) -> dict:
     """`Sampler.launch` ms with and without a `half` grammar on every row (model dtype bf16 on
-    CUDA, float32 on the CPU)."""
+    CUDA, float32 on the CPU; every row its own seeded generator, as in structured_outputs.py),
+    the noise draw alone (`draw_noise`: what a constrained step does beside its fill) and the
+    constrained launch given that noise (what is left after the fill)."""
     rng = np.random.default_rng(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     logits = torch.randn(rows, VOCAB, device=device).to(dtype)
@@ -98,15 +102,23 @@ def sampler_case(rows: int, temperature: float, device: torch.device, repeats: i
         torch.arange(rows, device=device),
     )
     params = SamplingParams(temperature=temperature)
+    generators = [torch.Generator(device).manual_seed(i) for i in range(rows)]
+    sample_rows = [SamplingRow(params, [1], [], g) for g in generators]
     sampler = Sampler(seed=0, device=device)
+    noise = sampler.draw_noise(sample_rows, VOCAB, device)
 
-    def launch(with_grammar: bool) -> None:
-        sample_rows = [SamplingRow(params, [1], [], None) for _ in range(rows)]
-        sampler.launch(logits, sample_rows, grammar if with_grammar else None).result()
+    def launch(with_grammar: bool, drawn=None) -> None:
+        sampler.launch(logits, sample_rows, grammar if with_grammar else None, drawn).result()
 
-    return {"rows": rows, "temperature": temperature,
-            "sampler_free_ms": timed(lambda: launch(False), device, repeats),
-            "sampler_grammar_ms": timed(lambda: launch(True), device, repeats)}  # fmt: skip
+    out = {"rows": rows, "temperature": temperature,
+           "sampler_free_ms": timed(lambda: launch(False), device, repeats),
+           "sampler_grammar_ms": timed(lambda: launch(True), device, repeats)}  # fmt: skip
+    if noise is not None:
+        out["noise_ms"] = timed(
+            lambda: sampler.draw_noise(sample_rows, VOCAB, device), device, repeats
+        )
+        out["sampler_grammar_given_noise_ms"] = timed(lambda: launch(True, noise), device, repeats)
+    return out
 
 
 def main() -> None:
