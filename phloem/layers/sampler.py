@@ -341,7 +341,6 @@ class Sampler:
             return SampledTokens.start(logits, tokens, rows, non_finite(values))
         num_nonfinite = non_finite(logits.amax(dim=-1))
         if plain_greedy:  # under a grammar: masked on a copy (the caller's logits stay)
-            assert grammar is not None
             logits = apply_token_bitmask_(logits.clone(), *grammar)
             return SampledTokens.start(logits, row_max(logits)[1], rows, num_nonfinite)
         # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the
@@ -354,23 +353,25 @@ class Sampler:
         # what the log-probs are taken of
         apply_banned(x, [r.banned_token_ids for r in rows])
         x = self._penalize(x, rows)
+        return SampledTokens.start(raw, self._tokens(x, rows, noise), rows, num_nonfinite)
 
+    def _tokens(self, x: torch.Tensor, rows: list[SamplingRow], noise) -> torch.Tensor:
+        """Greedy rows' argmax, random rows' draws (with `noise` if drawn): x [B, V] -> [B]."""
         device = x.device
         greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
         random = [i for i, r in enumerate(rows) if r.params.temperature >= GREEDY_TEMPERATURE]
         if noise is not None and tuple(noise.shape) != (len(random), x.shape[1]):
             raise ValueError(f"noise must be [random rows, V], got {tuple(noise.shape)}")
         if not random:
-            tokens = x.argmax(dim=-1)
-        elif not greedy:
-            tokens = self._sample(x, rows, noise)
-        else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-            g_idx = _device_tensor(greedy, dtype=torch.long, device=device)
-            r_idx = _device_tensor(random, dtype=torch.long, device=device)
-            tokens[g_idx] = x[g_idx].argmax(dim=-1)
-            tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random], noise)
-        return SampledTokens.start(raw, tokens, rows, num_nonfinite)
+            return x.argmax(dim=-1)
+        if not greedy:
+            return self._sample(x, rows, noise)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+        g_idx = _device_tensor(greedy, dtype=torch.long, device=device)
+        r_idx = _device_tensor(random, dtype=torch.long, device=device)
+        tokens[g_idx] = x[g_idx].argmax(dim=-1)
+        tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random], noise)
+        return tokens
 
     def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Apply penalties to the rows that have any (others are untouched); returns x."""
@@ -402,9 +403,8 @@ class Sampler:
         return probs.div_(q).argmax(dim=-1)
 
     def draw_noise(self, rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor | None:
-        """The noise `launch` would draw for the random rows of `rows` (float32 [random rows,
-        V], in row order; None if none), drawn now: it needs neither logits nor bitmask. The
-        same generators advance by the same draws; `launch` takes it as `noise`."""
+        """The noise `launch` would draw for `rows`' random rows (float32 [random rows, V]; None
+        if none), drawn now (no logits or bitmask needed), for `launch(noise=...)`."""
         random = [r for r in rows if r.params.temperature >= GREEDY_TEMPERATURE]
         return self._exponentials(random, vocab_size, device) if random else None
 
