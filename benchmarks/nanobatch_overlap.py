@@ -71,7 +71,7 @@ class Half:
         batch, pages, device = x.shape[0], -(-context // PAGE), x.device
         i32 = dict(dtype=torch.int32, device=device)
         self.kv, self.x = kv, x
-        self.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(512 << 20, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True,
             qo_indptr_buf=torch.arange(batch + 1, **i32),
