@@ -126,6 +126,7 @@ for rep, r in sorted(runs.items()):
                       "spec_tok_s": r["spec"]["output_tokens_per_s"],
                       "ratio": r["spec"]["output_tokens_per_s"] / r["off"]["output_tokens_per_s"],
                       "drafts_verified": counts.get("num_draft_tokens"),
+                      "verify_graph_replays": counts.get("num_verify_graph_replays"),
                       "device": r["off"].get("device")})
 if pairs:
     summary["batchllm_g100_8b"] = {"pairs": pairs,

@@ -25,6 +25,7 @@ def test_bench_json_has_spec_decode_counters(tmp_path):
     assert counts["num_draft_tokens"] > 0  # random weights soon repeat a token
     assert 0 <= counts["num_accepted_tokens"] <= counts["num_draft_tokens"]
     assert set(counts) >= {"acceptance_rate", "mean_accepted_length", "num_spec_steps"}
+    assert counts["num_verify_graph_replays"] == 0  # the CPU captures no verify graphs
     out = tmp_path / "plain.json"
     assert main([*args, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["spec_decode"] is None
