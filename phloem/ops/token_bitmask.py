@@ -6,9 +6,9 @@ llguidance's layout). Sampling sets every disallowed token's logit to -inf. Unpa
 into a bool [R, V] tensor, gathering the rows, filling and scattering them back moves the
 logits several times over (1,024 rows of a 128K vocabulary: ~0.5 GB of temporaries); here:
 
-- CUDA: one Triton kernel (`phloem.ops.token_bitmask_triton`, imported lazily) reads a block of words per program and writes -inf only where a bit
-  is clear (predicated stores), on the row named by the row index; nothing is read from the
-  logits and no temporary is made.
+- CUDA: one Triton kernel (`phloem.ops.token_bitmask_triton`, imported lazily) reads a block
+  of words per program and writes -inf only where a bit is clear (predicated stores), on the
+  row named by the row index; nothing is read from the logits and no temporary is made.
 - CPU: the words are inverted and unpacked by numpy (`np.unpackbits`, little bit order) a
   chunk of rows at a time into bool rows, and each logits row is filled in place
   (`masked_fill_`): no gather or scatter, one chunk's [64, V] bools at a time.
