@@ -2,8 +2,9 @@
 
 `Executor` declares every method the engine calls; `UniProcExecutor` runs one worker in this
 process. Tensor-parallel and multi-node executors implement the same methods: `launch` (enqueue
-a step, return a handle), `collect` (wait for a handle's tokens), `execute_model` (both) and
-`needs_token_history`, and `shutdown`. The engine takes a factory (`LLMEngine(config,
+a step, return a handle), `collect` (wait for a handle's tokens), `execute_model` (both),
+`presample` and `sample` (a step with constrained samples: its noise, then its sampling under
+the grammar bitmask), `needs_token_history`, and `shutdown`. The engine takes a factory (`LLMEngine(config,
 executor_factory=...)`), so a test can wrap or replace the executor without patching the engine;
 `build_executor` is the default: one in-process worker, or with tensor_parallel_size > 1 the
 `phloem.engine.tp_executor.TensorParallelExecutor` over spawned rank processes.
