@@ -96,8 +96,9 @@ def _greedy(path: str, prompts: list[list[int]], spec: dict | None):
     """Greedy tokens, the verify graphs' replays (None: no verify runner) and their buckets."""
     from phloem import LLM, SamplingParams
 
+    # at most 64 sequences: fewer decode graphs to capture per engine
     llm = LLM(path, load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.5,
-              speculative_config=spec)  # fmt: skip
+              max_num_seqs=64, speculative_config=spec)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
