@@ -94,13 +94,13 @@ def test_strided_rows_and_row_subset(tb):
     batch, vocab, width = 6, 150, 5
     logits, bitmask, rows = random_case(batch, vocab, width, 3, torch.float32, seed=7)
     want = reference(logits, bitmask, rows)
-    for apply in (_apply_torch, tb.launch):
-        wide = torch.full((batch, vocab + 10), 7.0)
-        wide[:, :vocab] = logits
+    for apply, dev in ((_apply_torch, torch.device("cpu")), (tb.launch, device())):
+        wide = torch.full((batch, vocab + 10), 7.0, device=dev)
+        wide[:, :vocab] = logits.to(dev)
         view = wide[:, :vocab]
-        apply(view, bitmask, rows.to(torch.int32))
-        assert torch.equal(view, want)
-        assert torch.equal(wide[:, vocab:], torch.full((batch, 10), 7.0))
+        apply(view, bitmask.to(dev), rows.to(dev, torch.int32))
+        assert torch.equal(view.cpu(), want)
+        assert torch.equal(wide[:, vocab:].cpu(), torch.full((batch, 10), 7.0))
 
 
 def test_cpu_path_chunks_many_rows():
