@@ -357,6 +357,7 @@ class LLMEngine:
             may_draft or any(s.draft_token_ids for s in flight.scheduler_output.scheduled)
         ):
             outputs = self._finish_in_flight()
+            self.drafter.num_syncs += 1
         if may_draft and self._in_flight is None:
             grammars = self.structured.manager
             self.drafter.propose(running, blocked=bool(grammars and grammars.num_live))

@@ -209,11 +209,22 @@ class Drafter:
         # pre-check counts only that share as drafting, so a batch whose histories never match
         # (random prompts) stops proposing, and stops the sync each proposal costs
         self.offer_rate = 1.0
+        # host cost counters (`counters`): steps whose in-flight step the engine collected so
+        # that drafts could be proposed, proposals, and the host time of both calls [s]
+        self.num_syncs = self.num_proposals = 0
+        self.may_draft_s = self.propose_s = 0.0
 
     def propose(self, running: Sequence[Request], blocked: bool = False) -> int:
         """Set `draft_token_ids` of each running request for the next `schedule()` (cleared
         where it gets none; the engine calls it when `may_draft` said yes); `blocked`: nobody
         drafts. Returns the drafts handed out."""
+        start = time.perf_counter()
+        handed = self._propose(running, blocked)
+        self.num_proposals += 1
+        self.propose_s += time.perf_counter() - start
+        return handed
+
+    def _propose(self, running: Sequence[Request], blocked: bool) -> int:
         eligible = []
         for request in running:
             request.draft_token_ids = []
@@ -253,6 +264,18 @@ class Drafter:
                 self.tracker.skipped(request.request_id)
         return handed
 
+    def counters(self) -> dict[str, float]:
+        """The host cost counters since the engine started: `num_syncs` (steps whose step in
+        flight was collected before scheduling so that the drafter could propose: async
+        scheduling's overlap lost), `num_proposals` (`propose` calls), `may_draft_s` and
+        `propose_s` (host time in those calls [s])."""
+        return {
+            "num_syncs": self.num_syncs,
+            "num_proposals": self.num_proposals,
+            "may_draft_s": self.may_draft_s,
+            "propose_s": self.propose_s,
+        }
+
     @property
     def time_model(self) -> StepTimeModel:
         """The cost rule's step time model: the prior corrected by the measured steps."""
@@ -275,7 +298,10 @@ class Drafter:
             return False
         if not self.config.use_cost_rule:
             return True
-        return not self.timer.probe_due() and self._may_pay(_step_shape(running, self.budget))
+        start = time.perf_counter()
+        may = not self.timer.probe_due() and self._may_pay(_step_shape(running, self.budget))
+        self.may_draft_s += time.perf_counter() - start
+        return may
 
     def _may_pay(self, step: tuple[int, int, int]) -> bool:
         """Whether the rule would hand out any draft if every sequence the step samples drafted

