@@ -209,6 +209,11 @@ class Drafter:
         # pre-check counts only that share as drafting, so a batch whose histories never match
         # (random prompts) stops proposing, and stops the sync each proposal costs
         self.offer_rate = 1.0
+        # proposals in a row that offered nothing, and steps since the last proposal: where
+        # the offer rate alone holds proposing back, it is retried after 2^streak steps (at most
+        # `probe_after`), so a pause in matching (a paraphrase, a preamble) costs a few steps of
+        # drafting, not `probe_after`, and a batch with nothing to match syncs rarely
+        self._empty_streak = self._since_proposal = 0
         # host cost counters (`counters`): steps whose in-flight step the engine collected so
         # that drafts could be proposed, proposals, and the host time of both calls [s]
         self.num_syncs = self.num_proposals = 0
@@ -250,6 +255,8 @@ class Drafter:
         asked = sum(1 for budget in budgets if budget)  # (a costly proposer: those the rule chose)
         if asked:
             self.offer_rate += OFFER_RATE_WEIGHT * (len(offered) / asked - self.offer_rate)
+            self._empty_streak = 0 if offered else self._empty_streak + 1
+        self._since_proposal = 0
         chosen = (
             self._choose([(r, len(d)) for r, d in offered], step)
             if rule
@@ -320,6 +327,8 @@ class Drafter:
         num_sampled = max(step[0], 1)
         model, cost, k = self.time_model, self.cost, self.config.num_speculative_tokens
         num_offered = int(num_sampled * self.offer_rate + 0.5)  # those the proposer would serve
+        if num_offered < num_sampled and self._retry_due(config.probe_after):
+            num_offered = num_sampled  # the offer rate is retried (`_retry_due`)
         candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_offered
         pays = num_offered > 0 and any(
             choose_num_drafts(candidates, num_sampled, *step[1:], model, cost)
@@ -328,7 +337,13 @@ class Drafter:
             probe = [DraftCandidate(max(self.tracker.global_rate, config.prior), k)]
             pays = any(choose_num_drafts(probe, num_sampled, *step[1:], model, cost))
         self._steps_off = 0 if pays else self._steps_off + 1
+        self._since_proposal += not pays
         return pays
+
+    def _retry_due(self, cap: int) -> bool:
+        """Whether the pre-check counts every sequence as offered again: 2^(proposals in a row
+        that offered nothing) steps, at most `cap`, have passed since the last proposal."""
+        return self._since_proposal >= min(1 << min(self._empty_streak, 30), cap)
 
     def observe(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:
         """Record a verify step's outcome (its rows' accepted counts) in the estimates and the

@@ -1,13 +1,17 @@
 """The drafter's host cost where drafts do not pay (issue 20, results/2026-11-26f-cpu-spec-overhead):
-the n-gram index's bulk extend (a prompt at once) answers as the per-token one does, and the
-engine's counters of syncs for drafting and proposals stay consistent."""
+the n-gram index's bulk extend (a prompt at once) answers as the per-token one does, the
+engine's counters of syncs for drafting and proposals stay consistent, and empty proposals back
+off (a pause in matching costs a few steps, a batch with nothing to match rarely syncs)."""
 
 from __future__ import annotations
 
 import random
 
 from phloem import SamplingParams
+from phloem.config import SpeculativeConfig
+from phloem.spec_decode.drafter import Drafter
 from phloem.spec_decode.ngram_proposer import NgramIndex, brute_force_lookup
+from tests.spec_decode.test_spec_drafter import MODEL, decoding
 from tests.spec_decode.test_spec_engine import prompts, run, tiny_llama  # noqa: F401
 
 
@@ -49,3 +53,31 @@ def _run_with_counters(path, spec, params, batch):
     result = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
     llm.close()
     return result, drafter.stats, drafter.counters()
+
+
+def test_a_pause_in_matching_costs_a_few_steps_of_drafting_not_probe_after():
+    """At batch 1 one empty proposal (a paraphrase) used to round the offered share to no
+    sequence, and proposing waited `probe_after` steps; now it is retried after 2^(empty
+    proposals in a row) steps."""
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 64)
+    running = [decoding("a", SamplingParams(temperature=0), range(40))]  # nothing repeats
+    assert drafter.may_draft(running) and drafter.propose(running) == 0
+    assert drafter.may_draft(running) and drafter.propose(running) == 0
+    answers = [drafter.may_draft(running) for _ in range(4)]
+    assert answers == [False] * 4  # 2^2 steps since the last proposal: due next
+    assert drafter.may_draft(running)
+
+
+def test_a_batch_with_nothing_to_match_proposes_rarely():
+    """Retries back off to one proposal (and one sync) per `probe_after` steps."""
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 4096)
+    running = [
+        decoding(f"r{i}", SamplingParams(temperature=0), range(i, i + 50)) for i in range(32)
+    ]
+    num_proposals, steps = 0, 400
+    for _ in range(steps):
+        if drafter.may_draft(running):
+            assert drafter.propose(running) == 0
+            num_proposals += 1
+    assert drafter.counters()["num_proposals"] == num_proposals
+    assert 3 <= num_proposals <= steps // drafter.tracker.config.probe_after + 8
