@@ -42,6 +42,9 @@ from phloem.spec_decode.suffix_proposer import SuffixProposer
 # Weight of a proposal's outcome in `Drafter.offer_rate` (an exponential moving average): a few
 # proposals in a row that offer nothing turn the pre-check off (~log2 of the batch), one does not.
 OFFER_RATE_WEIGHT = 0.5
+# Requests a retry of the offer rate proposes for (`Drafter._retry_due`): a sample, rotating
+# over the batch, so that a retry at a large batch indexes a few histories, not every prompt
+RETRY_SAMPLE = 8
 
 if TYPE_CHECKING:
     from phloem.spec_decode.draft_model import DraftModelProposer
@@ -214,6 +217,8 @@ class Drafter:
         # `probe_after`), so a pause in matching (a paraphrase, a preamble) costs a few steps of
         # drafting, not `probe_after`, and a batch with nothing to match syncs rarely
         self._empty_streak = self._since_proposal = 0
+        self._retrying = False  # the pre-check said yes on a retry: propose for a sample
+        self._retry_offset = 0  # where the next retry's sample starts in the batch
         # host cost counters (`counters`): steps whose in-flight step the engine collected so
         # that drafts could be proposed, proposals, and the host time of both calls [s]
         self.num_syncs = self.num_proposals = 0
@@ -235,6 +240,11 @@ class Drafter:
             request.draft_token_ids = []
             if not blocked and _can_draft(request):
                 eligible.append(request)
+        if self._retrying and len(eligible) > RETRY_SAMPLE:
+            start = self._retry_offset % len(eligible)
+            eligible = (eligible[start:] + eligible[:start])[:RETRY_SAMPLE]
+            self._retry_offset = start + RETRY_SAMPLE
+        self._retrying = False
         if not eligible:
             return 0
         step = _step_shape(running, self.budget)
@@ -327,12 +337,16 @@ class Drafter:
         num_sampled = max(step[0], 1)
         model, cost, k = self.time_model, self.cost, self.config.num_speculative_tokens
         num_offered = int(num_sampled * self.offer_rate + 0.5)  # those the proposer would serve
-        if num_offered < num_sampled and self._retry_due(config.probe_after):
-            num_offered = num_sampled  # the offer rate is retried (`_retry_due`)
         candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_offered
         pays = num_offered > 0 and any(
             choose_num_drafts(candidates, num_sampled, *step[1:], model, cost)
         )
+        if not pays and num_offered < num_sampled and self._retry_due(config.probe_after):
+            # the offer rate is retried on a sample (`_retry_due`): every sequence counts
+            candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_sampled
+            pays = self._retrying = any(
+                choose_num_drafts(candidates, num_sampled, *step[1:], model, cost)
+            )
         if not pays and self._steps_off >= config.probe_after:
             probe = [DraftCandidate(max(self.tracker.global_rate, config.prior), k)]
             pays = any(choose_num_drafts(probe, num_sampled, *step[1:], model, cost))
@@ -342,7 +356,9 @@ class Drafter:
 
     def _retry_due(self, cap: int) -> bool:
         """Whether the pre-check counts every sequence as offered again: 2^(proposals in a row
-        that offered nothing) steps, at most `cap`, have passed since the last proposal."""
+        that offered nothing) steps, at most `cap`, have passed since the last proposal. The
+        proposal that follows asks `RETRY_SAMPLE` requests only (rotating over the batch):
+        where it offers drafts the offer rate rises and the next step proposes for all."""
         return self._since_proposal >= min(1 << min(self._empty_streak, 30), cap)
 
     def observe(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:

@@ -9,8 +9,8 @@ import random
 
 from phloem import SamplingParams
 from phloem.config import SpeculativeConfig
-from phloem.spec_decode.drafter import Drafter
-from phloem.spec_decode.ngram_proposer import NgramIndex, brute_force_lookup
+from phloem.spec_decode.drafter import RETRY_SAMPLE, Drafter
+from phloem.spec_decode.ngram_proposer import NgramIndex, NgramProposer, brute_force_lookup
 from tests.spec_decode.test_spec_drafter import MODEL, decoding
 from tests.spec_decode.test_spec_engine import prompts, run, tiny_llama  # noqa: F401
 
@@ -81,3 +81,27 @@ def test_a_batch_with_nothing_to_match_proposes_rarely():
             num_proposals += 1
     assert drafter.counters()["num_proposals"] == num_proposals
     assert 3 <= num_proposals <= steps // drafter.tracker.config.probe_after + 8
+
+
+def test_a_retry_at_a_large_batch_proposes_for_a_sample():
+    """A retry of the offer rate asks `RETRY_SAMPLE` requests, rotating over the batch (at a
+    large batch indexing every prompt for it would cost more than the retry can find)."""
+    asked: list[list[str]] = []
+
+    class Recording(NgramProposer):
+        def propose(self, requests):
+            asked.append([r.request_id for r in requests])
+            return super().propose(requests)
+
+    config = SpeculativeConfig(num_speculative_tokens=3)
+    drafter = Drafter(config, MODEL, 4096, proposer=Recording(config.proposer_config()))
+    running = [
+        decoding(f"r{i}", SamplingParams(temperature=0), range(i, i + 50)) for i in range(32)
+    ]
+    for _ in range(300):
+        if drafter.may_draft(running):
+            assert drafter.propose(running) == 0
+    assert len(asked[0]) == 32  # before any proposal the whole batch is asked
+    sizes = [len(ids) for ids in asked]
+    assert len(sizes) >= 4 and max(sizes[-3:]) <= RETRY_SAMPLE
+    assert asked[-1] != asked[-2]  # the sample rotates
