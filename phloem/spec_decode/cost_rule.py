@@ -198,6 +198,49 @@ def choose_num_drafts(
     return chosen
 
 
+def uniform_drafts_pay(
+    candidate: DraftCandidate,
+    num_candidates: int,
+    num_sampled: int,
+    num_scheduled_tokens: int,
+    num_kv_tokens: int,
+    model: StepTimeModel,
+    config: CostRuleConfig,
+) -> bool:
+    """`any(choose_num_drafts([candidate] * num_candidates, ...))` without the list: the
+    drafter's pre-check asks it every step, at a large batch for hundreds of equal candidates.
+    Equal candidates' gains come in rounds (every candidate's j-th draft adds a x c^(j-1)), the
+    order `choose_num_drafts` hands them out in, so the same ratios are computed in the same
+    order and the loop stops at the same first fall. Raises ValueError as it does."""
+    _check_candidates([candidate], max(num_sampled, 1))
+    if num_sampled < num_candidates:
+        raise ValueError(f"num_sampled must be >= len(candidates) = {num_candidates}")
+    cap = min(candidate.max_draft_tokens, config.max_draft_tokens)
+    if num_candidates <= 0 or cap <= 0:
+        return False
+    tokens = float(num_sampled)
+    prefill_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
+    prefill_s -= model.step_time_s(min(num_sampled, num_scheduled_tokens), num_kv_tokens)
+    base_rate = tokens / (model.step_time_s(num_scheduled_tokens, num_kv_tokens) - prefill_s)
+    best_rate, best_num_drafts, previous = base_rate, 0, base_rate
+    gain, num_drafts = candidate.acceptance_rate, 0
+    for _ in range(cap):
+        for _ in range(num_candidates):
+            tokens += gain
+            num_drafts += 1
+            step_s = model.step_time_s(
+                num_scheduled_tokens + num_drafts, num_kv_tokens + num_drafts, num_drafts
+            )
+            rate = tokens / (step_s - prefill_s)
+            if rate > best_rate:
+                best_rate, best_num_drafts = rate, num_drafts
+            if num_drafts > 1 and rate < previous:
+                return best_num_drafts > 0 and best_rate >= config.min_gain * base_rate
+            previous = rate
+        gain *= candidate.next_rate
+    return best_num_drafts > 0 and best_rate >= config.min_gain * base_rate
+
+
 def _check_candidates(candidates: Sequence[DraftCandidate], num_sampled: int) -> None:
     """Raise ValueError naming the field of `choose_num_drafts`'s input that is out of range."""
     if num_sampled < len(candidates):

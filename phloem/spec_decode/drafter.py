@@ -33,6 +33,7 @@ from phloem.spec_decode.cost_rule import (
     DraftCandidate,
     StepTimeModel,
     choose_num_drafts,
+    uniform_drafts_pay,
 )
 from phloem.spec_decode.ngram_proposer import NgramProposer
 from phloem.spec_decode.proposer import DraftRequest, Proposer
@@ -42,9 +43,13 @@ from phloem.spec_decode.suffix_proposer import SuffixProposer
 # Weight of a proposal's outcome in `Drafter.offer_rate` (an exponential moving average): a few
 # proposals in a row that offer nothing turn the pre-check off (~log2 of the batch), one does not.
 OFFER_RATE_WEIGHT = 0.5
-# Requests a retry of the offer rate proposes for (`Drafter._retry_due`): a sample, rotating
-# over the batch, so that a retry at a large batch indexes a few histories, not every prompt
+# Requests a retry of the offer rate proposes for (`Drafter._retry_due`): the first eligible
+# ones in the batch's order, so that a retry at a large batch indexes a few histories (the
+# same ones each time, whose indexes then only catch up), not every prompt
 RETRY_SAMPLE = 8
+# The longest wait between retries of the offer rate [steps]: a retry costs about one step (its
+# sync and its proposal), so a batch with nothing to match loses < 1 % to them
+RETRY_MAX_STEPS = 128
 
 if TYPE_CHECKING:
     from phloem.spec_decode.draft_model import DraftModelProposer
@@ -214,11 +219,10 @@ class Drafter:
         self.offer_rate = 1.0
         # proposals in a row that offered nothing, and steps since the last proposal: where
         # the offer rate alone holds proposing back, it is retried after 2^streak steps (at most
-        # `probe_after`), so a pause in matching (a paraphrase, a preamble) costs a few steps of
-        # drafting, not `probe_after`, and a batch with nothing to match syncs rarely
+        # `RETRY_MAX_STEPS`), so a pause in matching (a paraphrase, a preamble) costs a few
+        # steps of drafting, not `probe_after`, and a batch with nothing to match syncs rarely
         self._empty_streak = self._since_proposal = 0
         self._retrying = False  # the pre-check said yes on a retry: propose for a sample
-        self._retry_offset = 0  # where the next retry's sample starts in the batch
         # host cost counters (`counters`): steps whose in-flight step the engine collected so
         # that drafts could be proposed, proposals, and the host time of both calls [s]
         self.num_syncs = self.num_proposals = 0
@@ -240,10 +244,8 @@ class Drafter:
             request.draft_token_ids = []
             if not blocked and _can_draft(request):
                 eligible.append(request)
-        if self._retrying and len(eligible) > RETRY_SAMPLE:
-            start = self._retry_offset % len(eligible)
-            eligible = (eligible[start:] + eligible[:start])[:RETRY_SAMPLE]
-            self._retry_offset = start + RETRY_SAMPLE
+        if self._retrying:  # the same requests while they run: their indexes only catch up
+            eligible = eligible[:RETRY_SAMPLE]
         self._retrying = False
         if not eligible:
             return 0
@@ -337,19 +339,19 @@ class Drafter:
         num_sampled = max(step[0], 1)
         model, cost, k = self.time_model, self.cost, self.config.num_speculative_tokens
         num_offered = int(num_sampled * self.offer_rate + 0.5)  # those the proposer would serve
-        candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_offered
-        pays = num_offered > 0 and any(
-            choose_num_drafts(candidates, num_sampled, *step[1:], model, cost)
-        )
-        if not pays and num_offered < num_sampled and self._retry_due(config.probe_after):
+        # equal candidates: `uniform_drafts_pay`, O(1) lists where the batch is large
+        candidate = DraftCandidate(self.tracker.global_rate, k)
+        pays = uniform_drafts_pay(candidate, num_offered, num_sampled, *step[1:], model, cost)
+        if not pays and num_offered < num_sampled and self._retry_due(RETRY_MAX_STEPS):
             # the offer rate is retried on a sample (`_retry_due`): every sequence counts
-            candidates = [DraftCandidate(self.tracker.global_rate, k)] * num_sampled
-            pays = self._retrying = any(
-                choose_num_drafts(candidates, num_sampled, *step[1:], model, cost)
+            pays = self._retrying = uniform_drafts_pay(
+                candidate, num_sampled, num_sampled, *step[1:], model, cost
             )
         if not pays and self._steps_off >= config.probe_after:
-            probe = [DraftCandidate(max(self.tracker.global_rate, config.prior), k)]
-            pays = any(choose_num_drafts(probe, num_sampled, *step[1:], model, cost))
+            probe = DraftCandidate(max(self.tracker.global_rate, config.prior), k)
+            pays = self._retrying = uniform_drafts_pay(
+                probe, 1, num_sampled, *step[1:], model, cost
+            )
         self._steps_off = 0 if pays else self._steps_off + 1
         self._since_proposal += not pays
         return pays
@@ -357,7 +359,7 @@ class Drafter:
     def _retry_due(self, cap: int) -> bool:
         """Whether the pre-check counts every sequence as offered again: 2^(proposals in a row
         that offered nothing) steps, at most `cap`, have passed since the last proposal. The
-        proposal that follows asks `RETRY_SAMPLE` requests only (rotating over the batch):
+        proposal that follows asks the first `RETRY_SAMPLE` eligible requests only:
         where it offers drafts the offer rate rises and the next step proposes for all."""
         return self._since_proposal >= min(1 << min(self._empty_streak, 30), cap)
 

@@ -40,39 +40,56 @@ class NgramConfig:
 
 
 class NgramIndex:
-    """One history's n-gram tables (see the module docstring); grows by `extend`."""
+    """One history's n-gram tables (see the module docstring); grows by `extend`.
+
+    An n-gram's key is one int, its tokens packed 32 bits apiece (the oldest highest): ints are
+    not tracked by Python's cyclic garbage collector, tuples are, and a batch's prompts indexed
+    at once made tens of thousands of tuples, whose collections (full ones scan the engine's
+    whole heap) cost a first proposal ~100 ms (results/2026-11-26f-cpu-spec-overhead). Token
+    ids must lie in [0, 2^32)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.token_ids: list[int] = []
-        # tables[n - min_n]: n-gram -> end position of its latest occurrence ending <= L - 2
-        self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        # tables[n - min_n]: n-gram key -> end position of its latest occurrence ending <= L - 2
+        self.tables: list[dict[int, int]] = [{} for _ in range(min_n, max_n + 1)]
 
     def extend(self, new_token_ids: Sequence[int]) -> None:
-        """Append tokens; O(len(new_token_ids) x (max_n - min_n + 1)) hash inserts.
+        """Append tokens; O(len(new_token_ids) x max_n) int operations and hash inserts.
 
-        The n-grams ending at positions old length - 1 .. new length - 2 become searchable;
-        16 tokens or more (a prompt: the first proposal of a batch indexes every prompt) update
-        each table in one `dict.update` over zipped slices, built in C (~2.5x faster than the
-        loop per token that fewer take). Later ends overwrite earlier ones: the latest
-        occurrence wins."""
+        The n-grams ending at positions old length - 1 .. new length - 2 become searchable.
+        16 tokens or more (a prompt: the first proposal of a batch indexes every prompt): each
+        n's keys are built from the (n - 1)'s by one list comprehension (a key of n tokens = the
+        oldest token shifted above the n - 1 newer ones' key), each table updated by one
+        `dict.update` (~2.5x faster than the loop per token that fewer tokens take); later ends
+        overwrite earlier ones: the latest occurrence wins."""
         tokens = self.token_ids
-        if len(new_token_ids) < 16:  # a step's few tokens: the plain loop costs less
+        if len(new_token_ids) < 16:  # a step's few tokens: a plain loop costs less
             for token in new_token_ids:
-                end = len(tokens) - 1  # the previous last token's n-grams become searchable
-                for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                    self.tables[n - self.min_n][tuple(tokens[end - n + 1 : end + 1])] = end
+                end, key = len(tokens) - 1, 0  # the previous last token's n-grams
+                for n in range(1, min(self.max_n, end + 1) + 1):
+                    key |= tokens[end - n + 1] << (32 * (n - 1))
+                    if n >= self.min_n:
+                        self.tables[n - self.min_n][key] = end
                 tokens.append(token)
             return
-        first = len(tokens) - 1  # the previous last token's n-grams become searchable
+        first = max(len(tokens) - 1, 0)  # the previous last token's n-grams become searchable
         tokens.extend(new_token_ids)
         stop = len(tokens) - 1  # the new last token's n-grams wait for the next token
-        for n in range(self.min_n, self.max_n + 1):
-            start = max(first, n - 1)
-            if start >= stop:
-                continue
-            grams = zip(*(tokens[start - n + 1 + j : stop - n + 1 + j] for j in range(n)))
-            self.tables[n - self.min_n].update(zip(grams, range(start, stop)))
+        if first >= stop:
+            return
+        keys, low = tokens[first:stop], first  # 1-grams ending at low .. stop - 1
+        for n in range(1, self.max_n + 1):
+            if n > 1:
+                new_low = max(first, n - 1)  # the first end with n tokens before it
+                if new_low >= stop:
+                    return
+                older = tokens[new_low - n + 1 : stop - n + 1]
+                shift = 32 * (n - 1)
+                keys = [(o << shift) | k for o, k in zip(older, keys[new_low - low :])]
+                low = new_low
+            if n >= self.min_n:
+                self.tables[n - self.min_n].update(zip(keys, range(low, stop)))
 
     def lookup(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` ids that followed the latest earlier occurrence of the longest
@@ -80,8 +97,13 @@ class NgramIndex:
         tokens, length = self.token_ids, len(self.token_ids)
         if num_tokens <= 0:
             return []
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = self.tables[n - self.min_n].get(tuple(tokens[length - n :]))
+        top = min(self.max_n, length - 1)
+        suffix_keys, key = [], 0  # suffix_keys[n - 1]: the key of the last n tokens
+        for n in range(1, top + 1):
+            key |= tokens[length - n] << (32 * (n - 1))
+            suffix_keys.append(key)
+        for n in range(top, self.min_n - 1, -1):
+            end = self.tables[n - self.min_n].get(suffix_keys[n - 1])
             if end is not None:
                 return tokens[end + 1 : end + 1 + num_tokens]
         return []

@@ -9,7 +9,14 @@ import random
 
 from phloem import SamplingParams
 from phloem.config import SpeculativeConfig
-from phloem.spec_decode.drafter import RETRY_SAMPLE, Drafter
+from phloem.spec_decode.cost_rule import (
+    CostRuleConfig,
+    DraftCandidate,
+    StepTimeModel,
+    choose_num_drafts,
+    uniform_drafts_pay,
+)
+from phloem.spec_decode.drafter import RETRY_MAX_STEPS, RETRY_SAMPLE, Drafter
 from phloem.spec_decode.ngram_proposer import NgramIndex, NgramProposer, brute_force_lookup
 from tests.spec_decode.test_spec_drafter import MODEL, decoding
 from tests.spec_decode.test_spec_engine import prompts, run, tiny_llama  # noqa: F401
@@ -69,7 +76,9 @@ def test_a_pause_in_matching_costs_a_few_steps_of_drafting_not_probe_after():
 
 
 def test_a_batch_with_nothing_to_match_proposes_rarely():
-    """Retries back off to one proposal (and one sync) per `probe_after` steps."""
+    """Retries of the offer rate back off to one proposal (and one sync) per
+    `RETRY_MAX_STEPS` steps; the acceptance probe (one request at the prior rate, which pays
+    on this bandwidth-bound model) adds one per `probe_after`."""
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 4096)
     running = [
         decoding(f"r{i}", SamplingParams(temperature=0), range(i, i + 50)) for i in range(32)
@@ -80,11 +89,12 @@ def test_a_batch_with_nothing_to_match_proposes_rarely():
             assert drafter.propose(running) == 0
             num_proposals += 1
     assert drafter.counters()["num_proposals"] == num_proposals
-    assert 3 <= num_proposals <= steps // drafter.tracker.config.probe_after + 8
+    probe_after = drafter.tracker.config.probe_after
+    assert 3 <= num_proposals <= steps // RETRY_MAX_STEPS + steps // probe_after + 9
 
 
 def test_a_retry_at_a_large_batch_proposes_for_a_sample():
-    """A retry of the offer rate asks `RETRY_SAMPLE` requests, rotating over the batch (at a
+    """A retry of the offer rate asks `RETRY_SAMPLE` requests, the same ones each time (at a
     large batch indexing every prompt for it would cost more than the retry can find)."""
     asked: list[list[str]] = []
 
@@ -104,4 +114,32 @@ def test_a_retry_at_a_large_batch_proposes_for_a_sample():
     assert len(asked[0]) == 32  # before any proposal the whole batch is asked
     sizes = [len(ids) for ids in asked]
     assert len(sizes) >= 4 and max(sizes[-3:]) <= RETRY_SAMPLE
-    assert asked[-1] != asked[-2]  # the sample rotates
+    assert asked[-1] == asked[-2]  # the same sample: its indexes only catch up
+
+
+def test_uniform_drafts_pay_answers_as_the_rule_does():
+    """The pre-check's list-free form of `any(choose_num_drafts([c] * n, ...))`."""
+    rng = random.Random(1)
+    answers = set()
+    for _ in range(3000):
+        model = StepTimeModel(
+            t_host_s=rng.uniform(0, 5e-3),
+            t_weights_s=rng.choice([0.0, rng.uniform(0, 20e-3)]),
+            c_token_s=rng.uniform(0, 1e-4),
+            c_kv_s=rng.uniform(0, 1e-8),
+            c_draft_s=rng.uniform(0, 1e-4),
+            t_verify_s=rng.uniform(0, 1e-3),
+        )
+        rate = rng.choice([0.0, 1.0, rng.random()])
+        candidate = DraftCandidate(rate, rng.randint(0, 20), rng.choice([None, 1.0, rng.random()]))
+        n = rng.randint(0, 40)
+        num_sampled = max(n + rng.randint(0, 40), 1)
+        tokens, kv = num_sampled + rng.choice([0, rng.randint(0, 3000)]), rng.randint(0, 10**5)
+        cost = CostRuleConfig(rng.randint(1, 16), rng.choice([1.0, 1.02, 1.2]))
+        want = n > 0 and any(
+            choose_num_drafts([candidate] * n, num_sampled, tokens, kv, model, cost)
+        )
+        got = uniform_drafts_pay(candidate, n, num_sampled, tokens, kv, model, cost)
+        assert got == want
+        answers.add(got)
+    assert answers == {True, False}
