@@ -26,8 +26,9 @@ non-empty step, in the order the steps were collected:
                     host phases of the step (`phloem.engine.step_observer`); schedule + launch is
                     the host time before the step is on the device
 
-A sequence counts as a prompt chunk when it is admitted this step or computes more than one
-token beyond its drafts; a later chunk of exactly one prompt token counts as a decode.
+A sequence counts as a prompt chunk when it is admitted this step, computes more than one token
+beyond its drafts, or has fewer computed tokens than it had when admitted (its prompt, and the
+outputs it recomputes after preemption: a later chunk of exactly one prompt token).
 
 Lines are kept in memory and written every `flush_every` steps and at `close()`: the step loop
 pays one pass over the scheduled sequences and one formatted line per step (about 17 us a step
@@ -48,15 +49,26 @@ from phloem.engine.step_observer import StepRecord
 TRACE_FORMAT = "phloem-steps"
 
 
-def step_counts(sched: SchedulerOutput) -> tuple[int, int, int, int, int, int]:
+def step_counts(
+    sched: SchedulerOutput, known: dict[str, int] | None = None
+) -> tuple[int, int, int, int, int, int]:
     """(seqs, decode_seqs, prefill_tokens, prefill_chunks, tokens, shared_seqs) of one step (see
-    the module docstring for what counts as a prompt chunk). One pass over the sequences: it runs
-    on the engine's thread every step."""
+    the module docstring for what counts as a prompt chunk). `known`: seq id -> tokens it held
+    when admitted, kept up to date here from the step's admissions and departures (None: a
+    one-token later chunk counts as a decode). One pass over the sequences: it runs on the
+    engine's thread every step."""
     tokens = prefill_tokens = prefill_chunks = shared = 0
+    if known is not None:
+        for seq_id in sched.finished_seq_ids:
+            known.pop(seq_id, None)
     for s in sched.scheduled:
         n = s.num_tokens
         tokens += n
-        if s.new_sequence is not None or n - len(s.draft_token_ids) > 1:
+        new = s.new_sequence
+        if known is not None and new is not None:
+            known[s.seq_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+        in_prompt = known is not None and s.num_computed_tokens < known.get(s.seq_id, 0)
+        if new is not None or n - len(s.draft_token_ids) > 1 or in_prompt:
             prefill_tokens += n
             prefill_chunks += 1
         elif s.prefix_len:
@@ -89,6 +101,7 @@ class StepTraceFile:
         self._graph_seqs = max_graph_seqs if cuda_graphs else 0
         self._piece_tokens = max_piece_tokens if cuda_graphs else 0
         self._lines: list[str] = []
+        self._known: dict[str, int] = {}  # seq id -> tokens when admitted (`step_counts`)
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         first = {"trace": TRACE_FORMAT, "version": 1, "clock": "monotonic",
                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **header}  # fmt: skip
@@ -123,7 +136,7 @@ class StepTraceFile:
         """The step observer: one line per step, a write every `flush_every` steps."""
         end = time.monotonic()
         sched = record.scheduler_output
-        seqs, decode, prefill, chunks, tokens, shared = step_counts(sched)
+        seqs, decode, prefill, chunks, tokens, shared = step_counts(sched, self._known)
         decode_graph = tokens == seqs <= self._graph_seqs and not chunks
         pieces = not decode_graph and tokens <= self._piece_tokens
         graph = "true" if decode_graph or pieces else "false"

@@ -117,6 +117,16 @@ def test_step_counts_split_prompt_chunks_from_decodes():
         _seq("h", 8, 1, new_sequence=new),  # admitted with all but one token cached: a chunk
     ])  # fmt: skip
     assert step_counts(sched) == (5, 3, 17, 2, 22, 1)
+    # with what each sequence held when admitted, a later one-token chunk of its prompt counts
+    # as a prompt chunk (it counted as a decode without); a departed sequence is forgotten
+    known: dict[str, int] = {}
+    step_counts(SchedulerOutput([_seq("p", 0, 8, new_sequence=new)]), known)
+    assert known == {"p": 9}
+    assert step_counts(SchedulerOutput([_seq("p", 8, 1)]), known) == (1, 0, 1, 1, 1, 0)
+    assert step_counts(SchedulerOutput([_seq("p", 8, 1)])) == (1, 1, 0, 0, 1, 0)
+    assert step_counts(SchedulerOutput([_seq("p", 9, 1)]), known) == (1, 1, 0, 0, 1, 0)
+    step_counts(SchedulerOutput([], finished_seq_ids=["p"]), known)
+    assert known == {}
 
 
 def _record(index: int, sched: SchedulerOutput) -> StepRecord:
