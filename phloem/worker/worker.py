@@ -116,14 +116,9 @@ class Worker:
         settings = (model_config, cache_config, hf_config, self.device, self.dtype, tp_size())
         prebuild = KernelPrebuild.for_engine(*settings)  # FlashInfer's modules
         triton_prebuild = prebuild_for_engine(*settings)  # phloem's Triton kernels
-        self.model = load_model(
-            source,
-            hf_config,
-            self.dtype,
-            self.device,
-            load_format=model_config.load_format,
-            quantization=model_config.quantization,
-        )
+        self.model = load_model(source, hf_config, self.dtype, self.device,
+                                load_format=model_config.load_format,
+                                quantization=model_config.quantization)  # fmt: skip
         phases.mark("weights")
         self.compiled_layers = 0
         if self.device.type == "cuda":
