@@ -12,8 +12,10 @@
 #            replayed CUDA graphs (which capture the all-reduces); then TP=1 checked the same way,
 #            the noise floor of bf16 rounding (random weights give near-tied logits)
 #   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out) at TP=1 and
-#            TP=$TP, and TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the one-shot symmetric-memory
-#            all-reduce for small messages): output tokens/s and their ratio (goal >= 1.6x at TP=2)
+#            TP=$TP, TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the one-shot symmetric-memory
+#            all-reduce for small messages) and with PHLOEM_TP_ALLREDUCE=fused_norm (all-reduce,
+#            residual add and RMSNorm in one FlashInfer kernel): output tokens/s and their ratios
+#            to TP=1 (goal >= 1.6x at TP=2)
 #   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
 #            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
 #   big      Llama-3.1-70B shapes (a model that needs TP; 141 GB of bf16 weights: TP=2 on H200s,
@@ -71,6 +73,7 @@ for stage in $STAGES; do
         bench latency-tp1 1 --workload latency
         bench "latency-tp$TP" "$TP" --workload latency
         PHLOEM_TP_ALLREDUCE=symm_mem bench "latency-tp$TP-symm" "$TP" --workload latency
+        PHLOEM_TP_ALLREDUCE=fused_norm bench "latency-tp$TP-fused" "$TP" --workload latency
         ;;
     batchllm)
         bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
@@ -108,7 +111,8 @@ if floor:
     print(f"noise floor, TP=1 checked against itself: {floor['teacher_forced_agreement']:.4f}")
 keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio",
         "roofline_ratio_sustained")
-for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"batchllm100-tp{tp}",
+for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"latency-tp{tp}-fused",
+             f"batchllm100-tp{tp}",
              f"70b-batchllm100-tp{tp}", f"70b-decode-heavy-tp{tp}"):
     r = load(name)
     if r:
@@ -119,11 +123,13 @@ if one and many:
     ratio = many["output_tokens_per_s"] / one["output_tokens_per_s"]
     summary["latency_speedup"] = ratio
     print(f"latency output tok/s TP={tp} / TP=1: {ratio:.3f} (goal >= 1.6 at TP=2)")
-symm = load(f"latency-tp{tp}-symm")
-if one and symm:
-    ratio = symm["output_tokens_per_s"] / one["output_tokens_per_s"]
-    summary["latency_speedup_symm_mem"] = ratio
-    print(f"latency output tok/s TP={tp} (symmetric-memory all-reduce) / TP=1: {ratio:.3f}")
+for suffix, key, what in (("symm", "symm_mem", "symmetric-memory all-reduce"),
+                          ("fused", "fused_norm", "all-reduce fused with add + RMSNorm")):
+    other = load(f"latency-tp{tp}-{suffix}")
+    if one and other:
+        ratio = other["output_tokens_per_s"] / one["output_tokens_per_s"]
+        summary[f"latency_speedup_{key}"] = ratio
+        print(f"latency output tok/s TP={tp} ({what}) / TP=1: {ratio:.3f}")
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
 echo "=== done $(date +%T)"

@@ -10,6 +10,7 @@ built, so a model must be built after the group is set up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import threading
@@ -35,13 +36,17 @@ DESTROY_TIMEOUT_S = 30.0
 class TensorParallelState:
     """rank in [0, size); group: the process group (None while size is 1 or in a layer test);
     small_all_reduce: the symmetric-memory all-reduce for small messages, or None (NCCL or
-    gloo for every message; `phloem.distributed.symm_all_reduce`)."""
+    gloo for every message; `phloem.distributed.symm_all_reduce`); all_reduce: the
+    PHLOEM_TP_ALLREDUCE choice; fused_norm: the all-reduce + add + RMSNorm kernel's workspace
+    (`fused_norm_all_reduce.FusedAllReduceNorm`, set by `init_fused_norm_all_reduce`), or None."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     backend: str = ""
     small_all_reduce: Any = None
+    all_reduce: str = "nccl"
+    fused_norm: Any = None
 
 
 _state = TensorParallelState()
@@ -65,6 +70,44 @@ def tp_group() -> Any:
 def tp_small_all_reduce() -> Any:
     """The group's `OneShotAllReduce` for small CUDA messages, or None."""
     return _state.small_all_reduce
+
+
+def tp_defers_all_reduce_to_norms() -> bool:
+    """Whether row-parallel layers leave their all-reduce to the RMSNorm that consumes their
+    output (PHLOEM_TP_ALLREDUCE=fused_norm in a group of several ranks, any backend)."""
+    return _state.size > 1 and _state.all_reduce == "fused_norm"
+
+
+def tp_fused_norm_all_reduce() -> Any:
+    """The group's `FusedAllReduceNorm` (all-reduce + residual add + RMSNorm in one kernel), or
+    None (the norm then all-reduces through `communication.tp_all_reduce` and normalizes)."""
+    return _state.fused_norm
+
+
+def init_fused_norm_all_reduce(hidden_size: int, dtype: torch.dtype) -> None:
+    """Set up the fused all-reduce + add + RMSNorm kernel for rows of `hidden_size` in `dtype`
+    (the model's; float32 models keep the group's all-reduce) when the
+    group runs NCCL and PHLOEM_TP_ALLREDUCE is fused_norm; otherwise nothing. Collective: every
+    rank calls it at the same point, after the model is built. Messages of up to
+    PHLOEM_TP_ALLREDUCE_MAX_KB take it.
+
+    Raises:
+        ImportError, RuntimeError: from `FusedAllReduceNorm` (FlashInfer missing, no peer access).
+    """
+    global _state
+    if not (tp_defers_all_reduce_to_norms() and _state.backend == "nccl"):
+        return
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    from phloem.distributed.fused_norm_all_reduce import FusedAllReduceNorm
+
+    _, max_bytes = all_reduce_choice()
+    max_tokens = max(1, max_bytes // (2 * hidden_size))  # 2-byte rows
+    fused = FusedAllReduceNorm(
+        _state.group, _state.rank, _state.size, hidden_size, max_tokens, dtype
+    )
+    _state = dataclasses.replace(_state, fused_norm=fused)
+    logger.info("tensor parallel: fused all-reduce + RMSNorm for up to %d tokens", max_tokens)
 
 
 def tp_backend() -> str:
@@ -113,7 +156,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
     choice, max_bytes = all_reduce_choice()
     if backend == "nccl" and choice == "symm_mem":
         small = OneShotAllReduce(dist.group.WORLD, device, max_bytes)
-    _state = TensorParallelState(rank, size, dist.group.WORLD, backend, small)
+    _state = TensorParallelState(rank, size, dist.group.WORLD, backend, small, choice)
 
 
 def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> None:
@@ -129,7 +172,9 @@ def destroy_tensor_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> None:
     aborted if the teardown still runs after `timeout_s` (a peer died). A teardown that does not
     return in time is left running in a daemon thread, with a warning."""
     global _state
-    backend, _state = _state.backend, TensorParallelState()
+    backend, fused, _state = _state.backend, _state.fused_norm, TensorParallelState()
+    if fused is not None:
+        fused.close()
     if not dist.is_initialized():
         return
     if backend == "nccl":

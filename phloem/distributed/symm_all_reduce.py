@@ -10,9 +10,11 @@ kernel (`torch.ops.symm_mem.one_shot_all_reduce_copy_out` over `torch.distribute
 _symmetric_memory`), so phloem uses it rather than writing its own.
 
 Chosen by `PHLOEM_TP_ALLREDUCE` (read when the group starts, the same on every rank since the
-ranks inherit the environment): "nccl" (the default until the GPU measurement says otherwise)
-or "symm_mem" (this module for messages up to `PHLOEM_TP_ALLREDUCE_MAX_KB`, default 512 KiB;
-NCCL for larger ones, e.g. prefill steps).
+ranks inherit the environment): "nccl" (the default until the GPU measurement says otherwise),
+"symm_mem" (this module for messages up to `PHLOEM_TP_ALLREDUCE_MAX_KB`, default 512 KiB;
+NCCL for larger ones, e.g. prefill steps), or "fused_norm" (the all-reduce fused with the
+residual add and RMSNorm after it, for messages up to the same size:
+`fused_norm_all_reduce.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 
 import torch
 
-ALL_REDUCE_CHOICES = ("nccl", "symm_mem")
+ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "fused_norm")
 DEFAULT_MAX_KB = 512
 _ALIGN_BYTES = 16  # the kernel reads and writes 16-byte vectors
 

@@ -249,10 +249,14 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         super().__init__(_per_rank(input_size, "input_size"), output_size, bias, dtype)
 
+    # True: the output is this rank's partial sum; the RMSNorm that consumes it all-reduces
+    # (`LlamaModel.defer_all_reduces_to_norms`; only for layers without a bias)
+    defers_all_reduce = False
+
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """x [..., input_size / tp] (this rank's slice) -> [..., output_size], summed over the
-        ranks (in place, one all-reduce; none at tp_size 1)."""
-        if self.tp_size == 1:
+        ranks (in place, one all-reduce; none at tp_size 1, nor when `defers_all_reduce`)."""
+        if self.tp_size == 1 or self.defers_all_reduce:
             return self.quant_method.apply(self, x, self.bias)
         out = tp_all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

@@ -8,6 +8,8 @@ import functools
 import torch
 from torch import nn
 
+from phloem.distributed.communication import tp_all_reduce
+from phloem.distributed.parallel_state import tp_fused_norm_all_reduce
 from phloem.layers.compilable import Compilable
 from phloem.layers.quantization.fp8_math import MIN_SCALE, Fp8Activation
 
@@ -26,6 +28,8 @@ class RMSNorm(Compilable):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), False)
         self.fp8_output = False  # see `emit_fp8`
+        # True: x is a row-parallel layer's partial sum, all-reduced here first (see `forward`)
+        self.reduces_input = False
 
     def emit_fp8(self) -> None:
         """From now on return the normalized tensor as an `Fp8Activation` (quantized per token,
@@ -40,7 +44,20 @@ class RMSNorm(Compilable):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         """`compute`'s contract (through the compiled function where one was given), the
-        normalized tensor being an `Fp8Activation` after `emit_fp8`."""
+        normalized tensor being an `Fp8Activation` after `emit_fp8`. When `reduces_input`, x
+        is first summed over the tensor-parallel ranks: in one kernel with the residual add and
+        the norm where the group has one and the message fits it
+        (`phloem.distributed.fused_norm_all_reduce`), else by the group's all-reduce."""
+        if self.reduces_input:
+            fused = tp_fused_norm_all_reduce()
+            if (
+                fused is not None
+                and residual is not None
+                and not self.fp8_output
+                and fused.fits(x, residual)
+            ):
+                return fused(x, residual, self.weight, self.eps)
+            x = tp_all_reduce(x)
         if self.fp8_output:
             return self._forward_fp8(x, residual)
         return super().forward(x) if residual is None else super().forward(x, residual)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phloem.distributed.parallel_state import tp_defers_all_reduce_to_norms
 from phloem.layers.activation import SiluAndMul
 from phloem.layers.attention import Attention, kv_scale_targets
 from phloem.layers.embedding import LMHead, VocabEmbedding
@@ -207,6 +208,23 @@ class LlamaModel(nn.Module):
             for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+        if tp_defers_all_reduce_to_norms():
+            self.defer_all_reduces_to_norms()
+
+    def defer_all_reduces_to_norms(self) -> None:
+        """Leave each row-parallel layer's all-reduce (o_proj, down_proj) to the RMSNorm that
+        consumes its output: the post-attention norm, the next layer's input norm, the final
+        norm. That norm then sums, adds the residual and normalizes, in one kernel where the
+        group has it (`phloem.distributed.fused_norm_all_reduce`). A layer with a bias keeps its
+        all-reduce (its bias must be added once, after the sum). Mutates the layers."""
+        consumers = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, consumers):
+            for producer, norm in (
+                (layer.self_attn.o_proj, layer.post_attention_layernorm),
+                (layer.mlp.down_proj, next_norm),
+            ):
+                if producer.bias is None:
+                    producer.defers_all_reduce = norm.reduces_input = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The pieces in order, each layer's backend call between two of them (one code path

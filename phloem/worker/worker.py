@@ -19,7 +19,7 @@ import torch
 
 from phloem.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from phloem.distributed.communication import tp_min
-from phloem.distributed.parallel_state import tp_size
+from phloem.distributed.parallel_state import init_fused_norm_all_reduce, tp_size
 from phloem.layers.attention import Attention
 from phloem.ops.attention import get_attention_backend
 from phloem.ops.attention.interface import AttentionBackend
@@ -120,6 +120,7 @@ class Worker:
                                 load_format=model_config.load_format,
                                 quantization=model_config.quantization)  # fmt: skip
         phases.mark("weights")
+        init_fused_norm_all_reduce(hf_config.hidden_size, self.dtype)  # PHLOEM_TP_ALLREDUCE
         self.compiled_layers = 0
         if self.device.type == "cuda":
             self.compiled_layers = compile_elementwise_layers(self.model)

@@ -17,6 +17,7 @@ def test_choice_defaults_to_nccl_and_reads_the_size_limit():
     assert all_reduce_choice({}) == ("nccl", DEFAULT_MAX_KB << 10)
     env = {"PHLOEM_TP_ALLREDUCE": "symm_mem", "PHLOEM_TP_ALLREDUCE_MAX_KB": "64"}
     assert all_reduce_choice(env) == ("symm_mem", 64 << 10)
+    assert all_reduce_choice({"PHLOEM_TP_ALLREDUCE": "fused_norm"})[0] == "fused_norm"
 
 
 @pytest.mark.parametrize(

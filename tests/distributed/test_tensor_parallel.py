@@ -44,18 +44,28 @@ def run(llm: LLM, params: SamplingParams):
     return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize(("arch", "num_kv_heads"), [("llama", 2), ("qwen2", 1), ("qwen3", 2)])
+@pytest.mark.parametrize(
+    ("arch", "num_kv_heads", "all_reduce"),
+    [("llama", 2, "nccl"), ("qwen2", 1, "fused_norm"), ("qwen3", 2, "nccl")],
+)
 def test_tp2_matches_tp1_and_transformers(
-    arch, num_kv_heads, tmp_path, embedded_tokenizer_dir, capfd, monkeypatch
+    arch, num_kv_heads, all_reduce, tmp_path, embedded_tokenizer_dir, capfd, monkeypatch
 ):
+    """fused_norm: the row-parallel layers leave their all-reduce to the next RMSNorm (on gloo
+    the norm all-reduces, then adds and normalizes: a lost or doubled sum changes the tokens)."""
     torch.set_num_threads(2)
     ref = write_model(arch, tmp_path, embedded_tokenizer_dir, num_kv_heads)
     results = {}
     monkeypatch.setattr(logging.getLogger("phloem"), "level", logging.INFO)
+    monkeypatch.setenv("PHLOEM_TP_ALLREDUCE", all_reduce)  # the ranks inherit it
     for size in (1, 2):
         llm = LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", block_size=4,
                   max_num_batched_tokens=32)  # fmt: skip
         results[size] = (run(llm, GREEDY), run(llm, SAMPLED))
+        layers = llm.llm_engine.executor.worker.model.model.layers
+        deferred = [(x.self_attn.o_proj.defers_all_reduce, x.mlp.down_proj.defers_all_reduce,
+                     x.post_attention_layernorm.reduces_input) for x in layers]  # fmt: skip
+        assert set(deferred) == {(size == 2 and all_reduce == "fused_norm",) * 3}
         ranks = llm.llm_engine.executor._group.ranks if size == 2 else []
         del llm  # collecting the LLM stops its rank processes (no close())
         gc.collect()
