@@ -14,8 +14,9 @@
 #   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out) at TP=1 and
 #            TP=$TP, TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the one-shot symmetric-memory
 #            all-reduce for small messages) and with PHLOEM_TP_ALLREDUCE=fused_norm (all-reduce,
-#            residual add and RMSNorm in one FlashInfer kernel): output tokens/s and their ratios
-#            to TP=1 (goal >= 1.6x at TP=2)
+#            residual add and RMSNorm in one FlashInfer kernel), then TP=1 and TP=$TP with the
+#            LM head inside the decode graphs (PHLOEM_GRAPH_LOGITS_MAX_BATCH=16), and TP=$TP with
+#            both: output tokens/s and their ratios to TP=1 (goal >= 1.6x at TP=2)
 #   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
 #            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
 #   big      Llama-3.1-70B shapes (a model that needs TP; 141 GB of bf16 weights: TP=2 on H200s,
@@ -74,6 +75,10 @@ for stage in $STAGES; do
         bench "latency-tp$TP" "$TP" --workload latency
         PHLOEM_TP_ALLREDUCE=symm_mem bench "latency-tp$TP-symm" "$TP" --workload latency
         PHLOEM_TP_ALLREDUCE=fused_norm bench "latency-tp$TP-fused" "$TP" --workload latency
+        PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench latency-tp1-glogits 1 --workload latency
+        PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench "latency-tp$TP-glogits" "$TP" --workload latency
+        PHLOEM_TP_ALLREDUCE=fused_norm PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 \
+            bench "latency-tp$TP-both" "$TP" --workload latency
         ;;
     batchllm)
         bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
@@ -112,6 +117,7 @@ if floor:
 keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio",
         "roofline_ratio_sustained")
 for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"latency-tp{tp}-fused",
+             "latency-tp1-glogits", f"latency-tp{tp}-glogits", f"latency-tp{tp}-both",
              f"batchllm100-tp{tp}",
              f"70b-batchllm100-tp{tp}", f"70b-decode-heavy-tp{tp}"):
     r = load(name)
@@ -124,7 +130,9 @@ if one and many:
     summary["latency_speedup"] = ratio
     print(f"latency output tok/s TP={tp} / TP=1: {ratio:.3f} (goal >= 1.6 at TP=2)")
 for suffix, key, what in (("symm", "symm_mem", "symmetric-memory all-reduce"),
-                          ("fused", "fused_norm", "all-reduce fused with add + RMSNorm")):
+                          ("fused", "fused_norm", "all-reduce fused with add + RMSNorm"),
+                          ("glogits", "graph_logits", "LM head in the decode graphs"),
+                          ("both", "fused_norm_graph_logits", "fused_norm + graph logits")):
     other = load(f"latency-tp{tp}-{suffix}")
     if one and other:
         ratio = other["output_tokens_per_s"] / one["output_tokens_per_s"]

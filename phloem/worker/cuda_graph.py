@@ -15,7 +15,11 @@ the "plain" ones; each is captured for its buckets. The step's K/V writes are sy
 cannot be captured): the forward context says every slot is valid (`ForwardContext.valid_slots`;
 dummy rows write to the scratch block).
 The graph covers the model's forward pass (hidden states out); logits and sampling run eagerly on
-the B real rows.
+the B real rows. With `PHLOEM_GRAPH_LOGITS_MAX_BATCH=N` the graphs of buckets <= N also compute
+the logits (the LM head, and under tensor parallelism the all-gather of the vocabulary slices),
+as SGLang's decode graphs do: at batch 1 their eager launches are on the host's critical path
+(TP = 2 at batch 1 left the GPU idle 0.38 ms a step; benchmarks/results/2026-11-26g-h200x2).
+Off (0) by default until the GPU A/B (benchmarks/tp_device.sh latency) says it pays.
 
 Invariants: graphs are captured after the KV cache is allocated and never re-captured, so the
 cache tensors, the weights and the static buffers keep their addresses; every capture shares one
@@ -25,6 +29,7 @@ memory pool (largest bucket first, so the smaller ones reuse its blocks).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -39,6 +44,19 @@ from phloem.ops.staging import pinned
 from phloem.worker.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
+
+
+def graph_logits_max_batch(environ: dict[str, str] | None = None) -> int:
+    """The largest bucket whose decode graphs also compute the logits (0: none), from
+    PHLOEM_GRAPH_LOGITS_MAX_BATCH.
+
+    Raises:
+        ValueError: naming PHLOEM_GRAPH_LOGITS_MAX_BATCH when it is not a non-negative integer.
+    """
+    raw = (os.environ if environ is None else environ).get("PHLOEM_GRAPH_LOGITS_MAX_BATCH", "0")
+    if not raw.isdigit():
+        raise ValueError(f"PHLOEM_GRAPH_LOGITS_MAX_BATCH must be an integer >= 0, got {raw!r}")
+    return int(raw)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -91,6 +109,9 @@ class CUDAGraphRunner:
         # bucket x hidden x 2 bytes over every bucket and variant (~2 GiB for an 8B model's
         # 264 graphs up to 2,048 sequences)
         self._static_out: torch.Tensor | None = None
+        # the logits of the buckets <= logits_max_batch, likewise one buffer [max, vocab]
+        self.logits_max_batch = min(graph_logits_max_batch(), self.max_batch_size)
+        self._static_logits: torch.Tensor | None = None
         self._pool = None
 
     def release(self) -> None:
@@ -100,7 +121,7 @@ class CUDAGraphRunner:
             graph.reset()
         self._graphs.clear()
         self._outputs.clear()
-        self._static_out = None
+        self._static_out = self._static_logits = None
         self._pool = None
 
     def bucket(self, num_seqs: int) -> int | None:
@@ -144,14 +165,7 @@ class CUDAGraphRunner:
                 ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
                 self.backend.prepare_replay(meta, variant)
                 with forward_context(ctx):
-                    out = self.model(ids, positions)  # warm-up: lazy inits, compiles, cuBLAS
-                    if self._static_out is None:
-                        self._static_out = out.new_empty((self.max_batch_size, *out.shape[1:]))
-                    del out
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        self._static_out[:batch].copy_(self.model(ids, positions))
+                    graph = self._capture_one(batch, ids, positions)
                 if self._pool is None:
                     self._pool = graph.pool()
                 self._graphs[variant, batch] = graph
@@ -166,6 +180,37 @@ class CUDAGraphRunner:
             self.max_batch_size,
             time.perf_counter() - start,
         )
+
+    def _capture_one(
+        self, batch: int, ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.cuda.CUDAGraph:
+        """One bucket's graph (inside the capture's forward context): a warm-up pass (lazy
+        inits, compiles, cuBLAS), then the capture of the forward pass into the static hidden
+        buffer, and of the logits into theirs for buckets <= `logits_max_batch`."""
+        with_logits = batch <= self.logits_max_batch
+        out = self.model(ids, positions)
+        if self._static_out is None:
+            self._static_out = out.new_empty((self.max_batch_size, *out.shape[1:]))
+        if with_logits and self._static_logits is None:
+            logits = self.model.compute_logits(out[: self.logits_max_batch])
+            self._static_logits = torch.empty_like(logits)
+        del out
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._static_out[:batch].copy_(self.model(ids, positions))
+            if with_logits:
+                hidden = self._static_out[:batch]
+                self._static_logits[:batch].copy_(self.model.compute_logits(hidden))
+        return graph
+
+    def logits(self, num_seqs: int) -> torch.Tensor | None:
+        """The logits [B, vocab] the last replay computed for its B real rows (a view: valid
+        until the next replay), or None when B's bucket is above `logits_max_batch`."""
+        batch = self.bucket(num_seqs)
+        if self._static_logits is None or batch is None or batch > self.logits_max_batch:
+            return None
+        return self._static_logits[:num_seqs]
 
     def run_decode(self, host: HostStep, fill_inputs=None) -> torch.Tensor | None:
         """Hidden states [B, hidden] of a decode-only step from a replay (`run`) when a bucket

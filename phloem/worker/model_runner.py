@@ -229,14 +229,17 @@ class ModelRunner:
         if sched.is_empty:
             return None
         host = HostStep.build(sched, states, self.block_size, self.backend.reads_prefix_lens)
-        hidden = self._run_graph(host)
+        hidden, logits = self._run_graph(host)
         if hidden is None:
             inputs = self.prepare_inputs(host)
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             hidden = hidden[inputs.logits_indices]
         if not host.sampled:
             return None
-        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            logits = self.model.compute_logits(hidden)
+        elif sched.structured_seq_ids:  # sampled later (`sample`): off the graph's buffer
+            logits = logits.clone()
         scheduled = sched.scheduled
         seq_ids = [scheduled[i].seq_id for i in host.sampled]
         sampled_states = [states[i] for i in host.sampled]
@@ -373,23 +376,26 @@ class ModelRunner:
         with forward_context(ctx):  # the runner's steps carry no -1 slots: sync-free KV writes
             return self.model(input_ids, positions)
 
-    def _run_graph(self, host: HostStep) -> torch.Tensor | None:
-        """Hidden states [N, hidden] of the step's `logits_indices` from graph replays: the
-        decode graph of a decode-only step (`CUDAGraphRunner.run_decode`), the verify graph of a
-        verify step that fits one (`VerifyGraphRunner.run`), else the piecewise graphs when a
-        token bucket holds the step; None when it runs eagerly."""
+    def _run_graph(self, host: HostStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden states [N, hidden] of the step's `logits_indices`, their logits [N, vocab]
+        where the replayed graph computed them) from graph replays: the decode graph of a
+        decode-only step (`CUDAGraphRunner.run_decode`; logits for small buckets), the verify
+        graph of a verify step that fits one (`VerifyGraphRunner.run`), else the piecewise
+        graphs when a token bucket holds the step; (None, None) when it runs eagerly."""
         fill = None
         if host.pending:
             fill = lambda input_ids: self._fill_pending(input_ids, host.pending)  # noqa: E731
         hidden = None
         if self.graph_runner is not None and host.is_decode:
             hidden = self.graph_runner.run_decode(host, fill)
+            if hidden is not None:
+                return hidden, self.graph_runner.logits(len(host.seq_lens))
         if hidden is None and self.verify_runner is not None and host.draft_counts:
             hidden = self.verify_runner.run(host, self._fill_pending)
         pieces = self.piecewise_runner
         if hidden is None and pieces is not None and pieces.bucket(len(host.input_ids)):
             hidden = pieces.run(host, fill)
-        return hidden
+        return hidden, None
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:

@@ -62,6 +62,21 @@ def test_cuda_graphs_do_not_change_tokens(setup):
     assert graphed == eager
 
 
+def test_logits_inside_decode_graphs_do_not_change_tokens(setup, monkeypatch):
+    """PHLOEM_GRAPH_LOGITS_MAX_BATCH=8: the decode graphs of buckets <= 8 also compute the
+    logits (the LM head in the graph); the 8 prompts decode in those buckets."""
+    path, prompts = setup
+    llm, eager = _phloem(path, prompts, enforce_eager=True)
+    _free(llm)
+    monkeypatch.setenv("PHLOEM_GRAPH_LOGITS_MAX_BATCH", "8")
+    llm, graphed = _phloem(path, prompts)
+    runner = llm.llm_engine.executor.worker.model_runner.graph_runner
+    assert runner is not None and runner.logits_max_batch == 8
+    assert runner.logits(len(prompts)) is not None
+    _free(llm)
+    assert graphed == eager
+
+
 def test_shared_prefix_cuda_graphs(setup):
     """Decode steps of prefix groups replay the "shared_prefix" CUDA graphs (our Triton cascade
     kernels over fixed-capacity tile tables) and agree with the eager shared path. Their plans

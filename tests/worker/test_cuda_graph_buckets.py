@@ -9,7 +9,7 @@ from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.attention import Attention
 from phloem.ops.attention import AttentionMetadata
 from phloem.ops.attention.reference import ReferenceAttention
-from phloem.worker.cuda_graph import graph_batch_sizes
+from phloem.worker.cuda_graph import graph_batch_sizes, graph_logits_max_batch
 
 
 def test_buckets_cover_every_batch():
@@ -19,6 +19,13 @@ def test_buckets_cover_every_batch():
     assert graph_batch_sizes(1) == [1]
     for n in range(1, 257):
         assert any(s >= n for s in sizes)
+
+
+def test_graph_logits_switch_is_read_and_checked():
+    assert graph_logits_max_batch({}) == 0  # off by default
+    assert graph_logits_max_batch({"PHLOEM_GRAPH_LOGITS_MAX_BATCH": "16"}) == 16
+    with pytest.raises(ValueError, match="PHLOEM_GRAPH_LOGITS_MAX_BATCH must be an integer"):
+        graph_logits_max_batch({"PHLOEM_GRAPH_LOGITS_MAX_BATCH": "-1"})
 
 
 def _layer_write(slots: list[int], valid_slots: bool) -> torch.Tensor:
