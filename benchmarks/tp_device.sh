@@ -16,7 +16,8 @@
 #            all-reduce for small messages) and with PHLOEM_TP_ALLREDUCE=fused_norm (all-reduce,
 #            residual add and RMSNorm in one FlashInfer kernel), then TP=1 and TP=$TP with the
 #            LM head inside the decode graphs (PHLOEM_GRAPH_LOGITS_MAX_BATCH=16), and TP=$TP with
-#            both: output tokens/s and their ratios to TP=1 (goal >= 1.6x at TP=2)
+#            both: output tokens/s and their ratios to TP=1 (goal >= 1.6x at TP=2); then TP=$TP
+#            and TP=1 again with --trace-steps (the JSONs' "steps": host phases, GPU time, gaps)
 #   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
 #            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
 #   big      Llama-3.1-70B shapes (a model that needs TP; 141 GB of bf16 weights: TP=2 on H200s,
@@ -79,6 +80,9 @@ for stage in $STAGES; do
         PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench "latency-tp$TP-glogits" "$TP" --workload latency
         PHLOEM_TP_ALLREDUCE=fused_norm PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 \
             bench "latency-tp$TP-both" "$TP" --workload latency
+        # where TP's extra GPU idle sits: host phases and GPU time per step (CUDA events)
+        bench "latency-tp$TP-trace" "$TP" --workload latency --trace-steps
+        bench latency-tp1-trace 1 --workload latency --trace-steps
         ;;
     batchllm)
         bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
