@@ -9,8 +9,15 @@
 # - restores modules built by an earlier run (.fiaot/fiaot.tgz) as FlashInfer AOT modules, so
 #   nothing recompiles; after a run, `fi_pack_modules DIR` tars the JIT-built modules for reuse.
 if [ "${PHLOEM_DEVICE_SETUP:-}" = done ]; then return 0; fi  # sourced already (parallel runs share it)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || return 1
+# Install the carried wheels once per machine: a later call on the same warm machine finds the
+# same set installed (marker) and keeps it, so nothing FlashInfer built or restored under
+# /tmp/site is overwritten (a reinstall there cost 74-96 s of module rebuilds, 2026-11-26g).
+whl_set=$(ls .whl/*.whl | xargs -n1 basename | sort | md5sum | cut -c1-16)
+if [ "$(cat /tmp/site/.phloem-wheels 2>/dev/null)" != "$whl_set" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || return 1
+    echo "$whl_set" > /tmp/site/.phloem-wheels
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 if [ -z "${CUDA_HOME:-}" ]; then
