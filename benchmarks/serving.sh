@@ -38,7 +38,8 @@
 # Settings (environment): ENGINES ("phloem vllm"), RATES ("10 20 30 40"), DURATION (30 s per
 # rate), BURST (1: run the all-at-once burst), BURST_N (1000), SHARED (1), SHARED_N (800),
 # WARMUP (32 requests after /health answers, not measured: a first start compiles and captures
-# graphs), READY_S (900: how long a server may take to start), MODEL (llama-3.1-8b: a shipped
+# graphs), READY_S (900: how long a server may take to start; one that exits is not waited
+# on), MODEL (llama-3.1-8b: a shipped
 # config name, or a model directory with its tokenizer), SERVER_ARGS (the flags both servers
 # get; default: dummy weights, 4,096 context, 0.9 of GPU memory), PORT (8000), VLLM_SITE
 # (/tmp/vsite: vLLM's unpacked bundle, shared/tools/vllm_bundle.sh), PHLOEM_ARGS / VLLM_ARGS
@@ -134,12 +135,31 @@ start_server() {  # start_server ENGINE LABEL [FLAGS]: in the background, log OU
 stop_server() {
     [ -n "$SERVER_PID" ] || return 0
     kill -TERM "$SERVER_PID" 2>/dev/null
-    for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    for _ in $(seq 300); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
     kill -KILL "$SERVER_PID" 2>/dev/null
     wait "$SERVER_PID" 2>/dev/null
     SERVER_PID=
 }
 trap stop_server EXIT
+
+warm_up() {  # wait for /health, then warm up (first requests compile kernels, capture graphs;
+    # unmeasured); false as soon as the server has exited (a server that died at start-up, say
+    # on a port already taken, is not waited on for READY_S)
+    $PY -m phloem.entrypoints.cli bench serve --base-url "$URL" --model "$MODEL" \
+        --wait-ready "$READY_S" --warmup "$WARMUP" --num-prompts 1 --input-len 512 \
+        --output-len 8 --seed 99 >/dev/null &
+    local client=$!
+    while kill -0 "$client" 2>/dev/null; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            echo "=== the server exited while starting"
+            kill "$client" 2>/dev/null
+            wait "$client" 2>/dev/null
+            return 1
+        fi
+        sleep 0.2
+    done
+    wait "$client"
+}
 
 serve_and_bench() {  # serve_and_bench ENGINE LABEL [FLAGS]: start, warm up, every run, stop
     local engine=$1 label=$2 flags=${3:-} start
@@ -147,10 +167,7 @@ serve_and_bench() {  # serve_and_bench ENGINE LABEL [FLAGS]: start, warm up, eve
     echo "=== $label: starting $(date +%T) ${flags:+(flags: $flags)}"
     start=$(date +%s)
     start_server "$engine" "$label" "$flags"
-    # wait for /health, then warm up (first requests compile kernels, capture graphs): unmeasured
-    if ! $PY -m phloem.entrypoints.cli bench serve --base-url "$URL" --model "$MODEL" \
-        --wait-ready "$READY_S" --warmup "$WARMUP" --num-prompts 1 --input-len 512 \
-        --output-len 8 --seed 99 >/dev/null; then
+    if ! warm_up; then
         echo "=== $label: not ready or warm-up failed; server log tail:"
         tail -20 "$OUT/$label-server.log"
         stop_server
