@@ -99,10 +99,12 @@ def _rank_main(spec: RankSpec, conn) -> None:
 
         torch.set_num_threads(spec.threads)
         from phloem.distributed.parallel_state import init_tensor_parallel
+        from phloem.worker.host_threads import cap_torch_threads
         from phloem.worker.worker import Worker
 
         init_tensor_parallel(spec.rank, spec.size, spec.init_method, spec.backend)
         worker = Worker(**spec.worker_kwargs)
+        cap_torch_threads(worker.device.type)  # GPU ranks: 1 thread once started (`host_threads`)
         conn.send(("ready", worker.num_blocks))
         _serve(worker, conn)
         logging.shutdown()
