@@ -22,9 +22,7 @@ from phloem import LLM, SamplingParams  # noqa: E402
 from phloem.ray import PhloemProcessorConfig, build_processor  # noqa: E402
 from tests.engine.tiny_models import VOCAB, tiny_model_dir  # noqa: E402
 
-# 1,024 KV blocks hold every batch here; the CPU default (~2M blocks of the tiny model) costs
-# each engine start (every actor, the restarted one too) seconds
-SETTINGS = dict(block_size=4, dtype="float32", max_num_batched_tokens=64, num_gpu_blocks=1024)
+SETTINGS = dict(block_size=4, dtype="float32", max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +163,7 @@ def test_generate_ray_address_runs_the_jsonl_job_on_the_cluster(
     source.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n"
                               for i, p in enumerate(prompts)))  # fmt: skip
     output, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
-    flags = ["--block-size", "4", "--dtype", "float32", "--max-num-batched-tokens", "64",
-             "--num-gpu-blocks", "1024"]  # fmt: skip
+    flags = ["--block-size", "4", "--dtype", "float32", "--max-num-batched-tokens", "64"]
     code = main(
         ["generate", "-i", str(source), "-o", str(output), "--model", str(tiny_llama),
          "--ray-address", cluster.address, "--data-parallel-size", "2", "--no-progress",
