@@ -1,7 +1,9 @@
 """phloem on Ray (issue 16): `build_processor` over a prefix-heavy batch gives `LLM.generate`'s
 greedy outputs, every planned group's rows on one actor, one row per input row even when an
 actor is killed mid-job; `phloem generate --ray-address` runs the JSONL job on the cluster.
-One simulated two-node cluster (`ray.cluster_utils.Cluster`, one CPU per node) for the module,
+One simulated two-node cluster (`ray.cluster_utils.Cluster`, three logical CPUs per node: a
+processor's actor takes two, so one actor per node, and the third runs the stages after the
+actors, which otherwise waited ~20 s for the pool to let its CPUs go) for the module,
 a tiny random-weight Llama (float32). Skipped where Ray is not installed."""
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ SETTINGS = dict(block_size=4, dtype="float32", max_num_batched_tokens=64)
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two nodes of one CPU each, this process connected as the driver; shut down at the end."""
+    """Two nodes of three CPUs each, this process connected as the driver; shut down at the
+    end."""
     from ray.cluster_utils import Cluster
 
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -36,7 +39,7 @@ def cluster():
     # a shared test machine's memory is not this cluster's: no OOM killing of its workers
     monkey = pytest.MonkeyPatch()
     monkey.setenv("RAY_memory_monitor_refresh_ms", "0")
-    node = {"num_cpus": 1, "object_store_memory": 128 * 1024**2}
+    node = {"num_cpus": 3, "object_store_memory": 128 * 1024**2}
     nodes = Cluster(initialize_head=True, head_node_args=node)
     nodes.add_node(**node)
     ray.init(address=nodes.address, log_to_driver=False)
@@ -77,7 +80,7 @@ def preprocess(row):
 
 def config(model, **options):
     return PhloemProcessorConfig(
-        model_source=str(model), engine_kwargs=SETTINGS, concurrency=2, num_cpus=1, **options
+        model_source=str(model), engine_kwargs=SETTINGS, concurrency=2, num_cpus=2, **options
     )
 
 
