@@ -329,9 +329,14 @@ def test_run_batch_job_same_as_one_engine(one, two, tmp_path):
     assert two.generate([], use_tqdm=False) == []  # an empty batch (a finished job's rerun)
 
 
-def test_close_stops_even_a_stopped_replica(two):
+def test_close_stops_even_a_stopped_replica(two, monkeypatch):
     """The last test of the module: close() returns with every replica process exited, even one
-    that cannot answer (SIGSTOP: it is terminated after the grace, then killed)."""
+    that cannot answer (SIGSTOP: it is terminated after the grace, then killed). Shorter graces
+    than the shipped 5 s + 2 s: the stopped replica takes the same path through each."""
+    from phloem.engine import replica_process
+
+    monkeypatch.setattr(replica_process, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(replica_process, "KILL_GRACE_S", 0.5)
     processes = [r.process for r in two.llm_engine._replicas]
     os.kill(processes[1].pid, signal.SIGSTOP)
     two.close()
