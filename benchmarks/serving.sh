@@ -39,8 +39,8 @@
 # rate), BURST (1: run the all-at-once burst), BURST_N (1000), SHARED (1), SHARED_N (800),
 # WARMUP (32 requests after /health answers, not measured: a first start compiles and captures
 # graphs), READY_S (900: how long a server may take to start; one that exits is not waited
-# on), MODEL (llama-3.1-8b: a shipped
-# config name, or a model directory with its tokenizer), SERVER_ARGS (the flags both servers
+# on), MODEL (llama-3.1-8b: a shipped config name, or a model directory with its tokenizer),
+# SERVER_ARGS (the flags both servers
 # get; default: dummy weights, 4,096 context, 0.9 of GPU memory), PORT (8000), VLLM_SITE
 # (/tmp/vsite: vLLM's unpacked bundle, shared/tools/vllm_bundle.sh), PHLOEM_ARGS / VLLM_ARGS
 # (more flags for one server), PHLOEM_CONFIGS (above), STEP_TRACE (1: phloem servers write a
