@@ -269,6 +269,13 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check types and ranges. Raises ValueError naming the field and its limit."""
+        self._validate_types()
+        self._validate_ranges()
+
+    def _validate_types(self) -> None:
+        """Check every int, bool and float field's type (and an int's 64-bit magnitude, the
+        seed's range). Raises ValueError naming the field; called before the range checks,
+        which assume these types."""
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_FIELDS:
@@ -294,6 +301,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"{name} must be finite, got {value!r}")
+
+    def _validate_ranges(self) -> None:
+        """Check each field's range and the stop lists' items, assuming the types that
+        `_validate_types` checked. Raises ValueError naming the field and its limit."""
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.temperature < 0:

@@ -23,7 +23,7 @@ import os
 import re
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,6 +242,26 @@ def load_gguf_tokenizer(path: str) -> Any:
     )
 
 
+def _gguf_rope_parameters(get: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+    """The HF `rope_parameters` dict from the `<arch>.rope.*` metadata that `get(key, default)`
+    reads: theta (default 1e4), linear scaling's factor, and `partial_rotary_factor` when the
+    rotary dimension is below `head_dim`.
+
+    Raises:
+        NotImplementedError: for a scaling type other than none or linear.
+    """
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1e4))}
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling not in ("none", None):
+        raise NotImplementedError(f"GGUF rope scaling {scaling!r} is not supported")
+    rotary_dim = int(get("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        rope["partial_rotary_factor"] = rotary_dim / head_dim
+    return rope
+
+
 def hf_config_from_gguf(path: str) -> Any:
     """Build a transformers config (with `architectures` set) from GGUF metadata.
 
@@ -273,15 +293,7 @@ def hf_config_from_gguf(path: str) -> Any:
     vocab = get("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"])
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1e4))}
-    scaling = get("rope.scaling.type", "none")
-    if scaling == "linear":
-        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
-    elif scaling not in ("none", None):
-        raise NotImplementedError(f"GGUF rope scaling {scaling!r} is not supported")
-    rotary_dim = int(get("rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
-        rope["partial_rotary_factor"] = rotary_dim / head_dim
+    rope = _gguf_rope_parameters(get, head_dim)
     kwargs: dict[str, Any] = dict(
         architectures=[hf_arch],
         vocab_size=int(vocab),
