@@ -1,21 +1,38 @@
-"""A bounded-depth suffix trie with occurrence counts: the data structure of SuffixDecoding
-(Oliaro et al. 2024, arXiv 2411.04975, §3), which drafts the most frequent continuation of the
-longest suffix of a request's history that the trie has seen.
+"""The suffix index of SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975, §3): for a request's
+history, the longest suffix seen in the indexed sequences, and the most frequent continuation of
+that suffix with its estimated probabilities, found from the suffix's occurrences.
 
-Every position i of an inserted sequence adds the path `tokens[i : i + max_depth]`; a node's
-`count` is the number of positions whose path passes through it, i.e. the occurrences of that
-substring (up to `max_depth` tokens). Appending a token extends the at most `max_depth` paths that
-are still open (one per recent start position), so insertion is O(max_depth) per token and a
-sequence of L tokens holds at most L x max_depth nodes (far fewer on repetitive text, which is
-where it pays).
+The paper keeps a suffix tree with occurrence counts. A trie of depth D costs D node updates per
+token (every path that starts in the last D positions grows), and where a batch copies its
+prompts every such path is a repeat and stays open: at depth 32 the catch-up of a batch-32
+proposal cost ~13 ms, 8 steps of a small model on a GPU (benchmarks/results/2026-11-26f-cpu-spec-
+overhead and 2026-11-26g-cpu-suffix-cost). This index does O(1) work per token, and counts at
+draft time instead:
 
-A continuation's probability is estimated from counts: child c of node n is followed with
-probability count(c) / sum of n's children's counts (occurrences of n that have a next token; the
-request's own last occurrence has none yet and so does not dilute the estimate).
+- per key length K in `KEY_LENS` (12, 4, 1), a hash table holds the latest position whose last
+  K tokens hash to a key, and each position links to the previous one of the same key (a chain
+  per key, newest first; plain ints, nothing for Python's cyclic GC to scan);
+- a lookup walks the chain of the longest key length that fits and has an occurrence with a
+  next token, takes the `max_matches` most recent such occurrences, extends each match
+  backwards (at most `max_len` tokens), and keeps the occurrences of the longest match, p
+  tokens (the long keys find a long match among the few occurrences of its 12- or 4-gram, not
+  among the many of its last token);
+- the draft follows those occurrences forward: at each step the most frequent next token
+  (ties: the lower id), its conditional probability = its count / the occurrences that go on.
 
-Sequences are contributions keyed by an id, and a contribution can be removed again (its counts
-decremented, nodes whose count drops to 0 deleted): the shared trie evicts its oldest
-contributions to stay under a node cap (`SharedSuffixTrie`).
+So counts are those of a suffix trie of depth `max_depth` (a node's count = the substring's
+occurrences) restricted to the `max_matches` most recent occurrences of the key: exact where a
+key occurs at most that often, an estimate from recent text where it is more common. A key that
+hits fewer than K tokens of the suffix (a hash collision) is skipped.
+
+    sequence:  ... s_{e-p+1} ... s_e | s_{e+1} ... s_{e+d}      (one occurrence, ends at e)
+    history:   ... h_{L-p}  ... h_{L-1}                         (the suffix, p tokens matched)
+                                       draft: the majority s_{e+1}, then among those s_{e+2}, ...
+
+Sequences are contributions keyed by an id (a request's own history is one; the shared index
+holds many requests' outputs); the shared index removes its oldest contributions to stay under a
+token cap (`SharedSuffixIndex`). "Most recent" is the order positions were indexed in, except
+that a removal re-indexes the contributions held, oldest first, each whole.
 """
 
 from __future__ import annotations
@@ -24,249 +41,232 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
-_TOKEN_BITS = 32  # an edge's key: (parent node id << 32) | token id, token ids in [0, 2^32)
-NO_NODE = -1
+KEY_LENS = (12, 4, 1)  # the key lengths, longest first [tokens]
+_POS_BITS = 32  # an occurrence is one int: (slot << 32) | end position
+_POS_MASK = (1 << _POS_BITS) - 1
+NO_POS = -1
 
 
-class SuffixTrie:
-    """Suffix paths of up to `max_depth` tokens of one or more sequences, with counts.
+def _key(tokens: Sequence[int], end: int, length: int) -> int:
+    """The hash key of `tokens[end - length + 1 : end + 1]` (the token itself for length 1)."""
+    if length == 1:
+        return tokens[end]
+    return hash(tuple(tokens[end - length + 1 : end + 1]))
 
-    Flat storage (one dict of edges and per-node lists, about a third of the time of a node
-    object per edge in CPython): node 0 is the root; `count[n]` its occurrences, `cont[n]` the
-    sum of its children's counts, `best[n]` its child of highest count (ties: the lower token)
-    and `best_token[n]` that child's token. Append keeps `best` exact (counts only grow); removal
-    marks the nodes whose best child lost count, and `refresh_best()` recomputes them.
+
+class SuffixIndex:
+    """Occurrences of suffixes in one or more growing sequences (see the module docstring).
+
+    Storage per contribution (a slot): its tokens and, per key length, `prev[k][i]`, the
+    previous occurrence (any slot) of the key that ends at position i (NO_POS if none, or i is
+    too close to the start); `latest[k]` maps a key to its newest occurrence.
     """
 
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, max_depth: int, max_matches: int) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
-        self.max_depth = max_depth
-        self.edges: dict[int, int] = {}  # (parent << 32) | token -> child node id
-        self.count, self.cont = [0], [0]
-        self.best, self.best_token = [NO_NODE], [0]
-        self._free: list[int] = []  # ids of removed nodes, reused by later appends
-        self._stale: set[int] = set()  # nodes whose `best` must be recomputed
+        if max_matches < 1:
+            raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        self.max_depth, self.max_matches = max_depth, max_matches
+        self.num_tokens = 0
+        self._slots: OrderedDict[str, int] = OrderedDict()  # id -> slot, oldest first
+        self._tokens: dict[int, list[int]] = {}
+        self._prev: dict[int, list[list[int]]] = {}
+        self._latest: list[dict[int, int]] = [{} for _ in KEY_LENS]
+        self._next_slot = 0
 
-    @property
-    def num_nodes(self) -> int:
-        """Nodes, the root excluded."""
-        return len(self.edges)
+    def extend(self, contribution_id: str, token_ids: Sequence[int]) -> None:
+        """Append tokens to a contribution (created on first use); O(len(token_ids)) hash
+        inserts per key length. Token ids must be hashable ints."""
+        slot = self._slots.get(contribution_id)
+        if slot is None:
+            slot = self._slots[contribution_id] = self._next_slot
+            self._next_slot += 1
+            self._tokens[slot], self._prev[slot] = [], [[] for _ in KEY_LENS]
+        tokens = self._tokens[slot]
+        start = len(tokens)
+        tokens.extend(token_ids)
+        self.num_tokens += len(tokens) - start
+        self._link(slot, start)
 
-    def append(self, open_paths: list[int], token: int) -> list[int]:
-        """Add one token to a sequence whose open paths are `open_paths` (the nodes of the
-        suffixes that start at its last max_depth - 1 positions, oldest start first); returns
-        the new open paths, same order. Mutates counts and adds nodes. `token` in [0, 2^32)."""
-        edges, count, cont, best = self.edges, self.count, self.cont, self.best
-        extended = []
-        for node in (*open_paths, 0):
-            key = (node << _TOKEN_BITS) | token
-            child = edges.get(key)
-            if child is None:  # a new node (inlined: this loop is the proposer's hot path)
-                if self._free:
-                    child = self._free.pop()
-                    count[child], cont[child], best[child] = 0, 0, NO_NODE
-                else:
-                    child = len(count)
-                    count.append(0)
-                    cont.append(0)
-                    best.append(NO_NODE)
-                    self.best_token.append(0)
-                edges[key] = child
-            count[child] += 1
-            cont[node] += 1
-            top = best[node]
-            if (
-                top == NO_NODE
-                or count[child] > count[top]
-                or (count[child] == count[top] and token < self.best_token[node])
-            ):
-                best[node], self.best_token[node] = child, token
-            extended.append(child)
-        # the path started max_depth tokens ago is complete (depth max_depth): drop it
-        return extended[1:] if len(extended) == self.max_depth else extended
+    def _link(self, slot: int, start: int) -> None:
+        """Chain the keys that end at positions start .. len - 1 of a slot, in order.
 
-    def remove(self, token_ids: Sequence[int]) -> None:
-        """Undo `append` of every token of one sequence (all of it inserted, in one
-        contribution): counts drop, nodes at count 0 are deleted; call `refresh_best()` before
-        the next `draft`."""
-        edges, count, cont = self.edges, self.count, self.cont
-        length = len(token_ids)
-        for start in range(length):
-            node = 0
-            for token in token_ids[start : min(length, start + self.max_depth)]:
-                key = (node << _TOKEN_BITS) | token
-                child = edges[key]
-                count[child] -= 1
-                cont[node] -= 1
-                if self.best[node] == child:
-                    self._stale.add(node)
-                if count[child] == 0:  # the rest of this path held this occurrence only
-                    del edges[key]
-                    self._free.append(child)
-                node = child
-
-    def refresh_best(self) -> None:
-        """Recompute `best` of the nodes removal touched: one pass over the edges, O(nodes)."""
-        stale = self._stale
-        if not stale:
+        A step's few tokens go through a plain loop; more (a prompt) hash each key length's
+        windows in one pass (`zip` over shifted slices, ~2x faster per token than slicing a
+        tuple per position, but with a fixed cost a decode step's 1-16 tokens do not repay)."""
+        tokens, base, end = self._tokens[slot], slot << _POS_BITS, len(self._tokens[slot])
+        if end - start <= 16:
+            chains, tables = self._prev[slot], self._latest
+            for pos in range(start, end):
+                for k, length in enumerate(KEY_LENS):
+                    if pos < length - 1:
+                        chains[k].append(NO_POS)  # too close to the start for a key
+                        continue
+                    key = tokens[pos] if length == 1 else _key(tokens, pos, length)
+                    chains[k].append(tables[k].get(key, NO_POS))
+                    tables[k][key] = base | pos
             return
-        for node in stale:
-            self.best[node] = NO_NODE
-        for node in self._free:
-            stale.discard(node)
-        for key, child in self.edges.items():
-            node = key >> _TOKEN_BITS
-            if node in stale:
-                token, top = key & ((1 << _TOKEN_BITS) - 1), self.best[node]
-                if top == NO_NODE or (self.count[child], -token) > (
-                    self.count[top],
-                    -self.best_token[node],
-                ):
-                    self.best[node], self.best_token[node] = child, token
-        stale.clear()
+        for k, length in enumerate(KEY_LENS):
+            chain, latest = self._prev[slot][k], self._latest[k]
+            first = min(max(start, length - 1), end)
+            chain.extend([NO_POS] * (first - start))  # too close to the start for a key
+            if length == 1:
+                keys: Sequence[int] = tokens[first:]
+            else:  # the tuples (t[i - length + 1], ..., t[i]) for i = first .. end - 1, hashed
+                windows = zip(*(tokens[first - length + 1 + j :] for j in range(length)))
+                keys = list(map(hash, windows))
+            get = latest.get
+            for pos, key in enumerate(keys, first):
+                chain.append(get(key, NO_POS))
+                latest[key] = base | pos
 
-    def find(self, token_ids: Sequence[int]) -> int:
-        """The node of the substring `token_ids` (len <= max_depth), NO_NODE if never seen."""
-        node = 0
-        for token in token_ids:
-            node = self.edges.get((node << _TOKEN_BITS) | token, NO_NODE)
-            if node == NO_NODE:
-                return NO_NODE
-        return node
+    def remove(self, contribution_ids: Sequence[str]) -> None:
+        """Drop contributions and re-chain the rest, oldest first: O(tokens held). Afterwards
+        the index equals one built by extending the held contributions whole, oldest first."""
+        for cid in contribution_ids:
+            slot = self._slots.pop(cid)
+            self.num_tokens -= len(self._tokens.pop(slot))
+            del self._prev[slot]
+        self._latest = [{} for _ in KEY_LENS]
+        for slot in self._slots.values():
+            self._prev[slot] = [[] for _ in KEY_LENS]
+            self._link(slot, 0)
 
-    def suffix_nodes(
-        self, history: Sequence[int], max_len: int, known: Sequence[int] = ()
-    ) -> list[int]:
-        """Nodes of the suffixes of `history` of lengths 1, 2, ... (at most `max_len`, up to
-        the first one never seen). `known`: the nodes of lengths 1..len(known) if the caller
-        has them (a sequence's open paths, reversed), so only longer ones are looked up."""
-        nodes = list(known[:max_len])
-        for p in range(len(nodes) + 1, min(max_len, len(history), self.max_depth - 1) + 1):
-            node = self.find(history[len(history) - p :])
-            if node == NO_NODE:
-                break  # a longer suffix cannot occur if this one does not
-            nodes.append(node)
-        return nodes
+    def contribution_ids(self) -> list[str]:
+        """The ids held, oldest first."""
+        return list(self._slots)
+
+    def num_tokens_of(self, contribution_id: str) -> int:
+        """The tokens a contribution holds (0 if none)."""
+        slot = self._slots.get(contribution_id)
+        return 0 if slot is None else len(self._tokens[slot])
+
+    def match(self, history: Sequence[int], max_len: int) -> tuple[int, list[int]]:
+        """The longest suffix of `history` (p <= max_len tokens) seen here with a next token,
+        among the `max_matches` most recent occurrences of the longest key that fits; returns
+        (p, the occurrences of that suffix, newest first) or (0, []). Reads only."""
+        max_len = min(max_len, len(history), self.max_depth - 1)
+        if max_len < 1:
+            return 0, []
+        suffix = list(history[len(history) - max_len :])  # one slice: `history` may be a view
+        n = len(suffix)
+        for k, length in enumerate(KEY_LENS):
+            if length > max_len:
+                continue
+            occ = self._latest[k].get(_key(suffix, n - 1, length), NO_POS)
+            found, best, best_occ = 0, 0, []
+            while occ != NO_POS and found < self.max_matches:
+                slot, end = occ >> _POS_BITS, occ & _POS_MASK
+                tokens = self._tokens[slot]
+                if end + 1 < len(tokens):  # has a next token
+                    p, limit = 0, min(max_len, end + 1)
+                    while p < limit and tokens[end - p] == suffix[n - 1 - p]:
+                        p += 1
+                    if p >= length:  # not a hash collision
+                        found += 1
+                        if p > best:
+                            best, best_occ = p, [occ]
+                        elif p == best:
+                            best_occ.append(occ)
+                occ = self._prev[slot][k][end]
+            if found:
+                return best, best_occ
+        return 0, []
 
     def draft(
-        self, suffix_nodes: Sequence[int], spec_factor: float, min_prob: float
+        self,
+        history: Sequence[int],
+        max_len: int,
+        spec_factor: float,
+        min_prob: float,
+        min_len: int = 1,
     ) -> tuple[list[int], float]:
-        """The most frequent continuation of the longest suffix (node `suffix_nodes[p - 1]` for
-        length p, see `suffix_nodes`) that has a continuation here, and its score.
+        """The most frequent continuation of the longest matching suffix (`match`) and its
+        score.
 
         SuffixDecoding §3 (path variant): the draft holds at most ceil(spec_factor x p) tokens
-        for a match of p tokens (longer matches are trusted with longer drafts) and stops before
-        a token whose path probability (the product of conditional estimates along the draft)
-        falls below `min_prob`. The score is the sum of those path probabilities, the draft's
-        expected number of accepted tokens under the counts. Returns ([], 0.0) on no match.
+        for a match of p tokens (and p + draft <= max_depth), and stops before a token whose
+        path probability (the product of conditional estimates along the draft) falls below
+        `min_prob`. The score is the sum of those path probabilities, the draft's expected
+        number of accepted tokens under the counts. Returns ([], 0.0) on no match or one
+        shorter than `min_len` tokens. Reads only.
         """
-        cont = self.cont
-        match_len = len(suffix_nodes)
-        while match_len and not cont[suffix_nodes[match_len - 1]]:
-            match_len -= 1
-        if not match_len:
+        p, occs = self.match(history, max_len)
+        if p < max(min_len, 1):
             return [], 0.0
-        node = suffix_nodes[match_len - 1]
-        limit = min(self.max_depth - match_len, math.ceil(spec_factor * match_len))
+        limit = min(self.max_depth - p, math.ceil(spec_factor * p))
+        runs = [(self._tokens[occ >> _POS_BITS], (occ & _POS_MASK) + 1) for occ in occs]
+        if len(runs) == 1:  # one occurrence: every step has probability 1
+            tokens, start = runs[0]
+            tail = tokens[start : start + limit]
+            return tail, float(len(tail))
         draft: list[int] = []
         prob, score = 1.0, 0.0
-        while len(draft) < limit and cont[node]:
-            child = self.best[node]
-            prob *= self.count[child] / cont[node]
+        while len(draft) < limit:
+            pos = len(draft)
+            counts: dict[int, int] = {}
+            for tokens, start in runs:
+                if start + pos < len(tokens):
+                    token = tokens[start + pos]
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            token = min(counts, key=lambda t: (-counts[t], t))
+            prob *= counts[token] / sum(counts.values())
             if prob < min_prob:
                 break
-            draft.append(self.best_token[node])
+            draft.append(token)
             score += prob
-            node = child
+            runs = [(t, s) for t, s in runs if s + pos < len(t) and t[s + pos] == token]
         return draft, score
 
-    def substring_counts(self) -> dict[tuple[int, ...], int]:
-        """{substring: count} of every node (for tests; O(nodes x depth))."""
-        out: dict[tuple[int, ...], int] = {}
-        children: dict[int, list[tuple[int, int]]] = {}
-        for key, child in self.edges.items():
-            children.setdefault(key >> _TOKEN_BITS, []).append((key & 0xFFFFFFFF, child))
-        stack: list[tuple[int, tuple[int, ...]]] = [(0, ())]
-        while stack:
-            node, path = stack.pop()
-            for token, child in children.get(node, []):
-                out[path + (token,)] = self.count[child]
-                stack.append((child, path + (token,)))
-        return out
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless `cont` and `best` agree with the edges and counts."""
-        cont: dict[int, int] = {}
-        best: dict[int, tuple[int, int]] = {}
-        for key, child in self.edges.items():
-            node, token = key >> _TOKEN_BITS, key & 0xFFFFFFFF
-            cont[node] = cont.get(node, 0) + self.count[child]
-            if node not in best or (self.count[child], -token) > (
-                self.count[best[node][0]],
-                -best[node][1],
-            ):
-                best[node] = (child, token)
-        for node, total in cont.items():
-            assert self.cont[node] == total, (node, self.cont[node], total)
-            assert (self.best[node], self.best_token[node]) == best[node], node
-            assert self.count[node] >= total or node == 0
+class SharedSuffixIndex:
+    """A `SuffixIndex` over several requests' outputs, capped at `max_tokens` tokens.
 
-
-class SharedSuffixTrie:
-    """A `SuffixTrie` over several sequences (contributions), capped at `max_nodes` nodes.
-
-    Each contribution is a growing sequence keyed by an id. When the trie exceeds `max_nodes`,
-    whole contributions are removed, oldest first (the current one last), until it holds at most
-    90 % of the cap, and an evicted id adds nothing more: memory stays bounded by max_nodes plus
-    one token's max_depth new nodes.
+    When the index exceeds `max_tokens`, whole contributions are removed, oldest first (the
+    current one last), until it holds at most 90 % of the cap (so one O(tokens) re-chaining
+    frees >= 10 %), and an evicted id adds nothing more.
     """
 
-    def __init__(self, max_depth: int, max_nodes: int) -> None:
-        if max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
-        self.trie = SuffixTrie(max_depth)
-        self.max_nodes = max_nodes
-        # id -> (tokens inserted, open paths); insertion order = age
-        self._contributions: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
+    def __init__(self, max_depth: int, max_matches: int, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.index = SuffixIndex(max_depth, max_matches)
+        self.max_tokens = max_tokens
         self._evicted: set[str] = set()
 
     def extend(self, contribution_id: str, token_ids: Sequence[int]) -> None:
         """Append tokens to a contribution (created on first use), then evict to the cap."""
         if contribution_id in self._evicted or not token_ids:
             return
-        tokens, paths = self._contributions.setdefault(contribution_id, ([], []))
-        for token in token_ids:
-            paths = self.trie.append(paths, token)
-            tokens.append(token)
-        self._contributions[contribution_id] = (tokens, paths)
-        if self.trie.num_nodes > self.max_nodes:
-            # down to 90 % of the cap, so that one O(nodes) `refresh_best` pass frees >= 10 %
-            while self.trie.num_nodes > 0.9 * self.max_nodes and self._contributions:
-                self.evict_oldest()
-            self.trie.refresh_best()
+        self.index.extend(contribution_id, token_ids)
+        if self.index.num_tokens > self.max_tokens:
+            held = self.index.contribution_ids()
+            victims, num_tokens = [], self.index.num_tokens
+            for victim in held:
+                if num_tokens <= 0.9 * self.max_tokens:
+                    break
+                num_tokens -= self.index.num_tokens_of(victim)
+                victims.append(victim)
+            self._drop(victims)
 
     def evict_oldest(self) -> str:
-        """Remove the oldest contribution's counts; returns its id (it adds nothing more).
-        Call `trie.refresh_best()` before the next draft."""
-        victim, (tokens, _) = self._contributions.popitem(last=False)
-        self.trie.remove(tokens)
-        self._evicted.add(victim)
+        """Remove the oldest contribution; returns its id (it adds nothing more)."""
+        victim = self.index.contribution_ids()[0]
+        self._drop([victim])
         return victim
 
+    def _drop(self, victims: list[str]) -> None:
+        self.index.remove(victims)
+        self._evicted.update(victims)
+
     def close(self, contribution_id: str) -> None:
-        """The contribution will not grow again: keep its counts, drop its open paths (and
-        forget it was evicted, so the id's set entry does not grow for ever)."""
-        entry = self._contributions.get(contribution_id)
-        if entry is not None:
-            self._contributions[contribution_id] = (entry[0], [])
+        """The contribution will not grow again: keep its tokens (and forget it was evicted, so
+        the set of evicted ids does not grow for ever)."""
         self._evicted.discard(contribution_id)
 
-    def open_paths(self, contribution_id: str) -> list[int]:
-        """The contribution's open paths (`SuffixTrie.append`; empty once closed or evicted)."""
-        entry = self._contributions.get(contribution_id)
-        return entry[1] if entry is not None else []
-
     def contribution_ids(self) -> list[str]:
-        """The ids whose counts are in the trie, oldest first."""
-        return list(self._contributions)
+        """The ids whose tokens are held, oldest first."""
+        return self.index.contribution_ids()

@@ -1,9 +1,11 @@
 """The suffix proposer (SuffixDecoding): learns an output repeated across requests, drafts from
-a request's own history, respects the length limits and the probability threshold, and keeps the
-shared trie under its node cap by evicting the oldest requests' outputs."""
+a request's own history, respects the length limits and the probability threshold, keeps the
+shared index under its token cap by evicting the oldest requests' outputs, and its index drafts
+what a brute-force matcher over the same sequences drafts."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 from phloem.spec_decode.proposer import DraftRequest
 from phloem.spec_decode.suffix_proposer import SuffixConfig, SuffixProposer
-from phloem.spec_decode.suffix_tree import SharedSuffixTrie, SuffixTrie
+from phloem.spec_decode.suffix_tree import KEY_LENS, SharedSuffixIndex, SuffixIndex
 
 OUTPUT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 
@@ -38,6 +40,11 @@ def test_learns_an_output_repeated_across_requests() -> None:
     assert drafts == [OUTPUT[2:7]]
     alone = SuffixProposer(SuffixConfig(spec_factor=4.0, use_shared=False))
     assert alone.propose([DraftRequest("b", prompt + OUTPUT[:2], len(prompt), 5)]) == [[]]
+    # one token in common with the shared outputs is not enough (min_match_len = 2)
+    assert proposer.propose([DraftRequest("c", prompt + OUTPUT[:1], len(prompt), 5)]) == [[]]
+    loose = SuffixProposer(SuffixConfig(spec_factor=4.0, min_match_len=1))
+    _generate(loose, "a", [1, 2, 3], OUTPUT)
+    assert loose.propose([DraftRequest("c", prompt + OUTPUT[:1], len(prompt), 5)]) == [OUTPUT[1:5]]
 
 
 def test_drafts_from_the_requests_own_prompt() -> None:
@@ -58,56 +65,130 @@ def test_respects_max_draft_tokens_and_the_match_length_limit() -> None:
 def test_the_threshold_cuts_an_uncertain_continuation() -> None:
     # after [1, 2]: 3 follows 3 times out of 4; after [1, 2, 3]: 4 and 5 split 2 / 1
     text = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 8, 9, 1, 2]
-    trie = SuffixTrie(16)
-    paths = []
-    for token in text:
-        paths = trie.append(paths, token)
-    draft, score = trie.draft(trie.suffix_nodes(text, 2), spec_factor=8.0, min_prob=0.4)
+    index = SuffixIndex(max_depth=16, max_matches=64)
+    index.extend("", text)
+    draft, score = index.draft(text, 2, spec_factor=8.0, min_prob=0.4)
     # P(3) = 3/4, P(3 4) = 3/4 x 2/3 = 1/2; 9 1 2 3 always follow "1 2 3 4" here (1/2 each);
     # then 4 and 5 split 1/1: 1/4 < 0.4 stops the draft
     assert draft == [3, 4, 9, 1, 2, 3]
     assert score == pytest.approx(0.75 + 5 * 0.5)
-    assert trie.draft(trie.suffix_nodes(text, 2), spec_factor=8.0, min_prob=0.6)[0] == [3]
-    assert trie.draft(trie.suffix_nodes(text, 2), spec_factor=8.0, min_prob=0.8) == ([], 0.0)
+    assert index.draft(text, 2, spec_factor=8.0, min_prob=0.6)[0] == [3]
+    assert index.draft(text, 2, spec_factor=8.0, min_prob=0.8) == ([], 0.0)
+    # counted over the 2 newest occurrences of "2" that go on: 8 and 3 split 1 / 1 (the lower
+    # id wins), then the one occurrence of "2 3" goes on: 5 9 1 2 8 9 1 2, each at 1/2
+    recent = SuffixIndex(max_depth=16, max_matches=2)
+    recent.extend("", text)
+    assert recent.draft(text, 2, spec_factor=8.0, min_prob=0.4) == ([3] + text[13:], 4.5)
+    assert recent.draft(text, 2, spec_factor=8.0, min_prob=0.6) == ([], 0.0)
 
 
-def test_counts_and_removal_match_a_rebuild() -> None:
+def _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob):
+    """The draft by definition (module docstring of suffix_tree): scan every indexed position,
+    newest first, for the longest key that fits; the longest match among the first
+    `max_matches` hits; then the majority continuation, step by step."""
+    n = len(history)
+    max_len = min(max_len, n, index.max_depth - 1)
+    for length in [k for k in KEY_LENS if k <= max_len]:
+        hits = [(seqs[cid], e) for cid, e in reversed(log)
+                if e + 1 < len(seqs[cid]) and e >= length - 1
+                and seqs[cid][e - length + 1 : e + 1] == history[n - length :]]  # fmt: skip
+        hits = hits[: index.max_matches]
+        if not hits:
+            continue
+
+        def matched(seq, e):
+            p = 0
+            while p < min(max_len, e + 1) and seq[e - p] == history[n - 1 - p]:
+                p += 1
+            return p
+
+        p = max(matched(seq, e) for seq, e in hits)
+        occ = [(seq, e) for seq, e in hits if matched(seq, e) == p]
+        draft, prob, score = [], 1.0, 0.0
+        while len(draft) < min(index.max_depth - p, math.ceil(spec_factor * p)):
+            d = len(draft)
+            nexts = Counter(seq[e + 1 + d] for seq, e in occ if e + 1 + d < len(seq))
+            if not nexts:
+                break
+            token, count = min(nexts.items(), key=lambda item: (-item[1], item[0]))
+            prob *= count / sum(nexts.values())
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+            occ = [(seq, e) for seq, e in occ if e + 1 + d < len(seq) and seq[e + 1 + d] == token]
+        return draft, score
+    return [], 0.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.integers(1, 4),
+    depth=st.integers(2, 24),
+    max_matches=st.sampled_from([1, 2, 3, 1000]),
+    spec_factor=st.sampled_from([0.5, 1.0, 3.0]),
+    min_prob=st.sampled_from([0.1, 0.5, 1.0]),
+)
+def test_drafts_equal_a_brute_force_matcher(
+    seed, vocab, depth, max_matches, spec_factor, min_prob
+) -> None:
+    """Random sequences over a small vocabulary (many repeats, so keys of every length hit
+    and the `max_matches` cap bites), extended in interleaved chunks; every draft (and score)
+    equals the brute-force one, for histories taken from the sequences and random ones."""
+    rng = random.Random(seed)
+    index = SuffixIndex(depth, max_matches)
+    seqs, log = {}, []
+    for _ in range(rng.randrange(1, 12)):
+        cid = str(rng.randrange(3))
+        chunk = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+        seq = seqs.setdefault(cid, [])
+        log += [(cid, len(seq) + i) for i in range(len(chunk))]
+        seq += chunk
+        index.extend(cid, chunk)
+    histories = [seq[: rng.randrange(len(seq) + 1)] for seq in seqs.values()]
+    histories += [[rng.randrange(vocab) for _ in range(rng.randrange(30))] for _ in range(3)]
+    for history in histories:
+        for max_len in (1, 5, 16):
+            want = _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob)
+            got = index.draft(history, max_len, spec_factor, min_prob)
+            assert got[0] == want[0], (history, max_len)
+            assert got[1] == pytest.approx(want[1])
+
+
+def test_removal_equals_a_rebuild_of_the_held_contributions() -> None:
     rng = random.Random(0)
-    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
-    shared = SharedSuffixTrie(max_depth=5, max_nodes=10**6)
-    for i, seq in enumerate(seqs):
-        for start in range(0, len(seq), 3):
-            shared.extend(str(i), seq[start : start + 3])
-    shared.evict_oldest()
-    shared.evict_oldest()
-    rebuilt = SharedSuffixTrie(max_depth=5, max_nodes=10**6)
-    for i, seq in enumerate(seqs[2:]):
-        rebuilt.extend(str(i), seq)
-    shared.trie.refresh_best()
-    shared.trie.check_integrity()
-    assert shared.trie.substring_counts() == rebuilt.trie.substring_counts()
-    assert shared.trie.num_nodes == rebuilt.trie.num_nodes == len(rebuilt.trie.substring_counts())
-    # the freed node ids are reused by later appends, and the trie stays consistent
-    for i, seq in enumerate(seqs[:2]):
-        shared.extend(f"again{i}", seq)
-        rebuilt.extend(f"again{i}", seq)
-    shared.trie.check_integrity()
-    assert shared.trie.substring_counts() == rebuilt.trie.substring_counts()
+    seqs: dict[str, list[int]] = {str(i): [] for i in range(5)}
+    shared = SharedSuffixIndex(max_depth=20, max_matches=3, max_tokens=10**6)
+    for _ in range(40):  # interleaved growth
+        cid = str(rng.randrange(5))
+        chunk = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+        seqs[cid] += chunk
+        shared.extend(cid, chunk)
+    first, second = shared.evict_oldest(), shared.evict_oldest()
+    rebuilt = SuffixIndex(max_depth=20, max_matches=3)
+    for cid in shared.contribution_ids():
+        rebuilt.extend(cid, seqs[cid])
+    assert first not in shared.contribution_ids() and second not in shared.contribution_ids()
+    assert shared.index.num_tokens == rebuilt.num_tokens
+    for _ in range(50):
+        history = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        assert shared.index.draft(history, 16, 2.0, 0.1) == rebuilt.draft(history, 16, 2.0, 0.1)
+    shared.extend(first, [1, 2, 3])  # an evicted id adds nothing more
+    assert first not in shared.contribution_ids()
 
 
-def test_the_shared_trie_stays_under_its_cap_evicting_oldest_first() -> None:
-    cfg = SuffixConfig(max_depth=8, max_pattern_len=4, max_shared_nodes=400, spec_factor=4.0)
+def test_the_shared_index_stays_under_its_cap_evicting_oldest_first() -> None:
+    cfg = SuffixConfig(max_depth=8, max_pattern_len=4, max_shared_tokens=100, spec_factor=4.0)
     proposer = SuffixProposer(cfg)
     rng = random.Random(1)
     outputs = [[rng.randrange(1000, 2000) for _ in range(30)] for _ in range(10)]
     for i, output in enumerate(outputs):
         _generate(proposer, f"r{i}", [i], output)
         proposer.finish(f"r{i}")
-        assert proposer.shared.trie.num_nodes <= cfg.max_shared_nodes
+        assert proposer.shared.index.num_tokens <= cfg.max_shared_tokens
     kept = proposer.shared.contribution_ids()
     assert kept and kept[-1] == "r9" and "r0" not in kept
-    proposer.shared.trie.check_integrity()
-    assert len(proposer.shared.trie.substring_counts()) == proposer.shared.trie.num_nodes
 
     def probe(output):
         rid = f"probe{outputs.index(output)}"
@@ -120,30 +201,7 @@ def test_the_shared_trie_stays_under_its_cap_evicting_oldest_first() -> None:
 
 def test_bad_config_raises_naming_the_field() -> None:
     for field, value in [("max_depth", 1), ("max_pattern_len", 32), ("spec_factor", 0.0),
-                         ("min_token_prob", 0.0), ("max_shared_nodes", 0)]:  # fmt: skip
+                         ("min_token_prob", 0.0), ("max_matches", 0),
+                         ("max_shared_tokens", 0), ("min_match_len", 0)]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             SuffixConfig(**{field: value}).validate()
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    seqs=st.lists(st.lists(st.integers(0, 3), max_size=25), min_size=1, max_size=5),
-    depth=st.integers(2, 6),
-    evict=st.integers(0, 4),
-)
-def test_counts_equal_substring_occurrences(seqs, depth, evict) -> None:
-    """Every node's count is the number of occurrences of its substring (<= depth tokens) in
-    the contributions still held, after random evictions; best children stay exact."""
-    shared = SharedSuffixTrie(max_depth=depth, max_nodes=10**6)
-    for i, seq in enumerate(seqs):
-        shared.extend(str(i), seq)
-    for _ in range(min(evict, len(shared.contribution_ids()))):
-        shared.evict_oldest()
-    shared.trie.refresh_best()
-    shared.trie.check_integrity()
-    held = [seqs[int(i)] for i in shared.contribution_ids()]
-    want = Counter(
-        tuple(seq[s : s + n]) for seq in held for s in range(len(seq))
-        for n in range(1, depth + 1) if s + n <= len(seq)
-    )  # fmt: skip
-    assert shared.trie.substring_counts() == dict(want)
