@@ -257,7 +257,8 @@ class SpeculativeConfig:
 
     Attributes:
         method: the draft proposer: "ngram" (prompt lookup in the request's own tokens),
-            "suffix" (SuffixDecoding tries over the request's and the batch's tokens) or
+            "suffix" (SuffixDecoding's suffix index over the request's and the batch's
+            tokens) or
             "draft_model" (a small model with the target's vocabulary, `draft_model.py`);
             `from_dict` infers "draft_model" when only `model` is given.
         num_speculative_tokens: the most drafts a request verifies per step (k) [tokens], >= 1.
@@ -268,7 +269,8 @@ class SpeculativeConfig:
             None sizes it by `draft_model.draft_kv_blocks`.
         prompt_lookup_min, prompt_lookup_max: "ngram": the shortest and longest suffix matched
             [tokens], 1 <= min <= max.
-        suffix_decoding_max_tree_depth: "suffix": the tries' depth [tokens], >= 2.
+        suffix_decoding_max_tree_depth: "suffix": the longest substring the suffix index
+            counts (a draft and the suffix it continues) [tokens], >= 2.
         suffix_decoding_max_spec_factor: "suffix": drafts per matched token, > 0.
         suffix_decoding_min_token_prob: "suffix": a draft stops below this path probability,
             in (0, 1].
