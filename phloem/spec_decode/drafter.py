@@ -213,6 +213,10 @@ class Drafter:
         self.budget = max_num_batched_tokens
         self.stats = SpecDecodeStats()
         self._steps_off = 0  # consecutive steps `_may_pay` said no
+        # acceptance probes since the pre-check last paid on its own: each doubles the wait for
+        # the next (`_probe_due`), so a batch whose drafts stay rejected is probed rarely
+        self._probe_streak = 0
+        self._probe_drafts = 0  # > 0: the next proposal is a probe's, this many drafts a request
         # the share of eligible requests the proposer offered drafts for (moving average): the
         # pre-check counts only that share as drafting, so a batch whose histories never match
         # (random prompts) stops proposing, and stops the sync each proposal costs
@@ -247,11 +251,12 @@ class Drafter:
         if self._retrying:  # the same requests while they run: their indexes only catch up
             eligible = eligible[:RETRY_SAMPLE]
         self._retrying = False
+        probe, self._probe_drafts = self._probe_drafts, 0
         if not eligible:
             return 0
         step = _step_shape(running, self.budget)
-        rule = self.config.use_cost_rule
-        budgets = [self.config.num_speculative_tokens] * len(eligible)
+        rule = self.config.use_cost_rule and not probe  # a probe's sample drafts regardless
+        budgets = [probe or self.config.num_speculative_tokens] * len(eligible)
         if rule and self.proposer.costly:  # ask only for the drafts the rule would verify
             budgets = self._choose(list(zip(eligible, budgets)), step)
             for request, budget in zip(eligible, budgets):
@@ -329,9 +334,14 @@ class Drafter:
         and at a large batch one request's drafts cannot lift it that much where all of them
         together would. The rule's loop stops as soon as its ratio falls, so where drafts do
         not pay this costs a few iterations. Once it has said no for `probe_after` steps in a
-        row, one request at the prior rate is tried as well, so a rate that fell once (and
-        stopped being measured) can recover; one, so that the probe passes only where a single
-        request's drafts pay (small batches) and exploring never drafts a whole large batch.
+        row (doubled per probe since it last paid on its own, at most `RETRY_MAX_STEPS`), every
+        sequence is tried at the prior rate, so a rate that fell once (and stopped being
+        measured) can recover at any batch size; the proposal that follows drafts for a sample
+        of `RETRY_SAMPLE` requests only (`_retrying`), each as many drafts as the rule gives a
+        request when all draft at the prior rate, whatever the rule says of the sample alone
+        (`_probe_drafts`): exploring never drafts a whole large batch, and the sample's
+        verified drafts move the rate. (A probe of one request, as before,
+        never passed at a batch of 32: one bad verify step turned drafting off for the run.)
         Only the share of sequences the proposer has been offering drafts for
         (`offer_rate`) counts as drafting: drafts never verified never lower the acceptance
         rate, so without it a batch with nothing to match would propose (and sync) forever."""
@@ -347,14 +357,26 @@ class Drafter:
             pays = self._retrying = uniform_drafts_pay(
                 candidate, num_sampled, num_sampled, *step[1:], model, cost
             )
-        if not pays and self._steps_off >= config.probe_after:
+        elif pays:
+            self._probe_streak = 0
+        if not pays and self._steps_off >= self._probe_wait(config.probe_after):
             probe = DraftCandidate(max(self.tracker.global_rate, config.prior), k)
             pays = self._retrying = uniform_drafts_pay(
-                probe, 1, num_sampled, *step[1:], model, cost
+                probe, num_sampled, num_sampled, *step[1:], model, cost
             )
+            if pays:  # the drafts a request would get if all drafted at the prior rate
+                self._probe_streak += 1
+                chosen = choose_num_drafts([probe] * num_sampled, num_sampled, *step[1:],
+                                           model, cost)  # fmt: skip
+                self._probe_drafts = max(chosen)
         self._steps_off = 0 if pays else self._steps_off + 1
         self._since_proposal += not pays
         return pays
+
+    def _probe_wait(self, probe_after: int) -> int:
+        """Steps off before the next acceptance probe: `probe_after`, doubled per probe since
+        the pre-check last paid on its own, at most max(`probe_after`, `RETRY_MAX_STEPS`)."""
+        return min(probe_after << min(self._probe_streak, 16), max(probe_after, RETRY_MAX_STEPS))
 
     def _retry_due(self, cap: int) -> bool:
         """Whether the pre-check counts every sequence as offered again: 2^(proposals in a row

@@ -8,7 +8,7 @@ from phloem.config import SpeculativeConfig
 from phloem.core.request import Request
 from phloem.sampling_params import SamplingParams
 from phloem.spec_decode.cost_rule import DraftCandidate, StepTimeModel, choose_num_drafts
-from phloem.spec_decode.drafter import Drafter, _History
+from phloem.spec_decode.drafter import RETRY_SAMPLE, Drafter, _History
 
 # bandwidth-bound steps: a draft costs almost nothing beside the weights' pass
 MODEL = StepTimeModel(t_host_s=1e-3, t_weights_s=20e-3, c_token_s=1e-5, c_kv_s=0.0)
@@ -71,6 +71,26 @@ def test_the_pre_check_counts_every_sampled_sequence_at_a_large_batch():
                                  drafter.cost)  # fmt: skip
     assert alone == [0] and sum(together) > 0
     assert drafter.may_draft(running)
+
+
+def test_a_fallen_rate_is_probed_at_a_large_batch_on_a_sample_with_back_off():
+    """At a batch of 32 on CPU-like costs one request's drafts never pay, so a probe of one
+    request never passed and a rate that fell stayed off for the run. The probe counts every
+    sequence at the prior rate, drafts for a sample only, and waits twice as long after each
+    probe that did not bring the rate back."""
+    model = StepTimeModel(t_host_s=0.039, t_weights_s=0.0, c_token_s=3.2e-3, c_kv_s=1.35e-5,
+                          c_draft_s=2e-5, t_verify_s=0.0)  # fmt: skip
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=16), model, 4096)
+    prompt = [5, 6, 7] * 300 + [5, 6]  # with the output 7: every request has drafts to offer
+    running = [decoding(f"r{i}", SamplingParams(temperature=0), prompt) for i in range(32)]
+    drafter.tracker.global_rate = 0.0  # one bad verify step took it down
+    probe_after = drafter.tracker.config.probe_after
+    answers = [drafter.may_draft(running) for _ in range(probe_after + 1)]
+    assert answers == [False] * probe_after + [True]
+    assert drafter.propose(running) > 0
+    assert 0 < sum(bool(r.draft_token_ids) for r in running) <= RETRY_SAMPLE
+    answers = [drafter.may_draft(running) for _ in range(2 * probe_after + 1)]
+    assert answers == [False] * (2 * probe_after) + [True]  # the rate stayed down: back off
 
 
 def test_proposals_that_offer_nothing_turn_the_pre_check_off():
