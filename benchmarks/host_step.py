@@ -113,7 +113,12 @@ def _fake_graph_runner(cls, max_num_seqs: int, block_size: int, scratch_block: i
     runner.device = torch.device("cpu")
     runner.batch_sizes = graph_batch_sizes(max_num_seqs)
     runner.max_batch_size = runner.batch_sizes[-1]
-    runner._static_inputs = torch.zeros(3, runner.max_batch_size, dtype=torch.int64)
+    try:  # the static input buffer: this tree's `GraphInputs`, the old tree's plain tensor
+        from phloem.worker.graph_inputs import GraphInputs
+
+        runner._inputs = GraphInputs(runner.max_batch_size, runner.device)
+    except ImportError:
+        runner._static_inputs = torch.zeros(3, runner.max_batch_size, dtype=torch.int64)
     runner.variants = {"plain": 1, "shared_prefix": 16}  # as on the GPU with Triton
     keys = [(v, b) for v in runner.variants for b in runner.batch_sizes]
     runner._graphs = {key: _FakeGraph() for key in keys}

@@ -32,7 +32,6 @@ import logging
 import os
 import time
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -40,7 +39,7 @@ from phloem.forward_context import ForwardContext, forward_context
 from phloem.ops.attention.interface import AttentionBackend, DecodePath
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
-from phloem.ops.staging import pinned
+from phloem.worker.graph_inputs import GraphInputs, smallest_bucket
 from phloem.worker.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
@@ -99,8 +98,7 @@ class CUDAGraphRunner:
         self.device = device
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch_size = self.batch_sizes[-1]
-        # rows: input ids, positions, slots (int64 [3, max_batch])
-        self._static_inputs = torch.zeros(3, self.max_batch_size, dtype=torch.int64, device=device)
+        self._inputs = GraphInputs(self.max_batch_size, device)
         self.variants: dict[str, int] = backend.graph_variants()
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[str, int], torch.Tensor] = {}
@@ -126,10 +124,7 @@ class CUDAGraphRunner:
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured batch size >= num_seqs, or None when there is none."""
-        for size in self.batch_sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        return smallest_bucket(self.batch_sizes, num_seqs)
 
     def has_graph(self, num_seqs: int, variant: str = "plain") -> bool:
         """Whether a graph of `variant` was captured for the bucket of num_seqs sequences."""
@@ -139,7 +134,7 @@ class CUDAGraphRunner:
         """Metadata of a step padded to its bucket: the slot mapping views the static buffer,
         the other device fields are that view too (a planning backend reads the host lists and
         the graph's own buffers; nothing is copied)."""
-        slots = self._static_inputs[2, : len(padded.seq_lens)]
+        slots = self._inputs.slots(len(padded.seq_lens))
         return AttentionMetadata.from_host(
             padded.query_lens,
             padded.seq_lens,
@@ -154,14 +149,13 @@ class CUDAGraphRunner:
         """Capture every bucket of every variant, largest first. Mutates the scratch block of
         the KV caches."""
         start = time.perf_counter()
-        self._static_inputs.zero_()
-        self._static_inputs[2].fill_(self.scratch_slot)
+        self._inputs.reset(self.scratch_slot)
         for variant, min_batch in self.variants.items():
             for batch in reversed(self.batch_sizes):
                 if batch < min_batch:
                     continue
                 meta = self._metadata(HostStep.padding(batch, self.scratch_block, self.block_size))
-                ids, positions = self._static_inputs[0, :batch], self._static_inputs[1, :batch]
+                ids, positions = self._inputs.ids(batch), self._inputs.positions(batch)
                 ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
                 self.backend.prepare_replay(meta, variant)
                 with forward_context(ctx):
@@ -251,10 +245,9 @@ class CUDAGraphRunner:
         if (variant, batch) not in self._graphs:
             raise ValueError(f"no {variant!r} CUDA graph for a decode batch of {num_seqs}")
         padded = host.padded(batch, self.scratch_block, self.block_size)
-        inputs = np.stack((padded.input_ids, padded.positions, padded.slots))
-        self._static_inputs[:, :batch].copy_(pinned(inputs), non_blocking=True)
+        self._inputs.load(padded)
         if fill_inputs is not None:
-            fill_inputs(self._static_inputs[0, :num_seqs])
+            fill_inputs(self._inputs.ids(num_seqs))
         meta = self._metadata(padded)
         self.backend.prepare_replay(meta, variant, groups)
         self._graphs[variant, batch].replay()

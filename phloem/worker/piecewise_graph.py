@@ -47,7 +47,8 @@ from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.attention import Attention
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
-from phloem.ops.staging import pinned, to_device
+from phloem.ops.staging import to_device
+from phloem.worker.graph_inputs import GraphInputs, smallest_bucket
 from phloem.worker.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
@@ -203,8 +204,7 @@ class PiecewiseGraphRunner:
         first = self._attention[0]
         rows, dtype = self.max_num_tokens, model.dtype
         heads = (rows, first.num_heads, first.head_dim)
-        # rows: input ids, positions, slots (int64 [3, max tokens])
-        self._inputs = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self._inputs = GraphInputs(rows, device)  # [3, max tokens]
         self._q = torch.zeros(heads, dtype=dtype, device=device)
         self._attn_out = torch.zeros(heads, dtype=dtype, device=device)
         self._residual = torch.zeros(rows, model.config.hidden_size, dtype=dtype, device=device)
@@ -216,15 +216,12 @@ class PiecewiseGraphRunner:
 
     def bucket(self, num_tokens: int) -> int | None:
         """The smallest captured bucket >= num_tokens, or None when there is none."""
-        for size in self.token_sizes:
-            if size >= num_tokens and size in self._graphs:
-                return size
-        return None
+        return smallest_bucket((s for s in self.token_sizes if s in self._graphs), num_tokens)
 
     def _pieces(self, size: int) -> list[Callable[[], None]]:
         """The L + 1 pieces of bucket `size`: each reads and writes the first `size` rows of the
         static buffers, under a context whose slot mapping is the static slot buffer."""
-        ids, positions, slots = self._inputs[:, :size]
+        ids, positions, slots = self._inputs.buffer[:, :size]
         q, residual = self._q[:size], self._residual[:size]
         attn_out, hidden = self._attn_out[:size], self._hidden[:size]
         model = self.pieces
@@ -259,8 +256,7 @@ class PiecewiseGraphRunner:
         """Capture every bucket's pieces, largest bucket first. Mutates the scratch block of
         the KV caches (the capture's rows all write the scratch slot)."""
         start = time.perf_counter()
-        self._inputs.zero_()
-        self._inputs[2].fill_(self.scratch_block * self.block_size)
+        self._inputs.reset(self.scratch_block * self.block_size)
         for size in reversed(self.token_sizes):
             self._graphs[size] = [self.graphs.capture(piece) for piece in self._pieces(size)]
         logger.info(
@@ -300,16 +296,16 @@ class PiecewiseGraphRunner:
         inputs = np.zeros((3, size), dtype=np.int64)  # padding: token 0 at position 0
         inputs[:, :num_tokens] = (host.input_ids, host.positions, host.slots)
         inputs[2, num_tokens:] = self.scratch_block * self.block_size
-        self._inputs[:, :size].copy_(pinned(inputs), non_blocking=True)
+        self._inputs.load_rows(inputs)
         if fill_inputs is not None:
-            fill_inputs(self._inputs[0, :num_tokens])
+            fill_inputs(self._inputs.ids(num_tokens))
         meta = AttentionMetadata.from_host(
             host.query_lens,
             host.seq_lens,
             host.block_tables,
             self.block_size,
             self.device,
-            slot_mapping=self._inputs[2, :num_tokens],
+            slot_mapping=self._inputs.slots(num_tokens),
             padded_tables=self.backend.needs_block_tables,
             prefix_lens=host.prefix_lens,
         )

@@ -44,8 +44,9 @@ from torch import nn
 from phloem.forward_context import ForwardContext, forward_context
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
-from phloem.ops.staging import pinned, to_device
+from phloem.ops.staging import to_device
 from phloem.worker.cuda_graph import graph_batch_sizes
+from phloem.worker.graph_inputs import GraphInputs, smallest_bucket
 from phloem.worker.input_batch import HostStep
 from phloem.worker.piecewise_graph import PieceGraph, PieceGraphs
 
@@ -195,8 +196,7 @@ class VerifyGraphRunner:
         self.device = device
         self.graphs = graphs
         rows = batch_sizes[-1] * query_len
-        # rows: input ids, positions, slots (int64 [3, largest bucket x q])
-        self._inputs = torch.zeros(3, rows, dtype=torch.int64, device=device)
+        self._inputs = GraphInputs(rows, device)  # [3, largest bucket x q]
         self._hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=device)
         self._graphs: dict[int, PieceGraph] = {}
         self._ctx: ForwardContext | None = None  # the step being replayed (read by re-runs)
@@ -204,10 +204,7 @@ class VerifyGraphRunner:
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured bucket >= num_seqs, or None when there is none."""
-        for size in self.batch_sizes:
-            if size >= num_seqs and size in self._graphs:
-                return size
-        return None
+        return smallest_bucket((s for s in self.batch_sizes if s in self._graphs), num_seqs)
 
     def _plain_prefixes(self, host: HostStep) -> bool:
         """True unless the step has prefix groups the backend would share (`plan_verify`)."""
@@ -221,7 +218,7 @@ class VerifyGraphRunner:
         """Plan the padded step (`prepare_verify_replay`) and make its forward context; the
         slot mapping views the static buffer. Device copies of the step's lists only for a
         backend that reads the padded device table (the CPU tests' reference)."""
-        slots = self._inputs[2, : len(padded.input_ids)]
+        slots = self._inputs.slots(len(padded.input_ids))
         args = (padded.query_lens, padded.seq_lens, padded.block_tables, self.block_size)
         if self.backend.needs_block_tables:
             meta = AttentionMetadata.from_host(*args, self.device, slot_mapping=slots,
@@ -235,7 +232,7 @@ class VerifyGraphRunner:
         """The captured step of bucket `batch`: the forward pass over the first batch x q rows
         of the static buffers, its hidden states copied into the static output."""
         rows = batch * self.query_len
-        ids, positions = self._inputs[0, :rows], self._inputs[1, :rows]
+        ids, positions = self._inputs.ids(rows), self._inputs.positions(rows)
         hidden = self._hidden[:rows]
 
         def forward() -> None:
@@ -248,8 +245,7 @@ class VerifyGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first. Mutates the scratch block of the KV caches."""
         start = time.perf_counter()
-        self._inputs.zero_()
-        self._inputs[2].fill_(self.scratch_block * self.block_size)
+        self._inputs.reset(self.scratch_block * self.block_size)
         for batch in reversed(self.batch_sizes):
             padded = pad_verify_step(_no_step(), self.query_len, batch, self.scratch_block,
                                      self.block_size)  # fmt: skip
@@ -286,10 +282,9 @@ class VerifyGraphRunner:
         padding = pad_verify_step(host, self.query_len, batch, self.scratch_block,
                                   self.block_size)  # fmt: skip
         step, rows = padding.step, batch * self.query_len
-        inputs = np.stack((step.input_ids, step.positions, step.slots))
-        self._inputs[:, :rows].copy_(pinned(inputs), non_blocking=True)
+        self._inputs.load(step)
         if step.pending and fill_pending is not None:
-            fill_pending(self._inputs[0, :rows], step.pending)
+            fill_pending(self._inputs.ids(rows), step.pending)
         self._prepare(step)
         self._graphs[batch].replay()
         self.num_replays += 1
