@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from phloem.engine.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
 
@@ -46,14 +47,6 @@ if TYPE_CHECKING:
     from phloem.metrics_prometheus import EngineMetrics
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has died; no request can run any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside the engine (e.g. non-finite logits); the others go on."""
 
 
 @dataclass
@@ -67,7 +60,7 @@ class _Stream:
     finished: bool = False
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     """Runs an `LLMEngine` in a background thread and streams each request's outputs.
 
     Args:
@@ -113,10 +106,6 @@ class AsyncLLMEngine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     @property
-    def is_dead(self) -> bool:
-        return self.dead_error is not None
-
-    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -151,7 +140,7 @@ class AsyncLLMEngine:
         self.engine.validate_prompt(prompt_token_ids)
         self.engine.validate_params(sampling_params)
 
-    async def generate(
+    async def submit(
         self,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
@@ -159,7 +148,9 @@ class AsyncLLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue one prompt and yield its outputs (cumulative) until it finishes.
+        """Queue one prompt at the first iteration and yield its outputs (cumulative) until it
+        finishes (`EngineClient.submit`; `generate` iterates this). A request never iterated is
+        never queued, so its `abort` has nothing to do.
 
         Intermediate outputs may be coalesced; the last one has `finished=True`. Leaving the
         iteration early (break, cancellation, disconnect) aborts the request.
@@ -172,11 +163,7 @@ class AsyncLLMEngine:
             EngineDeadError: the engine loop is dead or died meanwhile.
             asyncio.CancelledError: `abort(request_id)` was called.
         """
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine loop has died: {self.dead_error}")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, sampling_params)
+        self._check_new(request_id, prompt_token_ids, sampling_params)
         stream = _Stream(request_id)
         self._streams[request_id] = stream
         now = arrival_time if arrival_time is not None else time.monotonic()
@@ -198,19 +185,6 @@ class AsyncLLMEngine:
                 self._submit(("abort", request_id))
             self._streams.pop(request_id, None)
 
-    def submit(
-        self,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """`generate`'s iterator, under the name the server calls on either engine
-        (`EngineCoreClient.submit` queues the prompt at the call); here the prompt is queued at
-        the first iteration, so `abort` of one never iterated has nothing to do."""
-        return self.generate(prompt_token_ids, sampling_params, request_id, prompt, arrival_time)
-
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
         """Abort a request from the event loop; its `generate` raises `error` (default
         CancelledError)."""
@@ -221,14 +195,6 @@ class AsyncLLMEngine:
         stream.error = error or asyncio.CancelledError(f"request {request_id} aborted")
         stream.event.set()
         self._submit(("abort", request_id))
-
-    def abort_all(self, error: BaseException) -> int:
-        """Abort every unfinished request from the event loop, each `generate` raising
-        `error` (a server ending what is left at its shutdown timeout); returns how many."""
-        request_ids = [rid for rid, stream in self._streams.items() if not stream.finished]
-        for request_id in request_ids:
-            self.abort(request_id, error)
-        return len(request_ids)
 
     def _submit(self, command: tuple) -> None:
         self._commands.append(command)

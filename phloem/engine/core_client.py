@@ -8,10 +8,10 @@
 
 The core sends token deltas only; each request's `RequestStream` (engine/core_stream.py) turns
 them into text with its own incremental detokenizer and applies stop strings (then tells the
-core to stop the sequence). The surface is the server's view of `AsyncLLMEngine`: `generate`
-(cumulative `RequestOutput`s), `submit` (the same iterator, the prompt queued at the call),
-`abort`, `abort_all`, `validate`, `validate_prompt`, `is_dead`,
-`tokenizer`, `max_model_len`, `stats`, `start`, `shutdown`.
+core to stop the sequence). The surface is `EngineClient` (engine/engine_client.py), as for
+`AsyncLLMEngine`: `generate` (cumulative `RequestOutput`s), `submit` (the same iterator, the
+prompt queued at the call), `abort`, `abort_all`, `validate`, `validate_prompt`, `is_dead`,
+`max_model_len`, `start`, `shutdown`; and `tokenizer`, `vocab_size`, `stats` and `pid` of its own.
 
 - A stream keeps only its latest state (outputs are coalesced), so a slow reader costs no
   memory and never slows the core: the core's socket has no high-water mark and the front reads
@@ -33,13 +33,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
-from phloem.engine.async_engine import EngineDeadError, RequestFailedError
 from phloem.engine.core_messages import (
     CoreAbort,
     CoreDead,
@@ -52,6 +50,7 @@ from phloem.engine.core_messages import (
     params_to_dict,
 )
 from phloem.engine.core_stream import RequestStream
+from phloem.engine.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.outputs import RequestOutput
 from phloem.sampling_params import SamplingParams
@@ -65,7 +64,7 @@ logger = logging.getLogger(__name__)
 _MAX_MESSAGES_PER_CALLBACK = 16  # core steps handled before the event loop's other work
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineClient):
     """Starts the engine core process and streams each request's outputs from it.
 
     Args:
@@ -131,7 +130,7 @@ class EngineCoreClient:
         self.process.start()
         atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the core
         ready = self._wait_ready(ready_timeout_s)
-        self.max_model_len = ready.max_model_len
+        self._max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
 
     def _socket(self, kind: int, name: str):
@@ -163,8 +162,8 @@ class EngineCoreClient:
     # -- lifecycle ------------------------------------------------------------------------------
 
     @property
-    def is_dead(self) -> bool:
-        return self.dead_error is not None
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     @property
     def pid(self) -> int | None:
@@ -220,23 +219,6 @@ class EngineCoreClient:
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         check_params(sampling_params, self.vocab_size)
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        request_id: str,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue one prompt in the core and yield its outputs (cumulative, coalesced) until
-        it finishes; leaving early aborts it in the core. Raises as `AsyncLLMEngine.generate`
-        (ValueError, RequestFailedError, EngineDeadError, asyncio.CancelledError on `abort`).
-        The prompt is queued at the first iteration (`submit` queues it at the call)."""
-        outputs = self.submit(prompt_token_ids, sampling_params, request_id, prompt, arrival_time)
-        async with aclosing(outputs):
-            async for output in outputs:
-                yield output
-
     def submit(
         self,
         prompt_token_ids: list[int],
@@ -256,11 +238,7 @@ class EngineCoreClient:
         in use), EngineDeadError; the iteration raises RequestFailedError, EngineDeadError, or
         asyncio.CancelledError after `abort`.
         """
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine loop has died: {self.dead_error}")
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, sampling_params)
+        self._check_new(request_id, prompt_token_ids, sampling_params)
         now = arrival_time if arrival_time is not None else time.monotonic()
         ids = list(prompt_token_ids)
         stream = RequestStream(request_id, prompt, ids, sampling_params, self.tokenizer, now)
@@ -299,13 +277,6 @@ class EngineCoreClient:
         if request_id in self._unconsumed:
             self._unconsumed.discard(request_id)
             self._streams.pop(request_id, None)
-
-    def abort_all(self, error: BaseException) -> int:
-        """Abort every unfinished request, each `generate` raising `error`; returns how many."""
-        request_ids = [rid for rid, s in self._streams.items() if not s.finished]
-        for request_id in request_ids:
-            self.abort(request_id, error)
-        return len(request_ids)
 
     def _send(self, message) -> None:
         if self.dead_error is None and not self._context.closed:

@@ -34,8 +34,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from phloem.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
-from phloem.engine.core_client import EngineCoreClient
+from phloem.engine.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from phloem.entrypoints.openai.limits import ServerLimits
 from phloem.entrypoints.openai.protocol import (
     APIError,
@@ -72,7 +71,7 @@ _ENGINE_ERRORS = (EngineDeadError, RequestFailedError, ServerShuttingDownError, 
 class ServerState:
     """The server's engine, tokenizer and settings, plus its shutdown state (event loop only)."""
 
-    engine: EngineCoreClient | AsyncLLMEngine  # the core's process, or an in-thread engine
+    engine: EngineClient  # the core's process (EngineCoreClient), or an in-thread AsyncLLMEngine
     model_name: str
     tokenizer: Any  # the front's own copy: the streams (or the engine thread) decode with theirs
     metrics: Any = None
@@ -173,7 +172,7 @@ async def wait_disconnect(request: Request) -> None:
 # -- the endpoints' core --------------------------------------------------------------------------
 
 
-def _start(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest, arrival: float):
+def _start(engine: EngineClient, prep: PreparedRequest, arrival: float):
     """Queue every prompt of `prep` in the engine now (`submit`): their output iterators, in
     prompt order. On an error the prompts already queued are aborted and the error raised
     (ValueError, EngineDeadError)."""
@@ -188,7 +187,7 @@ def _start(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest, arr
     return gens
 
 
-async def _merged(engine: EngineCoreClient | AsyncLLMEngine, prep: PreparedRequest,
+async def _merged(engine: EngineClient, prep: PreparedRequest,
                   arrival: float, gens: list | BaseException | None = None):  # fmt: skip
     """Yield (prompt index, RequestOutput) from all prompts of one API request as they come
     (`gens`: `_start`'s iterators, or the error `_start` raised, raised here; None: `_start`
