@@ -15,7 +15,7 @@ from phloem.core.request import Request
 from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from phloem.sampling_params import SamplingParams
 from phloem.spec_decode.cost_rule import StepTimeModel
-from phloem.spec_decode.drafter import Drafter
+from phloem.spec_decode.drafter import RETRY_SAMPLE, Drafter
 from phloem.spec_decode.step_time import StepShape, StepTimeConfig, StepTimeLearner
 
 # a GPU-like prior: the weights' pass dominates, a verify step costs almost nothing extra
@@ -220,7 +220,10 @@ def simulate(plain_s: float, verify_s: float, acceptance: float, num_steps: int 
 def test_costly_verify_steps_with_modest_acceptance_turn_drafting_off_at_batch_32() -> None:
     drafts, drafter = simulate(plain_s=0.010, verify_s=0.030, acceptance=0.5)
     assert sum(drafts[:10]) > 0  # the prior model drafts
-    assert sum(drafts[-100:]) == 0  # the measured one does not
+    # the measured one does not, but for the acceptance probe: at most one step in 100 (its
+    # wait doubles up to 128 steps), a sample of RETRY_SAMPLE requests drafting
+    probes = [d for d in drafts[-100:] if d]
+    assert len(probes) <= 1 and all(d <= RETRY_SAMPLE * 4 for d in probes)
     assert drafter.timer.num_plain > 50
 
 
