@@ -45,17 +45,33 @@ from phloem.worker.input_batch import HostStep
 logger = logging.getLogger(__name__)
 
 
-def graph_logits_max_batch(environ: dict[str, str] | None = None) -> int:
-    """The largest bucket whose decode graphs also compute the logits (0: none), from
-    PHLOEM_GRAPH_LOGITS_MAX_BATCH.
+def env_count(name: str, environ: dict[str, str] | None = None) -> int:
+    """The non-negative integer environment variable `name` (0 when unset).
 
     Raises:
-        ValueError: naming PHLOEM_GRAPH_LOGITS_MAX_BATCH when it is not a non-negative integer.
+        ValueError: naming the variable when it is not a non-negative integer.
     """
-    raw = (os.environ if environ is None else environ).get("PHLOEM_GRAPH_LOGITS_MAX_BATCH", "0")
+    raw = (os.environ if environ is None else environ).get(name, "0")
     if not raw.isdigit():
-        raise ValueError(f"PHLOEM_GRAPH_LOGITS_MAX_BATCH must be an integer >= 0, got {raw!r}")
+        raise ValueError(f"{name} must be an integer >= 0, got {raw!r}")
     return int(raw)
+
+
+def graph_logits_max_batch(environ: dict[str, str] | None = None) -> int:
+    """The largest bucket whose decode graphs also compute the logits (0: none), from
+    PHLOEM_GRAPH_LOGITS_MAX_BATCH (raises ValueError naming it when malformed)."""
+    return env_count("PHLOEM_GRAPH_LOGITS_MAX_BATCH", environ)
+
+
+def decode_graph_max_batch(max_num_seqs: int, environ: dict[str, str] | None = None) -> int:
+    """The largest decode batch captured in a full graph: max_num_seqs, or less where
+    PHLOEM_DECODE_GRAPH_MAX_BATCH (0 or unset: no cap) sets fewer (vLLM stops at 512 by default:
+    a larger decode step's GPU time hides its eager launches under async scheduling, and each
+    bucket costs start-up: 260 graphs of an 80-layer model at 2,048 sequences took 80-103 s).
+    Larger decode steps replay the piecewise graphs of their token bucket or run eagerly.
+    Raises ValueError naming the variable when malformed."""
+    cap = env_count("PHLOEM_DECODE_GRAPH_MAX_BATCH", environ)
+    return min(max_num_seqs, cap) if cap else max_num_seqs
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -45,7 +45,7 @@ from phloem.ops.token_bitmask import bitmask_to_device
 from phloem.sampling_params import SamplingParams
 from phloem.spec_decode.verifier import VerifyStep, launch_verify
 from phloem.structured_output.manager import GrammarBitmask
-from phloem.worker.cuda_graph import CUDAGraphRunner
+from phloem.worker.cuda_graph import CUDAGraphRunner, decode_graph_max_batch
 from phloem.worker.input_batch import (
     HostStep,
     InputBatch,
@@ -138,14 +138,15 @@ class ModelRunner:
             self.backend.warmup(self.kv_caches[0], num_heads, self.num_blocks, scale, dtype)
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode graphs for batch sizes up to max_num_seqs (CUDA only)."""
+        """Capture decode graphs for batch sizes up to max_num_seqs, or the lower
+        PHLOEM_DECODE_GRAPH_MAX_BATCH (`decode_graph_max_batch`; CUDA only)."""
         runner = CUDAGraphRunner(
             self.model,
             self.kv_caches,
             self.backend,
             self.block_size,
             scratch_block=self.num_blocks,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=decode_graph_max_batch(max_num_seqs),
             device=self.device,
         )
         runner.capture()

@@ -77,6 +77,20 @@ def test_logits_inside_decode_graphs_do_not_change_tokens(setup, monkeypatch):
     assert graphed == eager
 
 
+def test_decode_steps_above_the_graph_cap_do_not_change_tokens(setup, monkeypatch):
+    """PHLOEM_DECODE_GRAPH_MAX_BATCH=4: decode graphs up to 4 sequences only; the 8 prompts'
+    decode steps replay the piecewise graphs instead."""
+    path, prompts = setup
+    llm, eager = _phloem(path, prompts, enforce_eager=True)
+    _free(llm)
+    monkeypatch.setenv("PHLOEM_DECODE_GRAPH_MAX_BATCH", "4")
+    llm, graphed = _phloem(path, prompts)
+    runner = llm.llm_engine.executor.worker.model_runner.graph_runner
+    assert runner is not None and runner.max_batch_size == 4
+    _free(llm)
+    assert graphed == eager
+
+
 def test_shared_prefix_cuda_graphs(setup):
     """Decode steps of prefix groups replay the "shared_prefix" CUDA graphs (our Triton cascade
     kernels over fixed-capacity tile tables) and agree with the eager shared path. Their plans

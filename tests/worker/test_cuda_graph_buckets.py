@@ -9,7 +9,11 @@ from phloem.forward_context import ForwardContext, forward_context
 from phloem.layers.attention import Attention
 from phloem.ops.attention import AttentionMetadata
 from phloem.ops.attention.reference import ReferenceAttention
-from phloem.worker.cuda_graph import graph_batch_sizes, graph_logits_max_batch
+from phloem.worker.cuda_graph import (
+    decode_graph_max_batch,
+    graph_batch_sizes,
+    graph_logits_max_batch,
+)
 
 
 def test_buckets_cover_every_batch():
@@ -26,6 +30,14 @@ def test_graph_logits_switch_is_read_and_checked():
     assert graph_logits_max_batch({"PHLOEM_GRAPH_LOGITS_MAX_BATCH": "16"}) == 16
     with pytest.raises(ValueError, match="PHLOEM_GRAPH_LOGITS_MAX_BATCH must be an integer"):
         graph_logits_max_batch({"PHLOEM_GRAPH_LOGITS_MAX_BATCH": "-1"})
+
+
+def test_decode_graph_cap_is_read_and_checked():
+    assert decode_graph_max_batch(2048, {}) == 2048  # no cap by default
+    assert decode_graph_max_batch(2048, {"PHLOEM_DECODE_GRAPH_MAX_BATCH": "512"}) == 512
+    assert decode_graph_max_batch(256, {"PHLOEM_DECODE_GRAPH_MAX_BATCH": "512"}) == 256
+    with pytest.raises(ValueError, match="PHLOEM_DECODE_GRAPH_MAX_BATCH must be an integer"):
+        decode_graph_max_batch(256, {"PHLOEM_DECODE_GRAPH_MAX_BATCH": "all"})
 
 
 def _layer_write(slots: list[int], valid_slots: bool) -> torch.Tensor:
