@@ -62,31 +62,26 @@ def test_cuda_graphs_do_not_change_tokens(setup):
     assert graphed == eager
 
 
-def test_logits_inside_decode_graphs_do_not_change_tokens(setup, monkeypatch):
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("PHLOEM_GRAPH_LOGITS_MAX_BATCH", "8"), ("PHLOEM_DECODE_GRAPH_MAX_BATCH", "4")],
+)
+def test_graph_switches_do_not_change_tokens(setup, monkeypatch, variable, value):
     """PHLOEM_GRAPH_LOGITS_MAX_BATCH=8: the decode graphs of buckets <= 8 also compute the
-    logits (the LM head in the graph); the 8 prompts decode in those buckets."""
-    path, prompts = setup
-    llm, eager = _phloem(path, prompts, enforce_eager=True)
-    _free(llm)
-    monkeypatch.setenv("PHLOEM_GRAPH_LOGITS_MAX_BATCH", "8")
-    llm, graphed = _phloem(path, prompts)
-    runner = llm.llm_engine.executor.worker.model_runner.graph_runner
-    assert runner is not None and runner.logits_max_batch == 8
-    assert runner.logits(len(prompts)) is not None
-    _free(llm)
-    assert graphed == eager
-
-
-def test_decode_steps_above_the_graph_cap_do_not_change_tokens(setup, monkeypatch):
-    """PHLOEM_DECODE_GRAPH_MAX_BATCH=4: decode graphs up to 4 sequences only; the 8 prompts'
+    logits (the LM head in the graph), and the 8 prompts decode in those buckets;
+    PHLOEM_DECODE_GRAPH_MAX_BATCH=4: decode graphs up to 4 sequences only, so the 8 prompts'
     decode steps replay the piecewise graphs instead."""
     path, prompts = setup
     llm, eager = _phloem(path, prompts, enforce_eager=True)
     _free(llm)
-    monkeypatch.setenv("PHLOEM_DECODE_GRAPH_MAX_BATCH", "4")
+    monkeypatch.setenv(variable, value)
     llm, graphed = _phloem(path, prompts)
     runner = llm.llm_engine.executor.worker.model_runner.graph_runner
-    assert runner is not None and runner.max_batch_size == 4
+    assert runner is not None
+    if variable == "PHLOEM_GRAPH_LOGITS_MAX_BATCH":
+        assert runner.logits_max_batch == 8 and runner.logits(len(prompts)) is not None
+    else:
+        assert runner.max_batch_size == 4
     _free(llm)
     assert graphed == eager
 
