@@ -19,8 +19,9 @@ from typing import Any
 from phloem.config import EngineConfig, SchedulerConfig
 from phloem.core.scheduler import SchedulerOutput
 from phloem.structured_output.manager import GrammarBitmask
+from phloem.worker.host_threads import cap_torch_threads
 from phloem.worker.model_runner import ModelRunnerOutput
-from phloem.worker.worker import Worker
+from phloem.worker.worker import Worker, resolve_device
 
 
 class Executor(abc.ABC):
@@ -99,7 +100,8 @@ def build_executor(
 ) -> Executor:
     """The engine's executor: with tensor_parallel_size > 1 a `TensorParallelExecutor` (which
     starts the rank processes; `executor_factory` must be None), else `executor_factory` (default
-    `UniProcExecutor`) over one `Worker` in this process.
+    `UniProcExecutor`) over one `Worker` in this process. Once it has started, a CUDA engine's
+    process runs torch on one CPU thread (`worker.host_threads.cap_torch_threads`).
 
     Raises:
         ValueError: for an executor_factory with tensor_parallel_size > 1, or a model that does
@@ -110,15 +112,18 @@ def build_executor(
             raise ValueError("executor_factory cannot be combined with tensor_parallel_size > 1")
         from phloem.engine.tp_executor import start_tensor_parallel
 
-        return start_tensor_parallel(config, source, hf_config, eos_token_id, scheduler_config)
-    worker = Worker(
-        config.model,
-        config.cache,
-        source,
-        hf_config,
-        config.seed,
-        eos_token_id,
-        scheduler_config=scheduler_config,
-        speculative_config=config.speculative,
-    )
-    return (executor_factory or UniProcExecutor)(worker)
+        executor = start_tensor_parallel(config, source, hf_config, eos_token_id, scheduler_config)
+    else:
+        worker = Worker(
+            config.model,
+            config.cache,
+            source,
+            hf_config,
+            config.seed,
+            eos_token_id,
+            scheduler_config=scheduler_config,
+            speculative_config=config.speculative,
+        )
+        executor = (executor_factory or UniProcExecutor)(worker)
+    cap_torch_threads(resolve_device(config.model.device).type)
+    return executor

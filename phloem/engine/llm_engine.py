@@ -97,8 +97,6 @@ class LLMEngine:
             resolve_model,
             startup_source,
         )
-        from phloem.worker.host_threads import cap_torch_threads
-        from phloem.worker.worker import resolve_device
 
         source = startup_source(resolve_model(config.model.model), config.model)
         self.hf_config = load_hf_config(source)
@@ -116,7 +114,6 @@ class LLMEngine:
             config, source, self.hf_config, self.eos_token_id, self.scheduler_config,
             executor_factory,
         )  # fmt: skip
-        cap_torch_threads(resolve_device(config.model.device).type)  # GPU: 1 (`host_threads`)
         capacity = self.executor.num_blocks * config.cache.block_size
         if self.max_model_len > capacity:
             if config.model.max_model_len is not None:
