@@ -167,10 +167,7 @@ def choose_num_drafts(
     drafts = [0] * len(candidates)
     order: list[int] = []  # the candidate of each draft handed out, in order
     tokens = float(num_sampled)
-    # the prompt chunks' own share of the step is charged to them, not to the drafts
-    prefill_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
-    prefill_s -= model.step_time_s(min(num_sampled, num_scheduled_tokens), num_kv_tokens)
-    base_rate = tokens / (model.step_time_s(num_scheduled_tokens, num_kv_tokens) - prefill_s)
+    prefill_s, base_rate = _base_rate(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
     best_rate, best_num_drafts, previous = base_rate, 0, base_rate
     heap = [(-c.acceptance_rate, i) for i, c in enumerate(candidates) if caps[i] > 0]
     heapq.heapify(heap)
@@ -180,10 +177,8 @@ def choose_num_drafts(
         drafts[i] += 1
         order.append(i)
         num_drafts = len(order)
-        step_s = model.step_time_s(
-            num_scheduled_tokens + num_drafts, num_kv_tokens + num_drafts, num_drafts
-        )
-        rate = tokens / (step_s - prefill_s)
+        rate = _draft_rate(tokens, num_drafts, num_scheduled_tokens, num_kv_tokens, prefill_s,
+                           model)  # fmt: skip
         if rate > best_rate:
             best_rate, best_num_drafts = rate, num_drafts
         if num_drafts > 1 and rate < previous:
@@ -219,19 +214,15 @@ def uniform_drafts_pay(
     if num_candidates <= 0 or cap <= 0:
         return False
     tokens = float(num_sampled)
-    prefill_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
-    prefill_s -= model.step_time_s(min(num_sampled, num_scheduled_tokens), num_kv_tokens)
-    base_rate = tokens / (model.step_time_s(num_scheduled_tokens, num_kv_tokens) - prefill_s)
+    prefill_s, base_rate = _base_rate(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
     best_rate, best_num_drafts, previous = base_rate, 0, base_rate
     gain, num_drafts = candidate.acceptance_rate, 0
     for _ in range(cap):
         for _ in range(num_candidates):
             tokens += gain
             num_drafts += 1
-            step_s = model.step_time_s(
-                num_scheduled_tokens + num_drafts, num_kv_tokens + num_drafts, num_drafts
-            )
-            rate = tokens / (step_s - prefill_s)
+            rate = _draft_rate(tokens, num_drafts, num_scheduled_tokens, num_kv_tokens,
+                               prefill_s, model)  # fmt: skip
             if rate > best_rate:
                 best_rate, best_num_drafts = rate, num_drafts
             if num_drafts > 1 and rate < previous:
@@ -239,6 +230,33 @@ def uniform_drafts_pay(
             previous = rate
         gain *= candidate.next_rate
     return best_num_drafts > 0 and best_rate >= config.min_gain * base_rate
+
+
+def _base_rate(
+    num_sampled: int, num_scheduled_tokens: int, num_kv_tokens: int, model: StepTimeModel
+) -> tuple[float, float]:
+    """(the prompt chunks' own share of the step [s], which is charged to them and not to the
+    drafts; the step's tokens per second without drafts, that share left out)."""
+    prefill_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
+    prefill_s -= model.step_time_s(min(num_sampled, num_scheduled_tokens), num_kv_tokens)
+    step_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
+    return prefill_s, num_sampled / (step_s - prefill_s)
+
+
+def _draft_rate(
+    tokens: float,
+    num_drafts: int,
+    num_scheduled_tokens: int,
+    num_kv_tokens: int,
+    prefill_s: float,
+    model: StepTimeModel,
+) -> float:
+    """Expected tokens per second [tokens/s] of the step with `num_drafts` drafts verified
+    (each a computed token and a KV token) emitting `tokens`, its prompt chunks' share left out."""
+    step_s = model.step_time_s(
+        num_scheduled_tokens + num_drafts, num_kv_tokens + num_drafts, num_drafts
+    )
+    return tokens / (step_s - prefill_s)
 
 
 def _check_candidates(candidates: Sequence[DraftCandidate], num_sampled: int) -> None:
