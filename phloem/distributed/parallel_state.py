@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phloem.distributed.fused_norm_all_reduce import FUSED_DTYPES, FusedAllReduceNorm
 from phloem.distributed.symm_all_reduce import OneShotAllReduce, all_reduce_choice
 
 logger = logging.getLogger(__name__)
@@ -97,10 +98,8 @@ def init_fused_norm_all_reduce(hidden_size: int, dtype: torch.dtype) -> None:
     global _state
     if not (tp_defers_all_reduce_to_norms() and _state.backend == "nccl"):
         return
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in FUSED_DTYPES:
         return
-    from phloem.distributed.fused_norm_all_reduce import FusedAllReduceNorm
-
     _, max_bytes = all_reduce_choice()
     max_tokens = max(1, max_bytes // (2 * hidden_size))  # 2-byte rows
     fused = FusedAllReduceNorm(
