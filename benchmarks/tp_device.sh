@@ -26,7 +26,7 @@
 #            against TP x one GPU's ceilings); BIG_LIMIT seconds a run (default 420),
 #            BIG_DECODE_REQUESTS decode-heavy requests (default 1,000; 500 as issue 19's table). Not in the
 #            default STAGES: run it alone, `STAGES=big bash benchmarks/tp_device.sh "$OUT/tp70b"`
-# Writes every run's JSON and summary.json under OUT_DIR; a rank's failure shows as
+# Writes every run's JSON, its whole log (NAME.log) and summary.json under OUT_DIR; a rank's failure shows as
 # "tensor-parallel rank R ..." in the run's tail. Needs the carried .whl/ (device_setup.sh).
 set -uo pipefail
 OUT=${1:-/tmp/phloem_tp}
@@ -46,7 +46,7 @@ bench() {  # NAME TP WORKLOAD_ARGS...  (MODEL, LIMIT from the environment)
     echo "=== $name (TP=$tp) $(date +%T)"
     # shellcheck disable=SC2086
     timeout "$LIMIT" python3 -m phloem.entrypoints.bench throughput --model "${MODEL:-llama-3.1-8b}" "$@" \
-        $ENGINE_ARGS --tensor-parallel-size "$tp" --json "$OUT/$name.json" 2>&1 \
+        $ENGINE_ARGS --tensor-parallel-size "$tp" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" \
         | grep -v -i warn | grep -i -E "tok/s|req/s|roofline|graph|rank|error" | tail -8
 }
 for stage in $STAGES; do
