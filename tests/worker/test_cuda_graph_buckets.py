@@ -33,7 +33,9 @@ def test_graph_logits_switch_is_read_and_checked():
 
 
 def test_decode_graph_cap_is_read_and_checked():
-    assert decode_graph_max_batch(2048, {}) == 2048  # no cap by default
+    assert decode_graph_max_batch(2048, {}) == 512  # vLLM's default capture size
+    assert decode_graph_max_batch(256, {}) == 256
+    assert decode_graph_max_batch(2048, {"PHLOEM_DECODE_GRAPH_MAX_BATCH": "0"}) == 2048  # no cap
     assert decode_graph_max_batch(2048, {"PHLOEM_DECODE_GRAPH_MAX_BATCH": "512"}) == 512
     assert decode_graph_max_batch(256, {"PHLOEM_DECODE_GRAPH_MAX_BATCH": "512"}) == 256
     with pytest.raises(ValueError, match="PHLOEM_DECODE_GRAPH_MAX_BATCH must be an integer"):
