@@ -172,10 +172,24 @@ def _grammar_counters(structured) -> dict:
 
 def loop_ms_per_bitmask(added: dict) -> dict:
     """A run's `LoopTimes` in ms per constrained step: `mark`, `advance` (on the loop), `fill`
-    (the fill's own time, mostly in its thread) and `fill_wait` (the loop blocked on it)."""
+    (the fill's own time, mostly in its thread), `fill_wait` (the loop blocked on it),
+    `fill_lag` (the fill's thread starting after `advance` handed it over) and, of `fill`, the
+    library's own (`library_fill`, `GrammarStats.library_fill_s`)."""
     n = added.get("num_bitmasks", 0)
-    names = ("mark", "advance", "fill", "fill_wait")
+    names = ("mark", "advance", "fill", "fill_wait", "fill_lag", "library_fill")
     return {f"{k}_ms": 1e3 * added[f"{k}_s"] / n for k in names} if n else {}
+
+
+def host_cpus() -> dict:
+    """The CPUs this process may run on and how many hardware threads share a core (from
+    /sys; None where it is not there): 16 CPUs may be 8 cores."""
+    siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    per_core = None
+    if siblings.exists():
+        spans = [part.split("-") for part in siblings.read_text().strip().split(",")]
+        per_core = sum(int(span[-1]) - int(span[0]) + 1 for span in spans)
+    return {"cpus": os.cpu_count(), "cpu_affinity": len(os.sched_getaffinity(0)),
+            "threads_per_core": per_core}  # fmt: skip
 
 
 def setup(args, tmp: str):
@@ -277,7 +291,7 @@ def main() -> None:
         result: dict = {"model": args.model or "embedded", "shrink": args.shrink,
                         "backend": args.backend, "num_requests": len(prompts),
                         "output_len": args.output_len, "machine": platform.machine(),
-                        "cpus": os.cpu_count(), "grammar_library_load_s": time.perf_counter() - start,
+                        **host_cpus(), "grammar_library_load_s": time.perf_counter() - start,
                         "grammar_threads": llm.llm_engine.structured.num_threads}  # fmt: skip
         if not args.small_warm_up:
             result["full_batch_warm_up_s"] = full_batch_warm_up(llm, prompts, items)

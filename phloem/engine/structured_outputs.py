@@ -9,7 +9,9 @@ scheduling the forward pass of step N+1 runs on the device while the host waits 
 tokens, and only step N+1's sampling waits for the host's bitmask (no extra device sync). When
 step N+1 was marked before step N's tokens came (async scheduling), its fill starts in a
 background thread as soon as they are accepted (`advance`), so the engine's own work on step
-N's outputs (detokenizing, building outputs) runs beside it; `bitmask` then waits for it:
+N's outputs (detokenizing, building outputs) runs beside it; `advance` returns once the fill's
+thread has its rows and the GIL is released to the library (else that thread waits for the
+loop's Python to hand the GIL over), and `bitmask` then waits for the fill:
 
     mark(N+1) ... advance(N) -> fill(N+1) starts ──────────────┐ grammar threads
                   process N's outputs (engine loop)             │
@@ -30,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -62,6 +65,7 @@ class LoopTimes:
         advance_s: `advance` (the matchers accepting a step's tokens, on the loop).
         fill_s: the bitmask fills themselves (in the fill thread or on the loop).
         fill_wait_s: the loop blocked in `bitmask` for a fill started in `advance`.
+        fill_lag_s: from `advance` handing a fill to its thread until the thread began it.
         num_bitmasks: the steps' bitmasks taken.
     """
 
@@ -69,6 +73,7 @@ class LoopTimes:
     advance_s: float = 0.0
     fill_s: float = 0.0
     fill_wait_s: float = 0.0
+    fill_lag_s: float = 0.0
     num_bitmasks: int = 0
 
 
@@ -207,26 +212,48 @@ class StructuredOutputs:
         if self._next is not None:
             self._start_fill(self._next)
 
-    def _timed_fill(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
-        """`manager.bitmask(seq_ids)`, its time added to `times.fill_s` (any thread: one fill
-        runs at a time)."""
+    def _timed_fill(
+        self,
+        seq_ids: list[str],
+        started: threading.Event | None = None,
+        submitted: float | None = None,
+    ) -> tuple[GrammarBitmask, dict[str, str]]:
+        """`manager.bitmask(seq_ids, started)`, its time added to `times.fill_s` (any thread: one
+        fill runs at a time) and, for a fill handed over at `submitted` (perf_counter seconds),
+        the wait for its thread to `times.fill_lag_s`. `started` is set once the library fills
+        (or the call ended)."""
         assert self.manager is not None
         start = time.perf_counter()
+        if submitted is not None:
+            self.times.fill_lag_s += start - submitted
         try:
-            return self.manager.bitmask(seq_ids)
+            return self.manager.bitmask(seq_ids, started)
         finally:
             self.times.fill_s += time.perf_counter() - start
+            if started is not None:
+                started.set()
 
     def _start_fill(self, sched: SchedulerOutput) -> None:
         """Fill the marked step's bitmask in a background thread (its rows' previous tokens are
-        all accepted: `advance` runs once between a step's `mark` and its `bitmask`). The
-        library releases the GIL while filling; `forget` and `fail_request` stay on the loop."""
+        all accepted: `advance` runs once between a step's `mark` and its `bitmask`), and wait
+        until that thread has gathered the rows (~0.1-0.4 ms at 1,024 rows): the library then
+        fills on its own threads with the GIL released. `forget` and `fail_request` stay on
+        the loop.
+
+        Why wait: the fill's thread needs the GIL to start and to gather its rows, while the
+        loop goes on with Python (step N's outputs), which hands the GIL over only at its next
+        blocking or torch call or after the interpreter's switch interval (5 ms): the fill
+        began 3-4 ms late behind 3 ms of such Python (benchmarks/results/
+        2026-11-26h-cpu-structured-wait)."""
         assert self.manager is not None
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
-        future = self._filler.submit(self._timed_fill, list(sched.structured_seq_ids))
+        started = threading.Event()
+        ids = list(sched.structured_seq_ids)
+        future = self._filler.submit(self._timed_fill, ids, started, time.perf_counter())
         self._fill = (sched, future)
         self.num_early_fills += 1
+        started.wait()
 
     def _take_fill(self) -> tuple[SchedulerOutput, concurrent.futures.Future] | None:
         """The started fill (finished: waited for), or None; no fill is in flight after."""

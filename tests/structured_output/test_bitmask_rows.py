@@ -4,6 +4,8 @@ xgrammar's compact JSON (the language llguidance's backend allows)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,12 @@ import torch
 from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import bitmask_width
 from phloem.structured_output.manager import NO_TOKEN_MESSAGE, StructuredOutputManager
-from tests.structured_output.test_structured_output_manager import VOCAB, FakeBackend, allowed
+from tests.structured_output.test_structured_output_manager import (
+    VOCAB,
+    CountingMatcher,
+    FakeBackend,
+    allowed,
+)
 
 
 def test_reused_buffers_are_rewritten_every_step():
@@ -212,3 +219,93 @@ def test_llguidance_extra_slices_give_the_same_masks(embedded_tokenizer_dir):
             )
             token = int(rng.choice(allowed))
             assert ours[i].consume_token(token) and theirs[i].consume_token(token)
+
+
+def test_rows_allowing_only_late_tokens_are_not_empty():
+    """The no-token check reads a row whole only when none of its first 256 tokens is allowed:
+    a row allowing one token past them is not failed, an empty one is (`empty_rows` equals the
+    plain check on sparse random rows)."""
+    from phloem.structured_output.manager import empty_rows
+
+    vocab = 1000  # 32 words: past the 8 read first
+    manager = StructuredOutputManager(FakeBackend(), vocab)
+    for seq_id, grammar in [("late", "900"), ("empty", "none"), ("early", "3")]:
+        manager.register(seq_id, StructuredOutputsParams(regex=grammar))
+    grammar, failed = manager.bitmask(["late", "empty", "early"])
+    assert failed == {"empty": NO_TOKEN_MESSAGE}
+    bits = np.unpackbits(grammar.bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    assert [np.flatnonzero(r).tolist() for r in bits[[0, 2]]] == [[900], [3]]
+    assert bits[1].all()  # failed: unconstrained
+    manager.shutdown()
+    rng = np.random.default_rng(0)
+    rows = np.zeros((64, 40), dtype=np.int32)
+    hits = rng.integers(0, rows.size, 40)
+    rows.flat[hits] = rng.integers(1, 1 << 30, 40)
+    assert empty_rows(rows).tolist() == np.flatnonzero(~rows.any(axis=1)).tolist()
+
+
+class _Matcher(CountingMatcher):
+    """Records the threads that asked whether it terminated."""
+
+    threads: list[str] = []
+
+    def is_terminated(self):
+        _Matcher.threads.append(threading.current_thread().name)
+        return super().is_terminated()
+
+
+class _Backend(FakeBackend):
+    def matcher(self, compiled):
+        return _Matcher(list(compiled))
+
+
+class _Scheduler:
+    """What `StructuredOutputs` reads of the scheduler here."""
+
+    requests: dict = {}
+    running: list = []
+    waiting: list = []
+
+    def fail_request(self, request, message):
+        raise AssertionError(message)
+
+    def finish_request(self, request, status):
+        request.is_finished = True
+
+
+def test_advance_returns_once_the_fill_thread_has_its_rows():
+    """Under async scheduling `advance` hands the next step's fill to its thread and returns
+    only once that thread has gathered the rows (it asked each matcher whether it terminated):
+    left to start on its own, the thread would wait for the loop's Python to hand it the GIL
+    (up to the 5 ms switch interval, every step)."""
+    from types import SimpleNamespace
+
+    from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput
+    from phloem.engine.structured_outputs import StructuredOutputs
+
+    hooks = StructuredOutputs(_Scheduler(), None, None, VOCAB)  # type: ignore[arg-type]
+    hooks.manager = StructuredOutputManager(_Backend(), VOCAB)
+    ids = ["a", "b"]
+    for seq_id in ids:
+        hooks.manager.register(seq_id, StructuredOutputsParams(regex="5,6,7"))
+    requests = [SimpleNamespace(request_id=i, output_token_ids=[], is_finished=False) for i in ids]
+
+    def step(num: int) -> SchedulerOutput:
+        sched = SchedulerOutput([ScheduledSequence(i, num, 1, True) for i in ids])
+        hooks.mark(sched)
+        return sched
+
+    sched = step(0)
+    hooks.bitmask(sched)  # the first step's fill, on the loop
+    for num, token in enumerate((5, 6), start=1):
+        sched = step(num)
+        for request in requests:
+            request.output_token_ids.append(token)
+        _Matcher.threads.clear()
+        hooks.advance(requests)  # type: ignore[arg-type]
+        fill_thread_asked = "phloem-grammar-fill" in " ".join(_Matcher.threads)
+        grammar = hooks.bitmask(sched)
+        assert fill_thread_asked, _Matcher.threads
+        assert [allowed(r) for r in grammar.bitmask] == [[token + 1]] * 2
+    assert hooks.num_early_fills == 2 and hooks.times.fill_lag_s > 0
+    hooks.close()
