@@ -2,8 +2,10 @@
 for bf16 with head dims 64 and 128 (it serves prefill, chunked appends and decode) and, on Hopper,
 the fa3 one (long prefill chunks of shared-prefix steps); with `--fp8-kv`, also the modules of an
 FP8 KV cache (bf16 queries, e4m3 KV): the fa2 prefill module (mixed steps) and the CUDA-core
-batch decode module (decode-only steps). Run on the GPU machine after
-`source benchmarks/device_setup.sh`: `python3 benchmarks/flashinfer_prebuild.py [--fp8-kv] [DIMS]`."""
+batch decode module (decode-only steps); with `--comm`, TensorRT-LLM's all-reduce module that
+PHLOEM_TP_ALLREDUCE=fused_norm runs (tensor parallelism). Run on the GPU machine after
+`source benchmarks/device_setup.sh`:
+`python3 benchmarks/flashinfer_prebuild.py [--fp8-kv] [--comm] [DIMS]`."""
 
 import sys
 import time
@@ -18,6 +20,11 @@ def build(job: tuple[str, int, torch.dtype]) -> str:
     backend, head_dim, kv = job
     start = time.perf_counter()
     bf16 = torch.bfloat16
+    if backend == "comm":
+        from flashinfer.comm import gen_trtllm_comm_module
+
+        gen_trtllm_comm_module().build(need_lock=True)
+        return f"comm trtllm: {time.perf_counter() - start:.0f} s"
     if backend == "decode":  # q, kv, out, index dtypes, head dims, no RoPE/window/soft cap
         get_batch_decode_module(bf16, kv, bf16, torch.int32, head_dim, head_dim, 0, False, False)
     else:
@@ -28,14 +35,16 @@ def build(job: tuple[str, int, torch.dtype]) -> str:
 
 
 if __name__ == "__main__":
-    fp8_kv = "--fp8-kv" in sys.argv
-    dims = [int(x) for x in sys.argv[1:] if x != "--fp8-kv"] or [128, 64]
+    fp8_kv, comm = "--fp8-kv" in sys.argv, "--comm" in sys.argv
+    dims = [int(x) for x in sys.argv[1:] if not x.startswith("--")] or [128, 64]
     jobs = [("fa2", d, torch.bfloat16) for d in dims]
     if torch.cuda.get_device_capability()[0] == 9:
         jobs += [("fa3", d, torch.bfloat16) for d in dims]
     if fp8_kv:
         e4m3 = torch.float8_e4m3fn
         jobs += [("fa2", d, e4m3) for d in dims] + [("decode", d, e4m3) for d in dims]
+    if comm:
+        jobs.append(("comm", 0, torch.bfloat16))
     with ThreadPoolExecutor(len(jobs)) as pool:
         for line in pool.map(build, jobs):
             print("flashinfer module ready,", line, flush=True)

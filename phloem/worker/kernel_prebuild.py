@@ -50,9 +50,10 @@ class FlashInferModule:
     no logits soft cap, no fp16 QK reduction).
 
     Attributes:
-        kind: "prefill" (the batch prefill module: prefill, chunked appends and decode) or
-            "decode" (the CUDA-core batch decode module, FP8 caches).
-        backend: "fa2" or "fa3" for prefill; "" for decode.
+        kind: "prefill" (the batch prefill module: prefill, chunked appends and decode),
+            "decode" (the CUDA-core batch decode module, FP8 caches) or "comm" (TensorRT-LLM's
+            all-reduce kernels, `FUSED_NORM_COMM`: PHLOEM_TP_ALLREDUCE=fused_norm under TP).
+        backend: "fa2" or "fa3" for prefill; "" for decode; "trtllm" for comm.
         q_dtype / kv_dtype: torch dtype names ("bfloat16", "float8_e4m3fn", ...).
         head_dim: per attention head (queries and values alike).
     """
@@ -64,6 +65,8 @@ class FlashInferModule:
     head_dim: int
 
     def describe(self) -> str:
+        if self.kind == "comm":
+            return f"comm {self.backend}"
         backend = f" {self.backend}" if self.backend else ""
         return f"{self.kind}{backend} q {self.q_dtype} kv {self.kv_dtype} head_dim {self.head_dim}"
 
@@ -114,6 +117,26 @@ def required_modules(
     return modules
 
 
+# The all-reduce + residual + RMSNorm kernel's module (`distributed/fused_norm_all_reduce.py`):
+# FlashInfer compiles it when the first rank sets up its workspace, after the weights load, in
+# the engine's start-up path: on two H200s the start-up outlived a 200 s limit with it
+# (benchmarks/results/2026-11-26h-h200x2). Prebuilt beside the attention modules instead.
+FUSED_NORM_COMM = FlashInferModule("comm", "trtllm", "", "", 0)
+
+
+def comm_modules(tp_size: int, environ: dict[str, str] | None = None) -> list[FlashInferModule]:
+    """[`FUSED_NORM_COMM`] when tensor parallelism runs the fused all-reduce + RMSNorm kernel
+    (tp_size > 1 and PHLOEM_TP_ALLREDUCE=fused_norm), else [].
+
+    Raises:
+        ValueError: naming PHLOEM_TP_ALLREDUCE for a value that is not one of its choices.
+    """
+    from phloem.distributed.symm_all_reduce import all_reduce_choice
+
+    choice, _ = all_reduce_choice(environ)
+    return [FUSED_NORM_COMM] if tp_size > 1 and choice == "fused_norm" else []
+
+
 def head_dim_of(hf_config: Any) -> int:
     """Per-head size of a transformers config: `head_dim` when it sets one, else
     hidden_size / num_attention_heads."""
@@ -134,6 +157,10 @@ def _jit_spec(module: FlashInferModule):
     import torch
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
 
+    if module.kind == "comm":
+        from flashinfer.comm import gen_trtllm_comm_module
+
+        return gen_trtllm_comm_module()
     q, kv = getattr(torch, module.q_dtype), getattr(torch, module.kv_dtype)
     d = module.head_dim
     if module.kind == "decode":
@@ -247,7 +274,7 @@ class KernelPrebuild:
             importable("triton"),
             gqa_group_of(hf_config, tp_size),
         )
-        return cls(modules)
+        return cls(modules + comm_modules(tp_size))
 
 
 def _dtype_name(dtype) -> str:

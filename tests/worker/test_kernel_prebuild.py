@@ -211,3 +211,17 @@ def test_cli_dry_run_lists_the_modules(capsys):
 def test_cli_build_without_flashinfer_says_how_to_get_it(capsys):
     assert main(["prebuild-kernels", "--cuda-arch", "9.0"]) == 1
     assert "pip install 'phloem[gpu]'" in capsys.readouterr().err
+
+
+def test_the_fused_all_reduce_module_is_prebuilt_only_where_it_runs():
+    """PHLOEM_TP_ALLREDUCE=fused_norm under TP adds TensorRT-LLM's comm module to the prebuild
+    (FlashInfer would compile it in the start-up path otherwise); TP = 1, or another choice,
+    adds nothing; a bad choice is named."""
+    from phloem.worker.kernel_prebuild import FUSED_NORM_COMM, comm_modules
+
+    assert comm_modules(2, {"PHLOEM_TP_ALLREDUCE": "fused_norm"}) == [FUSED_NORM_COMM]
+    assert comm_modules(1, {"PHLOEM_TP_ALLREDUCE": "fused_norm"}) == []
+    assert comm_modules(2, {"PHLOEM_TP_ALLREDUCE": "symm_mem"}) == comm_modules(4, {}) == []
+    assert FUSED_NORM_COMM.describe() == "comm trtllm"
+    with pytest.raises(ValueError, match="PHLOEM_TP_ALLREDUCE"):
+        comm_modules(2, {"PHLOEM_TP_ALLREDUCE": "fused"})
