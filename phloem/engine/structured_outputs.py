@@ -9,9 +9,9 @@ scheduling the forward pass of step N+1 runs on the device while the host waits 
 tokens, and only step N+1's sampling waits for the host's bitmask (no extra device sync). When
 step N+1 was marked before step N's tokens came (async scheduling), its fill starts in a
 background thread as soon as they are accepted (`advance`), so the engine's own work on step
-N's outputs (detokenizing, building outputs) runs beside it; `advance` returns once the fill's
-thread has its rows and the GIL is released to the library (else that thread waits for the
-loop's Python to hand the GIL over), and `bitmask` then waits for the fill:
+N's outputs (detokenizing, building outputs) runs beside it; `bitmask` then waits for it (the
+thread may start late, when the loop's Python hands it the GIL; waiting in `advance` until it
+had its rows cost the loop ~3 ms a step on an H200 and gained nothing, 2026-11-26h):
 
     mark(N+1) ... advance(N) -> fill(N+1) starts ──────────────┐ grammar threads
                   process N's outputs (engine loop)             │
@@ -235,16 +235,16 @@ class StructuredOutputs:
 
     def _start_fill(self, sched: SchedulerOutput) -> None:
         """Fill the marked step's bitmask in a background thread (its rows' previous tokens are
-        all accepted: `advance` runs once between a step's `mark` and its `bitmask`), and wait
-        until that thread has gathered the rows (~0.1-0.4 ms at 1,024 rows): the library then
-        fills on its own threads with the GIL released. `forget` and `fail_request` stay on
-        the loop.
+        all accepted: `advance` runs once between a step's `mark` and its `bitmask`). The
+        library releases the GIL while filling; `forget` and `fail_request` stay on the loop.
 
-        Why wait: the fill's thread needs the GIL to start and to gather its rows, while the
-        loop goes on with Python (step N's outputs), which hands the GIL over only at its next
-        blocking or torch call or after the interpreter's switch interval (5 ms): the fill
-        began 3-4 ms late behind 3 ms of such Python (benchmarks/results/
-        2026-11-26h-cpu-structured-wait)."""
+        Not waited for: the thread needs the GIL to start and to gather its rows, which the
+        loop's Python hands over at its next blocking or torch call or after the switch
+        interval (5 ms); on the CPU stand-in the fill began 3-4 ms late behind 3 ms of such
+        Python (benchmarks/results/2026-11-26h-cpu-structured-wait), but on an H200 waiting
+        here for the thread to have its rows (`started`) raised the loop's update time by
+        ~3 ms a step with no less fill wait (one schema 0.76 / 0.83x with the wait, 0.89 /
+        0.81x without; benchmarks/results/2026-11-26h-h200)."""
         assert self.manager is not None
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
@@ -253,7 +253,6 @@ class StructuredOutputs:
         future = self._filler.submit(self._timed_fill, ids, started, time.perf_counter())
         self._fill = (sched, future)
         self.num_early_fills += 1
-        started.wait()
 
     def _take_fill(self) -> tuple[SchedulerOutput, concurrent.futures.Future] | None:
         """The started fill (finished: waited for), or None; no fill is in flight after."""
