@@ -18,11 +18,19 @@ one after the other, and each before the engine can go on. Here:
   weights load (the compiler runs while they are read) and waited for before the first step
   that plans attention. A failed prebuild is logged and left to the first use, which builds
   (or raises) as it always did.
+- The fa3 module is *deferred* (`split_deferred`): only the long prefill chunks of eager
+  shared-prefix steps use it (`ops/attention/prefill_split.py`; our Triton kernel computes them
+  without it), and on a bare H200 it compiles for 123 s against ~45 s for fa2. The thread builds
+  it after the required modules, on every core, and `wait()` returns once those are built; the
+  shared-prefix backend hands chunks to fa3 only from the step after `deferred_ready()` says it
+  is built (`SharedPrefixAttention.prefill_ready`). A warm cache builds nothing, so there fa3
+  is ready before the first step as before; on a cold start the first minutes of shared-prefix
+  steps run their long chunks on our kernel.
 
 `phloem prebuild-kernels` runs `build_modules` for a model and settings ahead of time.
 
-    |-- start: prebuild thread (ninja per module, side by side: fa2 | fa3) ---------|
-    |-- main:  load weights --------------------|-- wait --|-- profile, warm-up, graphs
+    |-- start: prebuild thread (ninja per module: fa2 [| FP8 decode | comm]) --|-- fa3 ------|
+    |-- main:  load weights --------------------|-- wait --|-- profile, warm-up, graphs, steps
 """
 
 from __future__ import annotations
@@ -201,45 +209,87 @@ def build_specs(specs: Sequence[Any]) -> None:
         future.result()
 
 
+def split_deferred(
+    modules: Sequence[FlashInferModule],
+) -> tuple[list[FlashInferModule], list[FlashInferModule]]:
+    """(required, deferred): the fa3 prefill modules are deferred (module docstring), the rest
+    are required before the first step."""
+    deferred = [m for m in modules if m.kind == "prefill" and m.backend == "fa3"]
+    return [m for m in modules if m not in deferred], deferred
+
+
 class KernelPrebuild:
     """`build_modules` in a background thread (module docstring). Start it, do other work, and
     `wait()` before anything plans attention (a module FlashInfer builds itself meanwhile would
-    race this build in the same directory).
+    race this build in the same directory); plan with a deferred module only once
+    `deferred_ready()`.
 
     Args:
-        modules: what to build (none: nothing starts). build: the builder, `build_modules`
-            unless a test passes another.
+        modules: what to build before the first step (none and no deferred: nothing starts).
+        build: the builder, `build_modules` unless a test passes another.
+        deferred: what the same thread builds after `modules` (the fa3 prefill modules).
     """
 
     def __init__(
         self,
         modules: Sequence[FlashInferModule],
         build: Callable[[Sequence[FlashInferModule]], None] = build_modules,
+        deferred: Sequence[FlashInferModule] = (),
     ) -> None:
-        self.modules = list(modules)
+        self.modules, self.deferred = list(modules), list(deferred)
         self._build = build
         self._error: BaseException | None = None
         self._seconds = 0.0
+        self._required_done = threading.Event()
+        self._deferred_done = threading.Event()
+        self._deferred_ok = not self.deferred
         self._thread: threading.Thread | None = None
-        if self.modules:
+        if self.modules or self.deferred:
             self._thread = threading.Thread(target=self._run, name="phloem-prebuild", daemon=True)
             self._thread.start()
+        else:
+            self._required_done.set()
+            self._deferred_done.set()
 
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            self._build(self.modules)
+            if self.modules:
+                self._build(self.modules)
         except BaseException as e:  # reported by wait(); the first use builds or raises itself
             self._error = e
         self._seconds = time.perf_counter() - start
+        self._required_done.set()
+        if self.deferred:
+            self._build_deferred()
+        self._deferred_done.set()
+
+    def _build_deferred(self) -> None:
+        start = time.perf_counter()
+        names = ", ".join(m.describe() for m in self.deferred)
+        try:
+            self._build(self.deferred)
+        except BaseException as e:  # noqa: BLE001 - the deferred kernels stay unused
+            logger.warning("building the deferred FlashInfer modules failed (%s: %s); the steps "
+                           "that would use them keep their other kernels", type(e).__name__, e)  # fmt: skip
+            return
+        self._deferred_ok = True
+        logger.info("deferred FlashInfer modules ready after %.1f s more: %s",
+                    time.perf_counter() - start, names)  # fmt: skip
+
+    def deferred_ready(self) -> bool:
+        """Whether the deferred modules are built (True when there are none; False after their
+        build failed). Never blocks."""
+        return self._deferred_done.is_set() and self._deferred_ok
 
     def wait(self) -> float:
-        """Block until the build ends; returns its duration [s] (0.0 when nothing was built).
-        A failed build is logged as a warning, not raised: FlashInfer then builds each module
-        at its first use, as without a prebuild."""
-        if self._thread is None:
+        """Block until the required modules are built (the deferred ones go on building);
+        returns the duration [s] (0.0 when none were to build). A failed build is logged as a
+        warning, not raised: FlashInfer then builds each module at its first use, as without a
+        prebuild."""
+        if self._thread is None or not self.modules:
             return 0.0
-        self._thread.join()
+        self._required_done.wait()
         self._thread = None
         names = ", ".join(m.describe() for m in self.modules)
         if self._error is not None:
@@ -274,7 +324,8 @@ class KernelPrebuild:
             importable("triton"),
             gqa_group_of(hf_config, tp_size),
         )
-        return cls(modules + comm_modules(tp_size))
+        required, deferred = split_deferred(modules)
+        return cls(required + comm_modules(tp_size), deferred=deferred)
 
 
 def _dtype_name(dtype) -> str:

@@ -743,6 +743,29 @@ def test_warmup_with_a_prefill_split_counts_nothing(triton_kernel):
     assert set(backend.stats().values()) == {0, "shared_prefix"}
 
 
+def test_a_deferred_prefill_backend_takes_chunks_only_once_ready(triton_kernel):
+    """`defer_prefill_backend(ready)`: while ready() is False (fa3 still compiling on a cold
+    start) the warm-up's prefill chunk stays on our kernel and the prefill backend plans nothing;
+    from the first step after it turns True, the chunk goes to it."""
+    planned = []
+
+    class Recording(ReferenceAttention):
+        def begin_step(self, sub):
+            planned.append(sub.num_seqs)
+
+    backend = SharedPrefixAttention(ReferenceAttention(), impl="triton",
+                                    rule=SharingRule(min_saved_kv_tokens=16, partial_cost_tokens=1),
+                                    prefill_backend=Recording(), block_n=16)  # fmt: skip
+    ready = [False]
+    backend.defer_prefill_backend(lambda: ready[0])
+    kv = torch.randn(3, 2, 16, 2, 8, device=device())
+    backend.warmup(kv, num_heads=4, block_id=2, scale=0.3)
+    assert backend.last_path == "shared_prefix" and planned == []
+    ready[0] = True
+    backend.warmup(kv, num_heads=4, block_id=2, scale=0.3)
+    assert planned == [1]
+
+
 def test_builder_compares_whole_prefix():
     """Same length, first and last block, different middle block: two groups, not one."""
     tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 9, 3, 12], [1, 9, 3, 13], [1, 2, 3, 14]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -225,3 +226,45 @@ def test_the_fused_all_reduce_module_is_prebuilt_only_where_it_runs():
     assert FUSED_NORM_COMM.describe() == "comm trtllm"
     with pytest.raises(ValueError, match="PHLOEM_TP_ALLREDUCE"):
         comm_modules(2, {"PHLOEM_TP_ALLREDUCE": "fused"})
+
+
+def test_deferred_modules_build_after_the_required_ones_without_holding_the_start(caplog):
+    """`wait()` returns once the required modules are built while the deferred fa3 module is
+    still building (the fake build of it blocks until the test lets it go); `deferred_ready()`
+    turns True only after; a failed deferred build leaves it False with a warning. The
+    engine's split puts fa3 in the deferred set and everything else in the required one."""
+    from phloem.worker.kernel_prebuild import split_deferred
+
+    modules = required_modules("auto", 128, BF16, BF16, HOPPER, True)
+    required, deferred = split_deferred(modules)
+    assert [m.backend for m in required] == ["fa2"] and [m.backend for m in deferred] == ["fa3"]
+    release, built = threading.Event(), []
+
+    def build(mods):
+        if mods == deferred:
+            assert release.wait(timeout=30), "wait() held the start for the deferred module"
+        built.append(list(mods))
+
+    prebuild = KernelPrebuild(required, build=build, deferred=deferred)
+    prebuild.wait()
+    assert built == [required] and not prebuild.deferred_ready()
+    release.set()
+    for _ in range(300):
+        if prebuild.deferred_ready():
+            break
+        time.sleep(0.01)
+    assert prebuild.deferred_ready() and built == [required, deferred]
+
+    def failing(mods):
+        if mods == deferred:
+            raise RuntimeError("Ninja build failed.")
+
+    with caplog.at_level(logging.WARNING, logger="phloem.worker.kernel_prebuild"):
+        broken = KernelPrebuild(required, build=failing, deferred=deferred)
+        broken.wait()
+        for _ in range(300):
+            if broken._deferred_done.is_set():
+                break
+            time.sleep(0.01)
+    assert not broken.deferred_ready() and "deferred FlashInfer modules failed" in caplog.text
+    assert KernelPrebuild([]).deferred_ready()  # nothing deferred: ready

@@ -3,13 +3,13 @@ all members, on the steps where the cost rule says it pays; a plain backend runs
 
 The parts live beside it: the step's groups (`prefix_groups.py`), the cascade math and oracle
 (`shared_prefix_reference.py`), the cost rule (`sharing_rule.py`), our Triton kernels
-(`shared_prefix_triton.py` with its tile planner `tile_plan.py` and CUDA-graph buffers
-`decode_graph_plan.py`, imported lazily), the prefill split (`prefill_split.py`) and the
-FlashInfer cascade baseline (`shared_prefix_flashinfer.py`, lazily).
-"""
+(`shared_prefix_triton.py`, its tile planner `tile_plan.py` and CUDA-graph buffers
+`decode_graph_plan.py`, lazily), the prefill split (`prefill_split.py`) and the FlashInfer
+cascade baseline (`shared_prefix_flashinfer.py`, lazily)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,6 +122,7 @@ class SharedPrefixAttention(AttentionBackend):
         self.prefill = None if prefill_backend is None else PrefillSplit(
             prefill_backend, prefill_min_query_len
         )  # fmt: skip
+        self.prefill_ready: Callable[[], bool] | None = None  # `defer_prefill_backend`
         self.triton_options = triton_options
         self.reset_stats()
         self.last_path: str | None = None
@@ -184,6 +185,12 @@ class SharedPrefixAttention(AttentionBackend):
             variants["shared_prefix"] = 16
         return variants
 
+    def defer_prefill_backend(self, ready: Callable[[], bool]) -> None:
+        """Hand long prefill chunks to the prefill backend only in steps begun once `ready()`
+        (`KernelPrebuild.deferred_ready`); our kernel computes them until then."""
+        if self.prefill is not None:
+            self.prefill_ready = ready
+
     def warmup(
         self,
         kv_cache: torch.Tensor,
@@ -226,7 +233,8 @@ class SharedPrefixAttention(AttentionBackend):
             self.last_path = self.fallback.name
             self.fallback.begin_step(meta)
             return
-        if self.prefill is not None and self._resolve_impl(None) == "triton":
+        ready = self.prefill_ready is None or self.prefill_ready()  # fa3 built (cold starts)
+        if self.prefill is not None and ready and self._resolve_impl(None) == "triton":
             self._split = self.prefill.plan(meta, sp)
             self.num_prefill_split_steps += self._split is not None
         self._count_shared(sp)
