@@ -15,6 +15,11 @@ Hopper, each batch size, context length and page size:
   decode          BatchDecodeWithPagedKVCacheWrapper (CUDA cores, split-KV)
   decode-tc       BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
 
+With `--kv-dtype fp8` the cache is e4m3 (issue 18: does an FP8 KV cache make decode faster, and
+on which kernel?): each kernel reads the same e4m3 pages at half the bytes, bf16 queries and
+outputs, except fa3-prefill, which takes FP8 queries too (FlashInfer's fa3 FP8 path: q, K and V
+in e4m3, bf16 output). Bytes then count one byte an element.
+
 Each kernel runs inside a CUDA graph (as the engine replays decode), timed with CUDA events over
 --iters replays; each result is checked against the first kernel listed (max |diff| <= --atol).
 Bytes read = the K and V of every cached token (the queries and outputs are < 1% of it); the
@@ -24,6 +29,8 @@ A kernel that fails to build or run is reported with its error and skipped.
 
     python benchmarks/decode_attention.py OUT_DIR --batch 64 256 512 --context 1000 2000 \
         --page-size 16 64
+    python benchmarks/decode_attention.py OUT_DIR --kv-dtype fp8 --batch 64 256 512 \
+        --context 1000 2000 --page-size 16 --kernels decode decode-tc fa2-prefill fa3-prefill
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from phloem.bench.graph_timing import graph_replay_seconds
 from phloem.bench.roofline import measure_ceilings
 
 KERNELS = ("fa2-prefill", "fa3-prefill", "fa2-nosplit", "decode", "decode-tc")
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def parse_args(argv=None):
@@ -53,14 +61,20 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--atol", type=float, default=2e-2)
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the cache's dtype (fp8: e4m3, scales 1)")  # fmt: skip
     return p.parse_args(argv)
 
 
 def make_wrapper(flashinfer, kernel: str, workspace, batch: int, indptr, indices, last, args):
     """A CUDA-graph wrapper of `kernel` planned for the step (fixed buffers sized for it)."""
     i32 = dict(dtype=torch.int32, device=workspace.device)
-    common = dict(sm_scale=args.head_dim**-0.5, q_data_type=torch.bfloat16,
-                  kv_data_type=torch.bfloat16)  # fmt: skip
+    kv_dtype = KV_DTYPES[args.kv_dtype]
+    fp8_q = kernel.startswith("fa3") and args.kv_dtype == "fp8"  # fa3's FP8 path: q in e4m3 too
+    common = dict(sm_scale=args.head_dim**-0.5, kv_data_type=kv_dtype,
+                  q_data_type=kv_dtype if fp8_q else torch.bfloat16)  # fmt: skip
+    if fp8_q:
+        common["o_data_type"] = torch.bfloat16
     geometry = (args.num_heads, args.num_kv_heads, args.head_dim, args.page)
     if kernel.startswith("fa"):
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -86,8 +100,9 @@ def make_wrapper(flashinfer, kernel: str, workspace, batch: int, indptr, indices
 
 
 def time_kernel(wrapper, q, kv_cache, iters: int) -> tuple[float, torch.Tensor]:
-    """Mean seconds per replay of the wrapper's run captured in a CUDA graph, and its output."""
-    out = torch.empty_like(q)
+    """Mean seconds per replay of the wrapper's run captured in a CUDA graph, and its output
+    (bf16, whatever the query's dtype)."""
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     return graph_replay_seconds(lambda: wrapper.run(q, kv_cache, out=out), iters), out
 
 
@@ -99,22 +114,23 @@ def run_case(flashinfer, args, batch: int, context: int, page: int, ceiling: flo
     num_pages = batch * pages_per_seq
     gen = torch.Generator(device=device).manual_seed(0)
     kv = torch.randn(num_pages, 2, page, args.num_kv_heads, args.head_dim, generator=gen,
-                     device=device, dtype=torch.bfloat16)  # fmt: skip
+                     device=device, dtype=torch.bfloat16).to(KV_DTYPES[args.kv_dtype])  # fmt: skip
     q = torch.randn(batch, args.num_heads, args.head_dim, generator=gen, device=device,
                     dtype=torch.bfloat16)  # fmt: skip
     indices = torch.randperm(num_pages, dtype=torch.int32)  # fragmented, as after hours of serving
     indptr = torch.arange(0, num_pages + 1, pages_per_seq, dtype=torch.int32)
     last = torch.full((batch,), context - (pages_per_seq - 1) * page, dtype=torch.int32)
-    kv_bytes = batch * context * 2 * args.num_kv_heads * args.head_dim * 2
+    kv_bytes = batch * context * 2 * args.num_kv_heads * args.head_dim * kv.element_size()
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     case = {"batch": batch, "context": context, "page_size": page, "kv_bytes": kv_bytes,
-            "kernels": {}}  # fmt: skip
+            "kv_dtype": args.kv_dtype, "kernels": {}}  # fmt: skip
     reference = None
     for kernel in args.kernels:
         try:
             wrapper = make_wrapper(flashinfer, kernel, workspace, batch, indptr, indices, last,
                                    args)  # fmt: skip
-            seconds, out = time_kernel(wrapper, q, kv, args.iters)
+            fp8_q = kernel.startswith("fa3") and args.kv_dtype == "fp8"
+            seconds, out = time_kernel(wrapper, q.to(kv.dtype) if fp8_q else q, kv, args.iters)
         except Exception as e:  # noqa: BLE001 - a kernel that does not build is reported
             case["kernels"][kernel] = {"error": f"{type(e).__name__}: {e}"[:500]}
             traceback.print_exc()
