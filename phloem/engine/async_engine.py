@@ -33,9 +33,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from phloem.engine.engine_client import EngineClient, EngineDeadError, RequestFailedError
 from phloem.outputs import RequestOutput
@@ -147,7 +147,7 @@ class AsyncLLMEngine(EngineClient):
         request_id: str,
         prompt: str | None = None,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue one prompt at the first iteration and yield its outputs (cumulative) until it
         finishes (`EngineClient.submit`; `generate` iterates this). A request never iterated is
         never queued, so its `abort` has nothing to do.
@@ -243,7 +243,8 @@ class AsyncLLMEngine(EngineClient):
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                outputs = engine.step()
+                # STREAM mode (checked in __init__): every step output is a RequestOutput
+                outputs = cast("list[RequestOutput]", engine.step())
                 errors.update(self._failed(outputs))
                 outputs = [o for o in outputs if o.error is None]
                 self._record(outputs)

@@ -32,7 +32,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -226,7 +226,7 @@ class EngineCoreClient(EngineClient):
         request_id: str,
         prompt: str | None = None,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue one prompt in the core now and return the iterator of its outputs (what
         `generate` yields). The request runs from this call on: leaving the iteration early
         aborts it, and a caller that never starts it must `abort(request_id)`, which then
@@ -247,7 +247,7 @@ class EngineCoreClient(EngineClient):
         self._send(CoreRequest(request_id, ids, params_to_dict(sampling_params), now))
         return self._outputs(stream)
 
-    async def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         request_id = stream.request_id
         self._unconsumed.discard(request_id)
         try:

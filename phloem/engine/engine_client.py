@@ -11,7 +11,7 @@ engine at the first iteration, the core client at the call); `generate`, `abort_
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -73,10 +73,11 @@ class EngineClient(abc.ABC):
         request_id: str,
         prompt: str | None = None,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The iterator of one prompt's outputs (cumulative, coalesced; the last has
         `finished=True`), the prompt queued at the call or at the first iteration (the
-        implementation says which). Leaving the iteration early aborts the request.
+        implementation says which). Leaving the iteration early aborts the request (an async
+        generator, so `aclose` runs the abort; `generate` relies on it).
 
         Raises (at the call or at the first iteration): ValueError (the prompt or the
         parameters cannot run, or `request_id` is in use), EngineDeadError; the iteration
@@ -95,7 +96,7 @@ class EngineClient(abc.ABC):
         request_id: str,
         prompt: str | None = None,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue one prompt and yield its outputs (cumulative, coalesced) until it finishes:
         `submit`'s iterator, the prompt queued at the first iteration. Leaving early (break,
         cancellation, disconnect) aborts the request. Raises as `submit`."""
