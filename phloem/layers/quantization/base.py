@@ -116,7 +116,13 @@ class UnquantizedLinearMethod(LinearMethod):
     """The dense layer: W in the model dtype, `F.linear`; calls of 1..16 rows in bf16/fp16 on
     CUDA (decode steps) go through one Triton kernel that streams W once
     (`phloem.ops.skinny_gemm`) for the shapes it measured faster than cuBLAS
-    (`skinny_gemm_mode`: PHLOEM_SKINNY_GEMM=0 turns it off, =1 takes every shape)."""
+    (`skinny_gemm_mode`: PHLOEM_SKINNY_GEMM=0 turns it off, =1 takes every shape).
+
+    On the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1, the tests),
+    read once here at construction so that `apply` does no environment lookup per call."""
+
+    def __init__(self) -> None:
+        self.triton_interpret = os.environ.get("TRITON_INTERPRET") == "1"
 
     def create_weights(self, layer: LinearBase) -> None:
         """Nothing to do: `LinearBase` builds the dense weight itself."""
@@ -130,7 +136,7 @@ class UnquantizedLinearMethod(LinearMethod):
         assert isinstance(x, torch.Tensor), "a dense layer takes no Fp8Activation"
         mode = skinny_gemm_mode()
         # on the CPU only under Triton's interpreter (tests): no Triton import otherwise
-        if mode != "0" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        if mode != "0" and (x.is_cuda or self.triton_interpret):
             skinny = skinny_gemm_module()
             if skinny is not None and skinny.takes(x, layer.weight, measured_only=mode == "auto"):
                 return skinny.skinny_linear(x, layer.weight, bias)
