@@ -202,21 +202,39 @@ def uniform_drafts_pay(
     model: StepTimeModel,
     config: CostRuleConfig,
 ) -> bool:
-    """`any(choose_num_drafts([candidate] * num_candidates, ...))` without the list: the
-    drafter's pre-check asks it every step, at a large batch for hundreds of equal candidates.
-    Equal candidates' gains come in rounds (every candidate's j-th draft adds a x c^(j-1)), the
-    order `choose_num_drafts` hands them out in, so the same ratios are computed in the same
-    order and the loop stops at the same first fall. Raises ValueError as it does."""
+    """`any(choose_num_drafts([candidate] * num_candidates, ...))` without the list: whether
+    `uniform_num_drafts` hands out any draft. Raises ValueError as `choose_num_drafts` does."""
+    num_drafts, _ = uniform_num_drafts(
+        candidate, num_candidates, num_sampled, num_scheduled_tokens, num_kv_tokens, model, config
+    )
+    return num_drafts > 0
+
+
+def uniform_num_drafts(
+    candidate: DraftCandidate,
+    num_candidates: int,
+    num_sampled: int,
+    num_scheduled_tokens: int,
+    num_kv_tokens: int,
+    model: StepTimeModel,
+    config: CostRuleConfig,
+) -> tuple[int, int]:
+    """(sum, max) of `choose_num_drafts([candidate] * num_candidates, ...)`: the drafts handed
+    out in all and the most one candidate gets, (0, 0) when none pays; one scan without the
+    list: the drafter's pre-check asks it every step, at a large batch for hundreds of equal
+    candidates. Equal candidates' gains come in rounds (every candidate's j-th draft adds
+    a x c^(j-1)), so the same gains are added in the order `choose_num_drafts`' heap adds them,
+    the same ratios are computed and the loop stops at the same first fall. Raises ValueError
+    as `choose_num_drafts` does."""
     _check_candidates([candidate], max(num_sampled, 1))
     if num_sampled < num_candidates:
         raise ValueError(f"num_sampled must be >= len(candidates) = {num_candidates}")
     cap = min(candidate.max_draft_tokens, config.max_draft_tokens)
     if num_candidates <= 0 or cap <= 0:
-        return False
-    tokens = float(num_sampled)
+        return 0, 0
     prefill_s, base_rate = _base_rate(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
-    best_rate, best_num_drafts, previous = base_rate, 0, base_rate
-    gain, num_drafts = candidate.acceptance_rate, 0
+    best_rate, best_num_drafts = base_rate, 0
+    previous, tokens, gain, num_drafts = base_rate, float(num_sampled), candidate.acceptance_rate, 0
     for _ in range(cap):
         for _ in range(num_candidates):
             tokens += gain
@@ -226,10 +244,39 @@ def uniform_drafts_pay(
             if rate > best_rate:
                 best_rate, best_num_drafts = rate, num_drafts
             if num_drafts > 1 and rate < previous:
-                return best_num_drafts > 0 and best_rate >= config.min_gain * base_rate
+                break  # past the first draft the ratio only falls from here
             previous = rate
+        else:
+            gain *= candidate.next_rate
+            continue
+        break  # the inner loop saw the fall
+    if best_num_drafts == 0 or best_rate < config.min_gain * base_rate:
+        return 0, 0
+    return best_num_drafts, _first_candidate_drafts(candidate, cap, num_candidates, best_num_drafts)
+
+
+def _first_candidate_drafts(
+    candidate: DraftCandidate, cap: int, num_candidates: int, num_drafts: int
+) -> int:
+    """The drafts candidate 0 (the one with the most) holds among the first `num_drafts` that
+    `choose_num_drafts`' heap hands out to `num_candidates` copies of `candidate`, each capped
+    at `cap`. The heap pops by (gain, index): while gains fall (a x c^j > a x c^(j+1)) drafts go
+    in rounds, one per candidate; from the round whose gain is a fixed point (c = 1, or a gain
+    that reached 0) all later rounds tie, so candidate 0 takes the rest of its cap before
+    candidate 1 takes any:
+
+        |-- round 0: cand 0, 1, .. --|-- round 1: ... --|-- tied rounds: cand 0 x m, cand 1 x m, ..
+    """
+    held, gain = 0, candidate.acceptance_rate
+    for num_rounds in range(cap):
+        if num_drafts <= 0:
+            break
+        if gain * candidate.next_rate == gain:  # every later round ties with this one
+            return held + min(cap - num_rounds, num_drafts)
+        held += 1
+        num_drafts -= num_candidates
         gain *= candidate.next_rate
-    return best_num_drafts > 0 and best_rate >= config.min_gain * base_rate
+    return held
 
 
 def _base_rate(

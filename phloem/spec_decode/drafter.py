@@ -34,6 +34,7 @@ from phloem.spec_decode.cost_rule import (
     StepTimeModel,
     choose_num_drafts,
     uniform_drafts_pay,
+    uniform_num_drafts,
 )
 from phloem.spec_decode.ngram_proposer import NgramProposer
 from phloem.spec_decode.proposer import DraftRequest, Proposer
@@ -361,14 +362,14 @@ class Drafter:
             self._probe_streak = 0
         if not pays and self._steps_off >= self._probe_wait(config.probe_after):
             probe = DraftCandidate(max(self.tracker.global_rate, config.prior), k)
-            pays = self._retrying = uniform_drafts_pay(
+            # the drafts a request would get if all drafted at the prior rate (0: none pays)
+            num_drafts, most = uniform_num_drafts(
                 probe, num_sampled, num_sampled, *step[1:], model, cost
             )
-            if pays:  # the drafts a request would get if all drafted at the prior rate
+            pays = self._retrying = num_drafts > 0
+            if pays:
                 self._probe_streak += 1
-                chosen = choose_num_drafts([probe] * num_sampled, num_sampled, *step[1:],
-                                           model, cost)  # fmt: skip
-                self._probe_drafts = max(chosen)
+                self._probe_drafts = most
         self._steps_off = 0 if pays else self._steps_off + 1
         self._since_proposal += not pays
         return pays

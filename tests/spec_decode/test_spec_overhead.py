@@ -15,6 +15,7 @@ from phloem.spec_decode.cost_rule import (
     StepTimeModel,
     choose_num_drafts,
     uniform_drafts_pay,
+    uniform_num_drafts,
 )
 from phloem.spec_decode.drafter import RETRY_MAX_STEPS, RETRY_SAMPLE, Drafter
 from phloem.spec_decode.ngram_proposer import NgramIndex, NgramProposer, brute_force_lookup
@@ -143,3 +144,28 @@ def test_uniform_drafts_pay_answers_as_the_rule_does():
         assert got == want
         answers.add(got)
     assert answers == {True, False}
+
+
+def test_uniform_num_drafts_counts_as_the_rule_does():
+    """The probe's (sum, max) of `choose_num_drafts([c] * n, ...)`, ties included: where a
+    round's gain is a fixed point (c = 1, a = 1 i.i.d., or a gain that reached 0) the heap hands
+    candidate 0 the rest of its cap before candidate 1 gets any."""
+    rng = random.Random(2)
+    for _ in range(1000):
+        model = StepTimeModel(
+            t_host_s=rng.uniform(0, 5e-3),
+            t_weights_s=rng.choice([0.0, rng.uniform(0, 20e-3)]),
+            c_token_s=rng.uniform(0, 1e-4),
+            c_kv_s=rng.uniform(0, 1e-8),
+            c_draft_s=rng.choice([0.0, rng.uniform(0, 1e-4)]),
+            t_verify_s=rng.choice([0.0, rng.uniform(0, 1e-3)]),
+        )
+        rate = rng.choice([1.0, rng.random()])
+        candidate = DraftCandidate(rate, rng.randint(1, 20), rng.choice([None, 1.0, 0.0, 1e-200]))
+        n = rng.randint(1, 40)
+        num_sampled = n + rng.randint(0, 40)
+        tokens, kv = num_sampled + rng.choice([0, rng.randint(0, 3000)]), rng.randint(0, 10**5)
+        cost = CostRuleConfig(rng.randint(1, 16), rng.choice([1.0, 1.02]))
+        chosen = choose_num_drafts([candidate] * n, num_sampled, tokens, kv, model, cost)
+        got = uniform_num_drafts(candidate, n, num_sampled, tokens, kv, model, cost)
+        assert got == (sum(chosen), max(chosen))
