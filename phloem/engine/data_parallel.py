@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from multiprocessing.connection import wait
 
 from phloem.core.prefix_planner import PrefixPlan, plan_prefix_groups
@@ -206,17 +206,18 @@ class DataParallelEngine:
         """Start every replica that is not running (all at first; after a failure, the dead
         ones), then wait for each to load its model. Raises ReplicaError naming one that fails
         (the others started now are stopped)."""
-        started = []
+        started: list[Replica] = []
         for rank, replica in enumerate(self._replicas):
             if replica is None or not replica.process.is_alive():
                 if replica is not None:
                     replica.stop()
-                self._replicas[rank] = Replica(rank, *self._specs[rank])
-                started.append(self._replicas[rank])
+                self._replicas[rank] = replica = Replica(rank, *self._specs[rank])
+                started.append(replica)
         if not started:
             return
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, shutdown, list(self._replicas))
+        running = [r for r in self._replicas if r is not None]  # all of them, now
+        self._finalizer = weakref.finalize(self, shutdown, running)
         try:
             self._await_ready(started)
         except BaseException:
@@ -298,7 +299,7 @@ class DataParallelEngine:
         encoded: Sequence[tuple[str | None, list[int]]],
         params: Sequence[SamplingParams],
         plan: PrefixPlan,
-    ) -> Iterator[tuple[int, RequestOutput]]:
+    ) -> Generator[tuple[int, RequestOutput], None, None]:
         """Deal the planned batch to the replicas (`deal`), send each its share and yield
         (index, output) as the replicas finish requests. Sets `last_report` when the iteration
         ends (early too). On an early end (break, an exception) the busy replicas are told to
@@ -355,9 +356,10 @@ class DataParallelEngine:
         `busy`. Raises ReplicaError naming the lowest replica that died before its share was
         sent, or what sending it raised otherwise (the others are busy then, and aborted by
         the caller)."""
-        planned = deal.share_groups is not None
+        groups = deal.share_groups
+        planned = groups is not None
         messages = {
-            rank: encode_share(encoded, params, deal.share_groups[rank] if planned
+            rank: encode_share(encoded, params, groups[rank] if groups is not None
                                else [(0, (i,)) for i in share], block_size, planned)
             for rank, share in enumerate(deal.shares) if share
         }  # fmt: skip
@@ -426,8 +428,8 @@ class DataParallelEngine:
 
 
 def with_progress(
-    outputs: Iterator[tuple[int, RequestOutput]], total: int, use_tqdm: bool
-) -> Iterator[tuple[int, RequestOutput]]:
+    outputs: Generator[tuple[int, RequestOutput], None, None], total: int, use_tqdm: bool
+) -> Generator[tuple[int, RequestOutput], None, None]:
     """`outputs` (the replicas' merged stream) under a progress bar of prompts done."""
     from tqdm.auto import tqdm
 

@@ -20,8 +20,8 @@ import gc
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -268,7 +268,7 @@ class LLM:
         encoded: Sequence[tuple[str | None, list[int]]],
         params: Sequence[SamplingParams],
         use_tqdm: bool,
-    ) -> Iterator[tuple[int, RequestOutput]]:
+    ) -> Generator[tuple[int, RequestOutput], None, None]:
         """Queue a validated batch (or plan it and hand it to the replicas); returns the
         iterator of its (index, output) pairs, in completion order."""
         engine = self.llm_engine
@@ -414,7 +414,7 @@ class LLM:
         engine = self._single_engine()
         self.last_plan = None
         with gc_paused():
-            order = range(len(encoded))
+            order: Sequence[int] = range(len(encoded))
             groups: dict[int, SharedPrefix] = {}
             if engine.config.cache.enable_prefix_caching and len(encoded) > 1:
                 plan = plan or self.plan(planner_input(encoded), sampling_params)
@@ -458,7 +458,9 @@ class LLM:
         with self._exclusive(), gc_frozen() if gc.isenabled() else contextlib.nullcontext():
             yield from self._iter_outputs(request_ids, use_tqdm)
 
-    def _iter_outputs(self, request_ids: list[str], use_tqdm: bool) -> Iterator[RequestOutput]:
+    def _iter_outputs(
+        self, request_ids: list[str], use_tqdm: bool
+    ) -> Generator[RequestOutput, None, None]:
         engine = self._single_engine()
         pending = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
@@ -466,8 +468,8 @@ class LLM:
         num_in = num_out = num_reused = 0
         try:
             while pending and engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
+                try:  # FINAL mode (the LLM's engine): every step output is a RequestOutput
+                    outputs = cast("list[RequestOutput]", engine.step())
                 except BaseException:  # the engine's state is unknown: start the next call clean
                     engine.abort_all()
                     raise

@@ -61,7 +61,7 @@ class CheckedBatch(list):
 
     def __init__(self, engine: LLMEngine | DataParallelEngine) -> None:
         super().__init__()
-        self.packed: list[Sequence[int]] = []
+        self.packed: list[list[int] | array] = []
         self._engine = engine
         self._limits = (engine.max_model_len, engine.hf_config.vocab_size)
 
@@ -74,7 +74,9 @@ class CheckedBatch(list):
         self.packed.append(ids if packed is None else packed)
 
 
-def planner_input(encoded: Sequence[tuple[str | None, list[int]]]) -> list[Sequence[int]]:
+def planner_input(
+    encoded: Sequence[tuple[str | None, list[int]]],
+) -> list[list[int] | array]:
     """The token ids of each pair of `encoded`, packed where a `CheckedBatch` packed them."""
     if isinstance(encoded, CheckedBatch):
         return encoded.packed
