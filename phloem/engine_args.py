@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ def _arg(
     default: Any,
     help: str,
     *,
-    type: type | None = None,
+    type: Callable[[str], Any] | None = None,
     choices: tuple[str, ...] | None = None,
     no_flag: str | None = None,
 ) -> Any:

@@ -29,6 +29,7 @@ import math
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 _OUTPUTS = ("summary.json",)
 _METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"))
@@ -294,7 +295,7 @@ def summarize_dir(directory: Path, subject: str, baseline: str, slo_ttft_ms: flo
     rows = [_row(run) for run in runs]
     rows.sort(key=lambda r: (r["engine"], r["workload"], r["offered_rate"]))
     good = goodput(rows, slo_ttft_ms, slo_tpot_ms)
-    summary = {
+    summary: dict[str, Any] = {
         "subject": subject,
         "baseline": baseline,
         "slo": {"ttft_p99_ms": slo_ttft_ms, "tpot_p99_ms": slo_tpot_ms},

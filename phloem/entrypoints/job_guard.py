@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+KeyT = TypeVar("KeyT", bound=Hashable)  # a result record's key (`resume_results`)
 
 EXIT_USAGE = 2  # the job cannot run as given (paths, options, fingerprint): nothing written
 EXIT_NO_SPACE = 74  # a write failed for lack of space (EX_IOERR); finished lines are kept
@@ -268,8 +269,8 @@ class Fingerprint:
 
 def resume_results(
     path: str,
-    key_of: Callable[[dict], Hashable | None],
-    line_of: Callable[[Hashable], str],
+    key_of: Callable[[dict], KeyT | None],
+    line_of: Callable[[KeyT], str],
     fingerprint: Fingerprint,
     recompute_changed: bool,
     foreign_refused: bool,
@@ -313,7 +314,7 @@ def resume_results(
         if stale:
             logger.warning("recomputing %d lines whose results in %s are stale", len(stale), path)
 
-    def fresh_key_of(record: dict) -> Hashable | None:
+    def fresh_key_of(record: dict) -> KeyT | None:
         key = key_of(record)
         return None if key is None or line_of(key) in stale else key
 

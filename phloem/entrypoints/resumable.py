@@ -16,6 +16,7 @@ anything, so appending can resume at a line boundary.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ class ResultLog:
         self.path = path
         self.key_of = key_of
         self.fsync_interval_s = fsync_interval_s
-        self._file = None
+        self._file: io.FileIO | None = None
         self._last_sync = 0.0
 
     def load(self) -> dict[Hashable, dict]:

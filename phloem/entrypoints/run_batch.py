@@ -157,7 +157,10 @@ def _prepare_body(front, line: BatchLine, data: dict[str, Any], check_params) ->
         raise validation_error(e) from None
     if request.stream:
         raise APIError(400, "stream is not supported in batch jobs", param="stream")
-    line.prep = prepare_completion(front, request) if completion else prepare_chat(front, request)
+    if isinstance(request, CompletionRequest):  # `completion` chose its class
+        line.prep = prepare_completion(front, request)
+    else:
+        line.prep = prepare_chat(front, request)
     if check_params is not None:
         for params in line.prep.params:
             try:

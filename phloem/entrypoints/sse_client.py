@@ -16,7 +16,7 @@ on httpx, and so do https URLs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -139,7 +139,7 @@ async def _body(reader: asyncio.StreamReader, fields: dict[bytes, bytes]) -> Asy
             yield data
 
 
-async def stream_data_lines(target: Target, path: str, body: bytes) -> AsyncIterator[bytes]:
+async def stream_data_lines(target: Target, path: str, body: bytes) -> AsyncGenerator[bytes, None]:
     """POST `body` (JSON bytes) to `path` under `target` and yield the payload of each
     server-sent event `data:` line (bytes, without "data: "), as they arrive, until the server
     ends the response. The caller bounds the time (e.g. `asyncio.timeout`).

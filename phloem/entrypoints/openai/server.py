@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,7 +139,7 @@ class ServerState:
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
 

@@ -88,7 +88,7 @@ def prepare_completion(state, req: CompletionRequest) -> PreparedRequest:
     for item in raw:
         if isinstance(item, str):
             check_chars(state, len(item), "prompt")
-    prompts = []
+    prompts: list[tuple[str | None, list[int]]] = []
     for item in raw:
         if isinstance(item, str):
             ids = state.tokenizer.encode(item)
