@@ -28,7 +28,8 @@ def profile_steps(llm, workload, steps: int, path: str) -> dict:
     def step() -> None:
         engine.step()
 
-    result, tables = {}, []
+    result: dict[str, dict] = {}
+    tables: list[str] = []
     step()
     result["prefill_steps"] = _phase(engine, step, steps, tables, "prefill")
     for _ in range(2000):

@@ -6,8 +6,12 @@ from __future__ import annotations
 import gc
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from phloem.engine.step_observer import StepRecord
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 
 class GCPauses:
@@ -72,7 +76,7 @@ class StepTrace:
         self.engine = engine
         self.profile_window, self.profile_path = profile_window, profile_path
         self._cuda = cuda
-        self._prof = None
+        self._prof: profile | None = None  # torch.profiler's, over `profile_window`
         # kind, seqs, tokens, step, schedule, launch, wait, update [s]
         self.steps: list[tuple] = []
         self._events: list = []  # (index of the step whose kernels end at the event, event)
@@ -114,15 +118,15 @@ class StepTrace:
             self._prof = profile(activities=activities)
             self._prof.__enter__()
         elif index == start + count and self._prof is not None:
-            self._write_profile(start, count)
+            self._write_profile(self._prof, start, count)
 
-    def _write_profile(self, start: int, count: int) -> None:
+    def _write_profile(self, prof: profile, start: int, count: int) -> None:
         import torch
 
         if self._cuda:
             torch.cuda.synchronize()
-        self._prof.__exit__(None, None, None)
-        averages = self._prof.key_averages()
+        prof.__exit__(None, None, None)
+        averages = prof.key_averages()
         tables = [
             f"== steps {start}..{start + count - 1}, by self CPU time\n"
             + averages.table(sort_by="self_cpu_time_total", row_limit=40),
@@ -131,7 +135,7 @@ class StepTrace:
         path = Path(self.profile_path or "profile-window.txt")
         path.write_text("\n\n".join(tables))
         # the timeline too (chrome://tracing, Perfetto, benchmarks/trace_gaps.py)
-        self._prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
+        prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
         self.profile_window = None
 
     def _device_s(self) -> dict[int, float]:

@@ -91,7 +91,8 @@ def _prefix_groups(
     output_len: int,
     shuffle: bool,
 ) -> Workload:
-    prompts, groups = [], []
+    prompts: list[list[int]] = []
+    groups: list[tuple[int, list[int]]] = []
     for _ in range(num_groups):
         prefix = _ids(rng, prefix_len, vocab)
         members = []

@@ -107,6 +107,7 @@ def build_executor(
         ValueError: for an executor_factory with tensor_parallel_size > 1, or a model that does
             not split over the ranks; see `start_tensor_parallel` and `Worker`.
     """
+    executor: Executor
     if config.parallel.tensor_parallel_size > 1:
         if executor_factory is not None:
             raise ValueError("executor_factory cannot be combined with tensor_parallel_size > 1")

@@ -60,8 +60,8 @@ class VerifiedTokens:
         if self._event is not None:
             self._event.synchronize()
         token_ids, self.num_accepted, flags = self._host.tolist()
-        none = [None] * self._num_rows
-        return SamplerOutput(token_ids, none, list(none), flags)
+        num_rows = self._num_rows
+        return SamplerOutput(token_ids, [None] * num_rows, [None] * num_rows, flags)
 
 
 def split_verify_rows(
