@@ -153,7 +153,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
     )
     small = None
     choice, max_bytes = all_reduce_choice()
-    if backend == "nccl" and choice == "symm_mem":
+    if device is not None and choice == "symm_mem":  # device: set for nccl only
         small = OneShotAllReduce(dist.group.WORLD, device, max_bytes)
     _state = TensorParallelState(rank, size, dist.group.WORLD, backend, small, choice)
 

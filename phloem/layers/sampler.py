@@ -54,7 +54,7 @@ def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
-def _device_tensor(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _device_tensor(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype, device=device)` staged through pinned memory: building it
     never waits for the device (async scheduling samples while the previous step runs)."""
     return to_device(torch.tensor(data, dtype=dtype), device)
@@ -340,7 +340,7 @@ class Sampler:
             values, tokens = row_max(logits)
             return SampledTokens.start(logits, tokens, rows, non_finite(values))
         num_nonfinite = non_finite(logits.amax(dim=-1))
-        if plain_greedy:  # under a grammar: masked on a copy (the caller's logits stay)
+        if plain_greedy and grammar is not None:  # masked on a copy (the caller's logits stay)
             logits = apply_token_bitmask_(logits.clone(), *grammar)
             return SampledTokens.start(logits, row_max(logits)[1], rows, num_nonfinite)
         # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,6 +84,7 @@ def compile_elementwise_layers(model: nn.Module) -> int:
         return 0
     from phloem.layers.activation import SiluAndMul, _fused
     from phloem.layers.attention import _fused_rope_kv
+    from phloem.layers.compilable import Compilable
     from phloem.layers.norm import RMSNorm
     from phloem.layers.rotary import RotaryEmbedding
 
@@ -89,14 +92,16 @@ def compile_elementwise_layers(model: nn.Module) -> int:
     # SiLU-and-mul and RoPE (fused with the KV write) have hand-written Triton kernels on CUDA
     # (phloem/ops/activation.py, phloem/ops/rope_kv.py: they run at HBM bandwidth, where
     # inductor's do not); compile those layers only where the kernels are missing.
-    classes = (RMSNorm,)
+    classes: tuple[type[Compilable], ...] = (RMSNorm,)
     classes += (RotaryEmbedding,) if _fused_rope_kv() is None else ()
     classes += (SiluAndMul,) if _fused() is None else ()
-    compiled = {cls: torch.compile(cls.compute, dynamic=True) for cls in classes}
+    compiled: dict[type[nn.Module], Callable[..., Any]] = {
+        cls: torch.compile(cls.compute, dynamic=True) for cls in classes
+    }
     count = 0
     for module in model.modules():
         fn = compiled.get(type(module))
-        if fn is not None:
+        if fn is not None and isinstance(module, Compilable):  # always, for a key of `compiled`
             module.use_compiled(fn)  # the layers' declared seam (`layers/compilable.py`)
             count += 1
     logger.info(

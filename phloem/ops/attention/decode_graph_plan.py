@@ -97,9 +97,9 @@ class DecodeGraphPlan:
         self._off["wide_count"] = 18 * m + 1
         self._off["blocks"] = 18 * m + 2
         self._buf = torch.zeros(self._off["blocks"] + max_blocks, dtype=torch.int32, device=device)
-        f32 = dict(dtype=torch.float32, device=device)
-        self.opart = torch.zeros(max_splits + 1, m, num_heads, head_dim, **f32)
-        self.lpart = torch.full((max_splits + 1, m, num_heads), float("-inf"), **f32)
+        f32, lead = torch.float32, (max_splits + 1, m, num_heads)
+        self.opart = torch.zeros(*lead, head_dim, dtype=f32, device=device)
+        self.lpart = torch.full(lead, float("-inf"), dtype=f32, device=device)
         self._plans: dict[int, DevicePlan] = {}
 
     def fits(self, sp: SharedPrefixMetadata) -> bool:
