@@ -24,7 +24,7 @@ import json
 import pickle
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from phloem.core.prefix_planner import PrefixPlan
@@ -159,7 +159,7 @@ class RayEngine(DataParallelEngine):
         encoded: Sequence[tuple[str | None, list[int]]],
         params: Sequence[SamplingParams],
         plan: PrefixPlan,
-    ) -> Iterator[tuple[int, RequestOutput]]:
+    ) -> Generator[tuple[int, RequestOutput], None, None]:
         """Deal the planned batch (`deal`), run its blocks on the actor pool and yield (index,
         output) as blocks finish. Sets `last_report` when the iteration ends (achieved: when a
         share's last row arrived; computed prompt tokens as its actors reported them).
@@ -206,6 +206,8 @@ class RayLLM(LLM):
     Raises:
         ValueError, TypeError: as `RayEngine`.
     """
+
+    llm_engine: RayEngine  # what `_init_state` is handed
 
     def __init__(self, config: PhloemProcessorConfig) -> None:
         start = time.perf_counter()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from phloem.core.prefix_planner import PrefixPlan
 from phloem.ray.config import PhloemProcessorConfig
 from phloem.ray.engine import RayLLM, generation_stage, routing_row, share_blocks
 from phloem.ray.replica_actor import STATS
@@ -71,7 +72,7 @@ class Processor:
         self.preprocess_map_kwargs = preprocess_map_kwargs or {}
         self.postprocess_map_kwargs = postprocess_map_kwargs or {}
         self._planner: RayLLM | None = None
-        self.last_plan = None  # the global plan of the last call
+        self.last_plan: PrefixPlan | None = None  # the global plan of the last call
 
     @property
     def planner(self) -> RayLLM:
