@@ -370,7 +370,7 @@ def load_model(
     hf_config: Any,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    load_format: Literal["auto", "dummy"] = "auto",
+    load_format: str = "auto",
     quantization: str | None = None,
     device_capability: tuple[int, int] | None = None,
 ) -> nn.Module:
