@@ -22,6 +22,7 @@ checkpoint scales (beyond 448 * scale, values clamp). A bf16/fp32 cache ignores 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from torch import nn
 from phloem.forward_context import get_forward_context
 from phloem.layers.linear import CheckpointSlice, Loaded
 from phloem.ops.kv_store import FP8_KV_DTYPE, check_kv_scale, write_kv, write_kv_slots
+
+if TYPE_CHECKING:
+    from phloem.layers.rotary import RotaryEmbedding
 
 # Checkpoint KV-scale names (suffix after "<layer>.self_attn") -> which of the layer's scales.
 _KV_SCALE_SUFFIXES = {
@@ -105,7 +109,7 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
-        rotary_emb: nn.Module | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> torch.Tensor:
         """Attention over the step's packed tokens: `store_kv`, then `attend`.
 
@@ -129,7 +133,7 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         positions: torch.Tensor | None = None,
-        rotary_emb: nn.Module | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> torch.Tensor:
         """The part before the backend call (`forward`'s arguments): RoPE on q and k when
         `rotary_emb` is given, and the write of k and v into the layer's cache at the context's
@@ -149,7 +153,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         ks, vs = self._kv_scales(kv_cache)
         fused = _rope_kv_kernel(q) if rotary_emb is not None else None
-        if fused is not None:
+        if fused is not None and rotary_emb is not None:  # fused implies a rotary_emb
             return fused(positions, q, k, v, rotary_emb.cos, rotary_emb.sin, kv_cache,
                          slot_mapping, ks, vs)  # fmt: skip
         if rotary_emb is not None:

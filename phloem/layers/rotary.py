@@ -81,6 +81,9 @@ class RotaryEmbedding(Compilable):
     sin; keep it float32 (move the module with `.to(device)`, not `.to(dtype)`).
     """
 
+    cos: torch.Tensor  # the buffers registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, rope: dict[str, Any]):
         super().__init__()
         if rotary_dim % 2 or rotary_dim > head_dim:
