@@ -129,8 +129,7 @@ class Worker:
         if self.kv_dtype == FP8_KV_DTYPE:
             _log_kv_scales(self.model)
         backend = self._attention_backend(model_config, cache_config, sched)
-        if hasattr(backend, "defer_prefill_backend"):  # fa3 chunks once its module is built
-            backend.defer_prefill_backend(prebuild.deferred_ready)
+        backend.defer_prefill_backend(prebuild.deferred_ready)  # fa3 once its module is built
         logger.info("attention backend: %s", backend.name)
         profile_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         self.model_runner = ModelRunner(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -189,6 +190,11 @@ class AttentionBackend(abc.ABC):
         """Compile the backend's kernels for common shapes now rather than in the first steps,
         reading only block `block_id` of `kv_cache` (queries in `dtype`, default the cache's);
         writes nothing, counts nothing. Default: nothing to compile."""
+
+    def defer_prefill_backend(self, ready: Callable[[], bool]) -> None:  # noqa: B027
+        """Use a prefill backend whose kernels build after start-up only in steps begun once
+        `ready()` (`worker.kernel_prebuild.KernelPrebuild.deferred_ready`). Default: the
+        backend has none, nothing to defer."""
 
     def stats(self) -> dict[str, Any]:
         """Per-path step counters for reports (JSON-ready); empty when the backend keeps none."""
