@@ -75,8 +75,9 @@ class GrammarBackend(abc.ABC):
 
     name: str
 
+    @staticmethod
     @abc.abstractmethod
-    def validate(self, params: StructuredOutputsParams) -> None:
+    def validate(params: StructuredOutputsParams) -> None:
         """Check that the constraint compiles (schema features, regex syntax, grammar syntax)
         without the tokenizer.
 
