@@ -220,13 +220,20 @@ class Drafter:
         self._probe_drafts = 0  # > 0: the next proposal is a probe's, this many drafts a request
         # the share of eligible requests the proposer offered drafts for (moving average): the
         # pre-check counts only that share as drafting, so a batch whose histories never match
-        # (random prompts) stops proposing, and stops the sync each proposal costs
-        self.offer_rate = 1.0
+        # (random prompts) stops proposing, and stops the sync each proposal costs. It starts
+        # at 0, so the first proposal is a retry's (`_retry_due`, one step in): a sample of
+        # `RETRY_SAMPLE` requests, whose share offered drafts then sets it (the whole batch is
+        # asked next where the sample was offered drafts).
+        # Starting at 1 proposed for every request until the rate fell (~4 proposals): each
+        # indexes every prompt it has not seen, ~2.6 ms per 2,200-token prompt (n-gram), a
+        # ~1 s pause per proposal at batchllm's 1,600 requests where nothing ever matches
+        # (results/2026-11-26h-cpu-spec-gpu-gaps)
+        self.offer_rate = 0.0
         # proposals in a row that offered nothing, and steps since the last proposal: where
         # the offer rate alone holds proposing back, it is retried after 2^streak steps (at most
         # `RETRY_MAX_STEPS`), so a pause in matching (a paraphrase, a preamble) costs a few
         # steps of drafting, not `probe_after`, and a batch with nothing to match syncs rarely
-        self._empty_streak = self._since_proposal = 0
+        self._empty_streak, self._since_proposal = 0, 1
         self._retrying = False  # the pre-check said yes on a retry: propose for a sample
         # host cost counters (`counters`): steps whose in-flight step the engine collected so
         # that drafts could be proposed, proposals, and the host time of both calls [s]
@@ -271,8 +278,9 @@ class Drafter:
         )
         offered = [(r, d) for r, d in zip(eligible, proposals) if d]
         asked = sum(1 for budget in budgets if budget)  # (a costly proposer: those the rule chose)
-        if asked:
-            self.offer_rate += OFFER_RATE_WEIGHT * (len(offered) / asked - self.offer_rate)
+        if asked:  # the first proposal's share sets the rate, later ones move it
+            weight = OFFER_RATE_WEIGHT if self.num_proposals else 1.0
+            self.offer_rate += weight * (len(offered) / asked - self.offer_rate)
             self._empty_streak = 0 if offered else self._empty_streak + 1
         self._since_proposal = 0
         chosen = (

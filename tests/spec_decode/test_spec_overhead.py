@@ -70,6 +70,7 @@ def test_a_pause_in_matching_costs_a_few_steps_of_drafting_not_probe_after():
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), MODEL, 64)
     running = [decoding("a", SamplingParams(temperature=0), range(40))]  # nothing repeats
     assert drafter.may_draft(running) and drafter.propose(running) == 0
+    assert [drafter.may_draft(running) for _ in range(2)] == [False, False]  # 2^1 steps
     assert drafter.may_draft(running) and drafter.propose(running) == 0
     answers = [drafter.may_draft(running) for _ in range(4)]
     assert answers == [False] * 4  # 2^2 steps since the last proposal: due next
@@ -112,7 +113,7 @@ def test_a_retry_at_a_large_batch_proposes_for_a_sample():
     for _ in range(300):
         if drafter.may_draft(running):
             assert drafter.propose(running) == 0
-    assert len(asked[0]) == 32  # before any proposal the whole batch is asked
+    assert len(asked[0]) == RETRY_SAMPLE  # the offer rate starts unestablished: a sample
     sizes = [len(ids) for ids in asked]
     assert len(sizes) >= 4 and max(sizes[-3:]) <= RETRY_SAMPLE
     assert asked[-1] == asked[-2]  # the same sample: its indexes only catch up
