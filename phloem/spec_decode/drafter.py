@@ -495,12 +495,23 @@ def _can_draft(request: Request) -> bool:
 
 def _step_shape(running: Sequence[Request], budget: int) -> tuple[int, int, int]:
     """(sequences sampled, tokens computed, KV tokens read) of the next step without drafts,
-    estimated from the running requests (waiting ones are not counted)."""
+    estimated from the running requests (waiting ones are not counted). The pre-check runs it
+    every step over the whole running set: `Request.num_tokens` is spelled out (no property
+    call), 380 -> 180 us at 2,048 requests (results/2026-11-26h-cpu-spec-gpu-gaps)."""
     num_sampled = num_tokens = num_kv = 0
     for request in running:
-        left = request.num_tokens - request.num_computed_tokens
-        num_kv += request.num_computed_tokens
+        computed = request.num_computed_tokens
+        num_kv += computed
+        left = (
+            request.num_prompt_tokens
+            + len(request.output_token_ids)
+            + request.num_pending_tokens
+            - computed
+        )
         if left > 0 and num_tokens < budget:
-            num_sampled += left <= budget - num_tokens
-            num_tokens += min(left, budget - num_tokens)
+            if left <= budget - num_tokens:
+                num_sampled += 1
+                num_tokens += left
+            else:
+                num_tokens = budget
     return num_sampled, max(num_tokens, 1), num_kv
