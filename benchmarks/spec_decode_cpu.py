@@ -19,7 +19,17 @@ their full CUDA graphs, `verify_graph_max_batch` 0; `--engines` picks some) are 
 back to back (the order rotated per repeat), so a load that drifts on a shared machine touches
 them alike. Reported per workload and engine: output
 tokens/s end to end (prefill included), mean time per output token after the first (TPOT), the
-ratios to speculation off, the acceptance counters, and whether the outputs equal the off run's.
+ratios to speculation off, the acceptance counters, and whether the outputs equal the off run's;
+per run the drafter's host counters (syncs, proposals) and, at its end, its offer rate and what
+the step time learner holds (`StepTimeLearner.as_dict`: the corrected t_host, t_verify, their
+samples), which say why the cost rule drafted or not.
+
+Sizes: on CUDA a step takes ~2 ms and the sizes of the CPU (4 prompts a batch-1 workload, 192
+tokens, one batch of 32) ran ~1 s, too short for a ratio (off itself moved 615 -> 497 tok/s
+between repeats, results/2026-11-26h-cpu-spec-gpu-gaps): there `--num-b1` and `--max-tokens`
+default to 8 and 384 (~3x the tokens, ~60 s of runs for three engines and 2 repeats on an H200),
+on the CPU to 4 and 192. (More batch-32 prompts would repeat passages, which the suffix
+proposer's tree shares across requests.)
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_cpu.py --only copy_b1 open_b1 \
         --repeats 2 --out benchmarks/results/2026-11-26c-cpu-spec-decode/spec_decode_cpu_b1.json
@@ -48,7 +58,8 @@ TOPICS = ("assignment", "class", "exceptions", "for", "function", "if", "import"
           "attribute-access", "augassign", "binary", "booleans", "comparisons", "context-managers",
           "dict", "execmodel", "formatstrings", "identifiers", "naming", "operator-summary",
           "specialnames", "string-methods", "strings", "typesseq", "truth")  # fmt: skip
-SUBJECTS = ("the ocean", "a city at night", "learning to cook", "old maps", "trains", "bees")
+SUBJECTS = ("the ocean", "a city at night", "learning to cook", "old maps", "trains", "bees",
+            "mountain weather", "a public library")  # fmt: skip
 WORDS = (
     "river stone market garden window silver morning letter engine harbor candle forest bridge "
     "orange paper winter rabbit castle music ladder pocket summer valley copper island mirror"
@@ -109,6 +120,7 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     drafter = llm.llm_engine.drafter
     before = drafter.stats.as_dict() if drafter is not None else None
+    counters_before = drafter.counters() if drafter is not None else None
     replays_before = _verify_graph_replays(llm)
     outputs, elapsed = [], 0.0
     for start in range(0, len(prompts), batch):
@@ -136,6 +148,10 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
                       acceptance_rate=accepted / drafted if drafted else 0.0,
                       num_verify_steps=after["num_spec_steps"] - before["num_spec_steps"],
                       verify_graph_replays=_verify_graph_replays(llm) - replays_before)  # fmt: skip
+        counters = drafter.counters()
+        result.update({key: counters[key] - counters_before[key] for key in counters})
+        result["offer_rate_end"] = drafter.offer_rate
+        result["step_time_end"] = drafter.timer.as_dict()
     return result
 
 
@@ -149,8 +165,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--k", type=int, default=16, help="num_speculative_tokens")
-    parser.add_argument("--max-tokens", type=int, default=192)
-    parser.add_argument("--num-b1", type=int, default=4, help="prompts of each batch-1 workload")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="default 384 on CUDA, 192 on the CPU")  # fmt: skip
+    parser.add_argument(
+        "--num-b1",
+        type=int,
+        default=None,
+        help="prompts of each batch-1 workload (default 8 on CUDA, 4 on the CPU)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="prompts of the batched workload")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", nargs="*", help="run only these workloads (e.g. copy_b1)")
@@ -169,8 +191,12 @@ def main() -> None:
     from phloem import LLM
     from phloem.models.loader import load_tokenizer, resolve_model
 
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda:
         torch.set_num_threads(min(2, torch.get_num_threads()))  # a shared machine: 2 at most
+    for name, on_cuda, on_cpu in (("max_tokens", 384, 192), ("num_b1", 8, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
     tokenizer = load_tokenizer(resolve_model(args.model))
     workloads = {
         "copy_b1": (copy_prompts(tokenizer, args.num_b1, 1), 1),
@@ -212,6 +238,7 @@ def main() -> None:
            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
+           "num_b1": args.num_b1,
            "workloads": {}}  # fmt: skip
     for w in workloads:
         base = runs[w]["off"]

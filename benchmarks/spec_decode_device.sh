@@ -15,7 +15,10 @@
 #    running `true`; carry [".smol/b"] running `true`; carry [".whl", ".fiaot"] running this.
 #    SMOL_ENGINES picks the engines (default "off ngram suffix"); "ngram_nograph suffix_nograph"
 #    add the same drafts with verify steps off their full CUDA graphs (verify_graph_max_batch 0),
-#    to measure what the verify graphs gain; SMOL_TIMEOUT (default 300 s) bounds this step.
+#    to measure what the verify graphs gain; SMOL_TIMEOUT (default 300 s) bounds this step. On
+#    CUDA spec_decode_cpu.py runs 8 prompts a batch-1 workload and 384 tokens (its CUDA
+#    defaults: ~150 s for this step with three engines on an H200; the 4 x 192 of before ran ~1 s
+#    a run, too short for a ratio); SMOL_ARGS adds arguments (e.g. "--num-b1 4 --max-tokens 192").
 # 2. batchllm 100 x 16 on Llama-3.1-8B shapes with random weights, speculation off vs SPEC_JSON
 #    (default n-gram, k = SPEC_K, default 5: the engine's default), alternately, REPEATS_8B pairs while under the time guard ->
 #    OUT_DIR/batchllm-g100-{off,spec}-rN.json. Goal: >= 0.98x of off (the cost rule turns the
@@ -29,7 +32,7 @@ SMOL_ENGINES=${SMOL_ENGINES:-"off ngram suffix"}
 SMOL_TIMEOUT=${SMOL_TIMEOUT:-300}
 SPEC_JSON=${SPEC_JSON:-"{\"method\": \"ngram\", \"num_speculative_tokens\": $SPEC_K}"}
 REPEATS_8B=${REPEATS_8B:-2}
-GUARD_S=${GUARD_S:-270}  # start another 8B pair only before this many seconds have passed
+GUARD_S=${GUARD_S:-300}  # start another 8B pair only before this many seconds have passed
 ENGINE_ARGS=${ENGINE_ARGS:-"--max-num-seqs 2048 --max-num-batched-tokens 8192"}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=${GGUF_SHA256:-}
@@ -54,7 +57,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
     source benchmarks/device_setup.sh || exit 1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    SMOL_ARGS="--repeats 2"
+    SMOL_ARGS="--repeats 2 ${SMOL_ARGS:-}"
     MODEL_8B="llama-3.1-8b"
     WORKLOAD_8B="--workload batchllm --num-groups 100"
 fi
@@ -112,7 +115,11 @@ if os.path.exists(path):
                                    for r, o in zip(s["runs"], engines["off"]["runs"])],
                     "verify_steps": sum(r.get("num_verify_steps", 0) for r in s["runs"]),
                     "verify_graph_replays": sum(r.get("verify_graph_replays", 0)
-                                                for r in s["runs"])}
+                                                for r in s["runs"]),
+                    "syncs": sum(r.get("num_syncs", 0) for r in s["runs"]),
+                    "proposals": sum(r.get("num_proposals", 0) for r in s["runs"]),
+                    "offer_rate_end": s["runs"][-1].get("offer_rate_end"),
+                    "step_time_end": s["runs"][-1].get("step_time_end")}
 runs = {}
 for f in sorted(glob.glob(os.path.join(out, "batchllm-g100-*-r*.json"))):
     d = json.load(open(f))

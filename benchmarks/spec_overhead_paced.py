@@ -102,7 +102,7 @@ class PacedSpecExecutor(UniProcExecutor):
     rows accept the longest prefix of their drafts that the workload would emit."""
 
     workload: Workload
-    t0 = c_token = verify_s = 0.0
+    t0 = c_token = verify_s = host_s = 0.0
 
     def __init__(self, worker) -> None:
         super().__init__(worker)
@@ -116,6 +116,10 @@ class PacedSpecExecutor(UniProcExecutor):
             self._counts.pop(seq_id, None)
         if not scheduled:
             return None
+        if self.host_s:  # the model runner's own host work (inputs, launch): the host is busy
+            busy_until = time.perf_counter() + self.host_s
+            while time.perf_counter() < busy_until:
+                pass
         tokens = sum(s.num_tokens for s in scheduled)
         duration = self.t0 + self.c_token * tokens
         if any(s.draft_token_ids for s in scheduled):
@@ -213,6 +217,10 @@ def run_once(engine, workload: Workload, max_tokens: int) -> dict:
             result[key] = stats[key] - before[0][key]
         for key, value in counters.items():
             result[key] = value - before[1][key]
+        model = drafter.time_model  # what the step time learner holds at the end [ms]
+        result["t_host_ms"] = 1e3 * model.t_host_s
+        result["t_verify_ms"] = 1e3 * model.t_verify_s
+        result["c_draft_us"] = 1e6 * model.c_draft_s
     return result
 
 
@@ -228,12 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=16)
     parser.add_argument("--verify-ms", type=float, default=0.0,
                         help="extra device time of a step that verifies drafts [ms]")  # fmt: skip
+    parser.add_argument("--host-ms", type=float, default=0.0,
+                        help="host time the launch of every step spins (the model runner's "
+                        "input preparation and launches on a GPU) [ms]")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=["off", "ngram", "suffix"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     PacedSpecExecutor.t0, PacedSpecExecutor.c_token = SCALES[args.scale]
     PacedSpecExecutor.verify_s = args.verify_ms * 1e-3
+    PacedSpecExecutor.host_s = args.host_ms * 1e-3
     workload = Workload(args.workload, args.batch, args.passage, args.edit_every)
     PacedSpecExecutor.workload = workload
     engines = {name: build_engine(args, None if name == "off" else name) for name in args.engines}
