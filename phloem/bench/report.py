@@ -66,10 +66,11 @@ def engine_info(llm) -> dict:
 
 def spec_decode_counts(llm, before: dict | None = None) -> dict | None:
     """Speculative decoding's counters (`SpecDecodeStats.as_dict`: verify rows, drafted and
-    accepted tokens, steps, acceptance rate, mean accepted length; and the verify steps that
-    replayed a full CUDA graph, `num_verify_graph_replays`), less `before` (an earlier call's
-    dict: the run's own share); None without speculative decoding (or with data-parallel
-    replicas, which keep theirs)."""
+    accepted tokens, steps, acceptance rate, mean accepted length; the verify steps that
+    replayed a full CUDA graph, `num_verify_graph_replays`; and the drafter's host costs,
+    `Drafter.counters`: syncs, proposals, seconds in `may_draft` and `propose`), less `before`
+    (an earlier call's dict: the run's own share); None without speculative decoding (or with
+    data-parallel replicas, which keep theirs)."""
     from phloem.engine.data_parallel import DataParallelEngine
     from phloem.spec_decode.drafter import SpecDecodeStats
 
@@ -80,11 +81,14 @@ def spec_decode_counts(llm, before: dict | None = None) -> dict | None:
     verify = engine.executor.worker.model_runner.verify_runner
     replays = "num_verify_graph_replays"
     counts[replays] = 0 if verify is None else verify.num_replays
+    host = engine.drafter.counters()
+    counts.update(host)
     if before is None:
         return counts
     keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_spec_steps")
     delta = SpecDecodeStats(*(counts[k] - before[k] for k in keys)).as_dict()
-    delta[replays] = counts[replays] - before[replays]
+    for key in (replays, *host):
+        delta[key] = counts[key] - before[key]
     return delta
 
 

@@ -1,6 +1,6 @@
 """`phloem bench throughput --speculative-config JSON` reports speculative decoding's counters in
-its JSON (`spec_decode`: verify rows, drafted and accepted tokens, acceptance rate); a run
-without it reports null."""
+its JSON (`spec_decode`: verify rows, drafted and accepted tokens, acceptance rate, the drafter's
+host costs); a run without it reports null."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def test_bench_json_has_spec_decode_counters(tmp_path):
     assert 0 <= counts["num_accepted_tokens"] <= counts["num_draft_tokens"]
     assert set(counts) >= {"acceptance_rate", "mean_accepted_length", "num_spec_steps"}
     assert counts["num_verify_graph_replays"] == 0  # the CPU captures no verify graphs
+    # the drafter's host costs, the run's own share
+    assert 0 < counts["num_proposals"] <= 3 * 20  # at most one a step, 60 tokens in all
+    assert counts["propose_s"] > 0 and counts["may_draft_s"] >= 0 and counts["num_syncs"] >= 0
     out = tmp_path / "plain.json"
     assert main([*args, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["spec_decode"] is None
