@@ -55,6 +55,9 @@ def test_bench_json_on_cpu(tmp_path):
     assert set(steps) <= {"decode", "mixed"} and "decode" in steps
     # 3 requests of 5 tokens: the last 4 tokens of each come from decode steps (1 token each)
     assert steps["decode"]["mean_tokens"] == steps["decode"]["mean_seqs"]
+    quantiles = [steps["decode"][f"seqs_p{q}"] for q in (0, 10, 50, 90, 100)]
+    assert quantiles == sorted(quantiles) and 1 <= quantiles[0] and quantiles[-1] <= 3
+    assert quantiles[0] <= steps["decode"]["mean_seqs"] <= quantiles[-1]
     for t in steps.values():
         assert t["device_ms"] is None  # CUDA events only on CUDA
         phases = sum(t[f"{p}_ms"] for p in ("schedule", "launch", "wait", "update"))
