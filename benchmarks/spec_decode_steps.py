@@ -7,7 +7,7 @@ tokens read; per chat call (`--batch` prompts), steps with and without drafts.
 `--fit` fits t = t_host + c_token x T + c_kv x K by least squares to the decode and verify steps
 (T tokens computed, drafts included; K KV tokens read) of every file given, and the host time
 per step (scheduling, proposing, updating) to a + c_draft x D (D drafts): the constants of
-`drafter.step_time_model` on the CPU.
+`step_time.step_time_model` on the CPU.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_decode_steps.py --method ngram --k 16 \
         --out benchmarks/results/2026-11-26d-cpu-spec-decode/steps_ngram_k16_b1.json

@@ -9,7 +9,7 @@ comparable as they are on an H100.
 Scales (`--scale`): `smol` (SmolLM2-135M on an H100: T0 1.5 ms, C_TOKEN 3 us: a decode step of
 32 sequences 1.6 ms, as measured in benchmarks/results/2026-11-26f-h100) and `8b`
 (Llama-3.1-8B shapes: T0 45 ms, C_TOKEN 25 us). The cost rule's prior is the CUDA one of that
-model's shape (`drafter.step_time_model(..., "cuda")`), corrected online by the paced steps.
+model's shape (`step_time.step_time_model(..., "cuda")`), corrected online by the paced steps.
 
 The tokens the paced "model" emits (deterministic per sequence and output position, so outputs
 are the same with and without speculation, as greedy ones are):
@@ -163,7 +163,8 @@ def build_engine(args, method: str | None):
     model shape."""
     from phloem.engine.llm_engine import LLMEngine
     from phloem.engine_args import EngineArgs
-    from phloem.spec_decode.drafter import Drafter, step_time_model
+    from phloem.spec_decode.drafter import Drafter
+    from phloem.spec_decode.step_time import step_time_model
 
     spec = None
     if method is not None:

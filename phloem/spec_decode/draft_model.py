@@ -39,8 +39,8 @@ import torch
 from phloem.config import EMBEDDED_DRAFT, EngineConfig, SchedulerConfig, SpeculativeConfig
 from phloem.spec_decode.cost_rule import StepTimeModel
 from phloem.spec_decode.draft_kv import DraftKV
-from phloem.spec_decode.drafter import count_parameters, step_time_model
 from phloem.spec_decode.proposer import DraftRequest, Proposer, check_draft_request
+from phloem.spec_decode.step_time import count_parameters, step_time_model
 
 DRAFT_KV_CPU_BYTES = 256 << 20  # the draft cache's cap on the CPU [bytes]
 DRAFT_KV_GPU_SHARE = 0.04  # the draft cache's cap on CUDA, a share of the device's memory

@@ -7,7 +7,7 @@ pending) and whose sampling the verifier reproduces exactly: no grammar, no log-
 penalties, `min_tokens` reached. While a constrained request runs, nobody drafts (a step samples
 one way: under the grammar bitmask, or through the verifier). Everything else decodes plainly.
 
-The step time model of the cost rule (`step_time_model`): on CUDA the Llama-3.1-8B-on-H100
+The cost rule's step time model (`step_time.step_time_model`): on CUDA the Llama-3.1-8B-on-H100
 constants (`LLAMA_8B_H100`) scaled by the model's parameters and KV bytes; on the CPU the
 constants fitted to the embedded model's steps (`benchmarks/spec_decode_steps.py --fit`,
 `benchmarks/results/2026-11-26d-cpu-spec-decode/`) scaled the same way: the prior, which
@@ -27,7 +27,6 @@ from phloem.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from phloem.core.request import Request, token_slice
 from phloem.core.scheduler_output import SchedulerOutput
 from phloem.spec_decode.cost_rule import (
-    LLAMA_8B_H100,
     AcceptanceTracker,
     CostRuleConfig,
     DraftCandidate,
@@ -38,7 +37,12 @@ from phloem.spec_decode.cost_rule import (
 )
 from phloem.spec_decode.ngram_proposer import NgramProposer
 from phloem.spec_decode.proposer import DraftRequest, Proposer
-from phloem.spec_decode.step_time import StepShape, StepTimeConfig, StepTimeLearner
+from phloem.spec_decode.step_time import (
+    StepShape,
+    StepTimeConfig,
+    StepTimeLearner,
+    step_time_model,
+)
 from phloem.spec_decode.suffix_proposer import SuffixProposer
 
 # Weight of a proposal's outcome in `Drafter.offer_rate` (an exponential moving average): a few
@@ -54,8 +58,6 @@ RETRY_MAX_STEPS = 128
 
 if TYPE_CHECKING:
     from phloem.spec_decode.draft_model import DraftModelProposer
-
-LLAMA_8B_PARAMS = 8.03e9
 
 
 @dataclass
@@ -115,61 +117,6 @@ class _History(Sequence):
             index += self.length
         n = len(self.prompt)
         return self.prompt[index] if index < n else self.output[index - n]
-
-
-def _shape(hf_config) -> tuple[int, int, int, int]:
-    """(hidden size, layers, KV heads, head dim) of a transformers config."""
-    h = int(hf_config.hidden_size)
-    heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or h // heads)
-    return h, int(hf_config.num_hidden_layers), kv_heads, head_dim
-
-
-def count_parameters(hf_config) -> int:
-    """Parameters of a dense decoder of `hf_config`'s shape (attention, gated MLP, one
-    embedding matrix; norms and biases left out)."""
-    h, layers, kv_heads, head_dim = _shape(hf_config)
-    attn = h * head_dim * (2 * int(hf_config.num_attention_heads) + 2 * kv_heads)
-    return layers * (attn + 3 * h * int(hf_config.intermediate_size)) + (
-        int(hf_config.vocab_size) * h
-    )
-
-
-def step_time_model(hf_config, device_type: str) -> StepTimeModel:
-    """The cost rule's step time model for a model of `hf_config`'s shape on `device_type`
-    ("cuda" or "cpu"); parameters and KV bytes per token counted from the config.
-
-    CUDA: `LLAMA_8B_H100` scaled by the parameters and KV bytes. CPU: constants fitted by least
-    squares (`benchmarks/spec_decode_steps.py --fit`) to the embedded model's decode and verify
-    steps (bf16, the reference attention, two cores, batch 1 and 8): the model's time
-    t_host + c_token x T + c_kv x K, and the host time each draft adds (c_draft). They are
-    written as rates so that another shape scales: t_host as the bf16 weights read at 6.9 GB/s,
-    c_token as 2 x params FLOP at 84 GFLOP/s, c_kv as a token's KV bytes at 1.7 GB/s (the fit:
-    39 ms, 3.2 ms, 0.0135 ms for 134.5 M parameters and 23,040 bytes). No fixed verify cost:
-    the fitted one was below zero (a verify step costs its tokens). To recalibrate, run the
-    benchmark at batch 1 and 8 and fit (results/2026-11-26d-cpu-spec-decode/README.md).
-    """
-    _, layers, kv_heads, head_dim = _shape(hf_config)
-    params = count_parameters(hf_config)
-    kv_bytes = 2 * layers * kv_heads * head_dim * 2
-    scale = params / LLAMA_8B_PARAMS
-    if device_type == "cuda":
-        base = LLAMA_8B_H100
-        return StepTimeModel(
-            t_host_s=base.t_host_s,
-            t_weights_s=base.t_weights_s * scale,
-            c_token_s=base.c_token_s * scale,
-            c_kv_s=base.c_kv_s * kv_bytes / 131072,
-        )
-    return StepTimeModel(
-        t_host_s=params * 2 / 6.9e9,
-        t_weights_s=0.0,
-        c_token_s=2 * params / 8.4e10,
-        c_kv_s=kv_bytes / 1.7e9,
-        c_draft_s=2e-5,
-        t_verify_s=0.0,
-    )
 
 
 class Drafter:
