@@ -32,7 +32,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -213,25 +212,19 @@ class StructuredOutputs:
             self._start_fill(self._next)
 
     def _timed_fill(
-        self,
-        seq_ids: list[str],
-        started: threading.Event | None = None,
-        submitted: float | None = None,
+        self, seq_ids: list[str], submitted: float | None = None
     ) -> tuple[GrammarBitmask, dict[str, str]]:
-        """`manager.bitmask(seq_ids, started)`, its time added to `times.fill_s` (any thread: one
-        fill runs at a time) and, for a fill handed over at `submitted` (perf_counter seconds),
-        the wait for its thread to `times.fill_lag_s`. `started` is set once the library fills
-        (or the call ended)."""
+        """`manager.bitmask(seq_ids)`, its time added to `times.fill_s` (any thread: one fill
+        runs at a time) and, for a fill handed over at `submitted` (perf_counter seconds), the
+        wait for its thread to `times.fill_lag_s`."""
         assert self.manager is not None
         start = time.perf_counter()
         if submitted is not None:
             self.times.fill_lag_s += start - submitted
         try:
-            return self.manager.bitmask(seq_ids, started)
+            return self.manager.bitmask(seq_ids)
         finally:
             self.times.fill_s += time.perf_counter() - start
-            if started is not None:
-                started.set()
 
     def _start_fill(self, sched: SchedulerOutput) -> None:
         """Fill the marked step's bitmask in a background thread (its rows' previous tokens are
@@ -242,15 +235,14 @@ class StructuredOutputs:
         loop's Python hands over at its next blocking or torch call or after the switch
         interval (5 ms); on the CPU stand-in the fill began 3-4 ms late behind 3 ms of such
         Python (benchmarks/results/2026-11-26h-cpu-structured-wait), but on an H200 waiting
-        here for the thread to have its rows (`started`) raised the loop's update time by
+        here for the thread to have its rows raised the loop's update time by
         ~3 ms a step with no less fill wait (one schema 0.76 / 0.83x with the wait, 0.89 /
         0.81x without; benchmarks/results/2026-11-26h-h200)."""
         assert self.manager is not None
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
-        started = threading.Event()
         ids = list(sched.structured_seq_ids)
-        future = self._filler.submit(self._timed_fill, ids, started, time.perf_counter())
+        future = self._filler.submit(self._timed_fill, ids, time.perf_counter())
         self._fill = (sched, future)
         self.num_early_fills += 1
 

@@ -337,14 +337,11 @@ class StructuredOutputManager:
             self._buffers[self._turn] = buffer
         return buffer[:num_rows]
 
-    def bitmask(
-        self, seq_ids: list[str], started: threading.Event | None = None
-    ) -> tuple[GrammarBitmask, dict[str, str]]:
+    def bitmask(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
         """The bitmask of these sampled rows (waiting for grammars not compiled yet), and
         {seq id: reason} for rows that must fail alone (no grammar, or none of the vocabulary
         allowed); those rows, and rows of sequences no longer known (finished after this step
-        was scheduled), allow every token. The library writes each row in place. `started`, if
-        given, is set when the rows are gathered and the library's fill begins."""
+        was scheduled), allow every token. The library writes each row in place."""
         bitmask = self._buffer(len(seq_ids))
         failed: dict[str, str] = {}
         rows: list[int] = []
@@ -365,8 +362,6 @@ class StructuredOutputManager:
             rows.append(i)
             matchers.append(matcher)
         bitmask[free] = -1
-        if started is not None:
-            started.set()
         if matchers:
             start = time.perf_counter()
             self.backend.fill_bitmasks(matchers, bitmask, rows)
