@@ -26,6 +26,7 @@ column-parallel layers, whole in row-parallel ones).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,6 +170,16 @@ class LinearBase(nn.Module):
         (already quantized per token) only where `quant_method.accepts_fp8_input(self)`."""
         return self.quant_method.apply(self, x, self.bias)
 
+    def forward_silu_and_mul(
+        self, gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor | Fp8Activation]
+    ) -> torch.Tensor:
+        """self(act_fn(gate_up)) for gate_up [..., 2 * input_size] = [gate | up] and `act_fn` its
+        SiLU-and-mul (`SiluAndMul`), with the activation computed inside the GEMM where
+        `quant_method.apply_silu_and_mul` takes the call (decode-sized calls of the skinny GEMM:
+        one kernel instead of two), else the two apart."""
+        out = self.quant_method.apply_silu_and_mul(self, gate_up, self.bias)
+        return self(act_fn(gate_up)) if out is None else out
+
     def set_quant_method(self, method: LinearMethod) -> None:
         """Compute through `method` from now on; it replaces the weight parameters with its own
         (`LinearMethod.create_weights`). Call before the weights load. Mutates the layer."""
@@ -258,7 +269,22 @@ class RowParallelLinear(LinearBase):
         ranks (in place, one all-reduce; none at tp_size 1, nor when `defers_all_reduce`)."""
         if self.tp_size == 1 or self.defers_all_reduce:
             return self.quant_method.apply(self, x, self.bias)
-        out = tp_all_reduce(self.quant_method.apply(self, x, None))
+        return self._all_reduce(self.quant_method.apply(self, x, None))
+
+    def forward_silu_and_mul(
+        self, gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor | Fp8Activation]
+    ) -> torch.Tensor:
+        """`LinearBase.forward_silu_and_mul`, summed over the ranks as `forward` sums (gate_up:
+        this rank's [gate | up] slices)."""
+        local = self.tp_size == 1 or self.defers_all_reduce
+        out = self.quant_method.apply_silu_and_mul(self, gate_up, self.bias if local else None)
+        if out is None:
+            return self(act_fn(gate_up))
+        return out if local else self._all_reduce(out)
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output summed over the ranks (in place), then the bias."""
+        out = tp_all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
     def weight_loader(

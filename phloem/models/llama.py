@@ -134,7 +134,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate/up fused."""
+    """down(silu(gate(x)) * up(x)) with gate/up fused; where the down projection's kernel takes
+    [gate | up] itself (decode-sized calls of the skinny GEMM), SiLU-and-mul runs inside it
+    (`RowParallelLinear.forward_silu_and_mul`)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -143,7 +145,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x), self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):

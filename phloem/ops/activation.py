@@ -18,13 +18,22 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32 (gate, up: tensors of one shape, any float dtype): the one
+    expression of SiLU-and-mul in phloem's kernels, so that a kernel that fuses it into its
+    loads (`phloem.ops.skinny_gated`) rounds the same values as this module's kernel."""
+    g = gate.to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, s_x, s_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < d
-    gate = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * s_x + d + cols, mask=ok, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.load(x_ptr + row * s_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * s_x + d + cols, mask=ok, other=0.0)
+    y = silu_mul(gate, up)
     tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -16,7 +16,9 @@ rows (`_skinny_dot_kernel`: tensor cores, fp32 accumulation, W's loads staged th
 memory by Triton's pipeliner, `num_stages` deep). `split_k` > 1 also splits K over programs,
 each adding its fp32 partial sums into a zeroed fp32 buffer (`tl.atomic_add`), which is then
 rounded to the output dtype: two more kernels (a memset and a cast), for shapes with too few
-rows of W to fill the GPU.
+rows of W to fill the GPU. Both kernels' `GATED` variant reads [gate | up] rows of twice K and
+multiplies silu(gate) * up instead of x (`phloem.ops.skinny_gated`: SiLU-and-mul fused into the
+down projection).
 
 Accumulation is fp32 and the output is rounded once, so results equal `F.linear`'s to bf16
 rounding (not bit for bit: the summation order differs). Which config each shape gets is
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from phloem.ops.activation import silu_mul
 
 MAX_ROWS = 16  # the most rows of x this kernel takes (a decode step's batch)
 DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores
@@ -193,12 +197,6 @@ def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
     return CONFIGS.get((rows_bucket(rows), n, k)) or default_config(rows, n, k)
 
 
-def measured_slower(rows: int, n: int, k: int) -> bool:
-    """Whether `CONFIGS` says cuBLAS is faster for this shape (an entry of None)."""
-    key = (rows_bucket(rows), n, k)
-    return key in CONFIGS and CONFIGS[key] is None
-
-
 @triton.jit
 def _w_tile(w_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] tile of W at `w_ptrs` (zeros outside N and the K range)."""
@@ -208,11 +206,19 @@ def _w_tile(w_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row_times_w(x_ptr, m, M, offs_k, k_ok, w, rn, s_xm):
+def _row_times_w(x_ptr, m, M, K, offs_k, k_ok, w, rn, s_xm, GATED: tl.constexpr):
     """Row m of x over `offs_k` (zeros past M rows or outside the K range), broadcast over the
     tile's rows, times the fp32 tile w: fp32 [BLOCK_N, BLOCK_K]. The pointers repeat along the
     rows, so x is loaded in w's own layout (no shared-memory layout conversion and barrier in
-    the loop; the repeated addresses hit L1)."""
+    the loop; the repeated addresses hit L1). GATED: x's row is [gate | up] (2K wide) and the
+    product takes silu(gate) * up rounded to x's dtype, computed once per column (a vector in
+    the slice of w's layout, then broadcast: not once per tile row)."""
+    if GATED:
+        row = x_ptr + m * s_xm + offs_k
+        ok = k_ok & ((offs_k * 0 + m) < M)
+        gate = tl.load(row, mask=ok, other=0.0)
+        h = silu_mul(gate, tl.load(row + K, mask=ok, other=0.0)).to(gate.dtype)
+        return w * h.to(tl.float32)[None, :]
     ptrs = x_ptr + m * s_xm + offs_k[None, :] + rn[:, None] * 0
     ok = k_ok[None, :] & ((rn[:, None] * 0 + m) < M)
     return w * tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
@@ -234,12 +240,12 @@ def _finish_row(out_ptr, m, M, rn, n_ok, acc, bias, s_om, SPLIT: tl.constexpr):
 def _skinny_fma_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """The CUDA-core product for ROWS (1, 2 or 4) >= M rows: program (n, s) computes
     out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T. Each row of x has an fp32
     accumulator of W's tile shape, updated elementwise (FMAs only in the loop: no shuffles, no
-    barriers) and summed over K once at the end. K range s, EVEN_K and SPLIT as in
+    barriers) and summed over K once at the end. K range s, EVEN_K, SPLIT and GATED as in
     `_skinny_dot_kernel`."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -263,12 +269,12 @@ def _skinny_fma_kernel(
         w_next = _w_tile(w_ptrs, n_ok, (k + step + rk) < k_end, EVEN_K)
         offs_k = k + rk
         k_ok = offs_k < k_end
-        a0 += _row_times_w(x_ptr, 0, M, offs_k, k_ok, w, rn, s_xm)
+        a0 += _row_times_w(x_ptr, 0, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
         if ROWS > 1:
-            a1 += _row_times_w(x_ptr, 1, M, offs_k, k_ok, w, rn, s_xm)
+            a1 += _row_times_w(x_ptr, 1, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
         if ROWS > 2:
-            a2 += _row_times_w(x_ptr, 2, M, offs_k, k_ok, w, rn, s_xm)
-            a3 += _row_times_w(x_ptr, 3, M, offs_k, k_ok, w, rn, s_xm)
+            a2 += _row_times_w(x_ptr, 2, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+            a3 += _row_times_w(x_ptr, 3, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
@@ -285,14 +291,16 @@ def _skinny_fma_kernel(
 def _skinny_dot_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The tensor-core product, x padded to 16 rows: program (n, s) computes
     out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T with `tl.dot` (fp32).
 
     K range s = [s * K_PER_SPLIT, min(K, (s + 1) * K_PER_SPLIT)), K_PER_SPLIT a multiple of
     BLOCK_K. EVEN_K: K is a multiple of BLOCK_K (no K mask). SPLIT: out is fp32 and zeroed, and
-    every program adds its partial sums atomically (the bias once, by split 0). INTERPRET:
+    every program adds its partial sums atomically (the bias once, by split 0). GATED: x is
+    [M, 2K], [gate | up], and the product takes silu(gate) * up rounded to x's dtype (the
+    standalone kernel's values: `phloem.ops.activation.silu_mul`) in place of x. INTERPRET:
     Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton 3.9), multiplies the same
     values in fp32 (IEEE) instead."""
     pid_n = tl.program_id(0)
@@ -311,9 +319,12 @@ def _skinny_dot_kernel(
         k_ok = (k + rk) < k_end
         w = _w_tile(w_ptrs, n_ok, k_ok, EVEN_K)
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            x_ok = m_ok[:, None]
         else:
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+        if GATED:
+            x = silu_mul(x, tl.load(x_ptrs + K, mask=x_ok, other=0.0)).to(x.dtype)
         if INTERPRET:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
@@ -337,20 +348,31 @@ def takes(x: torch.Tensor, weight: torch.Tensor, measured_only: bool = False) ->
     Triton's interpreter, for tests), and a shape `CONFIGS` does not leave to cuBLAS; with
     `measured_only`, a shape `CONFIGS` gives a config (measured faster than cuBLAS)."""
     k = x.shape[-1]
-    if measured_only and CONFIGS.get((rows_bucket(x.numel() // max(k, 1)), *weight.shape)) is None:
-        return False
+    return k > 0 and takes_rows(x, x.numel() // k, weight, measured_only)
+
+
+def takes_rows(x: torch.Tensor, rows: int, weight: torch.Tensor, measured_only: bool) -> bool:
+    """`takes` for `rows` rows of W's K input features held in x (read for its dtype and
+    device only: also the [gate | up] rows of `phloem.ops.skinny_gated`)."""
     return (
-        0 < x.numel() <= MAX_ROWS * k
+        weight.dim() == 2
+        and runs_shape(rows, weight.shape[0], weight.shape[1], measured_only)
         and x.dtype in DTYPES
         and weight.dtype == x.dtype
-        and weight.dim() == 2
         and weight.stride(1) == 1
         and (x.is_cuda or INTERPRETED)
-        and not measured_slower(x.numel() // k, weight.shape[0], k)
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def runs_shape(rows: int, n: int, k: int, measured_only: bool) -> bool:
+    """Whether `CONFIGS` sends a call of `rows` rows against W [n, k] to the kernel: 1..MAX_ROWS
+    rows, not measured slower than cuBLAS, and, `measured_only`, measured faster."""
+    key = (rows_bucket(rows), n, k)
+    return 0 < rows <= MAX_ROWS and (CONFIGS.get(key) is not None or not (
+        measured_only or key in CONFIGS))  # fmt: skip
+
+
+def check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Raises ValueError for inputs `skinny_linear` does not take."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, K] with K contiguous, got {tuple(weight.shape)}")
@@ -381,36 +403,55 @@ def skinny_linear(
     Raises:
         ValueError: more than MAX_ROWS rows, a shape, layout or dtype mismatch, a bad config.
     """
-    _check(x, weight, bias)
+    check_inputs(x, weight, bias)
+    out = launch(rows_of(x), weight, bias, config, gated=False)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x [..., W] as [rows, W] with unit stride along a row (a copy only where it has not)."""
+    rows_x = x.reshape(-1, x.shape[-1])
+    return rows_x if rows_x.stride(-1) == 1 else rows_x.contiguous()
+
+
+def launch(
+    rows_x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None,
+    gated: bool,
+) -> torch.Tensor:
+    """One kernel launch (split: and a memset and a cast): out [rows, N] = x W^T + b, x =
+    rows_x [rows, K] or, `gated`, silu(gate) * up of rows_x [rows, 2K] = [gate | up]; the
+    arguments checked by the caller (`check_inputs`).
+
+    Raises:
+        ValueError: more than MAX_ROWS rows, a config the rows cannot use.
+    """
     n, k = weight.shape
-    rows_x = x.reshape(-1, k)
-    if rows_x.stride(-1) != 1:
-        rows_x = rows_x.contiguous()
     rows = rows_x.shape[0]
     if rows > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows of x, got {rows}")
+        raise ValueError(f"the skinny GEMM takes at most {MAX_ROWS} rows of x, got {rows}")
     config = config or config_for(rows, n, k)
     config.validate(rows)
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
     split = splits > 1
-    out_dtype = torch.float32 if split else x.dtype
+    out_dtype = torch.float32 if split else rows_x.dtype
     make = torch.zeros if split else torch.empty
-    out = make(rows, n, dtype=out_dtype, device=x.device)
+    out = make(rows, n, dtype=out_dtype, device=rows_x.device)
     if rows and n:
         grid = (triton.cdiv(n, config.block_n), splits)
         args = (rows_x, weight, bias if bias is not None else weight, out, rows, n, k,
                 k_per_split, rows_x.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
         consts = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                      EVEN_K=k % config.block_k == 0, SPLIT=split, num_warps=config.num_warps,
-                      num_stages=config.num_stages)  # fmt: skip
+                      EVEN_K=k % config.block_k == 0, SPLIT=split, GATED=gated,
+                      num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
         if config.uses_tensor_cores(rows):
             _skinny_dot_kernel[grid](*args, INTERPRET=INTERPRETED, **consts)
         else:
             _skinny_fma_kernel[grid](*args, ROWS=rows_bucket(rows), **consts)
-    if split:
-        out = out.to(x.dtype)
-    return out.view(*x.shape[:-1], n)
+    return out.to(rows_x.dtype) if split else out
 
 
 def compile_variants(
@@ -421,12 +462,14 @@ def compile_variants(
     launches record every variant a decode step of 1..16 rows compiles (Triton specializes M
     only on equalling 1 or being divisible by 16; the rows bucket picks the constexprs) and run
     nothing; `measured_only`: only the launches `takes(..., measured_only=True)` sends here.
+    Then `phloem.ops.skinny_gated.compile_variants` (the down projections' fused launches).
     Under a real driver it would launch on CPU memory: call it only there. W is allocated,
     never written (`torch.empty`)."""
+    from phloem.ops import skinny_gated  # imports this module
+
     for n, k in shapes:
         weight = torch.empty(n, k, dtype=dtype)
         for rows in (1, 2, 4, 8, 16):
-            if measured_only and CONFIGS.get((rows, n, k)) is None:
-                continue
-            if not measured_slower(rows, n, k):
+            if runs_shape(rows, n, k, measured_only):
                 skinny_linear(torch.empty(rows, k, dtype=dtype), weight)
+    skinny_gated.compile_variants(shapes, dtype, measured_only)

@@ -145,10 +145,12 @@ def skinny_flag(monkeypatch):
             monkeypatch.setenv(quant_base.SKINNY_GEMM_ENV, value)
         quant_base.skinny_gemm_mode.cache_clear()
         quant_base.skinny_gemm_module.cache_clear()
+        quant_base.skinny_gated_module.cache_clear()
 
     yield set_flag
     quant_base.skinny_gemm_mode.cache_clear()
     quant_base.skinny_gemm_module.cache_clear()
+    quant_base.skinny_gated_module.cache_clear()
 
 
 def test_flag_defaults_to_the_measured_shapes_and_is_validated(sk, skinny_flag):
@@ -216,9 +218,10 @@ def test_flag_routes_decode_sized_dense_calls(sk, skinny_flag, counted, monkeypa
 
 
 def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_factory,
-                                           embedded_tokenizer_dir):  # fmt: skip
+                                           embedded_tokenizer_dir, monkeypatch):  # fmt: skip
     """A tiny fp16 Llama, decode batches of 6 down to 1 rows (both tile products): the flag's
-    greedy tokens are F.linear's, and its decode steps went through the kernel. fp16, not bf16:
+    greedy tokens are F.linear's, and its decode steps went through the kernel (the MLPs' down
+    projections with SiLU-and-mul fused, `ops.skinny_gated`). fp16, not bf16:
     Triton's interpreter truncates float32 to bf16 (the GPU rounds to nearest), enough to flip
     one of this model's 27 greedy tokens; it rounds fp16 as the GPU does."""
     from phloem import LLM, SamplingParams
@@ -236,13 +239,20 @@ def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_fa
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    from phloem.ops import skinny_gated
+
+    fused = []
+    real = skinny_gated.silu_and_mul_linear
+    monkeypatch.setattr(skinny_gated, "silu_and_mul_linear",
+                        lambda *a: fused.append(a[0].shape[0]) or real(*a))  # fmt: skip
     skinny_flag("0")
     plain = run()
-    assert not counted
+    assert not counted and not fused
     skinny_flag("1")
     assert run() == plain
     rows = {shape[0] for shape in counted}  # CPU: 6..1; CUDA: the graphs' batch sizes
     assert 1 in rows and max(rows) >= sk.DOT_MIN_ROWS, rows  # both tile products
+    assert 1 in fused and max(fused) >= sk.DOT_MIN_ROWS, fused
 
 
 COMPILE_FOR_HOPPER = r"""
@@ -255,13 +265,15 @@ from phloem.ops import skinny_gemm as sk
 types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", M="i32", N="i32", K="i32",
              K_PER_SPLIT="i32", s_xm="i32", s_wn="i32", s_om="i32")
 built = []
-for fn, rows, split, block_n in ((sk._skinny_fma_kernel, 1, False, 8),
-                                 (sk._skinny_fma_kernel, 4, True, 8),
-                                 (sk._skinny_dot_kernel, 16, False, 16),
-                                 (sk._skinny_dot_kernel, 16, True, 64)):
+for fn, rows, split, block_n, gated in ((sk._skinny_fma_kernel, 1, False, 8, False),
+                                        (sk._skinny_fma_kernel, 4, True, 8, False),
+                                        (sk._skinny_dot_kernel, 16, False, 16, False),
+                                        (sk._skinny_dot_kernel, 16, True, 64, False),
+                                        (sk._skinny_fma_kernel, 2, False, 4, True),
+                                        (sk._skinny_dot_kernel, 16, True, 16, True)):
     dot = fn is sk._skinny_dot_kernel
     const = dict(HAS_BIAS=not split, BLOCK_N=block_n, BLOCK_K=256, EVEN_K=True, SPLIT=split,
-                 **(dict(INTERPRET=False) if dot else dict(ROWS=rows)))
+                 GATED=gated, **(dict(INTERPRET=False) if dot else dict(ROWS=rows)))
     sig = {n: "constexpr" if n in const else types.get(n, "*fp32" if split else "*bf16")
            for n in fn.arg_names}
     # what a launch specializes on: 16-byte aligned pointers, ints divisible by 16 (not M)
@@ -273,7 +285,8 @@ for fn, rows, split, block_n in ((sk._skinny_fma_kernel, 1, False, 8),
     assert ("mma" in ptx) == dot, "only the tl.dot product runs on the tensor cores"
     assert (".gpu.relaxed.add." in ptx) == split, "split K adds its partial sums atomically"
     assert ("cp.async" if dot else "ld.global.v4") in ptx, "W in 16-byte vectors (dot: staged)"
-    built.append(f"{fn.fn.__name__} rows={rows} split={split}")
+    assert ("ex2.approx" in ptx) == gated, "gated: silu(gate) * up computed in the kernel"
+    built.append(f"{fn.fn.__name__} rows={rows} split={split} gated={gated}")
 print("compiled:", "; ".join(built))
 """
 
@@ -281,9 +294,9 @@ print("compiled:", "; ".join(built))
 def test_kernel_compiles_for_hopper(compile_for_hopper):
     """The GPU compiler (which rejects what the interpreter accepts) takes every variant:
     CUDA-core and tensor-core products, with and without split-K atomics, W read in 16-byte
-    vectors (or staged by cp.async)."""
+    vectors (or staged by cp.async), and both products with SiLU-and-mul fused (GATED)."""
     out = compile_for_hopper(COMPILE_FOR_HOPPER)
-    assert out.count("rows=") == 4
+    assert out.count("rows=") == 6
 
 
 RECORD_VARIANTS = r"""
@@ -310,7 +323,8 @@ def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
     """The prebuild hook records, per Llama-3.1-8B shape, the variants of 1, 2, 4, 8 and 16
     rows and compiles none: by the rule of thumb the CUDA-core kernel at 1/2/4 rows and tl.dot
     at 8 and 16; through the engine's hooks none with PHLOEM_SKINNY_GEMM=0, and by default
-    (auto) those of the measured shapes (all of these: their table is complete)."""
+    (auto) those of the measured shapes (all of these: their table is complete); the down
+    projection's SiLU-and-mul-fused variants (`ops.skinny_gated`) beside its own."""
     lines = dict(line.split("|", 1) for line in compile_for_hopper(RECORD_VARIANTS).splitlines()
                  if "|" in line)  # fmt: skip
     names = {mode: set(text.split("|")) - {""} for mode, text in lines.items()}
@@ -320,6 +334,11 @@ def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
         assert any(f"ROWS={rows}," in n for n in rule), (rows, rule)
     assert sum("_skinny_dot_kernel" in n for n in rule) >= 2, rule  # 8 and 16 rows
     assert not names["0"] and names["auto"] and names["auto"] <= names["1"], names
+    # down (4096, 14336) after gate_up (28672, 4096): its SiLU-and-mul-fused launches too (the
+    # measured table has every rows bucket; 8 and 16 rows share their constexprs), no others'
+    for mode in ("auto", "rule"):
+        gated = [n for n in names[mode] if "GATED=True" in n]
+        assert len(gated) == 4 and len(names[mode]) > 8, names[mode]
 
 
 def test_benchmark_grid_is_valid(sk):

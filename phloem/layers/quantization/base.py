@@ -53,6 +53,15 @@ class LinearMethod(ABC):
         row-parallel layer's caller sums it over the ranks). x is an `Fp8Activation` only where
         `accepts_fp8_input(layer)`."""
 
+    def apply_silu_and_mul(
+        self, layer: LinearBase, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`apply(layer, silu(gate) * up, bias)` for gate_up [..., 2 * input_size] = [gate | up]
+        (a gated MLP's gate_up output) with the activation computed inside the GEMM's kernel,
+        where the method has such a kernel for this call; None where it has not (the caller then
+        runs the activation and `apply`). Default: None."""
+        return None
+
     def accepts_fp8_input(self, layer: LinearBase) -> bool:
         """Whether `apply` takes its input already quantized to e4m3 per token, dynamically
         (max |x| / 448 over the token's whole row), as an `Fp8Activation`: then the layer that
@@ -67,6 +76,7 @@ class LinearMethod(ABC):
 
 SKINNY_GEMM_ENV = "PHLOEM_SKINNY_GEMM"
 SKINNY_GEMM_CONFIGS_ENV = "PHLOEM_SKINNY_GEMM_CONFIGS"
+FUSED_SILU_DOWN_ENV = "PHLOEM_FUSED_SILU_DOWN"
 
 
 @functools.cache
@@ -112,11 +122,33 @@ def skinny_gemm_module():
     return skinny_gemm
 
 
+@functools.cache
+def skinny_gated_module():
+    """`phloem.ops.skinny_gated` (SiLU-and-mul fused into the skinny down GEMM), or None when
+    PHLOEM_FUSED_SILU_DOWN is "0" (default "1": on) or `skinny_gemm_module()` is None; read
+    once per process, like PHLOEM_SKINNY_GEMM.
+
+    Raises:
+        ValueError: naming PHLOEM_FUSED_SILU_DOWN for a value other than 0 or 1; those of
+            `skinny_gemm_module`.
+    """
+    value = os.environ.get(FUSED_SILU_DOWN_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_SILU_DOWN_ENV} must be 0 or 1, got {value!r}")
+    if value == "0" or skinny_gemm_module() is None:
+        return None
+    from phloem.ops import skinny_gated
+
+    return skinny_gated
+
+
 class UnquantizedLinearMethod(LinearMethod):
     """The dense layer: W in the model dtype, `F.linear`; calls of 1..16 rows in bf16/fp16 on
     CUDA (decode steps) go through one Triton kernel that streams W once
     (`phloem.ops.skinny_gemm`) for the shapes it measured faster than cuBLAS
-    (`skinny_gemm_mode`: PHLOEM_SKINNY_GEMM=0 turns it off, =1 takes every shape).
+    (`skinny_gemm_mode`: PHLOEM_SKINNY_GEMM=0 turns it off, =1 takes every shape). A down
+    projection's call through `apply_silu_and_mul` that the kernel takes also computes the
+    MLP's SiLU-and-mul in it (`phloem.ops.skinny_gated`; PHLOEM_FUSED_SILU_DOWN=0: apart).
 
     On the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1, the tests),
     read once here at construction so that `apply` does no environment lookup per call."""
@@ -141,6 +173,19 @@ class UnquantizedLinearMethod(LinearMethod):
             if skinny is not None and skinny.takes(x, layer.weight, measured_only=mode == "auto"):
                 return skinny.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
+
+    def apply_silu_and_mul(
+        self, layer: LinearBase, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The skinny GEMM's SiLU-and-mul-fused launch where `apply` would send silu(gate) * up
+        to the skinny GEMM (the same rows, shapes and flags), else None."""
+        mode = skinny_gemm_mode()
+        if mode == "0" or not (gate_up.is_cuda or self.triton_interpret):
+            return None
+        gated = skinny_gated_module()
+        if gated is None or not gated.takes(gate_up, layer.weight, measured_only=mode == "auto"):
+            return None
+        return gated.silu_and_mul_linear(gate_up, layer.weight, bias)
 
 
 class QuantizationConfig(ABC):

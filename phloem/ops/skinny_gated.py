@@ -1,0 +1,103 @@
+"""y = (silu(gate) * up) W^T (+ b) for decode-sized [gate | up] rows: a gated MLP's SiLU-and-mul
+fused into its down projection's skinny GEMM (issues 19 and 24), so the step runs one kernel
+where it ran two.
+
+A decode layer's small kernels cost more than their bytes (a launch slot and a gap each: ~13
+a layer, 1-3 us apiece on an H200, benchmarks/results/2026-11-26d-h200-serving). Where the down
+projection takes `phloem.ops.skinny_gemm`'s kernel, that kernel (its `GATED` variant) reads the
+gate_up output [T, 2K] itself and computes silu(gate) * up while it loads each x tile, rounded
+to the model dtype with the standalone kernel's expression (`phloem.ops.activation.silu_mul`):
+the GEMM multiplies the very values `silu_and_mul` would have written, so for the same config
+the output equals the unfused pair's bit for bit. The [T, K] intermediate is never written.
+Each program recomputes the activation of the x columns it reads (as many times as there are
+programs along N: a few exp/rcp per weight element on the tensor-core path, whose x is padded
+to 16 rows); whether that stays hidden behind W's stream is what benchmarks/skinny_gemm.py
+`--fused` measures per rows bucket.
+
+Which config a shape gets: `CONFIGS` (measured for the fused kernel), else the unfused down
+GEMM's (`skinny_gemm.config_for`); an entry of None keeps that rows bucket unfused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phloem.ops import skinny_gemm as sk
+
+# (rows bucket, N, K) -> the fused kernel's config, or None: run SiLU-and-mul and the GEMM
+# apart. Empty: not measured yet (the unfused GEMM's config serves; benchmarks/skinny_gemm.py
+# --fused prints this table).
+CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {}
+
+
+def takes(gate_up: torch.Tensor, weight: torch.Tensor, measured_only: bool = False) -> bool:
+    """Whether `silu_and_mul_linear(gate_up, weight)` runs here and is meant for this call:
+    gate_up [..., 2K] contiguous along its last dim, W [N, K], and the rows and shape that
+    `skinny_gemm.takes` sends to the kernel (`measured_only` as there), unless `CONFIGS`
+    keeps this rows bucket unfused."""
+    two_k = gate_up.shape[-1]
+    if weight.dim() != 2 or two_k != 2 * weight.shape[1] or gate_up.stride(-1) != 1 or not two_k:
+        return False
+    rows = gate_up.numel() // two_k
+    return not _kept_unfused(rows, *weight.shape) and sk.takes_rows(
+        gate_up, rows, weight, measured_only)  # fmt: skip
+
+
+def _kept_unfused(rows: int, n: int, k: int) -> bool:
+    """Whether `CONFIGS` keeps this rows bucket's SiLU-and-mul out of the GEMM (None)."""
+    key = (sk.rows_bucket(rows), n, k)
+    return key in CONFIGS and CONFIGS[key] is None
+
+
+def config_for(rows: int, n: int, k: int) -> sk.SkinnyConfig:
+    """The config of a fused launch of `rows` rows against W [n, k]."""
+    return CONFIGS.get((sk.rows_bucket(rows), n, k)) or sk.config_for(rows, n, k)
+
+
+def silu_and_mul_linear(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: sk.SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """`F.linear(silu_and_mul(gate_up), weight, bias)` for at most `skinny_gemm.MAX_ROWS` rows,
+    in one kernel launch (split K: and the memset and cast of `skinny_gemm.launch`).
+
+    Args:
+        gate_up: [..., 2K] = [gate | up] (a gated MLP's gate_up output), bf16 or fp16; made
+            contiguous along the last dim if it is not.
+        weight: [N, K], gate_up's dtype, rows contiguous in K. bias: [N] or None.
+        config: the launch configuration; None: `config_for` the shape.
+    Returns:
+        [..., N] in gate_up's dtype: silu(gate) * up rounded to it, then fp32 accumulation
+        rounded once.
+    Raises:
+        ValueError: more than MAX_ROWS rows, a shape, layout or dtype mismatch, a bad config.
+    """
+    if weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[1]:
+        raise ValueError(
+            f"gate_up must be [..., 2K] for weight [N, K], got {tuple(gate_up.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    sk.check_inputs(gate_up[..., : weight.shape[1]], weight, bias)
+    rows_x = sk.rows_of(gate_up)
+    n, k = weight.shape
+    out = sk.launch(rows_x, weight, bias, config or config_for(rows_x.shape[0], n, k), True)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def compile_variants(
+    shapes: list[tuple[int, int]], dtype: torch.dtype, measured_only: bool = False
+) -> None:
+    """For each (N, K) of `shapes` (one rank's linear layers) that follows a gated MLP's
+    gate_up ((2K, N) is also in `shapes`: down), call `silu_and_mul_linear` on CPU tensors at
+    1, 2, 4, 8 and 16 rows where `takes` would send a decode step here, for the Triton
+    prebuild's compile-only driver (see `skinny_gemm.compile_variants`, which calls this). Also
+    with PHLOEM_FUSED_SILU_DOWN=0, which leaves these variants unused."""
+    for n, k in shapes:
+        if (2 * k, n) not in shapes:
+            continue
+        weight = torch.empty(n, k, dtype=dtype)
+        for rows in (1, 2, 4, 8, 16):
+            if sk.runs_shape(rows, n, k, measured_only) and not _kept_unfused(rows, n, k):
+                silu_and_mul_linear(torch.empty(rows, 2 * k, dtype=dtype), weight)
