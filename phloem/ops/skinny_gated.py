@@ -9,13 +9,17 @@ gate_up output [T, 2K] itself and computes silu(gate) * up while it loads each x
 to the model dtype with the standalone kernel's expression (`phloem.ops.activation.silu_mul`):
 the GEMM multiplies the very values `silu_and_mul` would have written, so for the same config
 the output equals the unfused pair's bit for bit. The [T, K] intermediate is never written.
-Each program recomputes the activation of the x columns it reads (as many times as there are
-programs along N: a few exp/rcp per weight element on the tensor-core path, whose x is padded
-to 16 rows); whether that stays hidden behind W's stream is what benchmarks/skinny_gemm.py
-`--fused` measures per rows bucket.
 
-Which config a shape gets: `CONFIGS` (measured for the fused kernel), else the unfused down
-GEMM's (`skinny_gemm.config_for`); an entry of None keeps that rows bucket unfused.
+The price: every program along N recomputes the activation of the x columns it reads, for
+every row its tile product computes (the rows bucket on the CUDA cores, 16 on the tensor
+cores): `silu_per_weight` = those rows / block_n activations per weight element, each an exp
+and an IEEE division (2 MUFU ops and ~15 instructions in the sm_90 SASS). An H100 streams ~7
+bf16 weight elements per SM clock (an H200 ~10) and issues 16 MUFU ops, so at 1 activation per
+weight element (16 rows, block_n 16) the kernel would be bound by that arithmetic, not by HBM;
+at <= 1/2 it should stay hidden (benchmarks/results/2026-11-27-cpu-decode-fusion). So by
+default (`CONFIGS` silent) a rows bucket fuses only where its config computes <= 1/2
+(`MAX_SILU_PER_WEIGHT`); `CONFIGS` holds measured choices (benchmarks/skinny_gated.py prints
+them) and overrides the rule either way.
 """
 
 from __future__ import annotations
@@ -25,28 +29,40 @@ import torch
 from phloem.ops import skinny_gemm as sk
 
 # (rows bucket, N, K) -> the fused kernel's config, or None: run SiLU-and-mul and the GEMM
-# apart. Empty: not measured yet (the unfused GEMM's config serves; benchmarks/skinny_gemm.py
-# --fused prints this table).
+# apart. Empty: not measured yet (the unfused GEMM's config serves where `MAX_SILU_PER_WEIGHT`
+# allows it; benchmarks/skinny_gated.py prints this table).
 CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {}
+# The most activations per weight element a launch may recompute without a `CONFIGS` entry.
+MAX_SILU_PER_WEIGHT = 0.5
 
 
 def takes(gate_up: torch.Tensor, weight: torch.Tensor, measured_only: bool = False) -> bool:
     """Whether `silu_and_mul_linear(gate_up, weight)` runs here and is meant for this call:
-    gate_up [..., 2K] contiguous along its last dim, W [N, K], and the rows and shape that
-    `skinny_gemm.takes` sends to the kernel (`measured_only` as there), unless `CONFIGS`
-    keeps this rows bucket unfused."""
+    gate_up [..., 2K] contiguous along its last dim, W [N, K], the rows and shape that
+    `skinny_gemm.takes` sends to the kernel (`measured_only` as there), and `fuses` the rows."""
     two_k = gate_up.shape[-1]
     if weight.dim() != 2 or two_k != 2 * weight.shape[1] or gate_up.stride(-1) != 1 or not two_k:
         return False
     rows = gate_up.numel() // two_k
-    return not _kept_unfused(rows, *weight.shape) and sk.takes_rows(
-        gate_up, rows, weight, measured_only)  # fmt: skip
+    return fuses(rows, *weight.shape) and sk.takes_rows(gate_up, rows, weight, measured_only)
 
 
-def _kept_unfused(rows: int, n: int, k: int) -> bool:
-    """Whether `CONFIGS` keeps this rows bucket's SiLU-and-mul out of the GEMM (None)."""
+def fuses(rows: int, n: int, k: int) -> bool:
+    """Whether a call of `rows` rows against W [n, k] should fuse: `CONFIGS`' entry where it has
+    one (None: no), else whether `config_for`'s config recomputes at most
+    `MAX_SILU_PER_WEIGHT` activations per weight element."""
     key = (sk.rows_bucket(rows), n, k)
-    return key in CONFIGS and CONFIGS[key] is None
+    if key in CONFIGS:
+        return CONFIGS[key] is not None
+    return silu_per_weight(sk.config_for(rows, n, k), rows) <= MAX_SILU_PER_WEIGHT
+
+
+def silu_per_weight(config: sk.SkinnyConfig, rows: int) -> float:
+    """Activations a fused launch of `rows` rows with `config` computes per weight element it
+    reads: the rows its tile product computes (16 on the tensor cores, the rows bucket on the
+    CUDA cores: masked rows too) over block_n (the programs along N that each recompute them)."""
+    computed = 16 if config.uses_tensor_cores(rows) else sk.rows_bucket(rows)
+    return computed / config.block_n
 
 
 def config_for(rows: int, n: int, k: int) -> sk.SkinnyConfig:
@@ -99,5 +115,5 @@ def compile_variants(
             continue
         weight = torch.empty(n, k, dtype=dtype)
         for rows in (1, 2, 4, 8, 16):
-            if sk.runs_shape(rows, n, k, measured_only) and not _kept_unfused(rows, n, k):
+            if sk.runs_shape(rows, n, k, measured_only) and fuses(rows, n, k):
                 silu_and_mul_linear(torch.empty(rows, 2 * k, dtype=dtype), weight)

@@ -98,9 +98,22 @@ def test_fused_keeps_leading_dims_and_checks_its_inputs(sg):
         sg.silu_and_mul_linear(gate_up.float(), w.float())
     with pytest.raises(ValueError, match="at most 16 rows"):
         sg.silu_and_mul_linear(inputs(17, 24, 40, torch.bfloat16, False, 0)[0], w)
-    assert sg.takes(gate_up, w) and not sg.takes(gate_up[:, :40], w)
+    assert sg.takes(gate_up[:2], w) and not sg.takes(gate_up[:2, :40], w)
     assert not sg.takes(inputs(17, 24, 40, torch.bfloat16, False, 0)[0], w)
-    assert not sg.takes(gate_up.float(), w.float()) and not sg.takes(gate_up[:0], w)
+    assert not sg.takes(gate_up[:2].float(), w.float()) and not sg.takes(gate_up[:0], w)
+
+
+def test_rows_fuse_where_the_recomputed_activations_stay_cheap(sg, monkeypatch):
+    """By the rule (no `CONFIGS` entry): 3 rows on the CUDA cores with block_n 8 recompute
+    4 / 8 activations per weight element and fuse, 5 rows on the tensor cores with block_n 16
+    recompute 16 / 16 and do not; a measured entry decides either way."""
+    gate_up, w, _ = inputs(5, 32, 64, torch.bfloat16, bias=False, seed=0)
+    assert sg.silu_per_weight(sg.config_for(3, 32, 64), 3) == 0.5 and sg.takes(gate_up[:3], w)
+    assert sg.silu_per_weight(sg.config_for(5, 32, 64), 5) == 1 and not sg.takes(gate_up, w)
+    monkeypatch.setitem(sg.CONFIGS, (8, 32, 64), sg.sk.SkinnyConfig(block_n=16, block_k=32))
+    assert sg.takes(gate_up, w)
+    monkeypatch.setitem(sg.CONFIGS, (4, 32, 64), None)
+    assert not sg.takes(gate_up[:3], w)
 
 
 def test_configs_table_keeps_a_rows_bucket_unfused(sg, monkeypatch):
@@ -151,10 +164,11 @@ def test_flag_is_on_by_default_and_validated(sg, flags):
 
 
 def test_mlp_output_with_and_without_the_fusion(sg, flags, monkeypatch):
-    """A bf16 LlamaMLP (hidden 48, intermediate 64): at 1, 5 and 16 rows the fused down
-    projection gives the unfused MLP's output within bf16 rounding (of the activation: the
-    kernel rounds silu(gate) * up once, torch on the CPU twice) and skips the activation layer; at 17 rows (prefill-sized), with PHLOEM_FUSED_SILU_DOWN=0 or PHLOEM_SKINNY_GEMM=0
-    the activation runs apart."""
+    """A bf16 LlamaMLP (hidden 48, intermediate 64): at 1 row (the rule) and 16 rows (a
+    `CONFIGS` entry) the fused down projection gives the unfused MLP's output within bf16
+    rounding (of the activation: the kernel rounds silu(gate) * up once, torch on the CPU twice)
+    and skips the activation layer; at 5 rows (the rule says no), 17 rows (prefill-sized), with
+    PHLOEM_FUSED_SILU_DOWN=0 or PHLOEM_SKINNY_GEMM=0 the activation runs apart."""
     from phloem.models.llama import LlamaMLP
 
     mlp = LlamaMLP(48, 64, bias=False, dtype=torch.bfloat16).to(device())
@@ -165,6 +179,7 @@ def test_mlp_output_with_and_without_the_fusion(sg, flags, monkeypatch):
     real = sg.silu_and_mul_linear
     monkeypatch.setattr(sg, "silu_and_mul_linear", lambda *a: fused.append(1) or real(*a))
     mlp.act_fn.register_forward_hook(lambda *_: activations.append(1))
+    monkeypatch.setitem(sg.CONFIGS, (16, 48, 64), sg.sk.SkinnyConfig(block_n=16, block_k=32))
     for rows in (1, 5, 16, 17):
         x = torch.randn(rows, 48, generator=g).to(torch.bfloat16).to(device())
         flags("1", "0")
@@ -172,7 +187,7 @@ def test_mlp_output_with_and_without_the_fusion(sg, flags, monkeypatch):
         assert len(activations) == 1 and not fused
         flags("1", None)
         got = mlp(x)
-        assert (len(activations), len(fused)) == ((2, 0) if rows > 16 else (1, 1)), rows
+        assert (len(activations), len(fused)) == ((1, 1) if rows in (1, 16) else (2, 0)), rows
         _, step = reference(mlp.gate_up_proj(x), mlp.down_proj.weight, None)
         bound = 8 * step + 2 * 2**-7 * plain.abs().cpu().double() + 1e-4  # unfused on the CPU:
         assert ((got - plain).abs().cpu().double() <= bound).all()  # torch's two roundings
@@ -180,3 +195,28 @@ def test_mlp_output_with_and_without_the_fusion(sg, flags, monkeypatch):
         assert torch.equal(mlp(x), F.linear(mlp.act_fn(mlp.gate_up_proj(x)), mlp.down_proj.weight))
         activations.clear()
         fused.clear()
+
+
+RECORD_BENCHMARK = r"""
+import importlib.util
+from phloem.worker.triton_variants import cuda_target, record_variants
+
+spec = importlib.util.spec_from_file_location("bench", {path!r})
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+args = bench.parse_args([])
+variants = record_variants(lambda: bench.launches(args.rows, args.shapes, args.grid),
+                           cuda_target((9, 0)))
+print("variants", len(variants), sum("GATED=True" in v.describe() for v in variants))
+"""
+
+
+def test_benchmark_launches_are_valid(compile_for_hopper):
+    """benchmarks/skinny_gated.py's default run launches (recorded for sm_90, nothing compiled)
+    are valid for their rows (a bad config would fail the GPU run), fused and apart."""
+    from pathlib import Path
+
+    path = str(Path(__file__).parents[2] / "benchmarks" / "skinny_gated.py")
+    out = compile_for_hopper(RECORD_BENCHMARK.replace("{path!r}", repr(path))).split()
+    total, gated = int(out[out.index("variants") + 1]), int(out[out.index("variants") + 2])
+    assert gated > 40 and total > gated, out
