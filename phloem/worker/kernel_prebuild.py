@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phloem.ops.attention import FLASHINFER_HEAD_DIMS
-from phloem.ops.attention.flashinfer_backend import FP8_DECODE_GROUP_SIZES
+from phloem.ops.attention.flashinfer_backend import fp8_decode_on_cuda_cores
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ def required_modules(
     - none off CUDA (`cuda_capability` None), for "reference", or for "auto"/"shared_prefix"
       at a head dim FlashInfer does not compile (the reference serves those);
     - the fa2 prefill module (q `dtype`, KV `kv_dtype`), plus the CUDA-core decode module for an
-      FP8 cache when the GQA group is one its decode steps use (`FP8_DECODE_GROUP_SIZES`);
+      FP8 cache whose decode steps use it (`fp8_decode_on_cuda_cores`: PHLOEM_FP8_DECODE_KERNEL=
+      cuda_core and a GQA group it is compiled for);
     - the fa3 prefill module too on Hopper (major 9) when prefix sharing wraps FlashInfer
       ("shared_prefix", or "auto" with Triton) and the cache is in the query's dtype.
 
@@ -115,7 +116,7 @@ def required_modules(
     if attention_backend != "flashinfer" and head_dim not in FLASHINFER_HEAD_DIMS:
         return []
     modules = [FlashInferModule("prefill", "fa2", dtype, kv_dtype, head_dim)]
-    if kv_dtype == FP8_KV and gqa_group in FP8_DECODE_GROUP_SIZES:
+    if kv_dtype == FP8_KV and fp8_decode_on_cuda_cores(gqa_group):
         modules.append(FlashInferModule("decode", "", dtype, kv_dtype, head_dim))
     shared = attention_backend == "shared_prefix" or (
         attention_backend == "auto" and triton_available
@@ -195,12 +196,16 @@ def build_specs(specs: Sequence[Any]) -> None:
     `build(need_lock=True)`: the ninja run FlashInfer's first use makes, in the module's own
     build directory and under the module's file lock (module docstring: why not one
     `build_jit_specs` run). A spec with a prebuilt AOT module is skipped (FlashInfer loads that
-    one). MAX_JOBS caps each ninja run's jobs.
+    one); a single spec builds in the calling thread. MAX_JOBS caps each ninja run's jobs.
 
     Raises:
         the first build's error, after every build has ended.
     """
     pending = [spec for spec in specs if not spec.is_aot]
+    if len(pending) == 1:  # in the calling thread: a daemon prebuild thread's build of the
+        # deferred fa3 module then never holds the process's exit (a pool's workers would)
+        pending[0].build(need_lock=True)
+        return
     if not pending:
         return
     with ThreadPoolExecutor(max_workers=len(pending), thread_name_prefix="phloem-ninja") as pool:

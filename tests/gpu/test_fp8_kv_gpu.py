@@ -1,6 +1,6 @@
 """The FP8 KV cache with per-tensor scales on the GPU (issue 18): FlashInfer's FP8 paged kernels
-(batch decode for decode-only steps, eager and replayed in a CUDA graph; batch prefill for mixed
-steps) and our shared-prefix Triton kernel against float32 attention over the dequantized
+(batch prefill for every step, eager and replayed in a CUDA graph; batch decode for decode-only
+steps with PHLOEM_FP8_DECODE_KERNEL=cuda_core) and our shared-prefix Triton kernel against float32 attention over the dequantized
 cache, the fused RoPE + KV-write kernel against `write_kv`, and an engine on Llama-3.1-8B shapes
 (2 layers, random weights, bf16) with `kv_cache_dtype="fp8"`, alone and with
 `quantization="fp8"`: CUDA graphs give the eager run's tokens, and greedy tokens mostly agree
@@ -44,10 +44,13 @@ def _reference(query, cache8, meta):
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-def test_flashinfer_reads_scaled_fp8(kind):
-    """Decode-only steps go to the batch decode kernel, mixed ones to the prefill kernel."""
+@pytest.mark.parametrize("decode_kernel", ["prefill", "cuda_core"])
+def test_flashinfer_reads_scaled_fp8(kind, decode_kernel, monkeypatch):
+    """Mixed steps run the prefill kernel; decode-only steps too by default, and the CUDA-core
+    batch decode kernel with PHLOEM_FP8_DECODE_KERNEL=cuda_core."""
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
+    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", decode_kernel)
     rng = random.Random(RUN_SEED)
     seqs = [(1, rng.randint(1, 3000)) for _ in range(24)]
     if kind == "mixed":
@@ -58,17 +61,20 @@ def test_flashinfer_reads_scaled_fp8(kind):
                                   kv_dtype=torch.float8_e4m3fn)  # fmt: skip
     backend.begin_step(meta)
     decode = isinstance(backend._active, backend._flashinfer.BatchDecodeWithPagedKVCacheWrapper)
-    assert decode == (kind == "decode")
+    assert decode == (kind == "decode" and decode_kernel == "cuda_core")
     out = backend.forward(query, cache8, meta, HEAD_DIM**-0.5, None, K_SCALE, V_SCALE)
     err = _rel_err(out, _reference(query, cache8, meta))
     assert err <= 1e-2, f"{kind}: rel err {err:.2e}"
 
 
-def test_flashinfer_fp8_decode_graph_replays_new_tables():
-    """The FP8 decode kernel captured once (scales are constants of the capture), replayed
-    after re-planning other lengths and page tables."""
+@pytest.mark.parametrize("decode_kernel", ["prefill", "cuda_core"])
+def test_flashinfer_fp8_decode_graph_replays_new_tables(decode_kernel, monkeypatch):
+    """An FP8 cache's decode kernel (each choice of PHLOEM_FP8_DECODE_KERNEL) captured once
+    (scales are constants of the capture), replayed after re-planning other lengths and page
+    tables."""
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
+    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", decode_kernel)
     batch = 8
     rng = random.Random(RUN_SEED)
     backend = FlashInferAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda",

@@ -43,7 +43,7 @@ def _names(modules):
         ("auto", 128, BF16, HOPPER, False, [("prefill", "fa2", BF16)]),  # no prefix-sharing wrap
         ("shared_prefix", 64, BF16, HOPPER, False, [("prefill", "fa2", BF16), ("prefill", "fa3", BF16)]),
         ("flashinfer", 128, BF16, HOPPER, True, [("prefill", "fa2", BF16)]),
-        ("auto", 128, FP8, HOPPER, True, [("prefill", "fa2", FP8), ("decode", "", FP8)]),
+        ("auto", 128, FP8, HOPPER, True, [("prefill", "fa2", FP8)]),  # decodes on prefill
         ("auto", 96, BF16, HOPPER, True, []),  # the reference serves head dims FlashInfer lacks
         ("flashinfer", 96, BF16, HOPPER, True, [("prefill", "fa2", BF16)]),  # asked for: tried
         ("reference", 128, BF16, HOPPER, True, []),
@@ -56,17 +56,30 @@ def test_required_modules(backend, head_dim, kv, capability, triton, expected):
     assert all(m.q_dtype == BF16 and m.head_dim == head_dim for m in modules)
 
 
-def test_fp8_decode_module_only_for_the_groups_that_use_it():
-    """Llama-3.1-8B (group 4) decodes an FP8 cache on the CUDA-core kernel; 70B (group 8) keeps
-    the prefill kernel, so its decode module is not built."""
+def test_fp8_decode_module_only_when_its_kernel_is_chosen(monkeypatch):
+    """By default an FP8 cache decodes on the prefill kernel: no decode module. With
+    PHLOEM_FP8_DECODE_KERNEL=cuda_core, Llama-3.1-8B (group 4) decodes on the CUDA-core kernel;
+    70B (group 8) keeps the prefill kernel, so its decode module is not built."""
     llama8b = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
     llama70b = SimpleNamespace(num_attention_heads=64, num_key_value_heads=8, hidden_size=8192)
     assert [gqa_group_of(llama8b, tp) for tp in (1, 2, 8, 16)] == [4, 4, 4, 2]
     assert gqa_group_of(llama70b) == 8 and head_dim_of(llama70b) == 128
-    for config, expected in ((llama8b, ["prefill", "decode"]), (llama70b, ["prefill"])):
-        group = gqa_group_of(config)
-        modules = required_modules("auto", 128, BF16, FP8, HOPPER, True, group)
-        assert [m.kind for m in modules] == expected
+    cases = {
+        "prefill": (["prefill"], ["prefill"]),
+        "cuda_core": (["prefill", "decode"], ["prefill"]),
+    }
+    for kernel, expected in cases.items():
+        monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", kernel)
+        for config, kinds in zip((llama8b, llama70b), expected):
+            modules = required_modules("auto", 128, BF16, FP8, HOPPER, True, gqa_group_of(config))
+            assert [m.kind for m in modules] == kinds, kernel
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL")
+    assert [m.kind for m in required_modules("auto", 128, BF16, FP8, HOPPER, True, 4)] == [
+        "prefill"
+    ]
+    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "tensor")
+    with pytest.raises(ValueError, match="PHLOEM_FP8_DECODE_KERNEL must be one of"):
+        required_modules("auto", 128, BF16, FP8, HOPPER, True, 4)
 
 
 def test_required_modules_refuses_bad_input():
@@ -197,9 +210,8 @@ def test_cli_dry_run_lists_the_modules(capsys):
         == 0
     )
     out = capsys.readouterr().out.splitlines()
-    assert _flashinfer_lines(out) == [  # group 3 (9 heads, 3 KV heads): decode kernel
+    assert _flashinfer_lines(out) == [  # decode steps on the prefill kernel too
         "FlashInfer module: prefill fa2 q bfloat16 kv float8_e4m3fn head_dim 64",
-        "FlashInfer module: decode q bfloat16 kv float8_e4m3fn head_dim 64",
     ]
     assert main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9"]) == 2
     assert "--cuda-arch must be MAJOR.MINOR" in capsys.readouterr().err

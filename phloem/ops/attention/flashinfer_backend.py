@@ -5,13 +5,13 @@ backend), which handles whole prompts, chunked appends (q_len < kv_len) and deco
 (q_len = 1, GQA groups packed into tensor-core tiles) mixed in one launch. Using one compiled
 module for all of them keeps the JIT build to one module per head dim.
 
-An FP8 cache (`kv_dtype` float8_e4m3fn) runs decode-only steps (every q_len 1, eager or in a
-CUDA graph) on FlashInfer's batch decode kernel instead (`BatchDecodeWithPagedKVCacheWrapper`,
-CUDA cores: it streams the e4m3 KV at half the bytes and converts in registers, where the
-tensor-core prefill kernel's conversion of its KV tiles costs more than the bytes save) when
-the GQA group is small (`FP8_DECODE_GROUP_SIZES`: the kernel is compiled for groups of 1, 2,
-3, 4, 6 and 8, and vLLM moves groups above 4 to tensor cores); steps with longer queries, and
-larger groups, keep the prefill kernel. Both take the layer's per-tensor scales as FlashInfer
+An FP8 cache (`kv_dtype` float8_e4m3fn) runs every step on the same prefill kernel, reading
+e4m3 pages. FlashInfer's CUDA-core batch decode kernel (`BatchDecodeWithPagedKVCacheWrapper`)
+took an FP8 cache's decode-only steps until 2026-11-27, when it measured 2x slower than the
+prefill kernel over the same e4m3 pages on an H200 (batch 64, 1,000 tokens of KV, GQA group 4:
+153 vs 78 us a layer; benchmarks/results/2026-11-27-h200/); `PHLOEM_FP8_DECODE_KERNEL=cuda_core`
+brings it back for A/B runs, for the GQA groups it is compiled for (`FP8_DECODE_GROUP_SIZES`).
+Both kernels take the layer's per-tensor scales as FlashInfer
 defines them: `k_scale` multiplies the softmax scale, `v_scale` the output.
 
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
@@ -36,6 +36,8 @@ page holds L_b - (n_pages - 1) * block_size tokens:
 from __future__ import annotations
 
 import itertools
+import os
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -47,8 +49,32 @@ from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
 
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
-# GQA groups whose FP8 decode steps run FlashInfer's CUDA-core batch decode kernel
+# GQA groups whose FP8 decode steps can run FlashInfer's CUDA-core batch decode kernel
 FP8_DECODE_GROUP_SIZES = (1, 2, 3, 4)
+FP8_DECODE_KERNELS = ("prefill", "cuda_core")  # PHLOEM_FP8_DECODE_KERNEL's choices
+
+
+def fp8_decode_kernel(environ: Mapping[str, str] | None = None) -> str:
+    """The kernel of an FP8 cache's decode-only steps: "prefill" (default: FlashInfer's
+    tensor-core prefill kernel, as every other step) or "cuda_core" (its batch decode kernel),
+    from PHLOEM_FP8_DECODE_KERNEL.
+
+    Raises:
+        ValueError: naming PHLOEM_FP8_DECODE_KERNEL for another value.
+    """
+    env = os.environ if environ is None else environ
+    choice = env.get("PHLOEM_FP8_DECODE_KERNEL", "prefill")
+    if choice not in FP8_DECODE_KERNELS:
+        raise ValueError(
+            f"PHLOEM_FP8_DECODE_KERNEL must be one of {FP8_DECODE_KERNELS}, got {choice!r}"
+        )
+    return choice
+
+
+def fp8_decode_on_cuda_cores(gqa_group: int) -> bool:
+    """Whether an FP8 cache's decode-only steps with this GQA group (query heads per KV head)
+    run FlashInfer's CUDA-core batch decode kernel (`fp8_decode_kernel`)."""
+    return gqa_group in FP8_DECODE_GROUP_SIZES and fp8_decode_kernel() == "cuda_core"
 
 
 def paged_kv_layout(
@@ -154,9 +180,8 @@ class FlashInferAttention(AttentionBackend):
         self._graph_wrappers: dict[int, object] = {}
         self._verify_wrappers: dict[tuple[int, int], object] = {}  # (batch, q) -> wrapper
         # FP8 cache: decode-only steps on the batch decode kernel (module docstring)
-        self.fp8_decode = (
-            self.kv_dtype == torch.float8_e4m3fn
-            and num_heads // num_kv_heads in FP8_DECODE_GROUP_SIZES
+        self.fp8_decode = self.kv_dtype == torch.float8_e4m3fn and fp8_decode_on_cuda_cores(
+            num_heads // num_kv_heads
         )
         self._eager_decode = None
         self._active = None
