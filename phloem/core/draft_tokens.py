@@ -5,6 +5,19 @@ Python.
 A decoding request that verifies k drafts computes 1 + k tokens and emits between 1 and k + 1:
 
     |-- computed --|-- last token | d_1 ... d_k --|  -> up to k + 1 new output tokens
+
+Verify steps keep async scheduling's overlap: a row's 1 + k tokens count as pending until its
+update (all drafts assumed accepted), so the next step can schedule the request on top of it
+while it runs, its last token (the bonus) pending and, when the drafter proposed ahead, drafts
+after a guess of that token (`ScheduledSequence.pending_guess`):
+
+    step N   (in flight): |-- computed --|-- last | d_1 .. d_k --|
+    step N+1 (launched):                                         |-- bonus? | e_1 .. e_j --|
+
+Where step N accepts a < k drafts, its update rolls the request back to its known tokens and
+marks its row in step N+1 void (`Request.void_next_row`): that row computed at the wrong
+positions, so its update is skipped (the worker drops its tokens by the same rule) and the
+request is scheduled again from its known tokens.
 """
 
 from __future__ import annotations
@@ -22,25 +35,34 @@ if TYPE_CHECKING:
 NO_DRAFTS: tuple[int, ...] = ()  # `ScheduledSequence.draft_token_ids` of a step without drafts
 
 
-def take_drafts(request: Request, num_new: int, budget: int, max_model_len: int) -> tuple[int, ...]:
-    """The drafts `request` verifies in the step being scheduled, taken from (and clearing)
-    `request.draft_token_ids`.
+def take_drafts(
+    request: Request, num_new: int, budget: int, max_model_len: int
+) -> tuple[tuple[int, ...], int]:
+    """The drafts `request` verifies in the step being scheduled and the guess of its pending
+    last token (-1: none), taken from (and clearing) `request.draft_token_ids` and
+    `request.draft_guess`.
 
-    Drafts are verified only by a request that decodes this step (`num_new` == 1, its last
-    token known on the host, nothing pending) and are cut so that 1 + k fits in `budget`
-    [tokens] (the step's budget less one token for each running request after it), the k + 1
-    tokens it may emit fit in `max_tokens`, and its tokens stay within `max_model_len`.
+    Drafts are verified only by a request that decodes this step (`num_new` == 1, only its last
+    token uncomputed): known on the host (no guess, nothing pending), or pending with a guess
+    (proposed ahead). They are cut so that 1 + k fits in `budget` [tokens] (the step's budget
+    less one token for each running request after it), the k + 1 tokens it may emit fit in
+    `max_tokens`, and its tokens stay within `max_model_len` (one token less after a guess, so
+    that the optimistic pending tokens never stop the request early, `check_stop`).
     """
-    drafts = request.draft_token_ids
-    request.draft_token_ids = []
-    num_tokens = request.num_tokens
-    if num_new != 1 or request.num_pending_tokens or request.num_computed_tokens + 1 != num_tokens:
-        return NO_DRAFTS
-    k = min(len(drafts), budget - 1, max_model_len - num_tokens - 1)
+    drafts, guess = request.draft_token_ids, request.draft_guess
+    request.draft_token_ids, request.draft_guess = [], -1
+    num_tokens, pending = request.num_tokens, request.num_pending_tokens
+    if (
+        num_new != 1
+        or (guess < 0) == (pending > 0)
+        or request.num_computed_tokens + 1 != num_tokens
+    ):
+        return NO_DRAFTS, -1
+    k = min(len(drafts), budget - 1, max_model_len - num_tokens - 1 - (guess >= 0))
     max_tokens = request.sampling_params.max_tokens
     if max_tokens is not None:
-        k = min(k, max_tokens - len(request.output_token_ids) - 1)
-    return tuple(drafts[:k]) if k > 0 else NO_DRAFTS
+        k = min(k, max_tokens - len(request.output_token_ids) - pending - 1)
+    return (tuple(drafts[:k]), guess) if k > 0 else (NO_DRAFTS, -1)
 
 
 def apply_verified(
@@ -51,19 +73,28 @@ def apply_verified(
     kv: KVManager,
     max_model_len: int,
 ) -> tuple[RequestStatus | None, int]:
-    """Apply a verify step: roll `num_computed_tokens` back past the rejected drafts and free
-    the blocks past it (`KVManager.trim`; not for a request preempted since, which holds none),
-    then append the accepted drafts and `token_id` (the residual or bonus token), checking the
-    stop rules after each: a stop drops the rest. Returns (the stop status or None, tokens
-    appended).
+    """Apply a verify step: drop the rejected drafts from the pending tokens, roll
+    `num_computed_tokens` back past them and free the blocks past it (`KVManager.trim`; not for
+    a request preempted since, which holds none), then append the accepted drafts and
+    `token_id` (the residual or bonus token), checking the stop rules after each: a stop drops
+    the rest. Returns (the stop status or None, tokens appended).
 
-        before: |-- computed --|-- last, d_1 .. d_a | d_a+1 .. d_k (rejected) --|
+        before: |-- computed --|-- last, d_1 .. d_a | d_a+1 .. d_k (rejected) --|-- next row? --|
         after:  |-- computed ------------------------|  + outputs d_1 .. d_a, token_id
+
+    A row of the next step stacked on this one (module docstring; seen as pending tokens
+    beyond this row's a + 1) assumed all k accepted: where a < k it is void, its pending
+    tokens and computed positions dropped too (`Request.void_next_row`).
     """
     drafts = scheduled.draft_token_ids
     num_accepted = num_accepted_drafts.get(request.request_id, 0)
-    if request.status is RequestStatus.RUNNING:
-        request.num_computed_tokens -= len(drafts) - num_accepted
+    num_rejected = len(drafts) - num_accepted
+    request.num_pending_tokens = max(0, request.num_pending_tokens - num_rejected)
+    if num_rejected and request.num_pending_tokens > num_accepted + 1:  # a row stacked on it
+        request.void_next_row = True  # (preempted since or not: its tokens are wrong)
+        request.num_pending_tokens = num_accepted + 1
+    if num_rejected and request.status is RequestStatus.RUNNING:
+        request.num_computed_tokens = request.num_known_tokens + num_accepted
         kv.trim(request)
     status, num_new = None, 0
     for token in (*drafts[:num_accepted], token_id):

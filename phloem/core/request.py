@@ -22,6 +22,9 @@ the rejected ones. Drafts are never part of the history:
 
     |-- computed --|-- last token, d_1 .. d_k (this step) --|
                     after: |-- last, d_1..d_a --| computed, then one new token (no KV yet)
+
+Until the update, a verify row's 1 + k tokens count as pending (all drafts assumed accepted),
+so the next step can be scheduled on top of it before it is collected (`core/draft_tokens.py`).
 """
 
 from __future__ import annotations
@@ -133,6 +136,10 @@ class Request:
             sends the rest as `ScheduledSequence.new_block_ids`) [blocks].
         draft_token_ids: drafts the engine proposed for its next step (speculative decoding);
             the scheduler takes them (or drops them) when it schedules the request [tokens].
+        draft_guess: with `draft_token_ids`, the guessed id of its last (pending) token, or -1
+            when the drafts follow known tokens (`ScheduledSequence.pending_guess`).
+        void_next_row: its row in the step after the one just applied assumed drafts that were
+            rejected, so it computed nothing: its update is skipped (`draft_tokens`).
         table_prefix: the scheduler's cache of (its group's `block_ids` when worked out,
             `prefix_len`, `group_id`) for its current block table (None: not worked out since
             the table was made).
@@ -153,6 +160,8 @@ class Request:
     stop_reason: int | str | None = None
     num_sent_blocks: int = 0
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
+    draft_guess: int = field(default=-1, repr=False)
+    void_next_row: bool = field(default=False, repr=False)
     table_prefix: tuple[list[int] | None, int, int] | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False, repr=False)
 

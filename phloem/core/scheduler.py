@@ -215,9 +215,10 @@ class Scheduler:
                 prefill -= max(num_new, 0)
             if num_new <= 0:
                 continue
-            drafts = NO_DRAFTS
+            drafts, guess = NO_DRAFTS, -1
             if request.draft_token_ids:  # speculative decoding: verify them in this step
-                drafts = take_drafts(request, num_new, budget - len(running) + index, max_model_len)
+                drafts, guess = take_drafts(request, num_new, budget - len(running) + index,
+                                            max_model_len)  # fmt: skip
                 num_new += len(drafts)
             block_ids = tables.get(request.request_id, NO_TABLE)
             if len(block_ids) * block_size < num_computed + num_new:
@@ -232,7 +233,7 @@ class Scheduler:
                 request.num_sent_blocks = len(block_ids)
             sample = num_computed + num_new >= num_tokens  # (> with drafts)
             scheduled = ScheduledSequence(request.request_id, num_computed, num_new, sample,
-                                          new_blocks, draft_token_ids=drafts)  # fmt: skip
+                                          new_blocks, draft_token_ids=drafts, pending_guess=guess)  # fmt: skip
             group = request.shared_prefix
             if group is not None:
                 cached = request.table_prefix
@@ -240,8 +241,8 @@ class Scheduler:
                     cached = request.table_prefix = table_prefix(group, block_ids)
                 scheduled.prefix_len, scheduled.group_id = cached[1], cached[2]
             request.num_computed_tokens = num_computed + num_new
-            if sample:
-                request.num_pending_tokens = pending + 1
+            if sample:  # a verify row's drafts count as pending until its update
+                request.num_pending_tokens = pending + 1 + len(drafts)
             output.scheduled.append(scheduled)
             requests.append(request)
             budget -= num_new
@@ -419,8 +420,9 @@ class Scheduler:
                 end = min(start + scheduled.num_tokens, request.num_prompt_tokens)
                 self.num_computed_prompt_tokens += end - start
             running = request.status is is_running  # async: may be preempted since
-            if not running and request.is_finished:  # aborted (or stopped, async) meanwhile
-                continue
+            if (not running and request.is_finished) or request.void_next_row:
+                request.void_next_row = False  # (void: stacked on rejected drafts, draft_tokens)
+                continue  # aborted (or stopped, async) meanwhile
             if running:
                 group = request.shared_prefix
                 if group is not None and group.leader is request:  # (most members: no call)

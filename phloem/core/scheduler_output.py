@@ -24,6 +24,12 @@ A sequence verifying drafts (speculative decoding) computes its last known token
 drafts: num_tokens = 1 + k, and the step scores all 1 + k positions:
 
     |-- computed --|-- last token | d_1 ... d_k --|
+
+A verify row may be scheduled before the step that samples its last token is collected (async
+scheduling): its drafts were proposed one token short, and `pending_guess` is the proposer's
+guess of that token; the worker accepts the drafts only where the token sampled equals it. A row
+scheduled on top of a verify row still in flight assumes that row accepts all its drafts; where
+it does not, the later row computes nothing (*void*, `core/draft_tokens.py`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ class ScheduledSequence:
         new_sequence: set the step it is admitted (the worker builds its state from it).
         draft_token_ids: the drafts this step verifies (speculative decoding; `sample` is
             set, `num_tokens` = 1 + len(draft_token_ids)); empty: none.
+        pending_guess: the guessed id of the row's last token, still pending (sampled by the
+            step in flight): its drafts count only if the sampled token equals it; -1: the
+            drafts follow known tokens.
     """
 
     seq_id: str
@@ -85,6 +94,7 @@ class ScheduledSequence:
     group_id: int = -1
     new_sequence: NewSequenceData | None = None
     draft_token_ids: tuple[int, ...] = ()
+    pending_guess: int = -1
 
 
 @dataclass

@@ -76,8 +76,9 @@ class FusedAllReduceNorm:
         )
 
     def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        slot: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(RMSNorm(sum + residual) * weight, sum + residual), sum = x summed over the ranks
         (one-shot: every rank reads every peer's rows; fp32 accumulation).
 
@@ -85,6 +86,8 @@ class FusedAllReduceNorm:
             x: this rank's partial sum [T, hidden_size] (`fits`); not modified.
             residual: the residual stream [T, hidden_size]; not modified.
             weight: the norm's weight [hidden_size]; eps: added to the mean square.
+            slot: unused (the workspace's Lamport buffers rotate by themselves; the argument
+                of `SymmNormAllReduce`, which the norm passes to either kernel).
         Returns:
             (normalized [T, hidden_size], new residual [T, hidden_size]), new tensors of x's dtype.
         """

@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from phloem.distributed.fused_norm_all_reduce import FUSED_DTYPES, FusedAllReduceNorm
 from phloem.distributed.symm_all_reduce import OneShotAllReduce, all_reduce_choice
+from phloem.distributed.symm_norm_all_reduce import SymmNormAllReduce
+from phloem.distributed.symm_norm_all_reduce import rows_for as symm_norm_rows
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,9 @@ class TensorParallelState:
     """rank in [0, size); group: the process group (None while size is 1 or in a layer test);
     small_all_reduce: the symmetric-memory all-reduce for small messages, or None (NCCL or
     gloo for every message; `phloem.distributed.symm_all_reduce`); all_reduce: the
-    PHLOEM_TP_ALLREDUCE choice; fused_norm: the all-reduce + add + RMSNorm kernel's workspace
-    (`fused_norm_all_reduce.FusedAllReduceNorm`, set by `init_fused_norm_all_reduce`), or None."""
+    PHLOEM_TP_ALLREDUCE choice; fused_norm: the all-reduce + add + RMSNorm kernel
+    (`fused_norm_all_reduce.FusedAllReduceNorm` or `symm_norm_all_reduce.SymmNormAllReduce`, set
+    by `init_fused_norm_all_reduce`), or None."""
 
     rank: int = 0
     size: int = 1
@@ -73,40 +76,58 @@ def tp_small_all_reduce() -> Any:
     return _state.small_all_reduce
 
 
+# the PHLOEM_TP_ALLREDUCE choices whose norms all-reduce their input (fused with add + norm)
+_NORM_CHOICES = ("fused_norm", "symm_norm")
+
+
 def tp_defers_all_reduce_to_norms() -> bool:
     """Whether row-parallel layers leave their all-reduce to the RMSNorm that consumes their
-    output (PHLOEM_TP_ALLREDUCE=fused_norm in a group of several ranks, any backend)."""
-    return _state.size > 1 and _state.all_reduce == "fused_norm"
+    output (PHLOEM_TP_ALLREDUCE=fused_norm or symm_norm in a group of several ranks, any
+    backend)."""
+    return _state.size > 1 and _state.all_reduce in _NORM_CHOICES
 
 
 def tp_fused_norm_all_reduce() -> Any:
-    """The group's `FusedAllReduceNorm` (all-reduce + residual add + RMSNorm in one kernel), or
-    None (the norm then all-reduces through `communication.tp_all_reduce` and normalizes)."""
+    """The group's fused all-reduce + residual add + RMSNorm (`FusedAllReduceNorm` or
+    `SymmNormAllReduce`: `fits(x, residual)`, `(x, residual, weight, eps, slot)` -> (normed,
+    residual)), or None (the norm then all-reduces through `communication.tp_all_reduce` and
+    normalizes)."""
     return _state.fused_norm
 
 
 def init_fused_norm_all_reduce(hidden_size: int, dtype: torch.dtype) -> None:
     """Set up the fused all-reduce + add + RMSNorm kernel for rows of `hidden_size` in `dtype`
-    (the model's; float32 models keep the group's all-reduce) when the
-    group runs NCCL and PHLOEM_TP_ALLREDUCE is fused_norm; otherwise nothing. Collective: every
-    rank calls it at the same point, after the model is built. Messages of up to
-    PHLOEM_TP_ALLREDUCE_MAX_KB take it.
+    (the model's; float32 models keep the group's all-reduce) when the group runs NCCL and
+    PHLOEM_TP_ALLREDUCE is fused_norm (FlashInfer's kernel) or symm_norm (phloem's, up to
+    `symm_norm_all_reduce.rows_for` rows); otherwise nothing. Collective: every rank calls it
+    at the same point, after the model is built. Messages of up to PHLOEM_TP_ALLREDUCE_MAX_KB
+    take it.
 
     Raises:
-        ImportError, RuntimeError: from `FusedAllReduceNorm` (FlashInfer missing, no peer access).
+        ImportError, RuntimeError: from the kernel's set-up (FlashInfer or Triton missing, no
+            peer access).
     """
     global _state
     if not (tp_defers_all_reduce_to_norms() and _state.backend == "nccl"):
         return
     if dtype not in FUSED_DTYPES:
         return
-    _, max_bytes = all_reduce_choice()
+    choice, max_bytes = all_reduce_choice()
     max_tokens = max(1, max_bytes // (2 * hidden_size))  # 2-byte rows
-    fused = FusedAllReduceNorm(
-        _state.group, _state.rank, _state.size, hidden_size, max_tokens, dtype
-    )
+    if choice == "symm_norm":
+        max_tokens = symm_norm_rows(hidden_size, _state.size, max_bytes)
+        if max_tokens == 0:
+            logger.warning("symm_norm takes no rows of %d columns: the group's all-reduce serves "
+                           "every norm", hidden_size)  # fmt: skip
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+        fused: Any = SymmNormAllReduce(_state.group, device, hidden_size, max_tokens, dtype)
+    else:
+        fused = FusedAllReduceNorm(
+            _state.group, _state.rank, _state.size, hidden_size, max_tokens, dtype
+        )
     _state = dataclasses.replace(_state, fused_norm=fused)
-    logger.info("tensor parallel: fused all-reduce + RMSNorm for up to %d tokens", max_tokens)
+    logger.info("tensor parallel: %s all-reduce + RMSNorm for up to %d tokens", choice, max_tokens)
 
 
 def tp_backend() -> str:

@@ -12,9 +12,10 @@ _symmetric_memory`), so phloem uses it rather than writing its own.
 Chosen by `PHLOEM_TP_ALLREDUCE` (read when the group starts, the same on every rank since the
 ranks inherit the environment): "nccl" (the default until the GPU measurement says otherwise),
 "symm_mem" (this module for messages up to `PHLOEM_TP_ALLREDUCE_MAX_KB`, default 512 KiB;
-NCCL for larger ones, e.g. prefill steps), or "fused_norm" (the all-reduce fused with the
-residual add and RMSNorm after it, for messages up to the same size:
-`fused_norm_all_reduce.py`).
+NCCL for larger ones, e.g. prefill steps), "fused_norm" (the all-reduce fused with the
+residual add and RMSNorm after it, for messages up to the same size: FlashInfer's kernel,
+`fused_norm_all_reduce.py`) or "symm_norm" (the same fusion as phloem's own Triton kernel over
+symmetric memory, up to 16 rows: `symm_norm_all_reduce.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 
 import torch
 
-ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "fused_norm")
+ALL_REDUCE_CHOICES = ("nccl", "symm_mem", "fused_norm", "symm_norm")
 DEFAULT_MAX_KB = 512
 _ALIGN_BYTES = 16  # the kernel reads and writes 16-byte vectors
 

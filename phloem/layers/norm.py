@@ -30,6 +30,9 @@ class RMSNorm(Compilable):
         self.fp8_output = False  # see `emit_fp8`
         # True: x is a row-parallel layer's partial sum, all-reduced here first (see `forward`)
         self.reduces_input = False
+        # which of the fused all-reduce's two buffer slots this norm uses (0 after o_proj, 1
+        # after down_proj: consecutive calls alternate; `symm_norm_all_reduce.py`)
+        self.reduce_slot = 0
 
     def emit_fp8(self) -> None:
         """From now on return the normalized tensor as an `Fp8Activation` (quantized per token,
@@ -47,7 +50,8 @@ class RMSNorm(Compilable):
         normalized tensor being an `Fp8Activation` after `emit_fp8`. When `reduces_input`, x
         is first summed over the tensor-parallel ranks: in one kernel with the residual add and
         the norm where the group has one and the message fits it
-        (`phloem.distributed.fused_norm_all_reduce`), else by the group's all-reduce."""
+        (`phloem.distributed.fused_norm_all_reduce`, `symm_norm_all_reduce`), else by the
+        group's all-reduce."""
         if self.reduces_input:
             fused = tp_fused_norm_all_reduce()
             if (
@@ -56,7 +60,7 @@ class RMSNorm(Compilable):
                 and not self.fp8_output
                 and fused.fits(x, residual)
             ):
-                return fused(x, residual, self.weight, self.eps)
+                return fused(x, residual, self.weight, self.eps, self.reduce_slot)
             x = tp_all_reduce(x)
         if self.fp8_output:
             return self._forward_fp8(x, residual)

@@ -217,16 +217,19 @@ class LlamaModel(nn.Module):
         """Leave each row-parallel layer's all-reduce (o_proj, down_proj) to the RMSNorm that
         consumes its output: the post-attention norm, the next layer's input norm, the final
         norm. That norm then sums, adds the residual and normalizes, in one kernel where the
-        group has it (`phloem.distributed.fused_norm_all_reduce`). A layer with a bias keeps its
-        all-reduce (its bias must be added once, after the sum). Mutates the layers."""
+        group has it (`phloem.distributed.fused_norm_all_reduce`, `symm_norm_all_reduce`). A
+        layer with a bias keeps its all-reduce (its bias must be added once, after the sum).
+        The norms after o_proj take buffer slot 0, those after down_proj slot 1, so consecutive
+        fused calls alternate slots. Mutates the layers."""
         consumers = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, consumers):
-            for producer, norm in (
+            for slot, (producer, norm) in enumerate((
                 (layer.self_attn.o_proj, layer.post_attention_layernorm),
                 (layer.mlp.down_proj, next_norm),
-            ):
+            )):  # fmt: skip
                 if producer.bias is None:
                     producer.defers_all_reduce = norm.reduces_input = True
+                    norm.reduce_slot = slot
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The pieces in order, each layer's backend call between two of them (one code path

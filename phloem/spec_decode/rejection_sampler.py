@@ -148,8 +148,10 @@ def _final_distribution(
     draft_probs: torch.Tensor | None,
     num_drafts: torch.Tensor,
     num_accepted: torch.Tensor,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 [B, V]: norm(max(0, p_a - q_a)) where a draft was rejected, p_n as the bonus.
+    """float32 [B, V]: norm(max(0, p_a - q_a)) where a draft was rejected, p_n as the bonus,
+    p_0 on rows whose drafts are not `valid` (verified nothing: a plain sample).
 
     A residual whose mass underflows to 0 (p == q up to rounding: a rejection there has
     probability ~0) falls back to p_a, so no row divides by zero.
@@ -159,7 +161,8 @@ def _final_distribution(
     width = draft_token_ids.shape[1]
     if width == 0:
         return p_final
-    rejected = (num_accepted < num_drafts)[:, None]
+    rejected = num_accepted < num_drafts
+    rejected = (rejected if valid is None else rejected & valid)[:, None]
     at = num_accepted.clamp_max(width - 1)
     if draft_probs is None:
         drafted = draft_token_ids[rows, at].clamp_min(0)
@@ -180,6 +183,7 @@ def rejection_sample(
     is_greedy: Sequence[bool] | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     fallback_generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> RejectionOutput:
     """Verify each row's drafts against the target and emit the accepted run plus one token.
 
@@ -196,6 +200,11 @@ def rejection_sample(
         generators: [B] per-row seeded generators on the device, None entries use
             `fallback_generator`; None: every row uses it.
         fallback_generator: the generator of unseeded rows (None: torch's default).
+        valid: bool [B] on the device: rows whose drafts count (None: all). A row that is not
+            accepts none and emits a sample of p_0, exactly what a step without drafts would
+            (its drafts followed a guess of its last token that failed,
+            `worker/stacked_rows.py`); its draws are made all the same, so seeded rows stay
+            reproducible.
 
     Returns `RejectionOutput` (on the device; nothing waits for it: host inputs are staged
     through pinned memory). Mutates nothing but the generators' states. Raises ValueError when
@@ -217,7 +226,9 @@ def rejection_sample(
     num_drafts = to_device(torch.tensor(list(num_draft_tokens), dtype=torch.long), device)
     args = (target_probs, draft_token_ids, draft_probs, num_drafts)
     num_accepted = _accepted_counts(*args, greedy, uniforms)
-    final = _final_distribution(*args, num_accepted)
+    if valid is not None:
+        num_accepted = torch.where(valid, num_accepted, 0)
+    final = _final_distribution(*args, num_accepted, valid)
     rows = torch.arange(batch, device=device)
     greedy_ids = target_probs[rows, num_accepted].argmax(dim=-1)
     final_ids = torch.where(greedy, greedy_ids, (final / noise).argmax(dim=-1))

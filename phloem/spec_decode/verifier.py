@@ -40,13 +40,19 @@ class VerifiedTokens:
 
     Attributes:
         tokens: int64 [S] on the device: each row's last emitted token (residual or bonus).
+        full: bool [S] on the device: the row accepted all its drafts.
         num_accepted: [S] host ints, drafts accepted per row; set by `result()`.
     """
 
     def __init__(
-        self, tokens: torch.Tensor, num_accepted: torch.Tensor, flags: torch.Tensor, num_rows: int
+        self,
+        tokens: torch.Tensor,
+        num_accepted: torch.Tensor,
+        flags: torch.Tensor,
+        num_rows: int,
+        full: torch.Tensor,
     ) -> None:
-        self.tokens = tokens
+        self.tokens, self.full = tokens, full
         self.num_accepted: list[int] = []
         self._num_rows = num_rows
         self._host = to_host(torch.stack((tokens, num_accepted, flags)))
@@ -81,6 +87,7 @@ def verify_drafts(
     rows: Sequence[SamplingRow],
     drafts: Sequence[Sequence[int]],
     fallback_generator: torch.Generator | None,
+    valid: torch.Tensor | None = None,
 ) -> VerifiedTokens:
     """Verify each row's drafts against the target and emit its accepted run plus one token.
 
@@ -90,6 +97,8 @@ def verify_drafts(
         rows: [S] the rows' sampling rows (no bans, penalties or log-probs); a row's generator
             (or `fallback_generator`) supplies its randomness.
         drafts: [S] each row's draft ids (empty: none).
+        valid: bool [S] on the device: rows whose drafts count (a guess row whose guess failed
+            verifies nothing, `rejection_sample(valid=...)`); None: all.
 
     Returns `VerifiedTokens` (nothing waits for the device). A row whose logits hold a NaN or
     +inf at any scored position is flagged (its tokens are placeholders). Raises ValueError when
@@ -126,10 +135,13 @@ def verify_drafts(
         is_greedy=greedy,
         generators=[r.generator for r in rows],
         fallback_generator=fallback_generator,
+        valid=valid,
     )
     final = out.token_ids.gather(1, out.num_accepted[:, None]).squeeze(1)
     row_flags = flags[gather_t].amax(dim=1)
-    return VerifiedTokens(final, out.num_accepted, row_flags, num_rows)
+    num_drafts = to_device(torch.tensor(counts, dtype=torch.long), device)
+    full = out.num_accepted == num_drafts
+    return VerifiedTokens(final, out.num_accepted, row_flags, num_rows, full)
 
 
 class VerifyStep:
@@ -138,6 +150,7 @@ class VerifyStep:
 
     Attributes:
         tokens: int64 [S] on the device: each row's last token (feeds the next step's inputs).
+        full: bool [S] on the device: the row accepted all its drafts (rows without: True).
         num_accepted: [S] host ints, drafts accepted per row (0 for rows without drafts); set by
             `result()`.
     """
@@ -151,13 +164,16 @@ class VerifyStep:
     ) -> None:
         self._parts = [(verified, drafted), (sampled, plain)]
         self.num_accepted: list[int] = []
-        self.tokens = verified.tokens
+        self.tokens, self.full = verified.tokens, verified.full
         if sampled is not None:
             device = verified.tokens.device
             self.tokens = torch.empty(len(drafted) + len(plain), dtype=torch.long, device=device)
+            self.full = torch.ones(len(drafted) + len(plain), dtype=torch.bool, device=device)
             for part, rows in self._parts:
                 index = to_device(torch.tensor(rows, dtype=torch.long), device)
                 self.tokens.index_copy_(0, index, part.tokens)  # type: ignore[union-attr]
+            index = to_device(torch.tensor(drafted, dtype=torch.long), device)
+            self.full.index_copy_(0, index, verified.full)
 
     def result(self) -> SamplerOutput:
         """The merged rows (waits for this step's copies only)."""
@@ -186,17 +202,21 @@ def launch_verify(
     drafts: Sequence[Sequence[int]],
     fallback_generator: torch.Generator | None,
     sample_plain: Callable[[torch.Tensor, list[int]], SampledTokens],
+    valid: torch.Tensor | None = None,
 ) -> VerifyStep:
     """Enqueue a verify step's sampling: drafted rows through `verify_drafts` (their 1 + k_b
     packed positions of `logits` [N, V], module docstring), the others through
     `sample_plain(their logits [P, V], their row indices)` (their one position each: the
-    caller's sampler). Nothing waits for the device."""
+    caller's sampler); `valid`: bool [S] on the device, the rows whose drafts count (None:
+    all). Nothing waits for the device."""
     drafted, positions, plain, plain_positions = split_verify_rows(drafts)
     device = logits.device
     index = to_device(np.array(positions, dtype=np.int64), device)
+    if valid is not None:
+        valid = valid[to_device(np.array(drafted, dtype=np.int64), device)]
     verified = verify_drafts(
         logits[index], [rows[b] for b in drafted], [drafts[b] for b in drafted],
-        fallback_generator,
+        fallback_generator, valid,
     )  # fmt: skip
     sampled = None
     if plain:

@@ -350,11 +350,13 @@ def append_verified(
     block_size: int,
 ) -> None:
     """Apply a verify step to its sampled rows' states: each gets its accepted drafts, then its
-    token, and a drafted row's block table drops the blocks past its last computed token (the
+    token, and a row that rejected drafts drops the blocks past its last computed token (the
     scheduler's `KVManager.trim` rule: cdiv(num_computed_tokens, block_size) kept, the last
-    known token having no KV yet)."""
+    known token having no KV yet), with them those of a row launched on top of it (void,
+    `worker/stacked_rows.py`); a row that accepted all keeps its table (a row on top of it
+    may need the blocks past it)."""
     for state, row_drafts, num, token_id in zip(states, drafts, num_accepted, token_ids):
         state.output_token_ids.extend(row_drafts[:num])
         state.output_token_ids.append(token_id)
-        if row_drafts:
+        if num < len(row_drafts):
             del state.block_ids[-(-(state.num_known_tokens - 1) // block_size) :]

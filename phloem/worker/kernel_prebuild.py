@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from phloem.ops.attention import FLASHINFER_HEAD_DIMS
@@ -144,6 +145,31 @@ def comm_modules(tp_size: int, environ: dict[str, str] | None = None) -> list[Fl
 
     choice, _ = all_reduce_choice(environ)
     return [FUSED_NORM_COMM] if tp_size > 1 and choice == "fused_norm" else []
+
+
+def comm_triton_hooks(
+    hidden_size: int, tp_size: int, dtype: Any, environ: dict[str, str] | None = None
+) -> list[tuple[str, Callable[[], None]]]:
+    """The Triton prebuild's (`worker.triton_prebuild`) hooks for the all-reduce kernels:
+    PHLOEM_TP_ALLREDUCE=symm_norm's all-reduce + add + RMSNorm kernel
+    (`distributed/symm_norm_kernel.py`; no FlashInfer module) when tp_size > 1, the torch
+    `dtype` is one it takes and the width fits it; else [].
+
+    Raises:
+        ValueError: naming PHLOEM_TP_ALLREDUCE(_MAX_KB) for a value that is not one it takes.
+    """
+    from phloem.distributed.fused_norm_all_reduce import FUSED_DTYPES
+    from phloem.distributed.symm_all_reduce import all_reduce_choice
+    from phloem.distributed.symm_norm_all_reduce import rows_for
+
+    choice, max_bytes = all_reduce_choice(environ)
+    rows = rows_for(hidden_size, tp_size, max_bytes)
+    if tp_size == 1 or choice != "symm_norm" or dtype not in FUSED_DTYPES or rows == 0:
+        return []
+    from phloem.distributed import symm_norm_kernel
+
+    call = partial(symm_norm_kernel.compile_variants, hidden_size, tp_size, rows, dtype)
+    return [("symm_norm", call)]
 
 
 def head_dim_of(hf_config: Any) -> int:

@@ -46,15 +46,10 @@ from phloem.sampling_params import SamplingParams
 from phloem.spec_decode.verifier import VerifyStep, launch_verify
 from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.cuda_graph import CUDAGraphRunner, decode_graph_max_batch
-from phloem.worker.input_batch import (
-    HostStep,
-    InputBatch,
-    SequenceState,
-    append_verified,
-    sampling_row,
-)
+from phloem.worker.input_batch import HostStep, InputBatch, SequenceState, sampling_row
 from phloem.worker.piecewise_graph import CUDAPieceGraphs, PieceGraphs, PiecewiseGraphRunner
 from phloem.worker.runner_output import LaunchedStep, ModelRunnerOutput, StepInputs
+from phloem.worker.stacked_rows import PreviousStep, append_tokens, stack_checks
 from phloem.worker.verify_graph import VerifyGraphRunner
 
 __all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
@@ -112,8 +107,8 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.verify_runner: VerifyGraphRunner | None = None
-        # the last launched step's sampled tokens (device int64 [S]) and seq id -> row
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # the last launched step's sampled tokens, seq id -> row, full rows (`stacked_rows`)
+        self._last_sampled: PreviousStep | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the per-layer caches: num_blocks usable blocks plus the scratch block
@@ -245,18 +240,22 @@ class ModelRunner:
         seq_ids = [scheduled[i].seq_id for i in host.sampled]
         sampled_states = [states[i] for i in host.sampled]
         rows, failed = self._sampling_rows(sched, host.sampled, states)
+        checks = stack_checks(host, sched, states, self._last_sampled, self.device)
         if sched.structured_seq_ids:  # sampled by `sample`, with the grammar bitmask
-            return LaunchedStep(seq_ids, sampled_states, None, failed, deferred=(logits, rows))
-        drafts = None
+            return LaunchedStep(seq_ids, sampled_states, None, failed, deferred=(logits, rows),
+                                checks=checks)  # fmt: skip
+        drafts, full = None, None
         if host.draft_counts:  # a verify step: the rows' 1 + k_b positions, packed
             drafts = [scheduled[i].draft_token_ids for i in host.sampled]
             handle: SampledTokens | VerifyStep = self._launch_verify(
-                logits, rows, drafts, seq_ids, sampled_states, failed
+                logits, rows, drafts, seq_ids, sampled_states, failed, checks.valid
             )
+            full = handle.full
         else:
             handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
-        self._last_sampled = (handle.tokens, {seq_id: k for k, seq_id in enumerate(seq_ids)})
-        return LaunchedStep(seq_ids, sampled_states, handle, failed, drafts=drafts)
+        index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
+        self._last_sampled = PreviousStep(handle.tokens, index, checks.full(full))
+        return LaunchedStep(seq_ids, sampled_states, handle, failed, drafts=drafts, checks=checks)
 
     @torch.inference_mode()
     def presample(self, launched: LaunchedStep | None) -> None:
@@ -298,7 +297,8 @@ class ModelRunner:
             logits, rows, seq_ids, launched.states, launched.failed, mask, noise
         )
         launched.sampled = handle
-        self._last_sampled = (handle.tokens, index)
+        full = None if launched.checks is None else launched.checks.full(None)
+        self._last_sampled = PreviousStep(handle.tokens, index, full)
 
     def collect(self, launched: LaunchedStep | None) -> ModelRunnerOutput:
         """Wait for a launched step's tokens (only that step's), append them to the sequences'
@@ -311,17 +311,17 @@ class ModelRunner:
             raise RuntimeError("a constrained step was collected before `sample` was called")
         result = launched.sampled.result()
         out.failed = launched.failed
-        seq_ids, token_ids = launched.seq_ids, result.token_ids
-        if isinstance(launched.sampled, VerifyStep) and launched.drafts is not None:
+        seq_ids, drafts, accepted = launched.seq_ids, launched.drafts, []
+        if isinstance(launched.sampled, VerifyStep) and drafts is not None:
             accepted = launched.sampled.num_accepted
-            append_verified(launched.states, launched.drafts, accepted, token_ids, self.block_size)
-            out.num_accepted_drafts = {
-                s: n for s, d, n in zip(seq_ids, launched.drafts, accepted) if d
-            }
-        else:
-            for state, token_id in zip(launched.states, token_ids):
-                state.output_token_ids.append(token_id)
-        out.sampled_token_ids = dict(zip(seq_ids, token_ids))
+            out.num_accepted_drafts = {s: n for s, d, n in zip(seq_ids, drafts, accepted) if d}
+        void = launched.checks.void_host if launched.checks is not None else None
+        kept, token_ids = append_tokens(launched.states, seq_ids, result.token_ids, drafts,
+                                        accepted, void, self.block_size)  # fmt: skip
+        if void is not None:  # void rows (`stacked_rows`): no token, no accepted count
+            out.num_accepted_drafts = {s: out.num_accepted_drafts[s] for s in kept
+                                       if s in out.num_accepted_drafts}  # fmt: skip
+        out.sampled_token_ids = dict(zip(kept, token_ids))
         out.logprobs = dict(zip(seq_ids, result.logprobs))
         out.top_logprobs = dict(zip(seq_ids, result.top_logprobs))
         if any(result.num_nonfinite):
@@ -339,8 +339,10 @@ class ModelRunner:
         seq_ids: list[str],
         states: list[SequenceState],
         failed: dict[str, str],
+        valid: torch.Tensor | None,
     ) -> VerifyStep:
-        """`verifier.launch_verify`: the rows without drafts through `_launch_sampler`."""
+        """`verifier.launch_verify`: the rows without drafts through `_launch_sampler`;
+        `valid`: the rows whose guess held (`stacked_rows`)."""
 
         def sample_plain(plain_logits: torch.Tensor, plain: list[int]) -> SampledTokens:
             return self._launch_sampler(
@@ -348,7 +350,7 @@ class ModelRunner:
                 [states[b] for b in plain], failed,
             )  # fmt: skip
 
-        return launch_verify(logits, rows, drafts, self._shared_generator, sample_plain)
+        return launch_verify(logits, rows, drafts, self._shared_generator, sample_plain, valid)
 
     def needs_token_history(self, sched: SchedulerOutput) -> bool:
         """`InputBatch.needs_token_history`: the step's sampling reads earlier output tokens."""
@@ -358,7 +360,7 @@ class ModelRunner:
         """input_ids[index] = the token the last launched step sampled for the sequence."""
         if self._last_sampled is None:
             raise RuntimeError("a step has pending input tokens but no step was launched")
-        tokens, rows = self._last_sampled
+        tokens, rows = self._last_sampled.tokens, self._last_sampled.rows
         try:
             src = [rows[seq_id] for _, seq_id in pending]
         except KeyError as e:

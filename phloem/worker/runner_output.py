@@ -6,6 +6,7 @@ and re-exports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from phloem.layers.sampler import SampledTokens, SamplingRow
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.spec_decode.verifier import VerifyStep
 from phloem.worker.input_batch import SequenceState
+
+if TYPE_CHECKING:
+    from phloem.worker.stacked_rows import StackChecks
 
 
 @dataclass
@@ -47,6 +51,7 @@ class LaunchedStep:
     deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
     noise: torch.Tensor | None = None  # its random rows' noise, drawn by `ModelRunner.presample`
     drafts: list[tuple[int, ...]] | None = None  # a verify step's drafts per sampled row
+    checks: StackChecks | None = None  # its rows' void flags and guesses (`stacked_rows`)
 
 
 @dataclass

@@ -119,6 +119,7 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
 
     from phloem.ops import activation, fp8_fused_quant, fp8_quant, rope_kv, token_bitmask_triton
     from phloem.ops.attention import shared_prefix
+    from phloem.worker.kernel_prebuild import comm_triton_hooks
 
     dtype, kv_dtype = getattr(torch, s.dtype), getattr(torch, s.kv_dtype)
     hooks = [("rope_kv", partial(rope_kv.compile_variants, s.num_heads, s.num_kv_heads,
@@ -139,6 +140,7 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
         hooks.append(("fp8_quant", partial(fp8_quant.compile_variants, width, dtype)))
     if s.skinny_gemm != "0":  # the dense projections' decode-sized calls
         hooks.extend(_skinny_hook(s, dtype))
+    hooks.extend(comm_triton_hooks(s.hidden_size, s.tp_size, dtype))  # PHLOEM_TP_ALLREDUCE
     # the sampler's grammar mask (structured outputs): any engine may get a constrained request
     hooks.append(("token_bitmask", partial(token_bitmask_triton.compile_variants, dtype)))
     if s.shared_prefix:

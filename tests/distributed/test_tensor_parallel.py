@@ -46,13 +46,14 @@ def run(llm: LLM, params: SamplingParams):
 
 @pytest.mark.parametrize(
     ("arch", "num_kv_heads", "all_reduce"),
-    [("llama", 2, "nccl"), ("qwen2", 1, "fused_norm"), ("qwen3", 2, "nccl")],
+    [("llama", 2, "nccl"), ("qwen2", 1, "fused_norm"), ("qwen3", 2, "symm_norm")],
 )
 def test_tp2_matches_tp1_and_transformers(
     arch, num_kv_heads, all_reduce, tmp_path, embedded_tokenizer_dir, capfd, monkeypatch
 ):
-    """fused_norm: the row-parallel layers leave their all-reduce to the next RMSNorm (on gloo
-    the norm all-reduces, then adds and normalizes: a lost or doubled sum changes the tokens)."""
+    """fused_norm, symm_norm: the row-parallel layers leave their all-reduce to the next RMSNorm
+    (on gloo the norm all-reduces, then adds and normalizes: a lost or doubled sum changes the
+    tokens); the norms after o_proj take buffer slot 0, those after down_proj slot 1."""
     torch.set_num_threads(2)
     ref = write_model(arch, tmp_path, embedded_tokenizer_dir, num_kv_heads)
     results = {}
@@ -65,7 +66,11 @@ def test_tp2_matches_tp1_and_transformers(
         layers = llm.llm_engine.executor.worker.model.model.layers
         deferred = [(x.self_attn.o_proj.defers_all_reduce, x.mlp.down_proj.defers_all_reduce,
                      x.post_attention_layernorm.reduces_input) for x in layers]  # fmt: skip
-        assert set(deferred) == {(size == 2 and all_reduce == "fused_norm",) * 3}
+        fused = size == 2 and all_reduce in ("fused_norm", "symm_norm")
+        assert set(deferred) == {(fused,) * 3}
+        slots = [(x.post_attention_layernorm.reduce_slot, x.input_layernorm.reduce_slot)
+                 for x in layers] + [(llm.llm_engine.executor.worker.model.model.norm.reduce_slot,)]  # fmt: skip
+        assert slots == ([(0, 0)] + [(0, int(fused))] * (len(layers) - 1) + [(int(fused),)])
         ranks = llm.llm_engine.executor._group.ranks if size == 2 else []
         del llm  # collecting the LLM stops its rank processes (no close())
         gc.collect()

@@ -48,12 +48,14 @@ def write_model(path, arch: str, num_kv_heads: int) -> None:
 @pytest.mark.parametrize(
     ("arch", "num_kv_heads", "all_reduce"),
     [("llama", 2, "nccl"), ("qwen2", 1, "nccl"), ("llama", 2, "symm_mem"),
-     ("qwen2", 1, "fused_norm")],
+     ("qwen2", 1, "fused_norm"), ("llama", 2, "symm_norm")],
 )  # fmt: skip
 def test_tp2_matches_tp1_on_cuda(arch, num_kv_heads, all_reduce, tmp_path, monkeypatch):
     """symm_mem: decode steps' all-reduces through the one-shot symmetric-memory kernel, captured
     in the CUDA graphs (the ranks inherit PHLOEM_TP_ALLREDUCE); fused_norm: decode steps'
-    all-reduces fused with the residual add and RMSNorm (FlashInfer's one-shot kernel)."""
+    all-reduces fused with the residual add and RMSNorm (FlashInfer's one-shot kernel);
+    symm_norm: the same fusion as phloem's Triton kernel over symmetric memory, its device-side
+    barrier replayed by the graphs (and run eagerly by the third engine)."""
     from phloem.distributed.parallel_state import tp_fused_norm_all_reduce, tp_small_all_reduce
 
     monkeypatch.setenv("PHLOEM_TP_ALLREDUCE", all_reduce)
@@ -69,7 +71,7 @@ def test_tp2_matches_tp1_on_cuda(arch, num_kv_heads, all_reduce, tmp_path, monke
             assert llm.llm_engine.executor.worker.cuda_graphs is not eager
             assert (tp_small_all_reduce() is not None) == (size == 2 and all_reduce == "symm_mem")
             fused = tp_fused_norm_all_reduce() is not None
-            assert fused == (size == 2 and all_reduce == "fused_norm")
+            assert fused == (size == 2 and all_reduce in ("fused_norm", "symm_norm"))
             outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[size, eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         del llm

@@ -1,0 +1,147 @@
+"""Rows scheduled on top of the step in flight (async scheduling with speculative decoding,
+`core/draft_tokens.py`): which of them are void and which verify rows' guesses held, decided on
+the device from the step in flight's tensors, and the update of the sequence states that drops
+the void rows.
+
+The last launched step (N) leaves, per sampled row, its last token and whether the row emitted
+all its 1 + k tokens (`full`: every draft accepted, or none to verify). A row of step N+1 whose
+input token is pending (N's token for it) sits after N's drafts, as if all were accepted:
+
+    step N:    |-- last | d_1 .. d_k --|            full: a == k (or k == 0)
+    step N+1:                         |-- N's token | e_1 .. e_j --|   void unless N's row full
+
+A verify row of N+1 with a `pending_guess` g (its drafts proposed before N's token was known)
+accepts its drafts only where N's token equals g; else it verifies nothing, as if its first
+draft were rejected, and still samples its next token from the target's distribution there
+(`rejection_sample(valid=...)`), so greedy outputs and the sampled distribution are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from phloem.core.scheduler_output import SchedulerOutput
+from phloem.ops.staging import to_device, to_host
+from phloem.worker.input_batch import HostStep, SequenceState, append_verified
+
+
+@dataclass
+class PreviousStep:
+    """The last launched step's sampled rows, as the next step's inputs read them.
+
+    Attributes:
+        tokens: int64 [S] on the device: each sampled row's last token.
+        rows: seq id -> its row in `tokens`.
+        full: bool [S] on the device: the row emitted all its tokens (no draft rejected, no
+            void row); None: every row did (a step without drafts on top of full rows).
+    """
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
+    full: torch.Tensor | None = None
+
+
+@dataclass
+class StackChecks:
+    """A step's checks of its rows against the step before (module docstring).
+
+    Attributes:
+        void: bool [S] on the device: the sampled row sits on a row that did not emit all its
+            tokens (its token is dropped); None: no row does.
+        void_host: `void`'s copy to the host (read once the step's tokens are in).
+        valid: bool [S] on the device: a guess row's guess held (True for rows without one);
+            None: the step has no guess rows.
+    """
+
+    void: torch.Tensor | None = None
+    void_host: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+    def full(self, full: torch.Tensor | None) -> torch.Tensor | None:
+        """This step's `PreviousStep.full` from its rows' own (None: all full): void rows are
+        not full."""
+        if self.void is None:
+            return full
+        return ~self.void if full is None else full & ~self.void
+
+
+def stack_checks(
+    host: HostStep,
+    sched: SchedulerOutput,
+    states: list[SequenceState],
+    prev: PreviousStep | None,
+    device: torch.device,
+) -> StackChecks:
+    """The void rows and the guesses' outcomes of a step (module docstring); enqueued on the
+    device, nothing waits. A guess row whose input token is known on the host (its step was
+    collected before this one launched) is checked on the host. Cheap when nothing is stacked
+    on drafts: no tensors at all."""
+    checks = StackChecks()
+    scheduled, sampled = sched.scheduled, host.sampled
+    pending = {seq_id for _, seq_id in host.pending}
+    if prev is not None and prev.full is not None and pending:
+        rows = [b for b, i in enumerate(sampled) if scheduled[i].seq_id in pending]
+        if rows:
+            src = [prev.rows[scheduled[sampled[b]].seq_id] for b in rows]
+            index = to_device(np.array([rows, src], dtype=np.int64), device)
+            checks.void = torch.zeros(len(sampled), dtype=torch.bool, device=device)
+            checks.void[index[0]] = ~prev.full[index[1]]
+            checks.void_host = to_host(checks.void)
+    if not host.draft_counts or all(scheduled[i].pending_guess < 0 for i in sampled):
+        return checks
+    held = [True] * len(sampled)  # host-checked guesses (and rows without one)
+    dev_rows, src, guesses = [], [], []
+    for b, i in enumerate(sampled):
+        s = scheduled[i]
+        if s.pending_guess < 0:
+            continue
+        if s.seq_id in pending:
+            assert prev is not None  # (the input's fill needs it too)
+            dev_rows.append(b)
+            src.append(prev.rows[s.seq_id])
+            guesses.append(s.pending_guess)
+        else:
+            start = s.num_computed_tokens
+            held[b] = states[i].token_ids(start, start + 1) == [s.pending_guess]
+    valid = to_device(torch.tensor(held, dtype=torch.bool), device)
+    if dev_rows:
+        assert prev is not None
+        index = to_device(np.array([dev_rows, src, guesses], dtype=np.int64), device)
+        valid[index[0]] = prev.tokens[index[1]] == index[2]
+    checks.valid = valid
+    return checks
+
+
+def append_tokens(
+    states: list[SequenceState],
+    seq_ids: list[str],
+    token_ids: list[int],
+    drafts: list[tuple[int, ...]] | None,
+    num_accepted: list[int],
+    void_host: torch.Tensor | None,
+    block_size: int,
+) -> tuple[list[str], list[int]]:
+    """Append a collected step's tokens to its sampled rows' states (`drafts` None: one token
+    each; else `append_verified`); a void row gets nothing (its blocks were cut when the row
+    below it was collected, `append_verified`: the engine collects steps in order, never the
+    step in flight before launching one stacked on it). Returns (seq ids, tokens) of the
+    rows that are not void, with a verify step's accepted counts left in `num_accepted`."""
+    keep = list(range(len(seq_ids)))
+    if void_host is not None:  # (their blocks went when the row below was collected)
+        void = void_host.tolist()
+        keep = [b for b in keep if not void[b]]
+    if drafts is not None:
+        append_verified(
+            [states[b] for b in keep],
+            [drafts[b] for b in keep],
+            [num_accepted[b] for b in keep],
+            [token_ids[b] for b in keep],
+            block_size,
+        )
+    else:
+        for b in keep:
+            states[b].output_token_ids.append(token_ids[b])
+    return [seq_ids[b] for b in keep], [token_ids[b] for b in keep]
