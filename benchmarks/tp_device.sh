@@ -4,20 +4,28 @@
 #   TP=4 STAGES="agree latency" bash benchmarks/tp_device.sh "$OUT/tp4"
 # On Llama-3.1-8B shapes with random weights (load_format dummy draws the same model at every TP
 # size), bf16, one process per run, the stages of STAGES in this order:
-#   tests    tests/distributed/test_tp_gpu.py (TESTS_LIMIT s, default 420; 150 s a case): TP=2 vs
+#   tests    tests/distributed/test_tp_gpu.py (TESTS_LIMIT s, default 420; 150 s a case; TESTS_K
+#            picks cases by pytest -k): TP=2 vs
 #            TP=1 greedy on tiny models, NCCL, decode
 #            CUDA graphs on and off (output in OUT_DIR/tp-gpu-tests.txt)
 #   agree    benchmarks/tp_agreement.py: greedy reference at TP=1, then TP=$TP teacher-forced top-1
 #            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
 #            replayed CUDA graphs (which capture the all-reduces); then TP=1 checked the same way,
 #            the noise floor of bf16 rounding (random weights give near-tied logits)
-#   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out) at TP=1 and
-#            TP=$TP, TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the one-shot symmetric-memory
-#            all-reduce for small messages) and with PHLOEM_TP_ALLREDUCE=fused_norm (all-reduce,
-#            residual add and RMSNorm in one FlashInfer kernel), then TP=1 and TP=$TP with the
-#            LM head inside the decode graphs (PHLOEM_GRAPH_LOGITS_MAX_BATCH=16), and TP=$TP with
-#            both: output tokens/s and their ratios to TP=1 (goal >= 1.6x at TP=2); then TP=$TP
-#            and TP=1 again with --trace-steps (the JSONs' "steps": host phases, GPU time, gaps)
+#   allreduce benchmarks/allreduce_norm_bench.py on $TP ranks (torchrun): us per call of NCCL
+#            all-reduce + add-RMSNorm, symm_mem + norm and the symm_norm kernel at 1, 4, 16 rows
+#            inside CUDA graphs, results checked (OUT_DIR/allreduce-norm.json)
+#   latency  `phloem bench throughput --workload latency` (batch 1, 128 in / 256 out), the runs of
+#            LATENCY_RUNS in order (default "tp1 tp symm symmnorm glogits both trace"):
+#            tp1, tp: TP=1 and TP=$TP; symm: TP=$TP with PHLOEM_TP_ALLREDUCE=symm_mem (the
+#            one-shot symmetric-memory all-reduce for small messages); symmnorm: with
+#            PHLOEM_TP_ALLREDUCE=symm_norm (all-reduce, residual add and RMSNorm in one phloem
+#            Triton kernel); fused (not in the default: FlashInfer's module outlives a start-up):
+#            with PHLOEM_TP_ALLREDUCE=fused_norm (the same fusion, FlashInfer's kernel); glogits:
+#            TP=1 and TP=$TP with the LM head inside the decode graphs
+#            (PHLOEM_GRAPH_LOGITS_MAX_BATCH=16); both: TP=$TP with symm_norm and graph logits;
+#            trace: TP=$TP and TP=1 again with --trace-steps (the JSONs' "steps": host phases,
+#            GPU time, gaps). Output tokens/s and their ratios to TP=1 (goal >= 1.6x at TP=2)
 #   batchllm `phloem bench throughput --workload batchllm --num-groups 100` (1,600 requests) at
 #            TP=$TP, to set beside two data-parallel replicas (benchmarks/multi_gpu.sh)
 #   big      Llama-3.1-70B shapes (a model that needs TP; 141 GB of bf16 weights: TP=2 on H200s,
@@ -53,10 +61,10 @@ for stage in $STAGES; do
     case $stage in
     tests)
         echo "=== tests $(date +%T)"
-        # 3 cases x 3 engine starts (TP=1, TP=2 with graphs, TP=2 eager): ~60 s a case; a case
-        # that hangs is named by pytest-timeout
+        # 5 cases x 3 engine starts (TP=1, TP=2 with graphs, TP=2 eager): ~60 s a case; a case
+        # that hangs is named by pytest-timeout; TESTS_K picks cases (pytest -k, e.g. symm_norm)
         timeout "$TESTS_LIMIT" python3 -m pytest -v -x --tb=short -p no:cacheprovider --timeout 150 \
-            --durations=0 tests/distributed/test_tp_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.txt" \
+            --durations=0 -k "${TESTS_K:-}" tests/distributed/test_tp_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.txt" \
             | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|s call"
         ;;
     agree)
@@ -71,18 +79,34 @@ for stage in $STAGES; do
         timeout "$LIMIT" python3 benchmarks/tp_agreement.py check --ref "$OUT/agree-ref.json" \
             --tensor-parallel-size 1 --out "$OUT/agree-tp1.json" 2>&1 | tail -1
         ;;
+    allreduce)
+        echo "=== allreduce + norm microbenchmark ($TP ranks) $(date +%T)"
+        timeout "$LIMIT" python3 -m torch.distributed.run --nproc-per-node "$TP" \
+            benchmarks/allreduce_norm_bench.py --json "$OUT/allreduce-norm.json" 2>&1 \
+            | tee "$OUT/allreduce-norm.log" | grep -E "us/call|Error|error" | tail -16
+        ;;
     latency)
-        bench latency-tp1 1 --workload latency
-        bench "latency-tp$TP" "$TP" --workload latency
-        PHLOEM_TP_ALLREDUCE=symm_mem bench "latency-tp$TP-symm" "$TP" --workload latency
-        PHLOEM_TP_ALLREDUCE=fused_norm bench "latency-tp$TP-fused" "$TP" --workload latency
-        PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench latency-tp1-glogits 1 --workload latency
-        PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench "latency-tp$TP-glogits" "$TP" --workload latency
-        PHLOEM_TP_ALLREDUCE=fused_norm PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 \
-            bench "latency-tp$TP-both" "$TP" --workload latency
-        # where TP's extra GPU idle sits: host phases and GPU time per step (CUDA events)
-        bench "latency-tp$TP-trace" "$TP" --workload latency --trace-steps
-        bench latency-tp1-trace 1 --workload latency --trace-steps
+        for run in ${LATENCY_RUNS:-tp1 tp symm symmnorm glogits both trace}; do
+            case $run in
+            tp1) bench latency-tp1 1 --workload latency ;;
+            tp) bench "latency-tp$TP" "$TP" --workload latency ;;
+            symm) PHLOEM_TP_ALLREDUCE=symm_mem bench "latency-tp$TP-symm" "$TP" --workload latency ;;
+            symmnorm) PHLOEM_TP_ALLREDUCE=symm_norm bench "latency-tp$TP-symmnorm" "$TP" \
+                --workload latency ;;
+            fused) PHLOEM_TP_ALLREDUCE=fused_norm bench "latency-tp$TP-fused" "$TP" --workload latency ;;
+            glogits)
+                PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench latency-tp1-glogits 1 --workload latency
+                PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 bench "latency-tp$TP-glogits" "$TP" --workload latency
+                ;;
+            both) PHLOEM_TP_ALLREDUCE=symm_norm PHLOEM_GRAPH_LOGITS_MAX_BATCH=16 \
+                bench "latency-tp$TP-both" "$TP" --workload latency ;;
+            trace)  # where TP's extra GPU idle sits: host phases and GPU time per step (CUDA events)
+                bench "latency-tp$TP-trace" "$TP" --workload latency --trace-steps
+                bench latency-tp1-trace 1 --workload latency --trace-steps
+                ;;
+            *) echo "unknown LATENCY_RUNS entry: $run" ;;
+            esac
+        done
         ;;
     batchllm)
         bench "batchllm100-tp$TP" "$TP" --workload batchllm --num-groups 100
@@ -120,8 +144,9 @@ if floor:
     print(f"noise floor, TP=1 checked against itself: {floor['teacher_forced_agreement']:.4f}")
 keys = ("output_tokens_per_s", "requests_per_s", "total_tokens_per_s", "roofline_ratio",
         "roofline_ratio_sustained")
-for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"latency-tp{tp}-fused",
-             "latency-tp1-glogits", f"latency-tp{tp}-glogits", f"latency-tp{tp}-both",
+for name in ("latency-tp1", f"latency-tp{tp}", f"latency-tp{tp}-symm", f"latency-tp{tp}-symmnorm",
+             f"latency-tp{tp}-fused", "latency-tp1-glogits", f"latency-tp{tp}-glogits",
+             f"latency-tp{tp}-both",
              f"batchllm100-tp{tp}",
              f"70b-batchllm100-tp{tp}", f"70b-decode-heavy-tp{tp}"):
     r = load(name)
@@ -134,14 +159,18 @@ if one and many:
     summary["latency_speedup"] = ratio
     print(f"latency output tok/s TP={tp} / TP=1: {ratio:.3f} (goal >= 1.6 at TP=2)")
 for suffix, key, what in (("symm", "symm_mem", "symmetric-memory all-reduce"),
-                          ("fused", "fused_norm", "all-reduce fused with add + RMSNorm"),
+                          ("symmnorm", "symm_norm", "phloem's all-reduce + add + RMSNorm kernel"),
+                          ("fused", "fused_norm", "FlashInfer's all-reduce + add + RMSNorm"),
                           ("glogits", "graph_logits", "LM head in the decode graphs"),
-                          ("both", "fused_norm_graph_logits", "fused_norm + graph logits")):
+                          ("both", "symm_norm_graph_logits", "symm_norm + graph logits")):
     other = load(f"latency-tp{tp}-{suffix}")
     if one and other:
         ratio = other["output_tokens_per_s"] / one["output_tokens_per_s"]
         summary[f"latency_speedup_{key}"] = ratio
         print(f"latency output tok/s TP={tp} ({what}) / TP=1: {ratio:.3f}")
+bench = load("allreduce-norm")
+if bench:
+    summary["allreduce_norm"] = bench["results"]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 PY
 echo "=== done $(date +%T)"
