@@ -33,6 +33,7 @@ from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.prompt_entry import OutputMode, PromptEntry, SequenceEntry, StepOutput
+from phloem.engine.spec_step import propose_drafts
 from phloem.engine.step_observer import LaunchedStep, StepObserver
 from phloem.engine.structured_outputs import StructuredOutputs
 from phloem.engine.token_updates import apply_tokens
@@ -345,23 +346,12 @@ class LLMEngine:
         return outputs
 
     def _propose_drafts(self) -> list[StepOutput]:
-        """Speculative decoding, before `schedule()`: collect the step in flight first when it
-        verified drafts (its requests' positions depend on what it accepted) or when the next
-        step may draft (drafts need every known token), then let the drafter set the running
-        requests' drafts. Async overlap thus stays only on steps that cannot draft."""
+        """Speculative decoding, before `schedule()`: the drafts for the next step, proposed
+        ahead of the step in flight where possible (`engine/spec_step.py`)."""
         assert self.drafter is not None
-        running, flight = self.scheduler.running, self._in_flight
-        may_draft = self.drafter.may_draft(running)
-        outputs: list[StepOutput] = []
-        if flight is not None and (
-            may_draft or any(s.draft_token_ids for s in flight.scheduler_output.scheduled)
-        ):
-            outputs = self._finish_in_flight()
-            self.drafter.num_syncs += 1
-        if may_draft and self._in_flight is None:
-            grammars = self.structured.manager
-            self.drafter.propose(running, blocked=bool(grammars and grammars.num_live))
-        return outputs
+        grammars = self.structured.manager
+        return propose_drafts(self.drafter, self.scheduler, self._in_flight,
+                              bool(grammars and grammars.num_live), self._finish_in_flight)  # fmt: skip
 
     def add_step_observer(self, fn: StepObserver) -> None:
         """Call `fn(StepRecord)` after each non-empty step's outputs are updated (see

@@ -2,8 +2,9 @@
 that decode (`Request.draft_token_ids`, which `Scheduler.schedule` takes), trimmed by the cost
 rule; after it, the acceptance estimates and the counters.
 
-Which requests draft: one that decodes this step (its last token known on the host, none
-pending) and whose sampling the verifier reproduces exactly: no grammar, no log-probs, no
+Which requests draft: one that decodes this step (its last token known on the host, or
+pending in the step in flight: then the proposal runs one step ahead, `ahead.py`) and whose
+sampling the verifier reproduces exactly: no grammar, no log-probs, no
 penalties, `min_tokens` reached. While a constrained request runs, nobody drafts (a step samples
 one way: under the grammar bitmask, or through the verifier). Everything else decodes plainly.
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from phloem.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from phloem.core.request import Request, token_slice
 from phloem.core.scheduler_output import SchedulerOutput
+from phloem.spec_decode import ahead
 from phloem.spec_decode.cost_rule import (
     AcceptanceTracker,
     CostRuleConfig,
@@ -187,24 +189,37 @@ class Drafter:
         self.num_syncs = self.num_proposals = 0
         self.may_draft_s = self.propose_s = 0.0
 
-    def propose(self, running: Sequence[Request], blocked: bool = False) -> int:
-        """Set `draft_token_ids` of each running request for the next `schedule()` (cleared
-        where it gets none; the engine calls it when `may_draft` said yes); `blocked`: nobody
-        drafts. Returns the drafts handed out."""
+    def propose(
+        self,
+        running: Sequence[Request],
+        blocked: bool = False,
+        flight: SchedulerOutput | None = None,
+    ) -> int:
+        """Set `draft_token_ids` (and `draft_guess`) of each running request for the next
+        `schedule()` (cleared where it gets none; the engine calls it when `may_draft` said
+        yes); `blocked`: nobody drafts; `flight`: the step in flight, whose tokens are pending
+        (its requests' proposals run one step ahead, `ahead.py`; never for a costly proposer).
+        Returns the drafts handed out."""
         start = time.perf_counter()
-        handed = self._propose(running, blocked)
+        handed = self._propose(running, blocked, flight)
         self.num_proposals += 1
         self.propose_s += time.perf_counter() - start
         return handed
 
-    def _propose(self, running: Sequence[Request], blocked: bool) -> int:
-        eligible = []
+    def _propose(
+        self, running: Sequence[Request], blocked: bool, flight: SchedulerOutput | None
+    ) -> int:
+        rows = ahead.rows_in_flight(None if self.proposer.costly else flight)
+        eligible, leads = [], []
         for request in running:
-            request.draft_token_ids = []
+            request.draft_token_ids, request.draft_guess = [], -1
             if not blocked and _can_draft(request):
-                eligible.append(request)
+                num_lead = ahead.lead(request, rows)
+                if num_lead >= 0:
+                    eligible.append(request)
+                    leads.append(num_lead)
         if self._retrying:  # the same requests while they run: their indexes only catch up
-            eligible = eligible[:RETRY_SAMPLE]
+            eligible, leads = eligible[:RETRY_SAMPLE], leads[:RETRY_SAMPLE]
         self._retrying = False
         probe, self._probe_drafts = self._probe_drafts, 0
         if not eligible:
@@ -219,11 +234,16 @@ class Drafter:
                     self.tracker.skipped(request.request_id)
         proposals = self.proposer.propose(
             [
-                DraftRequest(r.request_id, _History(r), r.num_prompt_tokens, budget)
-                for r, budget in zip(eligible, budgets)
+                DraftRequest(
+                    r.request_id, _History(r), r.num_prompt_tokens, n + budget if budget else 0, n
+                )
+                for r, n, budget in zip(eligible, leads, budgets)
             ]
         )
-        offered = [(r, d) for r, d in zip(eligible, proposals) if d]
+        guessed = [
+            ahead.split(d, n, rows.get(r.request_id)) for r, n, d in zip(eligible, leads, proposals)
+        ]
+        offered = [(r, g, d) for r, (g, d) in zip(eligible, guessed) if d]
         asked = sum(1 for budget in budgets if budget)  # (a costly proposer: those the rule chose)
         if asked:  # the first proposal's share sets the rate, later ones move it
             weight = OFFER_RATE_WEIGHT if self.num_proposals else 1.0
@@ -231,14 +251,14 @@ class Drafter:
             self._empty_streak = 0 if offered else self._empty_streak + 1
         self._since_proposal = 0
         chosen = (
-            self._choose([(r, len(d)) for r, d in offered], step)
+            self._choose([(r, len(d)) for r, _, d in offered], step)
             if rule
-            else [len(d) for _, d in offered]
+            else [len(d) for _, _, d in offered]
         )
         handed = 0
-        for (request, drafts), num in zip(offered, chosen):
+        for (request, guess, drafts), num in zip(offered, chosen):
             if num:
-                request.draft_token_ids = drafts[:num]
+                request.draft_token_ids, request.draft_guess = drafts[:num], guess
                 handed += num
             else:
                 self.tracker.skipped(request.request_id)
@@ -345,9 +365,9 @@ class Drafter:
         """Record a verify step's outcome (its rows' accepted counts) in the estimates and the
         counters."""
         verified = False
-        for s in sched.scheduled:
-            if s.draft_token_ids:
-                accepted = num_accepted.get(s.seq_id, 0)
+        for s in sched.scheduled:  # (a void row has no count: it verified nothing)
+            if s.draft_token_ids and s.seq_id in num_accepted:
+                accepted = num_accepted[s.seq_id]
                 self.tracker.observe(s.seq_id, len(s.draft_token_ids), accepted)
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(s.draft_token_ids)
@@ -428,9 +448,8 @@ def device_type(device: str) -> str:
 
 
 def _can_draft(request: Request) -> bool:
-    """The request decodes next step and its sampling is one the verifier reproduces."""
-    if request.num_pending_tokens or request.num_computed_tokens + 1 != request.num_tokens:
-        return False
+    """The request's sampling is one the verifier reproduces (whether it decodes next step:
+    `ahead.lead`)."""
     params = request.sampling_params
     return (
         params.structured_outputs is None

@@ -23,12 +23,16 @@ class DraftRequest:
         token_ids: the request's prompt followed by its outputs so far [tokens] (read only).
         num_prompt_tokens: how many of `token_ids` are the prompt [tokens].
         max_draft_tokens: the most tokens to draft (the cost rule's k; 0 drafts none) [tokens].
+        num_lead_tokens: how many of those predict tokens already on their way (sampled or
+            drafted by the step in flight, `ahead.py`); a proposer whose draft length is capped
+            by its own rule extends the cap by them [tokens].
     """
 
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
     max_draft_tokens: int
+    num_lead_tokens: int = 0
 
 
 class Proposer(ABC):

@@ -132,7 +132,8 @@ class SuffixProposer(Proposer):
         history = request.token_ids
         own = self._requests[request.request_id].index
         min_len = min(cfg.min_match_len, cfg.max_pattern_len)
-        args = (cfg.max_pattern_len, cfg.spec_factor, cfg.min_token_prob, min_len)
+        args = (cfg.max_pattern_len, cfg.spec_factor, cfg.min_token_prob, min_len,
+                request.num_lead_tokens)  # fmt: skip
         best, best_score = own.draft(history, *args)
         if cfg.use_shared:
             draft, score = self.shared.index.draft(history, *args)

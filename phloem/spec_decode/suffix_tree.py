@@ -181,6 +181,7 @@ class SuffixIndex:
         spec_factor: float,
         min_prob: float,
         min_len: int = 1,
+        lead: int = 0,
     ) -> tuple[list[int], float]:
         """The most frequent continuation of the longest matching suffix (`match`) and its
         score.
@@ -189,13 +190,15 @@ class SuffixIndex:
         for a match of p tokens (and p + draft <= max_depth), and stops before a token whose
         path probability (the product of conditional estimates along the draft) falls below
         `min_prob`. The score is the sum of those path probabilities, the draft's expected
-        number of accepted tokens under the counts. Returns ([], 0.0) on no match or one
-        shorter than `min_len` tokens. Reads only.
+        number of accepted tokens under the counts. `lead` more tokens are allowed where the
+        first ones predict tokens already on their way (`DraftRequest.num_lead_tokens`): the
+        cap is on what is drafted past them. Returns ([], 0.0) on no match or one shorter than
+        `min_len` tokens. Reads only.
         """
         p, occs = self.match(history, max_len)
         if p < max(min_len, 1):
             return [], 0.0
-        limit = min(self.max_depth - p, math.ceil(spec_factor * p))
+        limit = min(self.max_depth - p, math.ceil(spec_factor * p)) + lead
         runs = [(self._tokens[occ >> _POS_BITS], (occ & _POS_MASK) + 1) for occ in occs]
         if len(runs) == 1:  # one occurrence: every step has probability 1
             tokens, start = runs[0]
