@@ -23,7 +23,10 @@ are the same with and without speculation, as greedy ones are):
 
 A verify row's accepted drafts are the longest prefix of its drafts equal to the tokens the
 model emits at those positions; the row then emits the next one (as the rejection sampler's
-greedy case does).
+greedy case does). As the worker does (`worker/stacked_rows.py`): a row whose drafts follow a
+guess of its pending token (`pending_guess`) accepts none where the token sampled differs, and a
+row launched while its sequence's row below was in flight is void (emits nothing) where that row
+did not emit all its tokens (its input token is past those emitted: pending).
 
 Reported per engine (off, ngram, suffix; k = `--k`; cost rule on; each engine built once and
 run `--repeats` times, the order rotated; medians, and the ratio per repeat, `runs_ratio`: the
@@ -108,12 +111,16 @@ class PacedSpecExecutor(UniProcExecutor):
         super().__init__(worker)
         self._device_free = 0.0  # time.monotonic() when the last launched step ends
         self._counts: dict[str, int] = {}  # seq id -> tokens emitted so far
+        self._full: dict[str, bool] = {}  # seq id -> its last collected row emitted all
+        self._prompt_lens: dict[str, int] = {}  # seq id -> its prompt's length [tokens]
         self.slept_s = 0.0
 
     def launch(self, scheduler_output):
         scheduled = scheduler_output.scheduled
         for seq_id in scheduler_output.finished_seq_ids:
             self._counts.pop(seq_id, None)
+            self._full.pop(seq_id, None)
+            self._prompt_lens.pop(seq_id, None)
         if not scheduled:
             return None
         if self.host_s:  # the model runner's own host work (inputs, launch): the host is busy
@@ -126,7 +133,15 @@ class PacedSpecExecutor(UniProcExecutor):
             duration += self.verify_s
         end = max(time.monotonic(), self._device_free) + duration
         self._device_free = end
-        return end, [(s.seq_id, s.draft_token_ids) for s in scheduled if s.sample]
+        rows = []
+        for s in scheduled:
+            if s.new_sequence is not None:
+                self._prompt_lens[s.seq_id] = len(s.new_sequence.prompt_token_ids)
+            if s.sample:  # stacked: its input token is not emitted yet (a row in flight's)
+                known = self._prompt_lens[s.seq_id] + self._counts.get(s.seq_id, 0)
+                stacked = s.num_computed_tokens + s.num_tokens - len(s.draft_token_ids) > known
+                rows.append((s.seq_id, s.draft_token_ids, s.pending_guess, stacked))
+        return end, rows
 
     def collect(self, launched) -> ModelRunnerOutput:
         if launched is None:
@@ -137,15 +152,20 @@ class PacedSpecExecutor(UniProcExecutor):
             self.slept_s += delay
             time.sleep(delay)
         out = ModelRunnerOutput()
-        for seq_id, drafts in rows:
+        for seq_id, drafts, guess, stacked in rows:
             n = self._counts.get(seq_id, 0)
+            if stacked and not self._full.get(seq_id, True):  # void: on rejected drafts
+                self._full[seq_id] = False
+                continue
             accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == self.workload.token(
-                seq_id, n + accepted
-            ):
-                accepted += 1
+            if guess < 0 or (n and guess == self.workload.token(seq_id, n - 1)):
+                while accepted < len(drafts) and drafts[accepted] == self.workload.token(
+                    seq_id, n + accepted
+                ):
+                    accepted += 1
             if drafts:
                 out.num_accepted_drafts[seq_id] = accepted
+            self._full[seq_id] = accepted == len(drafts)
             self._counts[seq_id] = n + accepted + 1
             out.sampled_token_ids[seq_id] = self.workload.token(seq_id, n + accepted)
             out.logprobs[seq_id] = None
