@@ -74,6 +74,9 @@ def _all_reduce_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
     # the buffers are 16-byte aligned (symmetric memory's allocations): vector loads and stores
     own = tl.multiple_of(tl.load(buffer_ptrs + rank).to(x_ptr.dtype), 16)
     tl.store(own + slot_offset + offs, tl.load(x_ptr + offs, mask=ok, other=0.0), mask=ok)
+    # loaded before the barrier: their latency overlaps the wait for the peers
+    res = tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if BARRIER:
         tl.debug_barrier()  # every thread's copy before the flag that publishes it
         _block_barrier(signal_ptrs, rank, row, WORLD)
@@ -82,13 +85,11 @@ def _all_reduce_add_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, buf
     for peer in tl.static_range(WORLD):  # rank order: the same sum on every rank
         part = tl.multiple_of(tl.load(buffer_ptrs + peer).to(x_ptr.dtype), 16)
         total += tl.load(part + slot_offset + offs, mask=ok, other=0.0).to(tl.float32)
-    res = tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     h = (total + res).to(x_ptr.dtype.element_ty)  # the next residual stream, as stored
     tl.store(res_out_ptr + offs, h, mask=ok)
     h32 = h.to(tl.float32)
     mean_square = tl.math.div_rn(tl.sum(h32 * h32, axis=0), HIDDEN)
     normed = (h32 * tl.math.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (w * normed.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=ok)
 
 
