@@ -142,6 +142,9 @@ def test_each_module_builds_in_its_own_ninja_run_side_by_side():
     with pytest.raises(RuntimeError, match="Ninja build failed"):
         build_specs([failing, other])
     assert other.calls  # built although the first one failed
+    alone = _FakeSpec()  # a single pending module (the deferred fa3 one): no pool thread, so a
+    build_specs([alone, _FakeSpec(True)])  # daemon prebuild thread never holds process exit
+    assert alone.calls == [(True, threading.current_thread().name)]
 
 
 def test_failed_prebuild_is_left_to_first_use(caplog):
