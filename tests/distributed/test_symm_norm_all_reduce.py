@@ -1,13 +1,20 @@
 """PHLOEM_TP_ALLREDUCE=symm_norm: phloem's one-shot all-reduce + residual add + RMSNorm kernel.
 
-On the CPU (Triton's interpreter) the kernel's per-rank math runs without its barrier, plain
-tensors standing in for the peers' symmetric buffers: the sum of the ranks' partials plus the
-residual, then RMSNorm, against a float64 reference. Compiled for sm_90 without a GPU: the
-kernel with its barrier (system-scope acquire/release atomics) passes ptxas, and the variant
-the prebuild records is the one the engine's call launches. The barrier itself and CUDA-graph
-replay run on two GPUs (tests/distributed/test_tp_gpu.py)."""
+The kernel's per-rank math runs without its barrier, plain tensors standing in for the peers'
+symmetric buffers (on the CPU under Triton's interpreter; on one GPU where there is one): the sum
+of the ranks' partials plus the residual, then RMSNorm, against a float64 reference. Under the
+interpreter two forked processes also run it with the barrier, over shared memory standing in
+for the symmetric buffers and signal pads: consecutive calls of several row counts, slots
+alternating, the same results on both ranks and every flag back to 0 (the protocol; not the
+GPU's memory ordering). Compiled for sm_90 without a GPU: the kernel with its barrier
+(system-scope acquire/release atomics) passes ptxas, and the variant the prebuild records is
+the one the engine's call launches. NVLink and CUDA-graph replay run on two GPUs
+(tests/distributed/test_tp_gpu.py)."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
 
 import pytest
 import torch
@@ -19,22 +26,26 @@ from phloem.worker.kernel_prebuild import comm_modules, comm_triton_hooks
 pytest.importorskip("triton")
 
 EPS = 1e-5
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
 
 
 def run_rank(parts, residual, weight, rank: int, slot_offset: int):
     """The kernel as rank `rank` of len(parts) runs it, the peers' buffers filled already:
-    (normed, new residual, this rank's buffer after the call)."""
+    (normed, new residual, this rank's buffer after the call), on the CPU."""
     from phloem.distributed.symm_norm_kernel import all_reduce_add_norm
 
     rows, hidden = residual.shape
-    buffers = [torch.zeros(slot_offset + MAX_ROWS * hidden, dtype=residual.dtype) for _ in parts]
+    buffers = [torch.zeros(slot_offset + MAX_ROWS * hidden, dtype=residual.dtype, device=DEVICE)
+               for _ in parts]  # fmt: skip
     for peer, part in enumerate(parts):
         if peer != rank:
             buffers[peer][slot_offset : slot_offset + rows * hidden] = part.view(-1)
-    table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    out, new_residual = all_reduce_add_norm(parts[rank], residual, weight, EPS, table, table,
-                                            rank, slot_offset, barrier=False)  # fmt: skip
-    return out, new_residual, buffers[rank]
+    table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
+    x, residual, weight = (t.to(DEVICE) for t in (parts[rank], residual, weight))
+    out, new_residual = all_reduce_add_norm(x, residual, weight, EPS, table, table, rank,
+                                            slot_offset, barrier=False)  # fmt: skip
+    return out.cpu(), new_residual.cpu(), buffers[rank].cpu()
 
 
 @pytest.mark.parametrize("hidden", [4096, 896])
@@ -81,6 +92,66 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """RMSNorm of the rows of h in float64."""
     h = h.double()
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+
+
+# (rows, slot) of consecutive calls, as a decode step's norms and the next step's make them
+CALLS = [(3, 0), (3, 1), (1, 0), (4, 1), (4, 0), (2, 1), (2, 0), (2, 1)]
+HIDDEN, CALL_ROWS = 256, 4
+
+
+def call_inputs(call: int, rank: int):
+    """(this rank's partial, the residual, the weight) of call `call`: the residual and weight
+    are the same on every rank."""
+    rows = CALLS[call][0]
+    own = torch.Generator().manual_seed(100 * call + rank)
+    shared = torch.Generator().manual_seed(call)
+    return (torch.randn(rows, HIDDEN, generator=own).to(torch.bfloat16),
+            torch.randn(rows, HIDDEN, generator=shared).to(torch.bfloat16),
+            torch.randn(HIDDEN, generator=shared).to(torch.bfloat16))  # fmt: skip
+
+
+def rank_process(rank: int, buffers, pads, results) -> None:
+    """One forked rank: every call of CALLS with the barrier; its outputs into results[rank]."""
+    from phloem.distributed.symm_norm_kernel import all_reduce_add_norm, slot_elements
+
+    buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    stride = slot_elements(CALL_ROWS, HIDDEN)
+    for call, (rows, slot) in enumerate(CALLS):
+        out, new_residual = all_reduce_add_norm(*call_inputs(call, rank), EPS, buffer_table,
+                                                pad_table, rank, slot * stride)  # fmt: skip
+        results[rank, call, :rows] = torch.stack([out, new_residual], dim=1)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU processes under Triton's interpreter")
+def test_two_ranks_meet_at_the_barrier():
+    from phloem.distributed.symm_norm_kernel import slot_elements
+
+    world, stride = 2, slot_elements(CALL_ROWS, HIDDEN)
+    buffers = [torch.zeros(2 * stride, dtype=torch.bfloat16).share_memory_() for _ in range(world)]
+    pads = [torch.zeros(CALL_ROWS * world, dtype=torch.int32).share_memory_() for _ in range(world)]
+    results = torch.zeros(world, len(CALLS), CALL_ROWS, 2, HIDDEN, dtype=torch.bfloat16)
+    results.share_memory_()
+    context = multiprocessing.get_context("fork")  # the interpreter and phloem imported already
+    ranks = [context.Process(target=rank_process, args=(r, buffers, pads, results))
+             for r in range(world)]  # fmt: skip
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=60)
+        if process.is_alive():  # a barrier that never opens: end this test's own processes
+            for p in ranks:
+                p.kill()
+            pytest.fail("the ranks did not get through their barriers in 60 s")
+        assert process.exitcode == 0
+    for call, (rows, _) in enumerate(CALLS):
+        inputs = [call_inputs(call, r) for r in range(world)]
+        total = sum(x.double() for x, _, _ in inputs) + inputs[0][1].double()
+        torch.testing.assert_close(
+            results[0, call, :rows, 1].double(), total, rtol=2**-7, atol=1e-6
+        )
+        assert torch.equal(results[0, call], results[1, call])
+    assert not any(p.any() for p in pads)  # every flag consumed
 
 
 def test_choice_names_symm_norm_and_the_bad_value():
