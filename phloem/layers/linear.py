@@ -27,7 +27,7 @@ column-parallel layers, whole in row-parallel ones).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from phloem.distributed.communication import tp_all_reduce
 from phloem.distributed.parallel_state import tp_rank, tp_size
 from phloem.layers.quantization.base import LinearMethod, UnquantizedLinearMethod
 from phloem.layers.quantization.fp8_math import Fp8Activation
+
+if TYPE_CHECKING:
+    from phloem.layers.norm import RMSNorm
 
 WeightShardId = str | int | None
 CheckpointParts = list[tuple[WeightShardId, tuple[int, ...]]]
@@ -179,6 +182,26 @@ class LinearBase(nn.Module):
         one kernel instead of two), else the two apart."""
         out = self.quant_method.apply_silu_and_mul(self, gate_up, self.bias)
         return self(act_fn(gate_up)) if out is None else out
+
+    def forward_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x, residual)[0]), x + residual), or (self(norm(x)), x) without a residual,
+        for `norm` the RMSNorm whose output only this layer reads (a decoder layer's qkv and
+        gate_up projections): the residual add and the norm computed inside the GEMM where
+        `quant_method.apply_rms_norm` takes the call (decode-sized calls of the skinny GEMM: one
+        kernel instead of two) and the layer's input is whole on this rank and the norm has no
+        all-reduce of its own to run (`RMSNorm.reduces_input`); else the norm's own path."""
+        if not (self.input_is_sharded or norm.reduces_input):
+            fused = self.quant_method.apply_rms_norm(
+                self, x, residual, norm.weight, norm.eps, self.bias
+            )
+            if fused is not None:
+                return fused
+        if residual is None:
+            return self(norm(x)), x
+        normed, residual = norm(x, residual)
+        return self(normed), residual
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Compute through `method` from now on; it replaces the weight parameters with its own

@@ -120,7 +120,12 @@ class LlamaAttention(nn.Module):
         """The part before the backend call: QKV projection, q/k norms, RoPE and the KV write
         (`Attention.store_kv`; mutates the layer's cache). positions int64 [T], hidden
         [T, hidden_size] (or its `Fp8Activation`) -> rotated q [T, num_heads, head_dim]."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        return self.pre_attention_qkv(positions, self.qkv_proj(hidden))
+
+    def pre_attention_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """`pre_attention` after the QKV projection: qkv [T, q_size + 2 * kv_size] -> rotated q
+        [T, num_heads, head_dim] (the q/k norms, RoPE and the KV write)."""
+        q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
             num_tokens = q.shape[0]
             q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim))
@@ -147,9 +152,18 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x), self.act_fn)
 
+    def forward_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), the norm fused into gate_up's GEMM where
+        that kernel takes it (`LinearBase.forward_rms_norm`)."""
+        gate_up, residual = self.gate_up_proj.forward_rms_norm(x, residual, norm)
+        return self.down_proj.forward_silu_and_mul(gate_up, self.act_fn), residual
+
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the following RMSNorm."""
+    """Pre-norm block; the residual add is fused into the following RMSNorm, and at decode sizes
+    both into the GEMM that reads the norm (qkv, gate_up: `LinearBase.forward_rms_norm`)."""
 
     def __init__(self, hf_config: Any, layer_idx: int, dtype: torch.dtype, **attn_kwargs: Any):
         super().__init__()
@@ -181,12 +195,9 @@ class LlamaDecoderLayer(nn.Module):
         """Input norm (with the residual add when `residual` is given) and the attention's part
         before the backend call (`LlamaAttention.pre_attention`: writes this layer's K/V).
         Returns (rotated q [T, num_heads, head_dim], residual stream [T, hidden_size])."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        return self.self_attn.pre_attention(positions, hidden), residual
+        qkv_proj = self.self_attn.qkv_proj  # the norm fused into its GEMM where it takes it
+        qkv, residual = qkv_proj.forward_rms_norm(hidden, residual, self.input_layernorm)
+        return self.self_attn.pre_attention_qkv(positions, qkv), residual
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
@@ -194,8 +205,7 @@ class LlamaDecoderLayer(nn.Module):
         """o_proj of the attention output [T, num_heads, head_dim], the post-attention norm
         (+ residual) and the MLP. Returns (mlp output, residual stream), as `forward`."""
         hidden = self.self_attn.post_attention(attn_out)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_rms_norm(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

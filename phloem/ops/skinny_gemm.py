@@ -18,7 +18,9 @@ each adding its fp32 partial sums into a zeroed fp32 buffer (`tl.atomic_add`), w
 rounded to the output dtype: two more kernels (a memset and a cast), for shapes with too few
 rows of W to fill the GPU. Both kernels' `GATED` variant reads [gate | up] rows of twice K and
 multiplies silu(gate) * up instead of x (`phloem.ops.skinny_gated`: SiLU-and-mul fused into the
-down projection).
+down projection); their `NORM` variant adds the residual to x and applies RMSNorm
+(`phloem.ops.skinny_norm`: the norm fused into the qkv and gate_up projections). The tile
+helpers they share are `phloem.ops.skinny_tiles`'.
 
 Accumulation is fp32 and the output is rounded once, so results equal `F.linear`'s to bf16
 rounding (not bit for bit: the summation order differs). Which config each shape gets is
@@ -34,12 +36,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from phloem.ops.activation import silu_mul
+from phloem.ops.skinny_tiles import finish_row, norm_tile, rms_scale, row_step, w_tile
 
 MAX_ROWS = 16  # the most rows of x this kernel takes (a decode step's batch)
 DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores
@@ -198,55 +202,17 @@ def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
 
 
 @triton.jit
-def _w_tile(w_ptrs, n_ok, k_ok, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] tile of W at `w_ptrs` (zeros outside N and the K range)."""
-    if EVEN_K:
-        return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-    return tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _row_times_w(x_ptr, m, M, K, offs_k, k_ok, w, rn, s_xm, GATED: tl.constexpr):
-    """Row m of x over `offs_k` (zeros past M rows or outside the K range), broadcast over the
-    tile's rows, times the fp32 tile w: fp32 [BLOCK_N, BLOCK_K]. The pointers repeat along the
-    rows, so x is loaded in w's own layout (no shared-memory layout conversion and barrier in
-    the loop; the repeated addresses hit L1). GATED: x's row is [gate | up] (2K wide) and the
-    product takes silu(gate) * up rounded to x's dtype, computed once per column (a vector in
-    the slice of w's layout, then broadcast: not once per tile row)."""
-    if GATED:
-        row = x_ptr + m * s_xm + offs_k
-        ok = k_ok & ((offs_k * 0 + m) < M)
-        gate = tl.load(row, mask=ok, other=0.0)
-        h = silu_mul(gate, tl.load(row + K, mask=ok, other=0.0)).to(gate.dtype)
-        return w * h.to(tl.float32)[None, :]
-    ptrs = x_ptr + m * s_xm + offs_k[None, :] + rn[:, None] * 0
-    ok = k_ok[None, :] & ((rn[:, None] * 0 + m) < M)
-    return w * tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _finish_row(out_ptr, m, M, rn, n_ok, acc, bias, s_om, SPLIT: tl.constexpr):
-    """out[m, rn] = the sum over K of acc [BLOCK_N, BLOCK_K] + bias (rounded to out's dtype),
-    or added atomically (fp32) when SPLIT."""
-    ok = n_ok & ((rn * 0 + m) < M)
-    y = tl.sum(acc, axis=1) + bias
-    if SPLIT:
-        tl.atomic_add(out_ptr + m * s_om + rn, y, mask=ok, sem="relaxed")
-    else:
-        tl.store(out_ptr + m * s_om + rn, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _skinny_fma_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, ro_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
+    eps, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
     """The CUDA-core product for ROWS (1, 2 or 4) >= M rows: program (n, s) computes
     out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T. Each row of x has an fp32
     accumulator of W's tile shape, updated elementwise (FMAs only in the loop: no shuffles, no
-    barriers) and summed over K once at the end. K range s, EVEN_K, SPLIT and GATED as in
-    `_skinny_dot_kernel`."""
+    barriers) and summed over K once at the end. K range s, EVEN_K, SPLIT, GATED, NORM and
+    HAS_RES as in `_skinny_dot_kernel`."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,39 +225,46 @@ def _skinny_fma_kernel(
     a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_next = _w_tile(w_ptrs, n_ok, (k_start + rk) < k_end, EVEN_K)
+    q0 = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: each row's sums of squares
+    q1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    q2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    q3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    w_next = w_tile(w_ptrs, n_ok, (k_start + rk) < k_end, EVEN_K)
     for k in range(k_start, k_end, BLOCK_K):
         # Prefetch: the next tile's loads are issued before this tile's FMAs, so two tiles are
         # in flight per program (the last step reloads its own tile: no mask, no HBM traffic).
         w = w_next.to(tl.float32)
         step = BLOCK_K * (k + BLOCK_K < k_end).to(tl.int32)
         w_ptrs += step
-        w_next = _w_tile(w_ptrs, n_ok, (k + step + rk) < k_end, EVEN_K)
+        w_next = w_tile(w_ptrs, n_ok, (k + step + rk) < k_end, EVEN_K)
         offs_k = k + rk
         k_ok = offs_k < k_end
-        a0 += _row_times_w(x_ptr, 0, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+        rest = (x_ptr, r_ptr, ro_ptr, nw_ptr, M, K, offs_k, k_ok, w, rn, s_xm, pid_n, GATED,
+                NORM, HAS_RES)  # fmt: skip
+        a0, q0 = row_step(a0, q0, 0, *rest)
         if ROWS > 1:
-            a1 += _row_times_w(x_ptr, 1, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+            a1, q1 = row_step(a1, q1, 1, *rest)
         if ROWS > 2:
-            a2 += _row_times_w(x_ptr, 2, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
-            a3 += _row_times_w(x_ptr, 3, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+            a2, q2 = row_step(a2, q2, 2, *rest)
+            a3, q3 = row_step(a3, q3, 3, *rest)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
         bias = tl.load(b_ptr + rn, mask=n_ok & first, other=0.0).to(tl.float32)
-    _finish_row(out_ptr, 0, M, rn, n_ok, a0, bias, s_om, SPLIT)
+    finish_row(out_ptr, 0, M, rn, n_ok, a0, rms_scale(q0, K, eps, NORM), bias, s_om, SPLIT)
     if ROWS > 1:
-        _finish_row(out_ptr, 1, M, rn, n_ok, a1, bias, s_om, SPLIT)
+        finish_row(out_ptr, 1, M, rn, n_ok, a1, rms_scale(q1, K, eps, NORM), bias, s_om, SPLIT)
     if ROWS > 2:
-        _finish_row(out_ptr, 2, M, rn, n_ok, a2, bias, s_om, SPLIT)
-        _finish_row(out_ptr, 3, M, rn, n_ok, a3, bias, s_om, SPLIT)
+        finish_row(out_ptr, 2, M, rn, n_ok, a2, rms_scale(q2, K, eps, NORM), bias, s_om, SPLIT)
+        finish_row(out_ptr, 3, M, rn, n_ok, a3, rms_scale(q3, K, eps, NORM), bias, s_om, SPLIT)
 
 
 @triton.jit
 def _skinny_dot_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr, INTERPRET: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, ro_ptr, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_om,
+    eps, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    HAS_RES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """The tensor-core product, x padded to 16 rows: program (n, s) computes
     out[:, n-block] (+)= x[:, K range s] W[n-block, K range s]^T with `tl.dot` (fp32).
@@ -300,9 +273,12 @@ def _skinny_dot_kernel(
     BLOCK_K. EVEN_K: K is a multiple of BLOCK_K (no K mask). SPLIT: out is fp32 and zeroed, and
     every program adds its partial sums atomically (the bias once, by split 0). GATED: x is
     [M, 2K], [gate | up], and the product takes silu(gate) * up rounded to x's dtype (the
-    standalone kernel's values: `phloem.ops.activation.silu_mul`) in place of x. INTERPRET:
-    Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton 3.9), multiplies the same
-    values in fp32 (IEEE) instead."""
+    standalone kernel's values: `phloem.ops.activation.silu_mul`) in place of x. NORM (one
+    split, x contiguous [M, K]): the product takes h * nw_ptr's norm weight, h = x + the
+    residual at r_ptr rounded to x's dtype (HAS_RES; else x), and scales each row's sum by
+    1 / sqrt(mean(h^2) + eps) at the end; program 0 along N writes h to ro_ptr (the new
+    residual). INTERPRET: Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton
+    3.9), multiplies the same values in fp32 (IEEE) instead."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = tl.arange(0, 16)
@@ -315,9 +291,10 @@ def _skinny_dot_kernel(
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * s_wn + (k_start + rk)[None, :]
     x_ptrs = x_ptr + rm[:, None] * s_xm + (k_start + rk)[None, :]
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    ss = tl.zeros((16,), dtype=tl.float32)  # NORM: each row's sum of squares
     for k in range(k_start, k_end, BLOCK_K):
         k_ok = (k + rk) < k_end
-        w = _w_tile(w_ptrs, n_ok, k_ok, EVEN_K)
+        w = w_tile(w_ptrs, n_ok, k_ok, EVEN_K)
         if EVEN_K:
             x_ok = m_ok[:, None]
         else:
@@ -325,12 +302,20 @@ def _skinny_dot_kernel(
         x = tl.load(x_ptrs, mask=x_ok, other=0.0)
         if GATED:
             x = silu_mul(x, tl.load(x_ptrs + K, mask=x_ok, other=0.0)).to(x.dtype)
+        if NORM:
+            offs = rm[:, None] * K + (k + rk)[None, :]
+            nw = tl.load(nw_ptr + k + rk, mask=k_ok, other=0.0).to(tl.float32)
+            store_ok = x_ok & ((rk[None, :] * 0 + pid_n) == 0)
+            x, sq = norm_tile(x, r_ptr + offs, ro_ptr + offs, nw, x_ok, store_ok, HAS_RES)
+            ss += sq
         if INTERPRET:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(w, tl.trans(x), out_dtype=tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if NORM:
+        acc = acc * tl.rsqrt(ss / K + eps)[None, :]
     if HAS_BIAS:
         first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
         acc += tl.load(b_ptr + rn, mask=n_ok & first, other=0.0).to(tl.float32)[:, None]
@@ -414,19 +399,32 @@ def rows_of(x: torch.Tensor) -> torch.Tensor:
     return rows_x if rows_x.stride(-1) == 1 else rows_x.contiguous()
 
 
+class NormArgs(NamedTuple):
+    """The residual add + RMSNorm a launch computes on x before the product (`NORM` in
+    `_skinny_dot_kernel`; `phloem.ops.skinny_norm`)."""
+
+    residual: torch.Tensor | None  # [rows, K] contiguous, added to x; None: x alone
+    weight: torch.Tensor  # the norm weight [K], x's dtype
+    eps: float  # added to the mean square
+    residual_out: torch.Tensor  # [rows, K] contiguous: receives x + residual (with a residual)
+
+
 def launch(
     rows_x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: SkinnyConfig | None,
     gated: bool,
+    norm: NormArgs | None = None,
 ) -> torch.Tensor:
     """One kernel launch (split: and a memset and a cast): out [rows, N] = x W^T + b, x =
-    rows_x [rows, K] or, `gated`, silu(gate) * up of rows_x [rows, 2K] = [gate | up]; the
-    arguments checked by the caller (`check_inputs`).
+    rows_x [rows, K] or, `gated`, silu(gate) * up of rows_x [rows, 2K] = [gate | up], or, with
+    `norm`, RMSNorm(rows_x + residual) (rows_x contiguous); the arguments checked by the caller
+    (`check_inputs`).
 
     Raises:
-        ValueError: more than MAX_ROWS rows, a config the rows cannot use.
+        ValueError: more than MAX_ROWS rows, a config the rows cannot use (or, with `norm`,
+            that splits K).
     """
     n, k = weight.shape
     rows = rows_x.shape[0]
@@ -437,16 +435,23 @@ def launch(
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_per_split)
     split = splits > 1
+    if norm is not None and split:
+        raise ValueError(f"a launch with RMSNorm takes one split of K, {config} gives {splits}")
     out_dtype = torch.float32 if split else rows_x.dtype
     make = torch.zeros if split else torch.empty
     out = make(rows, n, dtype=out_dtype, device=rows_x.device)
     if rows and n:
         grid = (triton.cdiv(n, config.block_n), splits)
-        args = (rows_x, weight, bias if bias is not None else weight, out, rows, n, k,
-                k_per_split, rows_x.stride(0), weight.stride(0), out.stride(0))  # fmt: skip
+        has_res = norm is not None and norm.residual is not None
+        r, nw, ro = (norm.residual if has_res else weight, norm.weight,
+                     norm.residual_out) if norm is not None else (weight, weight, weight)  # fmt: skip
+        args = (rows_x, weight, bias if bias is not None else weight, out, r, nw, ro, rows, n, k,
+                k_per_split, rows_x.stride(0), weight.stride(0), out.stride(0),
+                norm.eps if norm is not None else 0.0)  # fmt: skip
         consts = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       EVEN_K=k % config.block_k == 0, SPLIT=split, GATED=gated,
-                      num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+                      NORM=norm is not None, HAS_RES=has_res, num_warps=config.num_warps,
+                      num_stages=config.num_stages)  # fmt: skip
         if config.uses_tensor_cores(rows):
             _skinny_dot_kernel[grid](*args, INTERPRET=INTERPRETED, **consts)
         else:
@@ -462,10 +467,11 @@ def compile_variants(
     launches record every variant a decode step of 1..16 rows compiles (Triton specializes M
     only on equalling 1 or being divisible by 16; the rows bucket picks the constexprs) and run
     nothing; `measured_only`: only the launches `takes(..., measured_only=True)` sends here.
-    Then `phloem.ops.skinny_gated.compile_variants` (the down projections' fused launches).
-    Under a real driver it would launch on CPU memory: call it only there. W is allocated,
-    never written (`torch.empty`)."""
-    from phloem.ops import skinny_gated  # imports this module
+    Then the fused launches: `skinny_gated.compile_variants` (down projections) and, for a
+    down projection (N, K) whose gate_up (2K, N) is in `shapes`, `skinny_norm.compile_variants`
+    (the projections after a norm). Under a real driver it would launch on CPU memory: call it
+    only there. W is allocated, never written (`torch.empty`)."""
+    from phloem.ops import skinny_gated, skinny_norm  # they import this module
 
     for n, k in shapes:
         weight = torch.empty(n, k, dtype=dtype)
@@ -473,3 +479,5 @@ def compile_variants(
             if runs_shape(rows, n, k, measured_only):
                 skinny_linear(torch.empty(rows, k, dtype=dtype), weight)
     skinny_gated.compile_variants(shapes, dtype, measured_only)
+    for down in {(n, k) for n, k in shapes if (2 * k, n) in shapes}:
+        skinny_norm.compile_variants(shapes, down, dtype, measured_only)

@@ -146,11 +146,13 @@ def skinny_flag(monkeypatch):
         quant_base.skinny_gemm_mode.cache_clear()
         quant_base.skinny_gemm_module.cache_clear()
         quant_base.skinny_gated_module.cache_clear()
+        quant_base.skinny_norm_module.cache_clear()
 
     yield set_flag
     quant_base.skinny_gemm_mode.cache_clear()
     quant_base.skinny_gemm_module.cache_clear()
     quant_base.skinny_gated_module.cache_clear()
+    quant_base.skinny_norm_module.cache_clear()
 
 
 def test_flag_defaults_to_the_measured_shapes_and_is_validated(sk, skinny_flag):
@@ -221,7 +223,8 @@ def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_fa
                                            embedded_tokenizer_dir, monkeypatch):  # fmt: skip
     """A tiny fp16 Llama, decode batches of 6 down to 1 rows (both tile products): the flag's
     greedy tokens are F.linear's, and its decode steps went through the kernel (the MLPs' down
-    projections with SiLU-and-mul fused, `ops.skinny_gated`). fp16, not bf16:
+    projections with SiLU-and-mul fused, `ops.skinny_gated`; qkv and gate_up with the norm
+    before them, `ops.skinny_norm`). fp16, not bf16:
     Triton's interpreter truncates float32 to bf16 (the GPU rounds to nearest), enough to flip
     one of this model's 27 greedy tokens; it rounds fp16 as the GPU does."""
     from phloem import LLM, SamplingParams
@@ -239,21 +242,24 @@ def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_fa
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    from phloem.ops import skinny_gated
+    from phloem.ops import skinny_gated, skinny_norm
 
     monkeypatch.setattr(skinny_gated, "MAX_SILU_PER_WEIGHT", 16.0)  # every decode row fuses
-    fused = []
-    real = skinny_gated.silu_and_mul_linear
+    fused, normed = [], []
+    real, real_norm = skinny_gated.silu_and_mul_linear, skinny_norm.rms_norm_linear
     monkeypatch.setattr(skinny_gated, "silu_and_mul_linear",
                         lambda *a: fused.append(a[0].shape[0]) or real(*a))  # fmt: skip
+    monkeypatch.setattr(skinny_norm, "rms_norm_linear",
+                        lambda *a: normed.append(a[1] is None) or real_norm(*a))  # fmt: skip
     skinny_flag("0")
     plain = run()
-    assert not counted and not fused
+    assert not counted and not fused and not normed
     skinny_flag("1")
     assert run() == plain
     rows = {shape[0] for shape in counted}  # CPU: 6..1; CUDA: the graphs' batch sizes
     assert 1 in rows and max(rows) >= sk.DOT_MIN_ROWS, rows  # both tile products
     assert 1 in fused and max(fused) >= sk.DOT_MIN_ROWS, fused
+    assert True in normed and False in normed  # the first layer's norm (no residual) too
 
 
 COMPILE_FOR_HOPPER = r"""
@@ -263,18 +269,19 @@ from triton.compiler import ASTSource
 
 from phloem.ops import skinny_gemm as sk
 
-types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", M="i32", N="i32", K="i32",
-             K_PER_SPLIT="i32", s_xm="i32", s_wn="i32", s_om="i32")
+types = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", r_ptr="*bf16", nw_ptr="*bf16",
+             ro_ptr="*bf16", M="i32", N="i32", K="i32", K_PER_SPLIT="i32", s_xm="i32",
+             s_wn="i32", s_om="i32", eps="fp32")
 built = []
-for fn, rows, split, block_n, gated in ((sk._skinny_fma_kernel, 1, False, 8, False),
-                                        (sk._skinny_fma_kernel, 4, True, 8, False),
-                                        (sk._skinny_dot_kernel, 16, False, 16, False),
-                                        (sk._skinny_dot_kernel, 16, True, 64, False),
-                                        (sk._skinny_fma_kernel, 2, False, 4, True),
-                                        (sk._skinny_dot_kernel, 16, True, 16, True)):
-    dot = fn is sk._skinny_dot_kernel
+fma, dot = sk._skinny_fma_kernel, sk._skinny_dot_kernel
+for fn, rows, split, block_n, fused in ((fma, 1, False, 8, ""), (fma, 4, True, 8, ""),
+                                        (dot, 16, False, 16, ""), (dot, 16, True, 64, ""),
+                                        (fma, 2, False, 4, "gated"), (dot, 16, True, 16, "gated"),
+                                        (fma, 4, False, 8, "norm"), (dot, 8, False, 16, "norm")):
+    gated = fused == "gated"
     const = dict(HAS_BIAS=not split, BLOCK_N=block_n, BLOCK_K=256, EVEN_K=True, SPLIT=split,
-                 GATED=gated, **(dict(INTERPRET=False) if dot else dict(ROWS=rows)))
+                 GATED=gated, NORM=fused == "norm", HAS_RES=fused == "norm",
+                 **(dict(INTERPRET=False) if fn is dot else dict(ROWS=rows)))
     sig = {n: "constexpr" if n in const else types.get(n, "*fp32" if split else "*bf16")
            for n in fn.arg_names}
     # what a launch specializes on: 16-byte aligned pointers, ints divisible by 16 (not M)
@@ -283,11 +290,12 @@ for fn, rows, split, block_n, gated in ((sk._skinny_fma_kernel, 1, False, 8, Fal
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    assert ("mma" in ptx) == dot, "only the tl.dot product runs on the tensor cores"
+    assert ("mma" in ptx) == (fn is dot), "only the tl.dot product runs on the tensor cores"
     assert (".gpu.relaxed.add." in ptx) == split, "split K adds its partial sums atomically"
-    assert ("cp.async" if dot else "ld.global.v4") in ptx, "W in 16-byte vectors (dot: staged)"
+    assert ("cp.async" if fn is dot else "ld.global.v4") in ptx, "W in 16-byte vectors"
     assert ("ex2.approx" in ptx) == gated, "gated: silu(gate) * up computed in the kernel"
-    built.append(f"{fn.fn.__name__} rows={rows} split={split} gated={gated}")
+    assert ("rsqrt.approx" in ptx) == (fused == "norm"), "norm: each row's 1 / rms"
+    built.append(f"{fn.fn.__name__} rows={rows} split={split} fused={fused}")
 print("compiled:", "; ".join(built))
 """
 
@@ -295,9 +303,10 @@ print("compiled:", "; ".join(built))
 def test_kernel_compiles_for_hopper(compile_for_hopper):
     """The GPU compiler (which rejects what the interpreter accepts) takes every variant:
     CUDA-core and tensor-core products, with and without split-K atomics, W read in 16-byte
-    vectors (or staged by cp.async), and both products with SiLU-and-mul fused (GATED)."""
+    vectors (or staged by cp.async), and both products with SiLU-and-mul fused (GATED) and with
+    the residual add + RMSNorm fused (NORM)."""
     out = compile_for_hopper(COMPILE_FOR_HOPPER)
-    assert out.count("rows=") == 6
+    assert out.count("rows=") == 8
 
 
 RECORD_VARIANTS = r"""

@@ -62,6 +62,21 @@ class LinearMethod(ABC):
         runs the activation and `apply`). Default: None."""
         return None
 
+    def apply_rms_norm(
+        self,
+        layer: LinearBase,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(apply(layer, RMSNorm(h), bias), h), h = x + residual (x without one), with the
+        residual add and the norm computed inside the GEMM's kernel, where the method has such a
+        kernel for this call; None where it has not (the caller runs the norm, then `apply`).
+        Default: None."""
+        return None
+
     def accepts_fp8_input(self, layer: LinearBase) -> bool:
         """Whether `apply` takes its input already quantized to e4m3 per token, dynamically
         (max |x| / 448 over the token's whole row), as an `Fp8Activation`: then the layer that
@@ -77,6 +92,7 @@ class LinearMethod(ABC):
 SKINNY_GEMM_ENV = "PHLOEM_SKINNY_GEMM"
 SKINNY_GEMM_CONFIGS_ENV = "PHLOEM_SKINNY_GEMM_CONFIGS"
 FUSED_SILU_DOWN_ENV = "PHLOEM_FUSED_SILU_DOWN"
+FUSED_RMSNORM_ENV = "PHLOEM_FUSED_RMSNORM"
 
 
 @functools.cache
@@ -132,14 +148,36 @@ def skinny_gated_module():
         ValueError: naming PHLOEM_FUSED_SILU_DOWN for a value other than 0 or 1; those of
             `skinny_gemm_module`.
     """
-    value = os.environ.get(FUSED_SILU_DOWN_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_SILU_DOWN_ENV} must be 0 or 1, got {value!r}")
-    if value == "0" or skinny_gemm_module() is None:
+    if not _switched_on(FUSED_SILU_DOWN_ENV) or skinny_gemm_module() is None:
         return None
     from phloem.ops import skinny_gated
 
     return skinny_gated
+
+
+@functools.cache
+def skinny_norm_module():
+    """`phloem.ops.skinny_norm` (residual add + RMSNorm fused into the skinny GEMM that reads the
+    norm's output), or None when PHLOEM_FUSED_RMSNORM is "0" (default "1": on) or
+    `skinny_gemm_module()` is None; read once per process, like PHLOEM_SKINNY_GEMM.
+
+    Raises:
+        ValueError: naming PHLOEM_FUSED_RMSNORM for a value other than 0 or 1; those of
+            `skinny_gemm_module`.
+    """
+    if not _switched_on(FUSED_RMSNORM_ENV) or skinny_gemm_module() is None:
+        return None
+    from phloem.ops import skinny_norm
+
+    return skinny_norm
+
+
+def _switched_on(env: str) -> bool:
+    """The on/off switch `env` ("1", the default, or "0"); ValueError naming it otherwise."""
+    value = os.environ.get(env, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -148,7 +186,9 @@ class UnquantizedLinearMethod(LinearMethod):
     (`phloem.ops.skinny_gemm`) for the shapes it measured faster than cuBLAS
     (`skinny_gemm_mode`: PHLOEM_SKINNY_GEMM=0 turns it off, =1 takes every shape). A down
     projection's call through `apply_silu_and_mul` that the kernel takes also computes the
-    MLP's SiLU-and-mul in it (`phloem.ops.skinny_gated`; PHLOEM_FUSED_SILU_DOWN=0: apart).
+    MLP's SiLU-and-mul in it (`phloem.ops.skinny_gated`; PHLOEM_FUSED_SILU_DOWN=0: apart), and
+    a call through `apply_rms_norm` the residual add + RMSNorm before it
+    (`phloem.ops.skinny_norm`; PHLOEM_FUSED_RMSNORM=0: apart).
 
     On the CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1, the tests),
     read once here at construction so that `apply` does no environment lookup per call."""
@@ -186,6 +226,26 @@ class UnquantizedLinearMethod(LinearMethod):
         if gated is None or not gated.takes(gate_up, layer.weight, measured_only=mode == "auto"):
             return None
         return gated.silu_and_mul_linear(gate_up, layer.weight, bias)
+
+    def apply_rms_norm(
+        self,
+        layer: LinearBase,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The skinny GEMM's launch with the residual add + RMSNorm fused, where `apply` would
+        send the norm's output to the skinny GEMM (the same rows, shapes and flags), else None."""
+        mode = skinny_gemm_mode()
+        if mode == "0" or not (x.is_cuda or self.triton_interpret):
+            return None
+        fused = skinny_norm_module()
+        measured = mode == "auto"
+        if fused is None or not fused.takes(x, residual, norm_weight, layer.weight, measured):
+            return None
+        return fused.rms_norm_linear(x, residual, norm_weight, eps, layer.weight, bias)
 
 
 class QuantizationConfig(ABC):
