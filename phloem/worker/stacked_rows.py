@@ -77,12 +77,18 @@ def stack_checks(
 ) -> StackChecks:
     """The void rows and the guesses' outcomes of a step (module docstring); enqueued on the
     device, nothing waits. A guess row whose input token is known on the host (its step was
-    collected before this one launched) is checked on the host. Cheap when nothing is stacked
-    on drafts: no tensors at all."""
+    collected before this one launched) is checked on the host. O(1) and no tensors when
+    nothing is stacked on drafts and no row guesses (a step without drafts after one
+    without)."""
     checks = StackChecks()
     scheduled, sampled = sched.scheduled, host.sampled
+    on_drafts = prev is not None and prev.full is not None and bool(host.pending)
+    guessed = bool(host.draft_counts) and any(scheduled[i].pending_guess >= 0 for i in sampled)
+    if not (on_drafts or guessed):  # (the common step: O(1) here)
+        return checks
     pending = {seq_id for _, seq_id in host.pending}
-    if prev is not None and prev.full is not None and pending:
+    if on_drafts:
+        assert prev is not None and prev.full is not None
         rows = [b for b, i in enumerate(sampled) if scheduled[i].seq_id in pending]
         if rows:
             src = [prev.rows[scheduled[sampled[b]].seq_id] for b in rows]
@@ -90,7 +96,7 @@ def stack_checks(
             checks.void = torch.zeros(len(sampled), dtype=torch.bool, device=device)
             checks.void[index[0]] = ~prev.full[index[1]]
             checks.void_host = to_host(checks.void)
-    if not host.draft_counts or all(scheduled[i].pending_guess < 0 for i in sampled):
+    if not guessed:
         return checks
     held = [True] * len(sampled)  # host-checked guesses (and rows without one)
     dev_rows, src, guesses = [], [], []
