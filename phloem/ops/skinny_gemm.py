@@ -303,10 +303,7 @@ def _skinny_dot_kernel(
         if GATED:
             x = silu_mul(x, tl.load(x_ptrs + K, mask=x_ok, other=0.0)).to(x.dtype)
         if NORM:
-            offs = rm[:, None] * K + (k + rk)[None, :]
-            nw = tl.load(nw_ptr + k + rk, mask=k_ok, other=0.0).to(tl.float32)
-            store_ok = x_ok & ((rk[None, :] * 0 + pid_n) == 0)
-            x, sq = norm_tile(x, r_ptr + offs, ro_ptr + offs, nw, x_ok, store_ok, HAS_RES)
+            x, sq = norm_tile(x, r_ptr, ro_ptr, nw_ptr, rm, k + rk, K, k_ok, x_ok, pid_n, HAS_RES)
             ss += sq
         if INTERPRET:
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
@@ -443,8 +440,9 @@ def launch(
     if rows and n:
         grid = (triton.cdiv(n, config.block_n), splits)
         has_res = norm is not None and norm.residual is not None
-        r, nw, ro = (norm.residual if has_res else weight, norm.weight,
-                     norm.residual_out) if norm is not None else (weight, weight, weight)  # fmt: skip
+        r, nw, ro = (weight, weight, weight)  # unread without `norm` (no residual: r unread)
+        if norm is not None:
+            r, nw, ro = norm.residual if has_res else weight, norm.weight, norm.residual_out
         args = (rows_x, weight, bias if bias is not None else weight, out, r, nw, ro, rows, n, k,
                 k_per_split, rows_x.stride(0), weight.stride(0), out.stride(0),
                 norm.eps if norm is not None else 0.0)  # fmt: skip

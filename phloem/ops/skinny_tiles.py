@@ -58,16 +58,18 @@ def norm_row(x_ptr, r_ptr, ro_ptr, m, M, K, offs_k, k_ok, nw, pid_n, HAS_RES: tl
 
 
 @triton.jit
-def norm_tile(x, r_ptrs, ro_ptrs, nw, ok, store_ok, HAS_RES: tl.constexpr):
+def norm_tile(x, r_ptr, ro_ptr, nw_ptr, rm, cols, K, k_ok, ok, pid_n, HAS_RES: tl.constexpr):
     """(h * nw rounded to x's dtype, the sum of h * h over the columns: fp32 [16]) for the x tile
-    [16, BLOCK_K] loaded under `ok`: h = x + residual (at `r_ptrs`) rounded to x's dtype (x
-    alone without HAS_RES), stored at `ro_ptrs` under `store_ok` (program 0 along N); nw: the
-    norm weight over the tile's columns, fp32 [BLOCK_K]."""
+    [16, BLOCK_K] of rows `rm` and columns `cols` loaded under `ok`: h = x + residual rounded to
+    x's dtype (x alone without HAS_RES; residual and new residual contiguous [M, K]), stored as
+    the new residual by program 0 along N; nw: the norm weight over `cols`."""
     if HAS_RES:
-        r = tl.load(r_ptrs, mask=ok, other=0.0)
+        offs = rm[:, None] * K + cols[None, :]
+        r = tl.load(r_ptr + offs, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(ro_ptrs, x, mask=store_ok)
+        tl.store(ro_ptr + offs, x, mask=ok & ((cols[None, :] * 0 + pid_n) == 0))
     h = x.to(tl.float32)
+    nw = tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
     return (h * nw[None, :]).to(x.dtype), tl.sum(h * h, axis=1)
 
 

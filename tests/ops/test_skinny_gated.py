@@ -205,18 +205,21 @@ spec = importlib.util.spec_from_file_location("bench", {path!r})
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 args = bench.parse_args([])
-variants = record_variants(lambda: bench.launches(args.rows, args.shapes, args.grid),
-                           cuda_target((9, 0)))
-print("variants", len(variants), sum("GATED=True" in v.describe() for v in variants))
+request = dict(fusions=args.fusions, rows=args.rows, grid=args.grid)
+variants = record_variants(lambda: bench.launches(request), cuda_target((9, 0)))
+names = [v.describe() for v in variants]
+print("variants", len(names), sum("GATED=True" in n for n in names),
+      sum("NORM=True" in n for n in names))
 """
 
 
 def test_benchmark_launches_are_valid(compile_for_hopper):
-    """benchmarks/skinny_gated.py's default run launches (recorded for sm_90, nothing compiled)
-    are valid for their rows (a bad config would fail the GPU run), fused and apart."""
+    """benchmarks/skinny_fusions.py's default run launches (recorded for sm_90, nothing
+    compiled) are valid for their rows (a bad config would fail the GPU run), fused (SiLU-and-mul
+    and RMSNorm) and apart."""
     from pathlib import Path
 
-    path = str(Path(__file__).parents[2] / "benchmarks" / "skinny_gated.py")
+    path = str(Path(__file__).parents[2] / "benchmarks" / "skinny_fusions.py")
     out = compile_for_hopper(RECORD_BENCHMARK.replace("{path!r}", repr(path))).split()
-    total, gated = int(out[out.index("variants") + 1]), int(out[out.index("variants") + 2])
-    assert gated > 40 and total > gated, out
+    total, gated, norm = (int(out[out.index("variants") + i]) for i in (1, 2, 3))
+    assert gated > 40 and norm > 40 and total > gated + norm, out
