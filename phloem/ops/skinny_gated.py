@@ -18,7 +18,7 @@ bf16 weight elements per SM clock (an H200 ~10) and issues 16 MUFU ops, so at 1 
 weight element (16 rows, block_n 16) the kernel would be bound by that arithmetic, not by HBM;
 at <= 1/2 it should stay hidden (benchmarks/results/2026-11-27-cpu-decode-fusion). So by
 default (`CONFIGS` silent) a rows bucket fuses only where its config computes <= 1/2
-(`MAX_SILU_PER_WEIGHT`); `CONFIGS` holds measured choices (benchmarks/skinny_gated.py prints
+(`MAX_SILU_PER_WEIGHT`); `CONFIGS` holds measured choices (benchmarks/skinny_fusions.py prints
 them) and overrides the rule either way.
 """
 
@@ -30,7 +30,7 @@ from phloem.ops import skinny_gemm as sk
 
 # (rows bucket, N, K) -> the fused kernel's config, or None: run SiLU-and-mul and the GEMM
 # apart. Empty: not measured yet (the unfused GEMM's config serves where `MAX_SILU_PER_WEIGHT`
-# allows it; benchmarks/skinny_gated.py prints this table).
+# allows it; benchmarks/skinny_fusions.py prints this table).
 CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {}
 # The most activations per weight element a launch may recompute without a `CONFIGS` entry.
 MAX_SILU_PER_WEIGHT = 0.5

@@ -25,7 +25,8 @@ import torch
 from phloem.ops import skinny_gemm as sk
 
 # (rows bucket, N, K) -> the fused kernel's config, or None: run the norm and the GEMM apart.
-# Empty: not measured yet (the unfused GEMM's config serves).
+# Empty: not measured yet (the unfused GEMM's config serves; benchmarks/skinny_fusions.py
+# prints this table).
 CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {}
 
 
