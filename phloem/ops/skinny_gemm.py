@@ -43,7 +43,14 @@ import triton
 import triton.language as tl
 
 from phloem.ops.activation import silu_mul
-from phloem.ops.skinny_tiles import finish_row, norm_tile, rms_scale, row_step, w_tile
+from phloem.ops.skinny_tiles import (
+    finish_row,
+    norm_step,
+    norm_tile,
+    rms_scale,
+    row_times_w,
+    w_tile,
+)
 
 MAX_ROWS = 16  # the most rows of x this kernel takes (a decode step's batch)
 DOT_MIN_ROWS = 5  # from this many rows on, the tile product runs on the tensor cores
@@ -226,9 +233,7 @@ def _skinny_fma_kernel(
     a2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     q0 = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: each row's sums of squares
-    q1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    q2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    q3 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    q1, q2, q3 = q0, q0, q0
     w_next = w_tile(w_ptrs, n_ok, (k_start + rk) < k_end, EVEN_K)
     for k in range(k_start, k_end, BLOCK_K):
         # Prefetch: the next tile's loads are issued before this tile's FMAs, so two tiles are
@@ -239,14 +244,21 @@ def _skinny_fma_kernel(
         w_next = w_tile(w_ptrs, n_ok, (k + step + rk) < k_end, EVEN_K)
         offs_k = k + rk
         k_ok = offs_k < k_end
-        rest = (x_ptr, r_ptr, ro_ptr, nw_ptr, M, K, offs_k, k_ok, w, rn, s_xm, pid_n, GATED,
-                NORM, HAS_RES)  # fmt: skip
-        a0, q0 = row_step(a0, q0, 0, *rest)
-        if ROWS > 1:
-            a1, q1 = row_step(a1, q1, 1, *rest)
-        if ROWS > 2:
-            a2, q2 = row_step(a2, q2, 2, *rest)
-            a3, q3 = row_step(a3, q3, 3, *rest)
+        if NORM:  # each row's h * w_norm, and its squares
+            rest = (x_ptr, r_ptr, ro_ptr, nw_ptr, M, K, offs_k, k_ok, w, pid_n, HAS_RES)
+            a0, q0 = norm_step(a0, q0, 0, *rest)
+            if ROWS > 1:
+                a1, q1 = norm_step(a1, q1, 1, *rest)
+            if ROWS > 2:
+                a2, q2 = norm_step(a2, q2, 2, *rest)
+                a3, q3 = norm_step(a3, q3, 3, *rest)
+        else:
+            a0 += row_times_w(x_ptr, 0, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+            if ROWS > 1:
+                a1 += row_times_w(x_ptr, 1, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+            if ROWS > 2:
+                a2 += row_times_w(x_ptr, 2, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
+                a3 += row_times_w(x_ptr, 3, M, K, offs_k, k_ok, w, rn, s_xm, GATED)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_BIAS:
         first = (rn * 0 + pid_s) == 0  # the bias is added by split 0 only
@@ -272,13 +284,11 @@ def _skinny_dot_kernel(
     K range s = [s * K_PER_SPLIT, min(K, (s + 1) * K_PER_SPLIT)), K_PER_SPLIT a multiple of
     BLOCK_K. EVEN_K: K is a multiple of BLOCK_K (no K mask). SPLIT: out is fp32 and zeroed, and
     every program adds its partial sums atomically (the bias once, by split 0). GATED: x is
-    [M, 2K], [gate | up], and the product takes silu(gate) * up rounded to x's dtype (the
-    standalone kernel's values: `phloem.ops.activation.silu_mul`) in place of x. NORM (one
-    split, x contiguous [M, K]): the product takes h * nw_ptr's norm weight, h = x + the
-    residual at r_ptr rounded to x's dtype (HAS_RES; else x), and scales each row's sum by
-    1 / sqrt(mean(h^2) + eps) at the end; program 0 along N writes h to ro_ptr (the new
-    residual). INTERPRET: Triton's interpreter, whose bf16 `tl.dot` returns garbage (Triton
-    3.9), multiplies the same values in fp32 (IEEE) instead."""
+    [M, 2K] = [gate | up]; the product takes silu(gate) * up rounded to x's dtype. NORM (one
+    split, x contiguous): the product takes h * the norm weight (nw_ptr), h = x + the residual
+    (r_ptr, HAS_RES) rounded to x's dtype, and each row's sum is scaled by 1 / sqrt(mean(h^2)
+    + eps); program 0 along N writes h to ro_ptr. INTERPRET: Triton's interpreter, whose bf16
+    `tl.dot` returns garbage (Triton 3.9), multiplies the same values in fp32 (IEEE)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rm = tl.arange(0, 16)

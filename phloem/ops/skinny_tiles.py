@@ -86,19 +86,15 @@ def finish_row(out_ptr, m, M, rn, n_ok, acc, scale, bias, s_om, SPLIT: tl.conste
 
 
 @triton.jit
-def row_step(
-    a, q, m, x_ptr, r_ptr, ro_ptr, nw_ptr, M, K, offs_k, k_ok, w, rn, s_xm, pid_n,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+def norm_step(
+    a, q, m, x_ptr, r_ptr, ro_ptr, nw_ptr, M, K, offs_k, k_ok, w, pid_n, HAS_RES: tl.constexpr
 ):  # fmt: skip
-    """One K step of row m on the CUDA cores: (a + w times row m's x, q + its squares under NORM)
-    with a the row's fp32 accumulator [BLOCK_N, BLOCK_K] and q its fp32 sums of squares
-    [BLOCK_K] (NORM: x is h = x + residual times the norm weight, unscaled: the row's
-    1 / rms multiplies the sum at the end, `finish_row`'s scale)."""
-    if NORM:
-        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        v, sq = norm_row(x_ptr, r_ptr, ro_ptr, m, M, K, offs_k, k_ok, nw, pid_n, HAS_RES)
-        return a + w * v[None, :], q + sq
-    return a + row_times_w(x_ptr, m, M, K, offs_k, k_ok, w, rn, s_xm, GATED), q
+    """One K step of row m on the CUDA cores under NORM: (a + w times h * the norm weight,
+    q + h * h), a the row's fp32 accumulator [BLOCK_N, BLOCK_K] and q its fp32 sums of squares
+    [BLOCK_K] (h as in `norm_row`; the row's 1 / rms scales its sum at the end: `rms_scale`)."""
+    nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    v, sq = norm_row(x_ptr, r_ptr, ro_ptr, m, M, K, offs_k, k_ok, nw, pid_n, HAS_RES)
+    return a + w * v[None, :], q + sq
 
 
 @triton.jit
