@@ -69,7 +69,7 @@ def test_fused_matches_float64(sg, rows, n, k, config):
     assert (err <= 4 * step + 2 * torch.finfo(dtype).eps * want.abs() + 1e-4).all(), err.max()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("rows", [2, 5])
 @pytest.mark.parametrize("n,k,config", CASES)
 def test_fused_equals_the_unfused_pair(sg, rows, n, k, config):
     """The fused kernel multiplies the values the standalone SiLU-and-mul kernel writes, with

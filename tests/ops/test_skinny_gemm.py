@@ -334,7 +334,8 @@ def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
     rows and compiles none: by the rule of thumb the CUDA-core kernel at 1/2/4 rows and tl.dot
     at 8 and 16; through the engine's hooks none with PHLOEM_SKINNY_GEMM=0, and by default
     (auto) those of the measured shapes (all of these: their table is complete); the down
-    projection's SiLU-and-mul-fused variants (`ops.skinny_gated`) beside its own."""
+    projection's SiLU-and-mul-fused variants (`ops.skinny_gated`) beside its own, and qkv's and
+    gate_up's norm-fused ones (`ops.skinny_norm`)."""
     lines = dict(line.split("|", 1) for line in compile_for_hopper(RECORD_VARIANTS).splitlines()
                  if "|" in line)  # fmt: skip
     names = {mode: set(text.split("|")) - {""} for mode, text in lines.items()}
@@ -350,6 +351,11 @@ def test_compile_variants_records_each_rows_bucket(compile_for_hopper):
     for mode in ("auto", "rule"):
         gated = [n for n in names[mode] if "GATED=True" in n]
         assert len(gated) == 3 and len(names[mode]) > 6, names[mode]
+        # qkv's and gate_up's add + RMSNorm-fused launches (`ops.skinny_norm`): with a residual,
+        # and qkv's without one too (the first layer)
+        normed = [n for n in names[mode] if "NORM=True" in n]
+        first_layer = [n for n in normed if "HAS_RES=False" in n]
+        assert len(normed) >= 6 and 2 <= len(first_layer) < len(normed), normed
 
 
 def test_benchmark_grid_is_valid(sk):
