@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -161,10 +162,14 @@ def time_case(fusion: str, rows: int, n: int, k: int, weights: list[torch.Tensor
     }  # fmt: skip
     timed = []
     for config in fused_configs(fusion, rows, n, k, args.grid):
-        got = fused(weights[0], config)
+        try:
+            got = fused(weights[0], config)
+        except OutOfResources:  # a grid config whose staged tiles overflow shared memory
+            continue
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2e-2)
         timed.append((per_gemm_us(lambda w, c=config: fused(w, c), weights, args.iters), config))
-    case["fused"] = timed[0][0]
+    default = MODULES[fusion].config_for(rows, n, k)
+    case["fused"] = timed[0][0] if timed[0][1] == default else float("nan")  # nan: it overflowed
     case["fused-best"], best = min(timed, key=lambda t: t[0])
     case["best_config"] = vars(best)
     return case

@@ -50,11 +50,13 @@ def takes(gate_up: torch.Tensor, weight: torch.Tensor, measured_only: bool = Fal
 def fuses(rows: int, n: int, k: int) -> bool:
     """Whether a call of `rows` rows against W [n, k] should fuse: `CONFIGS`' entry where it has
     one (None: no), else whether `config_for`'s config recomputes at most
-    `MAX_SILU_PER_WEIGHT` activations per weight element."""
+    `MAX_SILU_PER_WEIGHT` activations per weight element and its tiles fit
+    (`skinny_gemm.fused_fits`)."""
     key = (sk.rows_bucket(rows), n, k)
     if key in CONFIGS:
         return CONFIGS[key] is not None
-    return silu_per_weight(sk.config_for(rows, n, k), rows) <= MAX_SILU_PER_WEIGHT
+    config = sk.config_for(rows, n, k)
+    return sk.fused_fits(config, rows) and silu_per_weight(config, rows) <= MAX_SILU_PER_WEIGHT
 
 
 def silu_per_weight(config: sk.SkinnyConfig, rows: int) -> float:

@@ -203,6 +203,14 @@ def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k)
 
 
+def fused_fits(config: SkinnyConfig, rows: int) -> bool:
+    """Whether a fused launch's tensor-core tiles ((num_stages - 1) x (W's + two x-sized), sm_90's
+    shared memory) stay within 200 KB of an H100/H200's 227 (CUDA cores: no staging)."""
+    if not config.uses_tensor_cores(rows):
+        return True
+    return (config.num_stages - 1) * 2 * config.block_k * (config.block_n + 33) <= 200 * 1024
+
+
 def config_for(rows: int, n: int, k: int) -> SkinnyConfig:
     """The config of a launch of `rows` rows of x [rows, k] against W [n, k]."""
     return CONFIGS.get((rows_bucket(rows), n, k)) or default_config(rows, n, k)

@@ -57,11 +57,13 @@ def takes(
 
 def fuses(rows: int, n: int, k: int) -> bool:
     """Whether a call of `rows` rows against W [n, k] should fuse: `CONFIGS`' entry where it has
-    one (None: no), else whether `config_for`'s config keeps K in one split."""
+    one (None: no), else whether `config_for`'s config keeps K in one split and its tiles fit
+    (`skinny_gemm.fused_fits`)."""
     key = (sk.rows_bucket(rows), n, k)
     if key in CONFIGS:
         return CONFIGS[key] is not None
-    return sk.config_for(rows, n, k).split_k == 1
+    config = sk.config_for(rows, n, k)
+    return config.split_k == 1 and sk.fused_fits(config, rows)
 
 
 def config_for(rows: int, n: int, k: int) -> sk.SkinnyConfig:

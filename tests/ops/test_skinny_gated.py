@@ -114,6 +114,11 @@ def test_rows_fuse_where_the_recomputed_activations_stay_cheap(sg, monkeypatch):
     assert sg.takes(gate_up, w)
     monkeypatch.setitem(sg.CONFIGS, (4, 32, 64), None)
     assert not sg.takes(gate_up[:3], w)
+    # a plain config whose staged tiles would not fit with the second x tile: apart
+    big = sg.sk.SkinnyConfig(block_n=32, block_k=1024, num_warps=8, tensor_cores=True)
+    monkeypatch.setitem(sg.sk.CONFIGS, (2, 32, 64), big)
+    assert sg.silu_per_weight(big, 2) == 0.5 and not sg.fuses(2, 32, 64)
+    assert sg.sk.fused_fits(sg.sk.SkinnyConfig(32, 512, 1, 8, 4, True), 4)  # Llama's down, 4 rows
 
 
 def test_configs_table_keeps_a_rows_bucket_unfused(sg, monkeypatch):
