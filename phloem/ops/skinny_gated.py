@@ -28,10 +28,23 @@ import torch
 
 from phloem.ops import skinny_gemm as sk
 
-# (rows bucket, N, K) -> the fused kernel's config, or None: run SiLU-and-mul and the GEMM
-# apart. Empty: not measured yet (the unfused GEMM's config serves where `MAX_SILU_PER_WEIGHT`
-# allows it; benchmarks/skinny_fusions.py prints this table).
-CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {}
+# (rows bucket, N, K) -> the fused kernel's config, or None: run SiLU-and-mul and the GEMM apart.
+# Measured on an H200 by benchmarks/skinny_fusions.py (2026-11-27: Llama-3.1-8B shapes at TP = 1
+# and 2; benchmarks/results/2026-11-27-h200x2), each entry the best fused config of its grid
+# against the two kernels apart, both timed inside CUDA graphs.
+_C = sk.SkinnyConfig  # (block_n, block_k, split_k, num_warps, num_stages, tensor_cores)
+CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {
+    (1, 4096, 14336): _C(16, 512, 1, 8, 1, None),  # apart 31.5 -> fused 30.1 us
+    (2, 4096, 14336): None,  # apart 34.6 us, best fused 36.0 us
+    (4, 4096, 14336): _C(64, 128, 4, 8, 4, True),  # apart 38.8 -> fused 36.1 us
+    (8, 4096, 14336): _C(64, 128, 4, 8, 4, None),  # apart 39.4 -> fused 36.0 us
+    (16, 4096, 14336): _C(64, 128, 4, 8, 4, None),  # apart 40.2 -> fused 35.2 us
+    (1, 4096, 7168): _C(16, 512, 1, 8, 1, None),  # apart 18.1 -> fused 16.5 us
+    (2, 4096, 7168): None,  # apart 19.6 us, best fused 21.8 us
+    (4, 4096, 7168): _C(64, 128, 4, 8, 4, True),  # apart 22.4 -> fused 21.8 us
+    (8, 4096, 7168): _C(64, 128, 4, 8, 4, None),  # apart 22.2 -> fused 21.9 us
+    (16, 4096, 7168): _C(64, 128, 4, 8, 4, None),  # apart 22.6 -> fused 21.6 us
+}
 # The most activations per weight element a launch may recompute without a `CONFIGS` entry.
 MAX_SILU_PER_WEIGHT = 0.5
 

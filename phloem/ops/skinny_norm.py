@@ -25,9 +25,32 @@ import torch
 from phloem.ops import skinny_gemm as sk
 
 # (rows bucket, N, K) -> the fused kernel's config, or None: run the norm and the GEMM apart.
-# Empty: not measured yet (the unfused GEMM's config serves; benchmarks/skinny_fusions.py
-# prints this table).
-CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {}
+# Measured on an H200 by benchmarks/skinny_fusions.py (2026-11-27: Llama-3.1-8B shapes at TP = 1
+# and 2; benchmarks/results/2026-11-27-h200x2), each entry the best fused config of its grid
+# against the two kernels apart, both timed inside CUDA graphs.
+_C = sk.SkinnyConfig  # (block_n, block_k, split_k, num_warps, num_stages, tensor_cores)
+CONFIGS: dict[tuple[int, int, int], sk.SkinnyConfig | None] = {
+    (1, 6144, 4096): _C(8, 256, 1, 4, 1, None),  # apart 17.9 -> fused 15.3 us
+    (2, 6144, 4096): None,  # apart 18.4 us, best fused 19.0 us
+    (4, 6144, 4096): None,  # apart 20.3 us, best fused 21.4 us
+    (8, 6144, 4096): None,  # apart 18.7 us, best fused 21.5 us
+    (16, 6144, 4096): None,  # apart 18.9 us, best fused 21.7 us
+    (1, 28672, 4096): _C(16, 128, 1, 4, 1, None),  # apart 60.7 -> fused 58.3 us
+    (2, 28672, 4096): None,  # apart 59.7 us, best fused 65.0 us
+    (4, 28672, 4096): None,  # apart 60.2 us, best fused 64.9 us
+    (8, 28672, 4096): None,  # apart 60.1 us, best fused 64.8 us
+    (16, 28672, 4096): None,  # apart 60.7 us, best fused 64.8 us
+    (1, 3072, 4096): _C(8, 512, 1, 4, 1, None),  # apart 11.6 -> fused 9.3 us
+    (2, 3072, 4096): _C(8, 512, 1, 4, 1, None),  # apart 11.8 -> fused 10.8 us
+    (4, 3072, 4096): None,  # apart 14.6 us, best fused 20.7 us
+    (8, 3072, 4096): None,  # apart 14.6 us, best fused 20.8 us
+    (16, 3072, 4096): None,  # apart 14.7 us, best fused 21.1 us
+    (1, 14336, 4096): _C(16, 128, 1, 4, 1, None),  # apart 33.2 -> fused 31.3 us
+    (2, 14336, 4096): None,  # apart 32.5 us, best fused 33.4 us
+    (4, 14336, 4096): None,  # apart 32.7 us, best fused 33.2 us
+    (8, 14336, 4096): None,  # apart 32.6 us, best fused 33.0 us
+    (16, 14336, 4096): None,  # apart 33.1 us, best fused 33.4 us
+}
 
 
 def takes(
