@@ -135,25 +135,10 @@ def test_configs_table_keeps_a_rows_bucket_unfused(sg, monkeypatch):
 
 
 @pytest.fixture
-def flags(monkeypatch):
+def flags(fusion_flags):
     """`set(skinny, fused)`: PHLOEM_SKINNY_GEMM and PHLOEM_FUSED_SILU_DOWN (None: unset), read
-    afresh; the flags' caches are cleared after."""
-    caches = (quant_base.skinny_gemm_mode, quant_base.skinny_gemm_module,
-              quant_base.skinny_gated_module)  # fmt: skip
-
-    def set_flags(skinny: str | None, fused: str | None) -> None:
-        for env, value in ((quant_base.SKINNY_GEMM_ENV, skinny),
-                           (quant_base.FUSED_SILU_DOWN_ENV, fused)):  # fmt: skip
-            if value is None:
-                monkeypatch.delenv(env, raising=False)
-            else:
-                monkeypatch.setenv(env, value)
-        for cache in caches:
-            cache.cache_clear()
-
-    yield set_flags
-    for cache in caches:
-        cache.cache_clear()
+    afresh (tests/ops/conftest.py)."""
+    return fusion_flags(quant_base.FUSED_SILU_DOWN_ENV, quant_base.skinny_gated_module)
 
 
 def test_flag_is_on_by_default_and_validated(sg, flags):

@@ -104,25 +104,10 @@ def test_rows_fuse_where_k_stays_in_one_split(sn, monkeypatch):
 
 
 @pytest.fixture
-def flags(monkeypatch):
+def flags(fusion_flags):
     """`set(skinny, fused)`: PHLOEM_SKINNY_GEMM and PHLOEM_FUSED_RMSNORM (None: unset), read
-    afresh; the flags' caches are cleared after."""
-    caches = (quant_base.skinny_gemm_mode, quant_base.skinny_gemm_module,
-              quant_base.skinny_norm_module)  # fmt: skip
-
-    def set_flags(skinny: str | None, fused: str | None) -> None:
-        for env, value in ((quant_base.SKINNY_GEMM_ENV, skinny),
-                           (quant_base.FUSED_RMSNORM_ENV, fused)):  # fmt: skip
-            if value is None:
-                monkeypatch.delenv(env, raising=False)
-            else:
-                monkeypatch.setenv(env, value)
-        for cache in caches:
-            cache.cache_clear()
-
-    yield set_flags
-    for cache in caches:
-        cache.cache_clear()
+    afresh (tests/ops/conftest.py)."""
+    return fusion_flags(quant_base.FUSED_RMSNORM_ENV, quant_base.skinny_norm_module)
 
 
 def test_flag_is_on_by_default_and_validated(sn, flags):
