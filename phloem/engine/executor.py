@@ -2,7 +2,7 @@
 
 `Executor` declares every method the engine calls; `UniProcExecutor` runs one worker in this
 process. Tensor-parallel and multi-node executors implement the same methods: `launch` (enqueue
-a step, return a handle), `collect` (wait for a handle's tokens), `execute_model` (both),
+a step, return a handle; `prepare` may do its host part ahead), `collect` (wait for a handle's tokens), `execute_model` (both),
 `presample` and `sample` (a step with constrained samples: its noise, then its sampling under
 the grammar bitmask), `needs_token_history`, and `shutdown`. The engine takes a factory (`LLMEngine(config,
 executor_factory=...)`), so a test can wrap or replace the executor without patching the engine;
@@ -38,6 +38,13 @@ class Executor(abc.ABC):
         """Enqueue one step; returns a handle for `collect` (None for an empty step). Steps must
         be launched in the order the scheduler made them, every one (empty ones too: they carry
         the ids of requests that finished)."""
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> None:  # noqa: B027 - saves time only
+        """Do the host-only part of the step's `launch` now (no device work, no sampled token
+        read), before the step launched last gets its `sample`; `launch` of the same output
+        must follow before any other step is prepared. The engine calls it for every step; an
+        executor without such a part (the TP ranks build their steps at `launch`) does it all
+        in `launch`."""
 
     @abc.abstractmethod
     def collect(self, launched: Any) -> ModelRunnerOutput:
@@ -76,6 +83,9 @@ class UniProcExecutor(Executor):
 
     def launch(self, scheduler_output: SchedulerOutput):
         return self.worker.model_runner.launch(scheduler_output)
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.model_runner.prepare(scheduler_output)
 
     def collect(self, launched) -> ModelRunnerOutput:
         return self.worker.model_runner.collect(launched)

@@ -33,6 +33,7 @@ from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.detokenizer import IncrementalDetokenizer
 from phloem.engine.input_checks import check_params, check_prompt
 from phloem.engine.prompt_entry import OutputMode, PromptEntry, SequenceEntry, StepOutput
+from phloem.engine.prompt_failures import fail_prompts
 from phloem.engine.spec_step import propose_drafts
 from phloem.engine.step_observer import LaunchedStep, StepObserver
 from phloem.engine.structured_outputs import StructuredOutputs
@@ -75,6 +76,7 @@ class LLMEngine:
         self._sequences: dict[str, SequenceEntry] = {}
         self._ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # async scheduling: collected next step()
+        self._to_sample: LaunchedStep | None = None  # in flight, its bitmask not applied yet
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
         self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
@@ -263,7 +265,7 @@ class LLMEngine:
 
         For after an exception out of `step()`, whose state is unknown: frees the KV blocks of
         every request, so the engine serves later requests from a clean queue."""
-        self._in_flight = None
+        self._in_flight = self._to_sample = None
         self.scheduler.forget_unapplied()
         self.abort_request(list(self._prompts))
         self.scheduler.failed_requests.clear()
@@ -317,12 +319,16 @@ class LLMEngine:
         STREAM and DELTA modes, for every prompt that got a new token): `RequestOutput`s, or
         `RequestDelta`s in DELTA mode (`OutputMode`).
 
-        One path: schedule, launch, then collect and update the step before it. Synchronous
-        scheduling collects the step it just launched; async scheduling collects step N (launched
-        by the previous call) after launching N+1, so the host's work on N+1 and on N's tokens
-        overlaps the device running N and N+1:
+        One path: schedule, prepare, launch, then collect and update the step before it.
+        Synchronous scheduling collects the step it just launched; async scheduling collects
+        step N (launched by the previous call) after launching N+1, so the host's work on N+1
+        and on N's tokens overlaps the device running N and N+1. A constrained step N+1 is
+        sampled under its grammar bitmask, filled on the grammar threads once N's tokens are
+        accepted (`engine/structured_outputs.py`); under async scheduling by the next call,
+        after its scheduling and host preparation (`Executor.prepare`) ran beside that fill:
 
-            schedule(N+1) -> launch(N+1) -> collect(N) -> update(N) -> outputs of N
+            schedule(N+2) -> prepare(N+2) -> sample(N+1) -> launch(N+2) -> collect(N+1)
+              -> update(N+1): the fill of N+2 starts -> outputs of N+1
         """
         start = time.perf_counter()
         outputs = self._propose_drafts() if self.drafter is not None else []
@@ -332,18 +338,36 @@ class LLMEngine:
         self.structured.mark(scheduler_output)
         if self._in_flight is not None and self.executor.needs_token_history(scheduler_output):
             outputs += self._finish_in_flight()  # penalties read the step before's tokens
-        launched = self._launch(scheduler_output, time.perf_counter() - start)
+        schedule_s = time.perf_counter() - start
+        launched = self._launch(scheduler_output, schedule_s)
         if self._in_flight is not None:
             outputs += self._finish_in_flight()
-        if launched is not None and scheduler_output.structured_seq_ids:
-            self.executor.presample(launched.handle)  # beside the bitmask's fill
-            self.executor.sample(launched.handle, self.structured.bitmask(scheduler_output))
         self._in_flight = launched
+        if launched is not None and scheduler_output.structured_seq_ids:
+            self._to_sample = launched
+            self.executor.presample(launched.handle)  # beside the bitmask's fill
+            if not self._defer_sample():
+                self._sample_in_flight()
         if not self.scheduler_config.async_scheduling and launched is not None:
             outputs += self._finish_in_flight()  # synchronous: collect right after launch
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
         return outputs
+
+    def _defer_sample(self) -> bool:
+        """True to leave the constrained step just launched unsampled until the next `step()`
+        (async scheduling with requests left; not with speculative decoding, whose drafter
+        reads the step in flight before `schedule()`)."""
+        async_ = self.scheduler_config.async_scheduling and self.drafter is None
+        return async_ and self.scheduler.has_unfinished_requests()
+
+    def _sample_in_flight(self) -> None:
+        """Enqueue the sampling of the step in flight under its bitmask (waiting for its fill)
+        if it still waits for it; before the next step's launch and before its collection."""
+        launched, self._to_sample = self._to_sample, None
+        if launched is not None:
+            grammar = self.structured.bitmask(launched.scheduler_output)
+            self.executor.sample(launched.handle, grammar)
 
     def _propose_drafts(self) -> list[StepOutput]:
         """Speculative decoding, before `schedule()`: the drafts for the next step, proposed
@@ -366,6 +390,10 @@ class LLMEngine:
         """Hand the step to the executor (every step: an empty one carries finished ids); None
         for an empty step (nothing to collect or update)."""
         start = time.perf_counter()
+        self.executor.prepare(scheduler_output)  # host only: beside the step in flight's fill
+        prepared = time.perf_counter()
+        self._sample_in_flight()  # the device's order: sample(N+1) before forward(N+2)
+        start += time.perf_counter() - prepared  # launch_s: prepare + launch, not the wait
         handle = self.executor.launch(scheduler_output)
         if scheduler_output.is_empty:
             return None
@@ -379,6 +407,7 @@ class LLMEngine:
     def _finish_in_flight(self) -> list[StepOutput]:
         """Wait for the launched step's tokens, update the scheduler, build its outputs, and
         tell the step observers. A step without samples is still updated (prefix holds)."""
+        self._sample_in_flight()
         launched = self._in_flight
         assert launched is not None
         self._in_flight = None
@@ -448,33 +477,14 @@ class LLMEngine:
         return entry.to_output()
 
     def _fail_prompts(self) -> list[StepOutput]:
-        """Finish the prompts of the sequences in `scheduler.failed_requests` (and clear it):
-        every unfinished sibling of a failed sequence finishes with it (FINISHED_ERROR, blocks
-        freed); returns one final output per prompt, `error` holding the first reason. Ids of
-        prompts already gone (finished, aborted, failed in an earlier step) are ignored."""
+        """Finish the prompts of the sequences in `scheduler.failed_requests` (and clear it;
+        `prompt_failures.fail_prompts`); returns one final output per prompt."""
         failures = self.scheduler.failed_requests
         self.scheduler.failed_requests = {}
-        now = time.monotonic()
-        entries: dict[str, PromptEntry] = {}
-        for seq_id, message in failures.items():
-            seq = self._sequences.get(seq_id)
-            entry = self._prompts.get(seq.prompt_id) if seq is not None else None
-            if entry is None:
-                continue
-            if entry.error is None:
-                entry.error = message
-                logger.error("request %s failed: %s", entry.request_id, message)
-            entries[entry.request_id] = entry
-        outputs = []
-        for entry in entries.values():
-            for seq in entry.sequences:
-                if not seq.request.is_finished:
-                    self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ERROR)
-            entry.finished = True
-            entry.metrics.finished_time = now
+        entries = fail_prompts(failures, self._sequences, self._prompts, self.scheduler)
+        for entry in entries:
             self._forget(entry)
-            outputs.append(self._output(entry))
-        return outputs
+        return [self._output(entry) for entry in entries]
 
     def _stamp_first_scheduled(self, sched: SchedulerOutput) -> None:
         """Stamp `first_scheduled_time` on prompts scheduled for the first time (a sequence is

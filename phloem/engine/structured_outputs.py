@@ -2,7 +2,9 @@
 grammar bitmask, and the grammars advanced by the tokens the scheduler appended.
 
     step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward only) -> collect(N) -> update(N)
-            -> advance(N's tokens) -> sample(N+1, bitmask filled now) -> ...
+            -> advance(N's tokens): fill(N+1) starts -> outputs of N
+    next:   schedule(N+2) -> mark(N+2) -> prepare(N+2) -> bitmask(N+1) -> sample(N+1)
+            -> launch(N+2) -> collect(N+1) -> ...
 
 The bitmask of a row is filled after the row's previous token was accepted: under async
 scheduling the forward pass of step N+1 runs on the device while the host waits for step N's
@@ -16,7 +18,12 @@ had its rows cost the loop ~3 ms a step on an H200 and gained nothing, 2026-11-2
     mark(N+1) ... advance(N) -> fill(N+1) starts ──────────────┐ grammar threads
                   process N's outputs (engine loop)             │
                   presample(N+1): the noise (`LLMEngine.step`)  │
+                  schedule, mark and prepare N+2 (async)        │
                   bitmask(N+1): wait ◄──────────────────────────┘ -> sample(N+1)
+
+Under async scheduling the step after a constrained one is scheduled and its host arrays built
+(`Executor.prepare`) before `bitmask` waits, so that work no longer follows the fill; `mark` of
+that step may thus come between a step's `advance` and its `bitmask`.
 
 A request's grammar starts compiling when it is added (`register`: a batch's are all queued
 in the pool before its first step). The scheduler admits a request only once its matcher is
@@ -177,7 +184,8 @@ class StructuredOutputs:
         assert self.manager is not None
         start = time.perf_counter()
         started = self._take_fill()
-        self._next = None
+        if self._next is sched:  # not the step after it, marked meanwhile (`LLMEngine.step`)
+            self._next = None
         if started is not None and started[0] is sched:
             self.times.fill_wait_s += time.perf_counter() - start
             grammar, failed = started[1].result()
@@ -228,7 +236,8 @@ class StructuredOutputs:
 
     def _start_fill(self, sched: SchedulerOutput) -> None:
         """Fill the marked step's bitmask in a background thread (its rows' previous tokens are
-        all accepted: `advance` runs once between a step's `mark` and its `bitmask`). The
+        all accepted: `advance` runs once between a step's `mark` and its `bitmask`; the next
+        step's `mark` may come before that `bitmask`, never before that `advance`). The
         library releases the GIL while filling; `forget` and `fail_request` stay on the loop.
 
         Not waited for: the thread needs the GIL to start and to gather its rows, which the

@@ -109,6 +109,8 @@ class ModelRunner:
         self.verify_runner: VerifyGraphRunner | None = None
         # the last launched step's sampled tokens, seq id -> row, full rows (`stacked_rows`)
         self._last_sampled: PreviousStep | None = None
+        # the step `prepare` built and `launch` has not taken yet: (its output, states, host)
+        self._prepared: tuple[SchedulerOutput, list[SequenceState], HostStep | None] | None = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the per-layer caches: num_blocks usable blocks plus the scratch block
@@ -218,13 +220,14 @@ class ModelRunner:
         still pending (sampled by the previous launched step, async scheduling) are taken from
         that step's device tensor. Mutates the KV cache and the seeded sequences' generators.
         Steps replay CUDA graphs where captured ones take them (`_run_graph`). None for a step
-        that samples nothing."""
-        for seq_id in sched.finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        states = self.input_batch.update(sched)
-        if sched.is_empty:
+        that samples nothing. Its host arrays come from `prepare` (run here unless the engine
+        ran it ahead)."""
+        self.prepare(sched)
+        assert self._prepared is not None
+        _, states, host = self._prepared
+        self._prepared = None
+        if host is None:
             return None
-        host = HostStep.build(sched, states, self.block_size, self.backend.reads_prefix_lens)
         hidden, logits = self._run_graph(host)
         if hidden is None:
             inputs = self.prepare_inputs(host)
@@ -256,6 +259,22 @@ class ModelRunner:
         index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
         self._last_sampled = PreviousStep(handle.tokens, index, checks.full(full))
         return LaunchedStep(seq_ids, sampled_states, handle, failed, drafts=drafts, checks=checks)
+
+    def prepare(self, sched: SchedulerOutput) -> None:
+        """The host-only part of `launch`: the sequences' states updated by `sched` and the
+        step's host arrays (`HostStep`), kept for its `launch`. Enqueues nothing and reads no
+        sampled token, so the engine runs it while a constrained step before it still waits
+        for its bitmask (`LLMEngine.step`); a no-op when `sched` is already prepared. A step
+        prepared and never launched (an exception in between, `LLMEngine.abort_all`) is dropped."""
+        if self._prepared is not None and self._prepared[0] is sched:
+            return
+        for seq_id in sched.finished_seq_ids:
+            self._generators.pop(seq_id, None)  # a row of a step in flight keeps its own
+        states = self.input_batch.update(sched)
+        host = None
+        if not sched.is_empty:
+            host = HostStep.build(sched, states, self.block_size, self.backend.reads_prefix_lens)
+        self._prepared = (sched, states, host)
 
     @torch.inference_mode()
     def presample(self, launched: LaunchedStep | None) -> None:

@@ -164,6 +164,9 @@ class _FailingExecutor:
         self._maybe_fail()
         return self.inner.execute_model(sched)
 
+    def prepare(self, sched):
+        self.inner.prepare(sched)
+
     def launch(self, sched):
         self._maybe_fail()
         return self.inner.launch(sched)

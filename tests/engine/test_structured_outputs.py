@@ -14,6 +14,9 @@ import jsonschema
 import pytest
 
 from phloem import LLM, SamplingParams
+from phloem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from phloem.engine.executor import UniProcExecutor
+from phloem.engine.llm_engine import LLMEngine
 from phloem.sampling_params import StructuredOutputsParams
 from tests.engine.tiny_models import VOCAB, tiny_model_dir
 
@@ -264,3 +267,84 @@ def test_tensor_parallel_ranks_sample_under_the_same_bitmask(tiny_llama):
         for (kind, spec, _), out in zip(cases, outs):
             check_output(kind, spec, out.outputs[0].text)
     assert tokens[2] == tokens[1]
+
+
+class OrderExecutor(UniProcExecutor):
+    """The default executor, recording the order of `prepare`, `launch` and `sample` and, at
+    each `prepare`, whether a bitmask fill started since the last `sample` (`structured`: the
+    engine's `StructuredOutputs`, set once the engine is built)."""
+
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        self.events: list[tuple[str, bool]] = []
+        self.structured = None
+        self._early_fills_sampled = 0  # fills started before the last `sample`
+
+    def prepare(self, scheduler_output) -> None:
+        s = self.structured
+        filling = s is not None and s.num_early_fills > self._early_fills_sampled
+        self.events.append(("prepare", filling))
+        super().prepare(scheduler_output)
+
+    def launch(self, scheduler_output):
+        self.events.append(("launch", False))
+        return super().launch(scheduler_output)
+
+    def sample(self, launched, grammar) -> None:
+        self.events.append(("sample", False))
+        self._early_fills_sampled = self.structured.num_early_fills
+        super().sample(launched, grammar)
+
+
+def varied_batch():
+    """Constrained and free requests whose sampling rows differ (temperature, seed, top-k,
+    top-p, min_tokens, a penalty) and finish at different steps, so a step's rows change."""
+    c = StructuredOutputsParams
+    params = [
+        SamplingParams(temperature=0.7, seed=1, top_k=5, max_tokens=30, structured_outputs=c(json=NESTED)),
+        SamplingParams(temperature=1.0, seed=2, top_p=0.8, max_tokens=20, structured_outputs=c(regex=REGEX)),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=c(choice=CHOICE)),
+        SamplingParams(temperature=0.5, seed=3, top_k=20, min_tokens=3, max_tokens=30,
+                       structured_outputs=c(json=NUMBERS)),
+        SamplingParams(temperature=0.9, seed=4, top_k=3, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7),
+        SamplingParams(temperature=1.2, seed=5, min_tokens=4, max_tokens=9),
+        SamplingParams(temperature=0.8, seed=6, frequency_penalty=0.5, max_tokens=5),
+    ]  # fmt: skip
+    return prompts(len(params), seed=2), params
+
+
+def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama):
+    """Async scheduling prepares step N+2 (`Executor.prepare`) while step N+1's bitmask fill
+    runs, before N+1 is sampled; the outputs, under per-request sampling settings, equal the
+    synchronous run's (which samples each step before preparing the next)."""
+    batch, params = varied_batch()
+    tokens, executors = [], []
+    for async_scheduling in (False, True):
+        config = EngineConfig(
+            model=ModelConfig(str(tiny_llama)),
+            cache=CacheConfig(block_size=4),
+            scheduler=SchedulerConfig(max_num_batched_tokens=32, async_scheduling=async_scheduling),
+        )
+        engine = LLMEngine(config, executor_factory=OrderExecutor)
+        engine.executor.structured = engine.structured
+        ids = [engine.add_request(p, sp) for p, sp in zip(batch, params)]
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step()})
+        engine.scheduler.check_integrity()
+        tokens.append(
+            [(outs[i].outputs[0].token_ids, outs[i].outputs[0].finish_reason) for i in ids]
+        )
+        executors.append(engine.executor)
+        engine.close()
+    assert tokens[0] == tokens[1]
+    for executor, overlap in zip(executors, (False, True)):
+        events = executor.events
+        samples = [k for k, (name, _) in enumerate(events) if name == "sample"]
+        prepared_first = [k for k in samples if events[k - 1] == ("prepare", True)]
+        assert len(samples) > 5
+        if overlap:  # not while the penalty request runs: its steps collect before prepare
+            assert len(prepared_first) >= 10, " ".join(n[0] + "*" * f for n, f in events)
+        else:
+            assert not prepared_first
