@@ -235,15 +235,18 @@ class EngineMetrics:
 
     def observe_step(self, record: StepRecord) -> None:
         """A step observer: count the requests the step's scheduling preempted, and the drafts
-        it verified and accepted (speculative decoding)."""
+        it verified and accepted (speculative decoding). A void row's drafts (stacked on a row
+        that rejected a draft: `core/draft_tokens.py`) were never verified and are not counted,
+        as in the drafter's `SpecDecodeStats`."""
         num_preempted = len(record.scheduler_output.preempted_seq_ids)
         if num_preempted:
             self.preemptions.inc(num_preempted)
         runner = record.runner_output
         if runner is not None and runner.num_accepted_drafts:
+            accepted = runner.num_accepted_drafts  # verify rows only: a void row has no entry
             sched = record.scheduler_output.scheduled
-            self.spec_drafts.inc(sum(len(s.draft_token_ids) for s in sched))
-            self.spec_accepted.inc(sum(runner.num_accepted_drafts.values()))
+            self.spec_drafts.inc(sum(len(s.draft_token_ids) for s in sched if s.seq_id in accepted))
+            self.spec_accepted.inc(sum(accepted.values()))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of all series."""

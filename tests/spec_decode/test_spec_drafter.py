@@ -113,3 +113,19 @@ def test_proposals_that_offer_nothing_turn_the_pre_check_off():
     drafter.offer_rate = 1.0
     assert drafter.may_draft(repeating) and drafter.propose(repeating) > 0
     assert drafter.offer_rate == 1.0 and drafter.may_draft(repeating)
+
+
+def test_stats_leave_out_void_rows_drafts():
+    """The `--json` counters: a void row (no accepted count: stacked on a row that rejected a
+    draft) verified nothing, so its drafts count neither as verified nor as a verify row."""
+    from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput
+
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), MODEL, 64)
+    sched = SchedulerOutput(
+        [ScheduledSequence("a", 5, 4, True, draft_token_ids=(1, 2, 3)),
+         ScheduledSequence("v", 5, 5, True, draft_token_ids=(4, 5, 6, 7))]
+    )  # fmt: skip
+    drafter.observe(sched, {"a": 3})
+    stats = drafter.stats.as_dict()
+    assert stats["num_drafts"] == 1 and stats["num_draft_tokens"] == 3
+    assert stats["acceptance_rate"] == 1.0 and stats["mean_accepted_length"] == 4.0

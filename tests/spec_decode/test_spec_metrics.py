@@ -36,3 +36,17 @@ def test_step_observer_counts_a_verify_step():
     metrics.observe_step(StepRecord(0, sched, runner, 0.0, 0.0, 0.0, 0.0))
     assert _value(metrics, "phloem:spec_decode_num_draft_tokens_total") == 3
     assert _value(metrics, "phloem:spec_decode_num_accepted_tokens_total") == 2
+
+
+def test_step_observer_leaves_out_void_rows_drafts():
+    """A void row (stacked on a row that rejected a draft) verified nothing: its drafts are
+    not counted as verified, so the acceptance rate is that of the rows that verified."""
+    metrics = EngineMetrics("m")
+    sched = SchedulerOutput(
+        [ScheduledSequence("a", 5, 4, True, draft_token_ids=(1, 2, 3)),
+         ScheduledSequence("v", 5, 5, True, draft_token_ids=(4, 5, 6, 7))]
+    )  # fmt: skip
+    runner = ModelRunnerOutput({"a": 4}, num_accepted_drafts={"a": 3})  # "v" void: no entry
+    metrics.observe_step(StepRecord(0, sched, runner, 0.0, 0.0, 0.0, 0.0))
+    assert _value(metrics, "phloem:spec_decode_num_draft_tokens_total") == 3
+    assert _value(metrics, "phloem:spec_decode_num_accepted_tokens_total") == 3
