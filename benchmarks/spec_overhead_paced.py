@@ -188,7 +188,7 @@ def build_engine(args, method: str | None):
 
     spec = None
     if method is not None:
-        spec = {"method": method, "num_speculative_tokens": args.k}
+        spec = {"method": method, "num_speculative_tokens": args.k, **args.spec_extra}
     config = EngineArgs.from_kwargs(
         model=args.model, load_format="dummy", speculative_config=spec,
         max_num_batched_tokens=2048, max_num_seqs=max(64, args.batch),
@@ -262,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
                         "input preparation and launches on a GPU) [ms]")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engines", nargs="+", default=["off", "ngram", "suffix"])
+    parser.add_argument(
+        "--spec-extra",
+        type=json.loads,
+        default={},
+        help='JSON of more speculative_config keys, e.g. {"suffix_decoding_max_spec_factor": 2}',
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     PacedSpecExecutor.t0, PacedSpecExecutor.c_token = SCALES[args.scale]

@@ -271,7 +271,8 @@ class SpeculativeConfig:
             [tokens], 1 <= min <= max.
         suffix_decoding_max_tree_depth: "suffix": the longest substring the suffix index
             counts (a draft and the suffix it continues) [tokens], >= 2.
-        suffix_decoding_max_spec_factor: "suffix": drafts per matched token, > 0.
+        suffix_decoding_max_spec_factor: "suffix": drafts per matched token, > 0 (2: the short
+            match after an edit drafts twice its length; results 2026-11-27-cpu-spec-suffix).
         suffix_decoding_min_token_prob: "suffix": a draft stops below this path probability,
             in (0, 1].
         use_cost_rule: decide per step and request how many drafts pay (`spec_decode.cost_rule`;
@@ -288,7 +289,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_decoding_max_tree_depth: int = 32
-    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_max_spec_factor: float = 2.0
     suffix_decoding_min_token_prob: float = 0.1
     use_cost_rule: bool = True
     verify_graph_max_batch: int = 64

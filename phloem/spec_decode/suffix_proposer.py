@@ -34,7 +34,9 @@ class SuffixConfig:
             fit in it together (the depth of the paper's tree).
         max_pattern_len: the longest suffix of the history matched [tokens], < max_depth.
         spec_factor: draft length per matched token (the paper's alpha): a match of p tokens
-            drafts at most ceil(spec_factor x p) [tokens / token].
+            drafts at most ceil(spec_factor x p) [tokens / token]. 2 (the paper's 1 took 72
+            steps to 64 on the paced copy batch of 32: after each edit the match restarts at 2
+            tokens and its drafts grow with it; benchmarks/results/2026-11-27-cpu-spec-suffix).
         min_token_prob: the draft stops before a token whose estimated path probability is
             below it (the paper's threshold), in (0, 1].
         max_matches: the most recent occurrences of a suffix's key that a match and its
@@ -51,7 +53,7 @@ class SuffixConfig:
 
     max_depth: int = 32
     max_pattern_len: int = 16
-    spec_factor: float = 1.0
+    spec_factor: float = 2.0
     min_token_prob: float = 0.1
     max_matches: int = 64
     max_shared_tokens: int = 100_000
