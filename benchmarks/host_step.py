@@ -94,6 +94,12 @@ class _NoPlanBackend:
     def begin_step(self, *args, **kwargs) -> None:
         pass
 
+    def plan_decode(self, *args, **kwargs):
+        """Every decode step replays the plain graph (the interface's default)."""
+        from phloem.ops.attention.interface import DecodePath, DecodePlan
+
+        return DecodePlan(DecodePath.GRAPH)
+
     def prepare_replay(self, *args, **kwargs) -> None:
         pass
 
@@ -124,6 +130,8 @@ def _fake_graph_runner(cls, max_num_seqs: int, block_size: int, scratch_block: i
     runner._graphs = {key: _FakeGraph() for key in keys}
     runner._outputs = {key: torch.zeros(key[1], 4) for key in keys}
     runner._pool = None
+    runner._static_out = runner._static_logits = None  # no logits inside the graphs
+    runner.logits_max_batch = 0
     return runner
 
 
