@@ -18,8 +18,9 @@ for the host.
 
 A request whose own sampling setup (its generator, its row) or sampling raises, or whose logits
 row holds NaN or inf (counted on the device by the sampler, copied behind the step's tokens),
-fails alone: its row is sampled as a placeholder so the batch goes on, and its id lands in
-`ModelRunnerOutput.failed` for the engine to fail it (see `phloem.engine.llm_engine`).
+fails alone (`worker/sampling_rows.py`): its row is sampled as a placeholder so the batch goes
+on, and its id lands in `ModelRunnerOutput.failed` for the engine to fail it (see
+`phloem.engine.llm_engine`).
 """
 
 from __future__ import annotations
@@ -35,32 +36,23 @@ from phloem.layers.sampler import (
     SampledTokens,
     Sampler,
     SamplingRow,
-    seeded_generator,
 )
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.kv_store import allocate_kv_cache
 from phloem.ops.staging import to_device
 from phloem.ops.token_bitmask import bitmask_to_device
-from phloem.sampling_params import SamplingParams
 from phloem.spec_decode.verifier import VerifyStep, launch_verify
 from phloem.structured_output.manager import GrammarBitmask
 from phloem.worker.cuda_graph import CUDAGraphRunner, decode_graph_max_batch
-from phloem.worker.input_batch import HostStep, InputBatch, SequenceState, sampling_row
+from phloem.worker.input_batch import HostStep, InputBatch, SequenceState
 from phloem.worker.piecewise_graph import CUDAPieceGraphs, PieceGraphs, PiecewiseGraphRunner
 from phloem.worker.runner_output import LaunchedStep, ModelRunnerOutput, StepInputs
+from phloem.worker.sampling_rows import launch_sampler, sampling_rows
 from phloem.worker.stacked_rows import PreviousStep, append_tokens, stack_checks
 from phloem.worker.verify_graph import VerifyGraphRunner
 
 __all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
-
-# the row sampled for a sequence whose own row failed: greedy, so it draws no randomness
-_PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
-
-
-def _placeholder_row(state: SequenceState) -> SamplingRow:
-    """The row sampled for a sequence that failed alone: greedy, no bans, draws nothing."""
-    return SamplingRow(_PLACEHOLDER_PARAMS, state.prompt_token_ids, [], generator=None)
 
 
 class ModelRunner:
@@ -242,7 +234,9 @@ class ModelRunner:
         scheduled = sched.scheduled
         seq_ids = [scheduled[i].seq_id for i in host.sampled]
         sampled_states = [states[i] for i in host.sampled]
-        rows, failed = self._sampling_rows(sched, host.sampled, states)
+        rows, failed = sampling_rows(
+            sched, host.sampled, states, self._generators, self.device, self.eos_token_id
+        )
         checks = stack_checks(host, sched, states, self._last_sampled, self.device)
         if sched.structured_seq_ids:  # sampled by `sample`, with the grammar bitmask
             return LaunchedStep(seq_ids, sampled_states, None, failed, deferred=(logits, rows),
@@ -255,7 +249,9 @@ class ModelRunner:
             )
             full = handle.full
         else:
-            handle = self._launch_sampler(logits, rows, seq_ids, sampled_states, failed)
+            handle = launch_sampler(
+                self.sampler, self._shared_generator, logits, rows, seq_ids, sampled_states, failed
+            )
         index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
         self._last_sampled = PreviousStep(handle.tokens, index, checks.full(full))
         return LaunchedStep(seq_ids, sampled_states, handle, failed, drafts=drafts, checks=checks)
@@ -312,8 +308,16 @@ class ModelRunner:
                 f"grammar bitmask names {e}, which this step does not sample"
             ) from None
         mask = bitmask_to_device(grammar.bitmask, row_indices, self.device)  # a copy stream
-        handle = self._launch_sampler(
-            logits, rows, seq_ids, launched.states, launched.failed, mask, noise
+        handle = launch_sampler(
+            self.sampler,
+            self._shared_generator,
+            logits,
+            rows,
+            seq_ids,
+            launched.states,
+            launched.failed,
+            mask,
+            noise,
         )
         launched.sampled = handle
         full = None if launched.checks is None else launched.checks.full(None)
@@ -360,12 +364,12 @@ class ModelRunner:
         failed: dict[str, str],
         valid: torch.Tensor | None,
     ) -> VerifyStep:
-        """`verifier.launch_verify`: the rows without drafts through `_launch_sampler`;
+        """`verifier.launch_verify`: the rows without drafts through `sampling_rows.launch_sampler`;
         `valid`: the rows whose guess held (`stacked_rows`)."""
 
         def sample_plain(plain_logits: torch.Tensor, plain: list[int]) -> SampledTokens:
-            return self._launch_sampler(
-                plain_logits, [rows[b] for b in plain], [seq_ids[b] for b in plain],
+            return launch_sampler(
+                self.sampler, self._shared_generator, plain_logits, [rows[b] for b in plain], [seq_ids[b] for b in plain],
                 [states[b] for b in plain], failed,
             )  # fmt: skip
 
@@ -438,81 +442,3 @@ class ModelRunner:
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         torch.log_softmax(logits.float(), dim=-1).argmax(dim=-1)
-
-    def _launch_sampler(
-        self,
-        logits: torch.Tensor,
-        rows: list[SamplingRow],
-        seq_ids: list[str],
-        states: list[SequenceState],
-        failed: dict[str, str],
-        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> SampledTokens:
-        """`sampler.launch(logits, rows, grammar, noise)`, failing alone each row whose sampling
-        raises (the trials and the launch after them draw their own noise).
-
-        When the batch raises, each row is tried alone (the others replaced by greedy
-        placeholders, every generator's state restored after each trial, so the rows that go on
-        draw what they would have, less anything the failed batch attempt drew); the rows that
-        raise on their own are failed (added to `failed`) and replaced by placeholders for the
-        real launch. A fault no single row causes, or one that survives the replacement, is the
-        step's own: it propagates. Mutates `rows` and `failed` only on that path."""
-        try:
-            return self.sampler.launch(logits, rows, grammar, noise)
-        except Exception:  # noqa: BLE001 - find out whether one sequence causes it
-            placeholders = [_placeholder_row(state) for state in states]
-            generators = {id(g): g for g in [self._shared_generator] + [r.generator for r in rows]}
-            saved = [(g, g.get_state()) for g in generators.values() if g is not None]
-            culprits: dict[int, str] = {}
-            for i in range(len(rows)):
-                trial = [*placeholders[:i], rows[i], *placeholders[i + 1 :]]
-                try:
-                    self.sampler.launch(logits, trial, grammar)
-                except Exception as e:  # noqa: BLE001 - row i's own fault
-                    culprits[i] = f"sampling failed: {type(e).__name__}: {e}"
-                for generator, state in saved:
-                    generator.set_state(state)
-            if not culprits:
-                raise
-        for i, message in culprits.items():
-            failed[seq_ids[i]] = message
-            rows[i] = placeholders[i]
-        return self.sampler.launch(logits, rows, grammar)
-
-    def _sampling_rows(
-        self, sched: SchedulerOutput, sampled: list[int], states: list[SequenceState]
-    ) -> tuple[list[SamplingRow], dict[str, str]]:
-        """The sampling rows of the step's sampled sequences (rows `sampled` of `sched`), and
-        {seq id: reason} for those whose row could not be built: they get a greedy placeholder
-        row (the batch goes on) and are failed by the engine after the step."""
-        rows: list[SamplingRow] = []
-        failed: dict[str, str] = {}
-        for i in sampled:
-            state = states[i]
-            row = state.row  # cached when nothing in it depends on the step
-            if row is None:
-                s = sched.scheduled[i]
-                try:
-                    row = self._sampling_row(s.seq_id, state, s.num_computed_tokens + s.num_tokens)
-                except Exception as e:  # noqa: BLE001 - this sequence's fault: it fails alone
-                    failed[s.seq_id] = f"sampling setup failed: {type(e).__name__}: {e}"
-                    row = _placeholder_row(state)
-            rows.append(row)
-        return rows, failed
-
-    def _sampling_row(self, seq_id: str, state: SequenceState, num_tokens: int) -> SamplingRow:
-        """The row of a sequence that has `num_tokens` tokens once this step ran (its sample is
-        output number num_tokens - prompt length); makes its generator on first use (seeded
-        from `generator_seed()`, kept until the sequence finishes)."""
-        if state.row is not None:
-            return state.row
-        params = state.params
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = self._generators.get(seq_id)
-            if generator is None:
-                generator = seeded_generator(params.generator_seed(), self.device)
-                self._generators[seq_id] = generator
-        num_before = num_tokens - len(state.prompt_token_ids)
-        return sampling_row(state, num_before, generator, self.eos_token_id)

@@ -13,7 +13,7 @@ import pytest
 
 import phloem.core.scheduler as scheduler_module
 import phloem.layers.sampler as sampler_module
-import phloem.worker.model_runner as model_runner_module
+import phloem.worker.sampling_rows as sampling_rows_module
 from phloem import LLM, SamplingParams
 from phloem.core.prefix_groups import PrefixGroups
 from phloem.engine.detokenizer import IncrementalDetokenizer
@@ -74,14 +74,14 @@ def test_seeds_at_the_ends_of_their_range_run(llm):
 
 
 def test_sampling_setup_failure_fails_alone(llm, monkeypatch):
-    real = model_runner_module.seeded_generator
+    real = sampling_rows_module.seeded_generator
 
     def seeded_generator(seed, device):
         if seed == 1234:
             raise RuntimeError("injected generator fault")
         return real(seed, device)
 
-    monkeypatch.setattr(model_runner_module, "seeded_generator", seeded_generator)
+    monkeypatch.setattr(sampling_rows_module, "seeded_generator", seeded_generator)
     outputs = run_with_one_bad(llm, SamplingParams(seed=1234, max_tokens=4, ignore_eos=True))
     assert "injected generator fault" in outputs[1].error
 
@@ -265,7 +265,7 @@ def test_job_summary_counts_engine_failures(llm, monkeypatch):
     def seeded_generator(seed, device):
         raise RuntimeError("injected generator fault")
 
-    monkeypatch.setattr(model_runner_module, "seeded_generator", seeded_generator)
+    monkeypatch.setattr(sampling_rows_module, "seeded_generator", seeded_generator)
     bad = SamplingParams(seed=99, max_tokens=4, ignore_eos=True)
     outputs = llm.generate(PROMPTS, [GREEDY, bad, GREEDY], use_tqdm=False)
     summary = summarize(outputs, wall_s=1.0, num_failed_requests=2)
