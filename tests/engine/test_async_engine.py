@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-import phloem.worker.model_runner as model_runner_module
+import phloem.worker.sampling_rows as sampling_rows_module
 from phloem import SamplingParams
 from phloem.engine.async_engine import AsyncLLMEngine, RequestFailedError
 from phloem.engine.llm_engine import LLMEngine, OutputMode
@@ -76,14 +76,14 @@ async def one_fails_one_completes(engine: AsyncLLMEngine, bad: SamplingParams, *
 
 
 def test_setup_failure_fails_alone_while_a_concurrent_stream_completes(model_path, monkeypatch):
-    real = model_runner_module.seeded_generator
+    real = sampling_rows_module.seeded_generator
 
     def seeded_generator(seed, device):
         if seed == 1234:
             raise RuntimeError("injected generator fault")
         return real(seed, device)
 
-    monkeypatch.setattr(model_runner_module, "seeded_generator", seeded_generator)
+    monkeypatch.setattr(sampling_rows_module, "seeded_generator", seeded_generator)
     engine, metrics = make_engine(model_path)
     bad = SamplingParams(seed=1234, max_tokens=12, ignore_eos=True)
     try:

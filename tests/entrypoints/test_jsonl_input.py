@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import phloem.worker.model_runner as model_runner_module
+import phloem.worker.sampling_rows as sampling_rows_module
 from phloem import LLM
 from phloem.entrypoints.generate import parse_line, run_generate
 from phloem.entrypoints.jsonl_input import read_lines
@@ -72,14 +72,14 @@ def test_content_parts_are_accepted_as_on_the_server(llm):
 def test_generate_job_with_bom_blank_lines_bad_bytes_and_a_failing_request(
     llm, tmp_path, monkeypatch
 ):
-    real = model_runner_module.seeded_generator
+    real = sampling_rows_module.seeded_generator
 
     def seeded_generator(seed, device):  # a request whose sampling setup raises, in the run
         if seed == 1234:
             raise RuntimeError("injected generator fault")
         return real(seed, device)
 
-    monkeypatch.setattr(model_runner_module, "seeded_generator", seeded_generator)
+    monkeypatch.setattr(sampling_rows_module, "seeded_generator", seeded_generator)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_bytes(
         b'\xef\xbb\xbf{"id": "first", "prompt": "Hello"}\n'
