@@ -49,7 +49,11 @@ from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.skinny_gemm import candidate_configs, per_gemm_us  # noqa: E402
+from benchmarks.skinny_gemm import (  # noqa: E402
+    candidate_configs,
+    per_gemm_us,
+    print_config_entries,
+)
 from phloem.ops import skinny_gated, skinny_norm  # noqa: E402
 from phloem.ops import skinny_gemm as sk  # noqa: E402
 from phloem.ops.activation import silu_and_mul  # noqa: E402
@@ -194,15 +198,15 @@ def report_configs(fusion: str, results: list[dict]) -> None:
     """The `CONFIGS` table of the fusion's module the run measured (paste into it; only the rows
     buckets the run timed, keyed by bucket)."""
     print(f"\n{MODULES[fusion].__name__}.CONFIGS = {{  # None: the two kernels apart were faster")
-    for s in results:
-        for c in s["cases"]:
-            key = f"({sk.rows_bucket(c['rows'])}, {s['n']}, {s['k']})"
-            speed = f"apart {c['apart']:.1f} us, fused {c['fused-best']:.1f} us"
-            if c["fused-best"] < c["apart"]:
-                cfg = ", ".join(f"{k}={v}" for k, v in c["best_config"].items())
-                print(f"    {key}: SkinnyConfig({cfg}),  # {speed}")
-            else:
-                print(f"    {key}: None,  # {speed}")
+    print_config_entries(
+        (
+            f"({sk.rows_bucket(c['rows'])}, {s['n']}, {s['k']})",
+            c["best_config"] if c["fused-best"] < c["apart"] else None,
+            f"apart {c['apart']:.1f} us, fused {c['fused-best']:.1f} us",
+        )
+        for s in results
+        for c in s["cases"]
+    )
     print("}")
 
 

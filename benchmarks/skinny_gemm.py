@@ -191,16 +191,27 @@ def report_summary(results: dict) -> None:
         print(f"  M={rows:>2}: F.linear {base:7.0f} us, best per shape {best:7.0f} us "
               f"({base - best:+.0f} us saved)")  # fmt: skip
     print("\nCONFIGS = {  # None: F.linear (cuBLAS) was faster")
-    for s in results["shapes"]:
-        for c in s["cases"]:
-            key = f"({c['rows']}, {s['n']}, {s['k']})"
-            speed = f"F.linear {c['F.linear']:.1f} us, kernel {c['skinny-best']:.1f} us"
-            if c["skinny-best"] < c["F.linear"]:
-                cfg = ", ".join(f"{k}={v}" for k, v in c["best_config"].items())
-                print(f"    {key}: SkinnyConfig({cfg}),  # {speed}")
-            else:
-                print(f"    {key}: None,  # {speed}")
+    print_config_entries(
+        (
+            f"({c['rows']}, {s['n']}, {s['k']})",
+            c["best_config"] if c["skinny-best"] < c["F.linear"] else None,
+            f"F.linear {c['F.linear']:.1f} us, kernel {c['skinny-best']:.1f} us",
+        )
+        for s in results["shapes"]
+        for c in s["cases"]
+    )
     print("}")
+
+
+def print_config_entries(entries) -> None:
+    """Print `CONFIGS` entries to paste into a table: (key text, the winning config's fields or
+    None, the timing comment) each."""
+    for key, config, speed in entries:
+        if config is None:
+            print(f"    {key}: None,  # {speed}")
+        else:
+            fields = ", ".join(f"{k}={v}" for k, v in config.items())
+            print(f"    {key}: SkinnyConfig({fields}),  # {speed}")
 
 
 def write_configs(results: dict, path: str) -> None:
