@@ -76,7 +76,6 @@ class LLMEngine:
         self._sequences: dict[str, SequenceEntry] = {}
         self._ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # async scheduling: collected next step()
-        self._to_sample: LaunchedStep | None = None  # in flight, its bitmask not applied yet
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
         self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
@@ -264,19 +263,23 @@ class LLMEngine:
         """Abort every unfinished prompt and forget the step in flight (async scheduling).
 
         For after an exception out of `step()`, whose state is unknown: frees the KV blocks of
-        every request, so the engine serves later requests from a clean queue."""
-        self._in_flight = self._to_sample = None
+        every request, so the engine serves later requests from a clean queue (a constrained
+        step still held for its bitmask is dropped unsampled: `StructuredOutputs.drop_held`)."""
+        self._in_flight = None
+        self.structured.drop_held()
         self.scheduler.forget_unapplied()
         self.abort_request(list(self._prompts))
         self.scheduler.failed_requests.clear()
 
     def abort_request(self, request_ids: list[str]) -> None:
-        """Stop these prompts now and free their KV blocks."""
+        """Stop these prompts now and free their KV blocks (with none left, a held constrained
+        step is sampled: `StructuredOutputs.sample_if_idle`)."""
         for request_id in request_ids:
             entry = self._prompts.get(request_id)
             if entry is not None:
                 self.scheduler.abort_requests([s.request.request_id for s in entry.sequences])
                 self._forget(entry)
+        self.structured.sample_if_idle(self.executor)
 
     def stop_sequences(self, seq_ids: list[str]) -> None:
         """Finish sequences as stopped and free their blocks (a front found a stop string:
@@ -290,6 +293,7 @@ class LLMEngine:
             entry = self._prompts[seq.prompt_id]
             if all(s.request.is_finished for s in entry.sequences):
                 self._forget(entry)
+        self.structured.sample_if_idle(self.executor)
 
     def _forget(self, entry: PromptEntry) -> None:  # the prompt and its sequences
         del self._prompts[entry.request_id]
@@ -325,7 +329,8 @@ class LLMEngine:
         and on N's tokens overlaps the device running N and N+1. A constrained step N+1 is
         sampled under its grammar bitmask, filled on the grammar threads once N's tokens are
         accepted (`engine/structured_outputs.py`); under async scheduling by the next call,
-        after its scheduling and host preparation (`Executor.prepare`) ran beside that fill:
+        after its scheduling and host preparation (`Executor.prepare`) ran beside that fill
+        (the step is *held* until then; at once when no request is left, `sample_if_idle`):
 
             schedule(N+2) -> prepare(N+2) -> sample(N+1) -> launch(N+2) -> collect(N+1)
               -> update(N+1): the fill of N+2 starts -> outputs of N+1
@@ -344,30 +349,15 @@ class LLMEngine:
             outputs += self._finish_in_flight()
         self._in_flight = launched
         if launched is not None and scheduler_output.structured_seq_ids:
-            self._to_sample = launched
-            self.executor.presample(launched.handle)  # beside the bitmask's fill
-            if not self._defer_sample():
-                self._sample_in_flight()
+            # not deferred with speculative decoding: its drafter reads the step in flight
+            defer = self.scheduler_config.async_scheduling and self.drafter is None
+            self.structured.hold(launched, self.executor, defer)
         if not self.scheduler_config.async_scheduling and launched is not None:
             outputs += self._finish_in_flight()  # synchronous: collect right after launch
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
+        self.structured.sample_if_idle(self.executor)  # none left: no next step() need come
         return outputs
-
-    def _defer_sample(self) -> bool:
-        """True to leave the constrained step just launched unsampled until the next `step()`
-        (async scheduling with requests left; not with speculative decoding, whose drafter
-        reads the step in flight before `schedule()`)."""
-        async_ = self.scheduler_config.async_scheduling and self.drafter is None
-        return async_ and self.scheduler.has_unfinished_requests()
-
-    def _sample_in_flight(self) -> None:
-        """Enqueue the sampling of the step in flight under its bitmask (waiting for its fill)
-        if it still waits for it; before the next step's launch and before its collection."""
-        launched, self._to_sample = self._to_sample, None
-        if launched is not None:
-            grammar = self.structured.bitmask(launched.scheduler_output)
-            self.executor.sample(launched.handle, grammar)
 
     def _propose_drafts(self) -> list[StepOutput]:
         """Speculative decoding, before `schedule()`: the drafts for the next step, proposed
@@ -392,7 +382,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.executor.prepare(scheduler_output)  # host only: beside the step in flight's fill
         prepared = time.perf_counter()
-        self._sample_in_flight()  # the device's order: sample(N+1) before forward(N+2)
+        self.structured.sample_held(self.executor)  # the device's order: N+1's sampling first
         start += time.perf_counter() - prepared  # launch_s: prepare + launch, not the wait
         handle = self.executor.launch(scheduler_output)
         if scheduler_output.is_empty:
@@ -407,7 +397,7 @@ class LLMEngine:
     def _finish_in_flight(self) -> list[StepOutput]:
         """Wait for the launched step's tokens, update the scheduler, build its outputs, and
         tell the step observers. A step without samples is still updated (prefix holds)."""
-        self._sample_in_flight()
+        self.structured.sample_held(self.executor)
         launched = self._in_flight
         assert launched is not None
         self._in_flight = None

@@ -1,5 +1,6 @@
 """The engine's hooks for structured outputs: which rows of a step are constrained, the step's
-grammar bitmask, and the grammars advanced by the tokens the scheduler appended.
+grammar bitmask, the grammars advanced by the tokens the scheduler appended, and the launched
+constrained step held until its bitmask is filled.
 
     step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward only) -> collect(N) -> update(N)
             -> advance(N's tokens): fill(N+1) starts -> outputs of N
@@ -23,7 +24,12 @@ had its rows cost the loop ~3 ms a step on an H200 and gained nothing, 2026-11-2
 
 Under async scheduling the step after a constrained one is scheduled and its host arrays built
 (`Executor.prepare`) before `bitmask` waits, so that work no longer follows the fill; `mark` of
-that step may thus come between a step's `advance` and its `bitmask`.
+that step may thus come between a step's `advance` and its `bitmask`. The launched constrained
+step waits here meanwhile (`hold`, the *held* step) until `sample_held`: in the next `step()`,
+before its launch, or at once when no request is left unfinished (`sample_if_idle`: after the
+last ones finished, failed, or were aborted or stopped by a front, which then calls no
+`step()`; the step stays in flight, sampled, as any step after which every request finished).
+`LLMEngine.abort_all` (after an exception out of `step()`) drops it unsampled (`drop_held`).
 
 A request's grammar starts compiling when it is added (`register`: a batch's are all queued
 in the pool before its first step). The scheduler admits a request only once its matcher is
@@ -41,11 +47,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from phloem.core.request import Request, RequestStatus
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.sampling_params import SamplingParams
 from phloem.structured_output.manager import GrammarBitmask, StructuredOutputManager
+
+if TYPE_CHECKING:
+    from phloem.engine.executor import Executor
+    from phloem.engine.step_observer import LaunchedStep
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # longest wait of an empty step for the held requests' grammars [s]
@@ -105,6 +116,7 @@ class StructuredOutputs:
         self.num_threads = num_compile_threads or default_num_threads()
         self.manager: StructuredOutputManager | None = None
         self._next: SchedulerOutput | None = None  # marked, its bitmask not taken yet
+        self.held: LaunchedStep | None = None  # launched, its sampling not enqueued yet
         # (step, its fill started by `advance`)
         self._fill: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
@@ -261,6 +273,46 @@ class StructuredOutputs:
         if started is not None:
             concurrent.futures.wait([started[1]])
         return started
+
+    # -- the held step: launched, sampled once its bitmask is filled ---------------------------
+
+    def hold(self, launched: LaunchedStep, executor: Executor, defer: bool) -> None:
+        """Take a launched step with constrained samples: its noise is enqueued now
+        (`Executor.presample`, beside the bitmask's fill), its sampling now or, with `defer`
+        (async scheduling), by `sample_held` in the next `step()`, after that step's
+        scheduling and `Executor.prepare` ran beside the fill. At most one step is held: the
+        one before was sampled before this one's launch."""
+        assert self.held is None, "the step held before was never sampled"
+        executor.presample(launched.handle)
+        self.held = launched
+        if not defer:
+            self.sample_held(executor)
+
+    def sample_held(self, executor: Executor) -> None:
+        """Enqueue the held step's sampling under its bitmask (waiting for its fill); a no-op
+        when no step is held. Before the next step's launch and before the held step's
+        collection; rows that cannot be constrained fail alone (`bitmask`)."""
+        launched, self.held = self.held, None
+        if launched is not None:
+            executor.sample(launched.handle, self.bitmask(launched.scheduler_output))
+
+    def sample_if_idle(self, executor: Executor) -> None:
+        """`sample_held` when no request is left unfinished (all finished, failed, aborted or
+        stopped): a server then calls no `step()` until a request comes, and until then a held
+        step would keep its logits [S, V] on the device and, under tensor parallelism, every
+        rank's step half done. The step stays in flight, sampled, as any step after which every
+        request finished (the next `step()` collects it). After `LLMEngine.step`,
+        `abort_request` and `stop_sequences`; O(1) otherwise."""
+        if self.held is not None and not self.scheduler.has_unfinished_requests():
+            self.sample_held(executor)
+
+    def drop_held(self) -> None:
+        """Forget the held step unsampled, the marked step, and a started fill (waited for, its
+        result or exception discarded): for `LLMEngine.abort_all` after an exception out of
+        `step()`, whose state is unknown, so no device work. The worker drops the aborted
+        sequences' states at the next step (their finished ids)."""
+        self.held = self._next = None
+        self._take_fill()
 
     def close(self) -> None:
         self._take_fill()

@@ -2,7 +2,8 @@
 unconstrained requests, greedy and seeded sampling, n > 1, async and synchronous scheduling,
 prefix sharing and preemption. Every constrained output parses and validates (`jsonschema`),
 matches its regex or is one of its choices, and finishes "stop"; the unconstrained outputs equal
-those of a run without constrained requests."""
+those of a run without constrained requests. Aborts, and faults of a whole step, beside a step
+held for its bitmask (async scheduling) leave the engine consistent."""
 
 from __future__ import annotations
 
@@ -272,28 +273,43 @@ def test_tensor_parallel_ranks_sample_under_the_same_bitmask(tiny_llama):
 class OrderExecutor(UniProcExecutor):
     """The default executor, recording the order of `prepare`, `launch` and `sample` and, at
     each `prepare`, whether a bitmask fill started since the last `sample` (`structured`: the
-    engine's `StructuredOutputs`, set once the engine is built)."""
+    engine's `StructuredOutputs`, set once the engine is built). Test-only fault injection:
+    the next call named by `fail_next` raises (a fault of the whole step) before it does
+    anything, and the next collected step that sampled `fail_row` fails that row alone."""
 
     def __init__(self, worker) -> None:
         super().__init__(worker)
         self.events: list[tuple[str, bool]] = []
         self.structured = None
         self._early_fills_sampled = 0  # fills started before the last `sample`
+        self.fail_next: str | None = None
+        self.fail_row: str | None = None
+
+    def _event(self, name: str, filling: bool = False) -> None:
+        if self.fail_next == name:
+            self.fail_next = None
+            raise RuntimeError(f"injected fault in {name}")
+        self.events.append((name, filling))
 
     def prepare(self, scheduler_output) -> None:
         s = self.structured
-        filling = s is not None and s.num_early_fills > self._early_fills_sampled
-        self.events.append(("prepare", filling))
+        self._event("prepare", s is not None and s.num_early_fills > self._early_fills_sampled)
         super().prepare(scheduler_output)
 
     def launch(self, scheduler_output):
-        self.events.append(("launch", False))
+        self._event("launch")
         return super().launch(scheduler_output)
 
     def sample(self, launched, grammar) -> None:
-        self.events.append(("sample", False))
+        self._event("sample")
         self._early_fills_sampled = self.structured.num_early_fills
         super().sample(launched, grammar)
+
+    def collect(self, launched):
+        out = super().collect(launched)
+        if self.fail_row in out.sampled_token_ids:
+            out.failed[self.fail_row], self.fail_row = "injected row fault", None
+        return out
 
 
 def varied_batch():
@@ -348,3 +364,135 @@ def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama):
             assert len(prepared_first) >= 10, " ".join(n[0] + "*" * f for n, f in events)
         else:
             assert not prepared_first
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_llama):
+    """One async-scheduling engine for the fault tests (executor: `OrderExecutor`), and the
+    outputs of `add`'s batch on it without a fault."""
+    config = EngineConfig(
+        model=ModelConfig(str(tiny_llama)),
+        cache=CacheConfig(block_size=4, num_gpu_blocks=256),  # (integrity checks walk it)
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, async_scheduling=True),
+    )
+    engine = LLMEngine(config, executor_factory=OrderExecutor)
+    engine.executor.structured = engine.structured
+    expected = finish(engine, add(engine))
+    assert_idle(engine)
+    yield engine, expected
+    engine.close()
+
+
+def add(engine) -> list[str]:
+    """Queue constrained and free requests, greedy or seeded: every run of them draws the same."""
+    c = StructuredOutputsParams
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=c(json=NESTED)),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=16, structured_outputs=c(regex=REGEX)),
+        SamplingParams(temperature=0.7, seed=2, max_tokens=16, structured_outputs=c(choice=CHOICE)),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=9, ignore_eos=True),
+    ]  # fmt: skip
+    return [engine.add_request(p, sp) for p, sp in zip(prompts(len(params), seed=3), params)]
+
+
+def assert_consistent(engine) -> None:
+    """The scheduler's queues and blocks agree, and the worker holds the state of every running
+    sequence and otherwise only of finished ones whose ids it has not been sent yet."""
+    engine.scheduler.check_integrity()
+    states = set(engine.executor.worker.model_runner.input_batch.states)
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running <= states and states - running <= set(engine.scheduler._finished_ids)
+
+
+def finish(engine, ids: list[str]) -> dict[int, tuple]:
+    """Step until nothing is unfinished, checking the engine after every step; {k: (tokens,
+    finish reason)} of each request `ids[k]` that finished (aborted ones are left out)."""
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0] for o in engine.step()})
+        assert_consistent(engine)
+    return {k: (outs[i].token_ids, outs[i].finish_reason) for k, i in enumerate(ids) if i in outs}
+
+
+def assert_idle(engine) -> None:
+    """Nothing queued or running, every block reclaimable, and one empty step (it collects the
+    step in flight and tells the worker the finished ids) leaves the worker without state."""
+    assert not engine.has_unfinished_requests() and not engine._prompts
+    assert engine.kv_manager.num_reclaimable_blocks == engine.kv_manager.num_blocks
+    assert engine.step() == []
+    runner = engine.executor.worker.model_runner
+    assert not runner.input_batch.states and runner._prepared is None
+    assert engine._in_flight is None and engine.structured.held is None
+
+
+def step_until_held(engine, min_steps: int = 3) -> None:
+    """Step (at least `min_steps` times) until a constrained step waits for its bitmask."""
+    for k in range(100):
+        engine.step()
+        if k + 1 >= min_steps and engine.structured.held is not None:
+            return
+    raise AssertionError("no constrained step was held")
+
+
+def test_aborts_while_a_step_waits_for_its_bitmask(async_engine):
+    """A constrained step waiting for its bitmask when the last requests are aborted or stopped
+    (a server whose clients all left: no next step() comes) is sampled at once; after some are
+    aborted the others finish as in a run without the abort; after `abort_all` (no fault) a new
+    batch runs as before. The engine is consistent after every step, and idle after each."""
+    engine, expected = async_engine
+    ids = add(engine)
+    step_until_held(engine)
+    engine.abort_request(ids[1:])
+    assert engine.structured.held is not None  # a request is left: the next step() samples it
+    engine.stop_sequences(ids[:1])  # (a front's stop string)
+    assert engine.structured.held is None  # sampled: no next step() need come
+    assert_consistent(engine)
+    assert_idle(engine)
+    ids = add(engine)
+    step_until_held(engine)
+    engine.abort_request(ids[::2])
+    assert finish(engine, ids) == {k: expected[k] for k in (1, 3)}
+    assert_idle(engine)
+    add(engine)
+    step_until_held(engine)
+    engine.abort_all()
+    assert_consistent(engine)
+    # the next step: new requests beside the finished ids
+    assert finish(engine, add(engine)) == expected
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("where", ["prepare", "sample", "launch"])
+def test_step_fault_beside_a_held_step_then_abort_all(async_engine, where):
+    """A fault of a whole step while a constrained step waits for its bitmask: in `prepare`,
+    between `prepare` and the launch (the held step's `sample`: the worker's states are then
+    one step ahead of what ran), or in the launch. After `abort_all` the engine's next step is
+    consistent and a new batch's outputs equal a run without the fault."""
+    engine, expected = async_engine
+    add(engine)
+    step_until_held(engine)
+    engine.executor.fail_next = where
+    with pytest.raises(RuntimeError, match=f"injected fault in {where}"):
+        engine.step()
+    runner = engine.executor.worker.model_runner
+    assert (runner._prepared is not None) == (where != "prepare")  # prepared, never launched
+    engine.abort_all()
+    assert_consistent(engine)
+    assert finish(engine, add(engine)) == expected
+    assert_idle(engine)
+
+
+def test_a_sequence_failing_alone_leaves_no_step_held(async_engine):
+    """The only prompt, n = 2 under a grammar: one sequence fails alone, so the step launched
+    beside it is held for the next step(); the failure finishes the sibling at the end of that
+    step(), which, nothing being left, samples the held step before it returns."""
+    engine, _ = async_engine
+    params = SamplingParams(n=2, temperature=0.8, seed=4, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(json=NESTED))  # fmt: skip
+    request_id = engine.add_request(prompts(1, seed=5)[0], params)
+    step_until_held(engine)
+    engine.executor.fail_row = f"{request_id}#1"
+    assert finish(engine, [request_id])[0][1] == "error"  # (the prompt's output)
+    assert engine.structured.held is None
+    assert_idle(engine)
