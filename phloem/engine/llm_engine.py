@@ -14,7 +14,8 @@ the sampler flagged its logits row non-finite), and the engine fails a sequence 
 detokenization, log-probs or grammar (`engine/structured_outputs.py`) fail. A failed prompt (all
 its sequences) finishes at the end of the step with `RequestOutput.error` set and finish_reason
 "error". Only an exception outside any one request's work (the forward pass, the batched sampler,
-the device) leaves `step()`; `abort_all()` then resets the engine for later requests.
+the device) leaves `step()`; `abort_all()` then resets the engine for later requests (a `step()`
+before it raises: the scheduler counts the failed step as computed, the worker may not).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class LLMEngine:
         self._sequences: dict[str, SequenceEntry] = {}
         self._ids = itertools.count()
         self._in_flight: LaunchedStep | None = None  # async scheduling: collected next step()
+        self._step_raised = False  # a step() raised: its state is unknown until `abort_all`
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
         self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
@@ -265,7 +267,7 @@ class LLMEngine:
         For after an exception out of `step()`, whose state is unknown: frees the KV blocks of
         every request, so the engine serves later requests from a clean queue (a constrained
         step still held for its bitmask is dropped unsampled: `StructuredOutputs.drop_held`)."""
-        self._in_flight = None
+        self._in_flight, self._step_raised = None, False
         self.structured.drop_held()
         self.scheduler.forget_unapplied()
         self.abort_request(list(self._prompts))
@@ -335,6 +337,9 @@ class LLMEngine:
             schedule(N+2) -> prepare(N+2) -> sample(N+1) -> launch(N+2) -> collect(N+1)
               -> update(N+1): the fill of N+2 starts -> outputs of N+1
         """
+        if self._step_raised:
+            raise RuntimeError("the last step() raised; call abort_all() before the next one")
+        self._step_raised = True  # until this step returns
         start = time.perf_counter()
         outputs = self._propose_drafts() if self.drafter is not None else []
         scheduler_output = self.scheduler.schedule()
@@ -357,6 +362,7 @@ class LLMEngine:
         if self.scheduler.failed_requests:  # requests that failed alone in this step
             outputs += self._fail_prompts()
         self.structured.sample_if_idle(self.executor)  # none left: no next step() need come
+        self._step_raised = False
         return outputs
 
     def _propose_drafts(self) -> list[StepOutput]:

@@ -467,8 +467,8 @@ def test_aborts_while_a_step_waits_for_its_bitmask(async_engine):
 def test_step_fault_beside_a_held_step_then_abort_all(async_engine, where):
     """A fault of a whole step while a constrained step waits for its bitmask: in `prepare`,
     between `prepare` and the launch (the held step's `sample`: the worker's states are then
-    one step ahead of what ran), or in the launch. After `abort_all` the engine's next step is
-    consistent and a new batch's outputs equal a run without the fault."""
+    one step ahead of what ran), or in the launch. A step() then raises until `abort_all`,
+    after which the next step is consistent and a new batch's outputs equal a run without it."""
     engine, expected = async_engine
     add(engine)
     step_until_held(engine)
@@ -477,6 +477,8 @@ def test_step_fault_beside_a_held_step_then_abort_all(async_engine, where):
         engine.step()
     runner = engine.executor.worker.model_runner
     assert (runner._prepared is not None) == (where != "prepare")  # prepared, never launched
+    with pytest.raises(RuntimeError, match="call abort_all"):  # its state is unknown
+        engine.step()
     engine.abort_all()
     assert_consistent(engine)
     assert finish(engine, add(engine)) == expected
