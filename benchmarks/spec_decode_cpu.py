@@ -113,11 +113,16 @@ def copy_prompts(tokenizer, num: int, seed: int) -> list[str]:
     ]
 
 
-def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
-    """Generate `prompts` in chunks of `batch`; output tokens/s end to end and mean TPOT."""
+def run_workload(
+    llm, prompts: list[str], batch: int, max_tokens: int, trace: Path | None = None
+) -> dict:
+    """Generate `prompts` in chunks of `batch`; output tokens/s end to end and mean TPOT;
+    `trace`: write the run's step trace there and add its summary (`trace_summary`)."""
     from phloem import SamplingParams
+    from phloem.bench.step_trace_file import StepTraceFile
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    tracer = None if trace is None else StepTraceFile.for_engine(trace, llm.llm_engine)
     drafter = llm.llm_engine.drafter
     before = drafter.stats.as_dict() if drafter is not None else None
     counters_before = drafter.counters() if drafter is not None else None
@@ -128,6 +133,9 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
         t0 = time.perf_counter()
         outputs += llm.chat(chunk, params, use_tqdm=False)
         elapsed += time.perf_counter() - t0
+    if tracer is not None:
+        llm.llm_engine.remove_step_observer(tracer)
+        tracer.close()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     tpots = [o.tpot for o in outputs if o.tpot is not None]
     result = {
@@ -152,7 +160,46 @@ def run_workload(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
         result.update({key: counters[key] - counters_before[key] for key in counters})
         result["offer_rate_end"] = drafter.offer_rate
         result["step_time_end"] = drafter.timer.as_dict()
+    if trace is not None:
+        result["trace_summary"] = trace_summary(trace)
     return result
+
+
+def trace_summary(path: Path) -> dict:
+    """Per kind of step in a step trace (prefill: any prompt chunk; verify: decode-only with
+    drafts, more tokens than sequences; plain: decode-only, one token a sequence): steps, and
+    mean period (t0 to the next step's t0) and host phases [ms]. The drafter's proposal runs
+    before `schedule()` inside the step's call, so it is in `schedule_ms`."""
+    from phloem.bench.step_trace_file import read_step_trace
+
+    _, steps = read_step_trace(path)
+    kinds: dict[str, list[dict]] = {"prefill": [], "verify": [], "plain": []}
+    for step, after in zip(steps, steps[1:] + [None]):
+        step["period_ms"] = None if after is None else (after["t0"] - step["t0"]) * 1e3
+        kind = (
+            "prefill"
+            if step["prefill_chunks"]
+            else "verify"
+            if step["tokens"] > step["seqs"]
+            else "plain"
+        )
+        kinds[kind].append(step)
+    summary: dict[str, dict] = {}
+    for kind, rows in kinds.items():
+        entry: dict = {"steps": len(rows)}
+        for key in (
+            "period_ms",
+            "schedule_ms",
+            "launch_ms",
+            "wait_ms",
+            "update_ms",
+            "seqs",
+            "tokens",
+        ):
+            values = [r[key] for r in rows if r.get(key) is not None]
+            entry[key] = round(statistics.mean(values), 3) if values else None
+        summary[kind] = entry
+    return summary
 
 
 def _verify_graph_replays(llm) -> int:
@@ -182,6 +229,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engines' dtype")
     parser.add_argument("--model", default=None,
                         help="a GGUF file or checkpoint dir (default: the embedded model)")  # fmt: skip
+    parser.add_argument("--step-trace", type=Path, default=None,
+                        help="write each run's step trace into this folder and summarize it "
+                             "per kind of step in the JSON (`trace_summary`)")  # fmt: skip
     args = parser.parse_args()
     if "off" not in args.engines:
         parser.error("--engines must include off (the ratios' baseline)")
@@ -230,7 +280,11 @@ def main() -> None:
             names = list(engines)  # back to back per workload, the order rotated per repeat
             names = names[repeat % len(names) :] + names[: repeat % len(names)]
             for name in names:
-                r = run_workload(llms[name], prompts, batch, args.max_tokens)
+                trace = None
+                if args.step_trace is not None:
+                    args.step_trace.mkdir(parents=True, exist_ok=True)
+                    trace = args.step_trace / f"{w}-{name}-r{repeat}.jsonl"
+                r = run_workload(llms[name], prompts, batch, args.max_tokens, trace)
                 runs[w][name].append(r)
                 print(f"repeat {repeat} {w} {name}: {r['output_tokens_per_s']:.2f} tok/s, "
                       f"TPOT {r['mean_tpot_s'] * 1000:.0f} ms", file=sys.stderr)  # fmt: skip
