@@ -22,7 +22,10 @@ tokens/s end to end (prefill included), mean time per output token after the fir
 ratios to speculation off, the acceptance counters, and whether the outputs equal the off run's;
 per run the drafter's host counters (syncs, proposals) and, at its end, its offer rate and what
 the step time learner holds (`StepTimeLearner.as_dict`: the corrected t_host, t_verify, their
-samples), which say why the cost rule drafted or not.
+samples), which say why the cost rule drafted or not. `--step-trace DIR` writes each run's step
+trace (`phloem.bench.step_trace_file`) and adds per kind of step (prefill, verify, plain) the
+mean period and host phases; `--profile` adds each traced run's cProfile hot spots
+(results/2026-11-27b-h200: a plain step costs 0.3-0.4 ms more with a drafter on the H200).
 
 Sizes: on CUDA a step takes ~2 ms and the sizes of the CPU (4 prompts a batch-1 workload, 192
 tokens, one batch of 32) ran ~1 s, too short for a ratio (off itself moved 615 -> 497 tok/s
@@ -41,10 +44,12 @@ proposer's tree shares across requests.)
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import os
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -113,6 +118,9 @@ def copy_prompts(tokenizer, num: int, seed: int) -> list[str]:
     ]
 
 
+PROFILE = False  # --profile: run_workload profiles the runs it traces
+
+
 def run_workload(
     llm, prompts: list[str], batch: int, max_tokens: int, trace: Path | None = None
 ) -> dict:
@@ -123,6 +131,7 @@ def run_workload(
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tracer = None if trace is None else StepTraceFile.for_engine(trace, llm.llm_engine)
+    profiler = cProfile.Profile() if trace is not None and PROFILE else None
     drafter = llm.llm_engine.drafter
     before = drafter.stats.as_dict() if drafter is not None else None
     counters_before = drafter.counters() if drafter is not None else None
@@ -131,11 +140,18 @@ def run_workload(
     for start in range(0, len(prompts), batch):
         chunk = [[{"role": "user", "content": p}] for p in prompts[start : start + batch]]
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         outputs += llm.chat(chunk, params, use_tqdm=False)
+        if profiler is not None:
+            profiler.disable()
         elapsed += time.perf_counter() - t0
     if tracer is not None:
         llm.llm_engine.remove_step_observer(tracer)
         tracer.close()
+    if profiler is not None and trace is not None:  # the host's hot spots, beside the trace
+        with open(trace.with_suffix(".prof.txt"), "w", encoding="utf-8") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(60)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     tpots = [o.tpot for o in outputs if o.tpot is not None]
     result = {
@@ -231,8 +247,15 @@ def main() -> None:
                         help="a GGUF file or checkpoint dir (default: the embedded model)")  # fmt: skip
     parser.add_argument("--step-trace", type=Path, default=None,
                         help="write each run's step trace into this folder and summarize it "
-                             "per kind of step in the JSON (`trace_summary`)")  # fmt: skip
+                             "per kind of step in the JSON (`trace_summary`); with --profile "
+                             "also each run's cProfile hot spots (RUN.prof.txt)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="with --step-trace: profile the engine's host work (cProfile; "
+                             "slows the host-bound steps, so the ratios of such runs are not "
+                             "the plain ones)")  # fmt: skip
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     if "off" not in args.engines:
         parser.error("--engines must include off (the ratios' baseline)")
 
