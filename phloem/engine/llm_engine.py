@@ -415,8 +415,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, accepted
         )
-        if accepted and self.drafter is not None:
-            self.drafter.observe(scheduler_output, accepted)
+        missed = runner_output.missed_guess_seq_ids
+        if (accepted or missed) and self.drafter is not None:
+            self.drafter.observe(scheduler_output, accepted, missed)
         self.structured.advance(updated)
         outputs = self._process_outputs(scheduler_output, updated, runner_output)
         if self.drafter is not None:  # the step's cost: its host work, its collection, its update

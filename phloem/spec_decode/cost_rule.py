@@ -398,6 +398,12 @@ class AcceptanceTracker:
         state.num_trials += len(outcomes)
         state.hot = num_drafts > 0 and num_accepted == num_drafts
 
+    def chain_broken(self, request_id: str) -> None:
+        """The request's last verify row verified nothing (its drafts followed a guess of its
+        pending token that failed): no trial, but the token after its accepted run was not the
+        proposer's, so its next drafts are rated as first drafts after a rejection."""
+        self._state(request_id).hot = False
+
     def skipped(self, request_id: str) -> None:
         """The request had drafts to offer but verified none this step (k = 0)."""
         state = self._state(request_id)

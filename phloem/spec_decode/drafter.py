@@ -20,7 +20,7 @@ rule, its EMA weights and its probes without drafts).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 @dataclass
 class SpecDecodeStats:
     """Counters since the engine started (vLLM's `spec_decode_*` names).
+
+    Only drafts that were verified count: not a void row's (stacked on a row that rejected
+    a draft), nor those of a row whose guess of its pending token failed (`ahead.py`).
 
     Attributes:
         num_drafts: verify rows (a request verifying drafts in one step) [rows].
@@ -361,11 +364,22 @@ class Drafter:
         where it offers drafts the offer rate rises and the next step proposes for all."""
         return self._since_proposal >= min(1 << min(self._empty_streak, 30), cap)
 
-    def observe(self, sched: SchedulerOutput, num_accepted: dict[str, int]) -> None:
-        """Record a verify step's outcome (its rows' accepted counts) in the estimates and the
-        counters."""
+    def observe(
+        self,
+        sched: SchedulerOutput,
+        num_accepted: Mapping[str, int],
+        missed_guess_seq_ids: Sequence[str] = (),
+    ) -> None:
+        """Record a verify step's outcome in the estimates and the counters: its verify rows'
+        accepted counts (`num_accepted`), and the rows whose drafts followed a guess of their
+        pending token that failed (`missed_guess_seq_ids`). Those verified nothing: no trial,
+        no verify in the counters (their 0 accepted said nothing of the drafts, and counted
+        they read the acceptance rate low), but their request's chain of accepted drafts is
+        broken (`AcceptanceTracker.chain_broken`). A void row is in neither."""
+        for seq_id in missed_guess_seq_ids:
+            self.tracker.chain_broken(seq_id)
         verified = False
-        for s in sched.scheduled:  # (a void row has no count: it verified nothing)
+        for s in sched.scheduled:
             if s.draft_token_ids and s.seq_id in num_accepted:
                 accepted = num_accepted[s.seq_id]
                 self.tracker.observe(s.seq_id, len(s.draft_token_ids), accepted)

@@ -42,6 +42,9 @@ class VerifiedTokens:
         tokens: int64 [S] on the device: each row's last emitted token (residual or bonus).
         full: bool [S] on the device: the row accepted all its drafts.
         num_accepted: [S] host ints, drafts accepted per row; set by `result()`.
+        verified: [S] host ints, 1 where the row's drafts were verified, 0 where they followed
+            a guess of the pending token that failed (`valid`: they verified nothing, and its
+            0 accepted is no trial); set by `result()`. It rides in the tokens' copy.
     """
 
     def __init__(
@@ -51,11 +54,14 @@ class VerifiedTokens:
         flags: torch.Tensor,
         num_rows: int,
         full: torch.Tensor,
+        valid: torch.Tensor | None = None,
     ) -> None:
         self.tokens, self.full = tokens, full
         self.num_accepted: list[int] = []
+        self.verified: list[int] = []
         self._num_rows = num_rows
-        self._host = to_host(torch.stack((tokens, num_accepted, flags)))
+        verified = torch.ones_like(tokens) if valid is None else valid.to(tokens.dtype)
+        self._host = to_host(torch.stack((tokens, num_accepted, flags, verified)))
         self._event = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()
@@ -65,7 +71,7 @@ class VerifiedTokens:
         """The rows' last tokens and non-finite flags (waits for this step's copy only)."""
         if self._event is not None:
             self._event.synchronize()
-        token_ids, self.num_accepted, flags = self._host.tolist()
+        token_ids, self.num_accepted, flags, self.verified = self._host.tolist()
         num_rows = self._num_rows
         return SamplerOutput(token_ids, [None] * num_rows, [None] * num_rows, flags)
 
@@ -141,7 +147,7 @@ def verify_drafts(
     row_flags = flags[gather_t].amax(dim=1)
     num_drafts = to_device(torch.tensor(counts, dtype=torch.long), device)
     full = out.num_accepted == num_drafts
-    return VerifiedTokens(final, out.num_accepted, row_flags, num_rows, full)
+    return VerifiedTokens(final, out.num_accepted, row_flags, num_rows, full, valid)
 
 
 class VerifyStep:
@@ -153,6 +159,9 @@ class VerifyStep:
         full: bool [S] on the device: the row accepted all its drafts (rows without: True).
         num_accepted: [S] host ints, drafts accepted per row (0 for rows without drafts); set by
             `result()`.
+        verified: [S] host bools: the row's drafts were verified (False for a row whose guess
+            of its pending token failed, `VerifiedTokens.verified`, and rows without drafts);
+            set by `result()`.
     """
 
     def __init__(
@@ -164,6 +173,7 @@ class VerifyStep:
     ) -> None:
         self._parts = [(verified, drafted), (sampled, plain)]
         self.num_accepted: list[int] = []
+        self.verified: list[bool] = []
         self.tokens, self.full = verified.tokens, verified.full
         if sampled is not None:
             device = verified.tokens.device
@@ -179,7 +189,7 @@ class VerifyStep:
         """The merged rows (waits for this step's copies only)."""
         num_rows = len(self._parts[0][1]) + len(self._parts[1][1])
         out = SamplerOutput([0] * num_rows, [None] * num_rows, [None] * num_rows, [0] * num_rows)
-        self.num_accepted = [0] * num_rows
+        self.num_accepted, self.verified = [0] * num_rows, [False] * num_rows
         for part, rows in self._parts:
             if part is None:
                 continue
@@ -193,6 +203,7 @@ class VerifyStep:
         verified, drafted = self._parts[0]
         for j, b in enumerate(drafted):
             self.num_accepted[b] = verified.num_accepted[j]  # type: ignore[union-attr]
+            self.verified[b] = bool(verified.verified[j])  # type: ignore[union-attr]
         return out
 
 

@@ -49,7 +49,7 @@ from phloem.worker.input_batch import HostStep, InputBatch, SequenceState
 from phloem.worker.piecewise_graph import CUDAPieceGraphs, PieceGraphs, PiecewiseGraphRunner
 from phloem.worker.runner_output import LaunchedStep, ModelRunnerOutput, StepInputs
 from phloem.worker.sampling_rows import launch_sampler, sampling_rows
-from phloem.worker.stacked_rows import PreviousStep, append_tokens, stack_checks
+from phloem.worker.stacked_rows import PreviousStep, append_tokens, stack_checks, verify_counts
 from phloem.worker.verify_graph import VerifyGraphRunner
 
 __all__ = ["NON_FINITE_MESSAGE", "LaunchedStep", "ModelRunner", "ModelRunnerOutput", "StepInputs"]
@@ -326,7 +326,8 @@ class ModelRunner:
     def collect(self, launched: LaunchedStep | None) -> ModelRunnerOutput:
         """Wait for a launched step's tokens (only that step's), append them to the sequences'
         states, and return them by seq id; non-finite rows are failed (`NON_FINITE_MESSAGE`).
-        A verify step's rows get their accepted drafts first (`num_accepted_drafts`)."""
+        A verify step's rows get their accepted drafts first (`num_accepted_drafts`; a row
+        whose guess of its pending token failed verified none: `missed_guess_seq_ids`)."""
         out = ModelRunnerOutput()
         if launched is None:
             return out
@@ -334,16 +335,15 @@ class ModelRunner:
             raise RuntimeError("a constrained step was collected before `sample` was called")
         result = launched.sampled.result()
         out.failed = launched.failed
-        seq_ids, drafts, accepted = launched.seq_ids, launched.drafts, []
-        if isinstance(launched.sampled, VerifyStep) and drafts is not None:
-            accepted = launched.sampled.num_accepted
-            out.num_accepted_drafts = {s: n for s, d, n in zip(seq_ids, drafts, accepted) if d}
+        seq_ids, drafts, sampled = launched.seq_ids, launched.drafts, launched.sampled
+        accepted = sampled.num_accepted if isinstance(sampled, VerifyStep) else []
         void = launched.checks.void_host if launched.checks is not None else None
         kept, token_ids = append_tokens(launched.states, seq_ids, result.token_ids, drafts,
                                         accepted, void, self.block_size)  # fmt: skip
-        if void is not None:  # void rows (`stacked_rows`): no token, no accepted count
-            out.num_accepted_drafts = {s: out.num_accepted_drafts[s] for s in kept
-                                       if s in out.num_accepted_drafts}  # fmt: skip
+        if isinstance(sampled, VerifyStep) and drafts is not None:  # (void rows: no count)
+            out.num_accepted_drafts, out.missed_guess_seq_ids = verify_counts(
+                seq_ids, drafts, accepted, sampled.verified, kept
+            )
         out.sampled_token_ids = dict(zip(kept, token_ids))
         out.logprobs = dict(zip(seq_ids, result.logprobs))
         out.top_logprobs = dict(zip(seq_ids, result.top_logprobs))

@@ -36,6 +36,11 @@ class ModelRunnerOutput:
     # speculative decoding: drafts accepted per sequence that verified any (its
     # `sampled_token_ids` entry is the token after them)
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # the sequences whose drafts followed a guess of their pending token that failed
+    # (`worker/stacked_rows.py`): they verified nothing, so they are not in
+    # `num_accepted_drafts` (whose absence the update reads as 0 accepted); their
+    # `sampled_token_ids` entry is the target's token at their first position
+    missed_guess_seq_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

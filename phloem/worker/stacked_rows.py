@@ -14,6 +14,8 @@ A verify row of N+1 with a `pending_guess` g (its drafts proposed before N's tok
 accepts its drafts only where N's token equals g; else it verifies nothing, as if its first
 draft were rejected, and still samples its next token from the target's distribution there
 (`rejection_sample(valid=...)`), so greedy outputs and the sampled distribution are unchanged.
+Its drafts were never verified: the engine's acceptance counts leave them out (`verify_counts`),
+as they leave out a void row's.
 """
 
 from __future__ import annotations
@@ -151,3 +153,28 @@ def append_tokens(
         for b in keep:
             states[b].output_token_ids.append(token_ids[b])
     return [seq_ids[b] for b in keep], [token_ids[b] for b in keep]
+
+
+def verify_counts(
+    seq_ids: list[str],
+    drafts: list[tuple[int, ...]],
+    num_accepted: list[int],
+    verified: list[bool],
+    kept: list[str],
+) -> tuple[dict[str, int], list[str]]:
+    """A collected verify step's counts for the engine (`ModelRunnerOutput`): (drafts accepted
+    per kept row whose drafts were verified, the kept rows with drafts whose guess of their
+    pending token failed). A guess row that failed verified nothing: its 0 accepted is no
+    trial of its drafts, so it is listed apart, not counted (only the worker knows which rows
+    failed: the flag came back with the step's tokens, `VerifiedTokens.verified`). Void rows
+    (not in `kept`) are in neither. Rows are in `seq_ids`' order; all lists [S]."""
+    keep = set(kept) if len(kept) < len(seq_ids) else None
+    accepted: dict[str, int] = {}
+    missed: list[str] = []
+    for seq_id, d, n, ok in zip(seq_ids, drafts, num_accepted, verified):
+        if d and (keep is None or seq_id in keep):
+            if ok:
+                accepted[seq_id] = n
+            else:
+                missed.append(seq_id)
+    return accepted, missed

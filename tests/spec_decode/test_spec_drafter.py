@@ -129,3 +129,24 @@ def test_stats_leave_out_void_rows_drafts():
     stats = drafter.stats.as_dict()
     assert stats["num_drafts"] == 1 and stats["num_draft_tokens"] == 3
     assert stats["acceptance_rate"] == 1.0 and stats["mean_accepted_length"] == 4.0
+
+
+def test_a_failed_guess_row_is_no_trial_but_breaks_the_chain():
+    """A row whose guess of its pending token failed verified nothing: neither its drafts nor
+    a verify count in the stats or the request's rate (counted, they read the rate low), but
+    its request's next drafts are rated as first drafts after a rejection."""
+    from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput
+
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), MODEL, 64)
+    tracker = drafter.tracker
+    first = SchedulerOutput([ScheduledSequence("g", 5, 4, True, draft_token_ids=(1, 2, 3))])
+    drafter.observe(first, {"g": 3})  # all accepted: the chain goes on
+    rate, hot = tracker.rate("g"), tracker.chain("g")
+    assert hot[0] == hot[1]
+    missed = SchedulerOutput([ScheduledSequence("g", 9, 5, True, draft_token_ids=(4, 5, 6, 7))])
+    drafter.observe(missed, {}, ["g"])
+    stats = drafter.stats.as_dict()
+    assert stats["num_drafts"] == 1 and stats["num_draft_tokens"] == 3
+    assert stats["acceptance_rate"] == 1.0 and stats["num_spec_steps"] == 1
+    assert tracker.rate("g") == rate  # no trial
+    assert tracker.chain("g")[0] < hot[0]  # the first draft is rated after a rejection

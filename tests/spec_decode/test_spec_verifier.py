@@ -105,3 +105,31 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax():
     verified = verify_drafts(logits, rows, drafts, None)
     assert verified.result().token_ids == [argmax[2], argmax[6]]
     assert verified.num_accepted == [2, 2]
+
+
+def test_a_failed_guess_comes_back_unverified_and_is_counted_apart():
+    """A row whose guess of its pending token failed (`valid` False) verifies nothing: its flag
+    rides back with the tokens (`VerifyStep.verified`), and the engine's counts list it apart
+    from the verify rows (`stacked_rows.verify_counts`); a void row is in neither."""
+    from phloem.spec_decode.verifier import launch_verify
+    from phloem.worker.stacked_rows import verify_counts
+
+    logits = torch.randn(9, VOCAB, generator=torch.Generator().manual_seed(3))
+    argmax = logits.argmax(dim=-1).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(greedy, [1], [], None) for _ in range(4)]
+    # rows: 0 guess held (2 right drafts), 1 guess failed (2 right drafts), 2 plain, 3 void
+    drafts = [(argmax[0], argmax[1]), (argmax[3], argmax[4]), (), (argmax[7],)]
+    valid = torch.tensor([True, False, True, True])
+
+    def sample_plain(plain_logits, plain):
+        return Sampler().launch(plain_logits, [rows[b] for b in plain], None)
+
+    step = launch_verify(logits, rows, drafts, None, sample_plain, valid)
+    tokens = step.result().token_ids
+    assert step.num_accepted == [2, 0, 0, 1] and step.verified == [True, False, False, True]
+    assert tokens[1] == argmax[3]  # the target's token at its first position
+    seq_ids = ["a", "g", "p", "v"]
+    accepted, missed = verify_counts(seq_ids, drafts, step.num_accepted, step.verified,
+                                     ["a", "g", "p"])  # fmt: skip
+    assert accepted == {"a": 2} and missed == ["g"]
