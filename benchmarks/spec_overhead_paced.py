@@ -24,7 +24,8 @@ are the same with and without speculation, as greedy ones are):
 A verify row's accepted drafts are the longest prefix of its drafts equal to the tokens the
 model emits at those positions; the row then emits the next one (as the rejection sampler's
 greedy case does). As the worker does (`worker/stacked_rows.py`): a row whose drafts follow a
-guess of its pending token (`pending_guess`) accepts none where the token sampled differs, and a
+guess of its pending token (`pending_guess`) accepts none where the token sampled differs (and
+is reported as verifying nothing, `ModelRunnerOutput.missed_guess_seq_ids`), and a
 row launched while its sequence's row below was in flight is void (emits nothing) where that row
 did not emit all its tokens (its input token is past those emitted: pending).
 
@@ -158,13 +159,16 @@ class PacedSpecExecutor(UniProcExecutor):
                 self._full[seq_id] = False
                 continue
             accepted = 0
-            if guess < 0 or (n and guess == self.workload.token(seq_id, n - 1)):
+            held = guess < 0 or (n and guess == self.workload.token(seq_id, n - 1))
+            if held:
                 while accepted < len(drafts) and drafts[accepted] == self.workload.token(
                     seq_id, n + accepted
                 ):
                     accepted += 1
-            if drafts:
+            if drafts and held:
                 out.num_accepted_drafts[seq_id] = accepted
+            elif drafts:  # its guess failed: it verified nothing (`stacked_rows.verify_counts`)
+                out.missed_guess_seq_ids.append(seq_id)
             self._full[seq_id] = accepted == len(drafts)
             self._counts[seq_id] = n + accepted + 1
             out.sampled_token_ids[seq_id] = self.workload.token(seq_id, n + accepted)
