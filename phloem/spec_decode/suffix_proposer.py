@@ -7,7 +7,10 @@ Per request and step: both indexes draft (`SuffixIndex.draft`: longest matching 
 most frequent path after it, at most ceil(spec_factor x match length) tokens, cut where the path
 probability drops below `min_token_prob`), and the draft with the higher score (expected
 accepted tokens) wins, cut to the request's `max_draft_tokens` (§3-4 of the paper, with a path
-instead of a speculation tree: phloem verifies one chain of drafts per request). The counts are
+instead of a speculation tree: phloem verifies one chain of drafts per request). A match in the
+request's prompt that restarted after one substituted token (an edit of the text being copied)
+also counts the run behind that token (`SuffixConfig.min_bridge_run`), so the first draft after
+an edit is as long as the drafts before it, as n-gram drafts are. The counts are
 taken over the `max_matches` most recent occurrences of the suffix's key (`suffix_tree`), so
 indexing costs O(1) per token, not one trie node per depth.
 
@@ -48,6 +51,14 @@ class SuffixConfig:
             (ceil(spec_factor)); in random-id copy batches nearly all one-token matches in the
             shared index were rejected, pulling the acceptance rate down until the cost rule
             stopped drafting (benchmarks/results/2026-11-26g-cpu-suffix-cost).
+        min_bridge_run: a match in the request's prompt that restarted after one substituted
+            token (an edit of a copied text) counts the run matched behind that token where it
+            is at least this long [tokens], 0 = off (`SuffixIndex.bridge`): its first draft
+            after the edit is then as long as before it, one step after the edit, not
+            ceil(spec_factor x 2) tokens two steps after it. In the prompt only: a model's own
+            output repeats templates ("a source of beauty, with ..." / "of wonder, with ..."),
+            where the text after the substituted word goes elsewhere. Measured in
+            benchmarks/results/2026-11-27b-cpu-spec-drafts.
         use_shared: draft from other requests' outputs too (False: own history only).
     """
 
@@ -58,6 +69,7 @@ class SuffixConfig:
     max_matches: int = 64
     max_shared_tokens: int = 100_000
     min_match_len: int = 2
+    min_bridge_run: int = 6
     use_shared: bool = True
 
     def validate(self) -> None:
@@ -79,6 +91,8 @@ class SuffixConfig:
             raise ValueError(f"max_shared_tokens must be >= 1, got {self.max_shared_tokens}")
         if self.min_match_len < 1:
             raise ValueError(f"min_match_len must be >= 1, got {self.min_match_len}")
+        if self.min_bridge_run < 0:
+            raise ValueError(f"min_bridge_run must be >= 0, got {self.min_bridge_run}")
 
 
 @dataclass
@@ -136,7 +150,9 @@ class SuffixProposer(Proposer):
         min_len = min(cfg.min_match_len, cfg.max_pattern_len)
         args = (cfg.max_pattern_len, cfg.spec_factor, cfg.min_token_prob, min_len,
                 request.num_lead_tokens)  # fmt: skip
-        best, best_score = own.draft(history, *args)
+        # a match restarted after an edit bridges to the prompt only (`min_bridge_run`)
+        bridge = (cfg.min_bridge_run, request.num_prompt_tokens)
+        best, best_score = own.draft(history, *args, *bridge)
         if cfg.use_shared:
             draft, score = self.shared.index.draft(history, *args)
             if score > best_score:

@@ -174,6 +174,45 @@ class SuffixIndex:
                 return best, best_occ
         return 0, []
 
+    def bridge(
+        self,
+        history: Sequence[int],
+        max_len: int,
+        p: int,
+        occs: list[int],
+        min_run: int,
+        source_end: int = _POS_MASK,
+    ) -> tuple[int, list[int]]:
+        """Extend a match of p tokens (`match`: `occs` its occurrences) across one substituted
+        token: for each occurrence, q = how many tokens behind the one where its match stopped
+        (that token skipped on both sides) equal the history's, all within the last `max_len`
+        tokens; only occurrences that end before position `source_end` of their sequence (the
+        proposer: the request's prompt) count. Returns (p + q, the occurrences with that q) for
+        the longest q if it is at least `min_run`, else (p, occs). Reads only;
+        O(occurrences x max_len).
+
+            source:   ... s_a .. s_b  x  s_e-p+1 .. s_e | next
+            history:  ... h_a .. h_b  y  h_L-p  .. h_L-1       (x != y; q = b - a + 1)
+        """
+        n = min(max_len, len(history), self.max_depth - 1)
+        if not 0 < p < n - min_run:
+            return p, occs
+        suffix = list(history[len(history) - n :])
+        best, best_occ = 0, occs
+        for occ in occs:
+            end = occ & _POS_MASK
+            if end >= source_end:
+                continue
+            tokens = self._tokens[occ >> _POS_BITS]
+            q, limit = 0, min(n - p - 1, end - p)
+            while q < limit and tokens[end - p - 1 - q] == suffix[n - p - 2 - q]:
+                q += 1
+            if q > best:
+                best, best_occ = q, [occ]
+            elif q == best and q:
+                best_occ.append(occ)
+        return (p + best, best_occ) if best >= max(min_run, 1) else (p, occs)
+
     def draft(
         self,
         history: Sequence[int],
@@ -182,6 +221,8 @@ class SuffixIndex:
         min_prob: float,
         min_len: int = 1,
         lead: int = 0,
+        min_run: int = 0,
+        source_end: int = _POS_MASK,
     ) -> tuple[list[int], float]:
         """The most frequent continuation of the longest matching suffix (`match`) and its
         score.
@@ -192,13 +233,21 @@ class SuffixIndex:
         `min_prob`. The score is the sum of those path probabilities, the draft's expected
         number of accepted tokens under the counts. `lead` more tokens are allowed where the
         first ones predict tokens already on their way (`DraftRequest.num_lead_tokens`): the
-        cap is on what is drafted past them. Returns ([], 0.0) on no match or one shorter than
+        cap is on what is drafted past them. `min_run` > 0: a match (ending before
+        `source_end`) that stopped at a token the history substituted counts the run behind it
+        too where that run holds at least `min_run` tokens (`bridge`; the cap and `min_len` read
+        p + q, and the draft follows the occurrences that the run aligns), so that the first
+        draft after an edit of a copied text is as long as before the edit, not
+        ceil(spec_factor x 1 or 2). Returns ([], 0.0) on no match or one shorter than
         `min_len` tokens. Reads only.
         """
         p, occs = self.match(history, max_len)
-        if p < max(min_len, 1):
+        length = p
+        if min_run:  # a match restarted after a substitution counts the run behind it
+            length, occs = self.bridge(history, max_len, p, occs, min_run, source_end)
+        if length < max(min_len, 1):
             return [], 0.0
-        limit = min(self.max_depth - p, math.ceil(spec_factor * p)) + lead
+        limit = min(self.max_depth - p, math.ceil(spec_factor * length)) + lead
         runs = [(self._tokens[occ >> _POS_BITS], (occ & _POS_MASK) + 1) for occ in occs]
         if len(runs) == 1:  # one occurrence: every step has probability 1
             tokens, start = runs[0]

@@ -82,10 +82,12 @@ def test_the_threshold_cuts_an_uncertain_continuation() -> None:
     assert recent.draft(text, 2, spec_factor=8.0, min_prob=0.6) == ([], 0.0)
 
 
-def _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob):
+def _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob, min_run=0):
     """The draft by definition (module docstring of suffix_tree): scan every indexed position,
     newest first, for the longest key that fits; the longest match among the first
-    `max_matches` hits; then the majority continuation, step by step."""
+    `max_matches` hits (`min_run` > 0: extended across one substituted token by the longest
+    run behind it of at least `min_run` tokens, `SuffixIndex.bridge`); then the majority
+    continuation, step by step."""
     n = len(history)
     max_len = min(max_len, n, index.max_depth - 1)
     for length in [k for k in KEY_LENS if k <= max_len]:
@@ -102,10 +104,23 @@ def _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob):
                 p += 1
             return p
 
+        def behind(seq, e, p):  # tokens equal behind the first mismatch, in the window
+            q = 0
+            while p + 2 + q <= max_len and e - p - 1 - q >= 0:
+                if seq[e - p - 1 - q] != history[n - p - 2 - q]:
+                    break
+                q += 1
+            return q
+
         p = max(matched(seq, e) for seq, e in hits)
         occ = [(seq, e) for seq, e in hits if matched(seq, e) == p]
+        length = p
+        if min_run:
+            q = max(behind(seq, e, p) for seq, e in occ)
+            if q >= min_run:
+                length, occ = p + q, [(seq, e) for seq, e in occ if behind(seq, e, p) == q]
         draft, prob, score = [], 1.0, 0.0
-        while len(draft) < min(index.max_depth - p, math.ceil(spec_factor * p)):
+        while len(draft) < min(index.max_depth - p, math.ceil(spec_factor * length)):
             d = len(draft)
             nexts = Counter(seq[e + 1 + d] for seq, e in occ if e + 1 + d < len(seq))
             if not nexts:
@@ -129,9 +144,10 @@ def _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob):
     max_matches=st.sampled_from([1, 2, 3, 1000]),
     spec_factor=st.sampled_from([0.5, 1.0, 3.0]),
     min_prob=st.sampled_from([0.1, 0.5, 1.0]),
+    min_run=st.sampled_from([0, 1, 3]),
 )
 def test_drafts_equal_a_brute_force_matcher(
-    seed, vocab, depth, max_matches, spec_factor, min_prob
+    seed, vocab, depth, max_matches, spec_factor, min_prob, min_run
 ) -> None:
     """Random sequences over a small vocabulary (many repeats, so keys of every length hit
     and the `max_matches` cap bites), extended in interleaved chunks; every draft (and score)
@@ -150,10 +166,41 @@ def test_drafts_equal_a_brute_force_matcher(
     histories += [[rng.randrange(vocab) for _ in range(rng.randrange(30))] for _ in range(3)]
     for history in histories:
         for max_len in (1, 5, 16):
-            want = _brute_draft(log, seqs, history, max_len, index, spec_factor, min_prob)
-            got = index.draft(history, max_len, spec_factor, min_prob)
+            args = (spec_factor, min_prob)
+            want = _brute_draft(log, seqs, history, max_len, index, *args, min_run)
+            got = index.draft(history, max_len, *args, min_run=min_run)
             assert got[0] == want[0], (history, max_len)
             assert got[1] == pytest.approx(want[1])
+
+
+def test_a_match_restarted_after_an_edit_drafts_as_before_it() -> None:
+    """Copying a source with one token substituted: one token after the edit, the match across
+    the substitution drafts the copy's continuation, as long as before the edit; a run behind
+    the substitution shorter than `min_bridge_run` (chance, in prose) does not count."""
+    source = list(range(100, 140))
+    prompt = [1, 2] + source
+    copied = source[:20] + [999] + source[21:22]  # edit at 20, then one copied token
+    k = 12
+    for min_bridge_run, want in ((0, []), (6, source[22 : 22 + k])):
+        proposer = SuffixProposer(SuffixConfig(min_bridge_run=min_bridge_run))
+        got = proposer.propose([DraftRequest("r", prompt + copied, len(prompt), k)])
+        assert got == [want]
+    # two tokens after the edit: 4 drafts without the bridge (2 x a 2-token match)
+    proposer = SuffixProposer(SuffixConfig(min_bridge_run=0))
+    history = prompt + copied + [source[22]]
+    assert proposer.propose([DraftRequest("r", history, len(prompt), k)]) == [source[23:27]]
+    # a run of 5 behind the substituted token: not counted at 6
+    short = [7, 8, 9] + source[15:20] + [999] + source[21:22]
+    proposer = SuffixProposer(SuffixConfig(min_bridge_run=6))
+    assert proposer.propose([DraftRequest("s", prompt + short, len(prompt), k)]) == [[]]
+    proposer = SuffixProposer(SuffixConfig(min_bridge_run=5))
+    assert proposer.propose([DraftRequest("s", prompt + short, len(prompt), k)]) == [
+        source[22 : 22 + k]
+    ]
+    # the same text repeated in the outputs (a template the model repeats): no bridge
+    proposer = SuffixProposer(SuffixConfig(min_bridge_run=6))
+    history = [1, 2] + source + copied
+    assert proposer.propose([DraftRequest("o", history, 2, k)]) == [[]]
 
 
 def test_removal_equals_a_rebuild_of_the_held_contributions() -> None:
