@@ -36,6 +36,15 @@ outputs):
 
 The same path on the CPU in a few minutes (the model's vocabulary and tokenizer on one narrow
 layer): add `--shrink --num-requests 16 --output-len 16`.
+
+The engine loop's host work of a constrained step at the GPU benchmark's batch, on the CPU
+(`--vocab-size`: the shrunk model's vocabulary, so the CPU's forward and sampling stay small;
+the schema and the loop's per-row work are the same; compare `steps` and `loop_ms_per_bitmask`
+between runs, not the ratio):
+
+    OMP_NUM_THREADS=1 python benchmarks/structured_outputs.py --model llama-3.1-8b --shrink \
+        --vocab-size 4096 --num-requests 1024 --max-num-seqs 1024 --output-len 32 \
+        --prompt-len 8 --skip-per-request
 """
 
 from __future__ import annotations
@@ -174,10 +183,12 @@ def loop_ms_per_bitmask(added: dict) -> dict:
     """A run's `LoopTimes` in ms per constrained step: `mark`, `advance` (on the loop), `fill`
     (the fill's own time, mostly in its thread), `fill_wait` (the loop blocked on it),
     `fill_lag` (the fill's thread starting after `advance` handed it over) and, of `fill`, the
-    library's own (`library_fill`, `GrammarStats.library_fill_s`)."""
+    library's own (`library_fill`, `GrammarStats.library_fill_s`), of `advance` the backend's
+    batched call (`library_advance`, `GrammarStats.library_advance_s`; 0 for a tree from
+    before it was counted)."""
     n = added.get("num_bitmasks", 0)
-    names = ("mark", "advance", "fill", "fill_wait", "fill_lag", "library_fill")
-    return {f"{k}_ms": 1e3 * added[f"{k}_s"] / n for k in names} if n else {}
+    names = ("mark", "advance", "fill", "fill_wait", "fill_lag", "library_fill", "library_advance")
+    return {f"{k}_ms": 1e3 * added.get(f"{k}_s", 0.0) / n for k in names} if n else {}
 
 
 def host_cpus() -> dict:
@@ -200,9 +211,13 @@ def setup(args, tmp: str):
         words = ["Describe", "a", "record", "as", "JSON", "for", "the", "archive", "entry"]
         prompts = [" ".join(rng.choices(words, k=12)) + f" #{i}:" for i in range(n)]
         return llm, prompts, (1, 4)
-    overrides = SHRINK if args.shrink else {}
+    overrides = dict(SHRINK) if args.shrink else {}
+    if args.vocab_size is not None:  # the stop and start tokens the vocabulary's last two
+        v = args.vocab_size
+        overrides.update(vocab_size=v, eos_token_id=v - 1, bos_token_id=v - 2)
     path = byte_level_tokenizer_dir(args.model, Path(tmp) / "model", **overrides)
-    llm = LLM(str(path), load_format="dummy", structured_outputs_backend=args.backend)
+    engine = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    llm = LLM(str(path), load_format="dummy", structured_outputs_backend=args.backend, **engine)
     vocab = llm.llm_engine.hf_config.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(256, vocab) for _ in range(args.prompt_len)]}
                for _ in range(n)]  # fmt: skip
@@ -276,6 +291,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
     parser.add_argument("--skip-per-request", action="store_true")
     parser.add_argument("--shrink", action="store_true", help="--model on one narrow layer")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="--model's vocabulary [tokens] (a CPU check of the loop's work)")  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's")
     parser.add_argument("--backend", default="llguidance", help="structured_outputs_backend")
     parser.add_argument("--small-warm-up", action="store_true",
                         help="warm up on 2 requests only (before 2026-11-27: the first measured "
@@ -290,7 +308,8 @@ def main() -> None:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=warm), use_tqdm=False)  # fmt: skip
         result: dict = {"model": args.model or "embedded", "shrink": args.shrink,
                         "backend": args.backend, "num_requests": len(prompts),
-                        "output_len": args.output_len, "machine": platform.machine(),
+                        "output_len": args.output_len, "vocab_size": args.vocab_size,
+                        "max_num_seqs": args.max_num_seqs, "machine": platform.machine(),
                         **host_cpus(), "grammar_library_load_s": time.perf_counter() - start,
                         "grammar_threads": llm.llm_engine.structured.num_threads}  # fmt: skip
         if not args.small_warm_up:

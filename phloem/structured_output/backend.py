@@ -122,6 +122,23 @@ class GrammarBackend(abc.ABC):
         left unchanged (`accept_token`). A library with a batched advance overrides this."""
         return [m.accept_token(t) for m, t in zip(matchers, token_ids)]
 
+    def advance(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool | None]:
+        """Advance matchers[i] by token_ids[i] where its grammar is not complete yet
+        (`accept_tokens`); [True: complete (before or after the token), False: goes on, None:
+        the token was rejected (the matcher may be left unusable: its sequence fails)]. A
+        library that reads many matchers' completion cheaply overrides this."""
+        results: list[bool | None] = [True if m.is_terminated() else False for m in matchers]
+        live = [i for i, done in enumerate(results) if not done]
+        accepted = self.accept_tokens([matchers[i] for i in live], [token_ids[i] for i in live])
+        for i, ok in zip(live, accepted):
+            results[i] = matchers[i].is_terminated() if ok else None
+        return results
+
+    def terminated(self, matchers: list[GrammarMatcher]) -> list[bool]:
+        """[matchers[i].is_terminated()]; a library overrides this where it reads them without
+        a Python call per matcher."""
+        return [m.is_terminated() for m in matchers]
+
     def fill_bitmasks(
         self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
     ) -> None:

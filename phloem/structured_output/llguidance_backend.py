@@ -296,6 +296,27 @@ class LLGuidanceBackend(GrammarBackend):
             results[i] = bool(ok)
         return results
 
+    def advance(self, matchers: list[GrammarMatcher], token_ids: list[int]) -> list[bool | None]:
+        """`GrammarBackend.advance` with the matchers' stop states read straight from the
+        library (no Python call per row) and the live ones advanced together on its threads
+        (`consume_token_par`, rows ordered by shared lexer)."""
+        inners = [m.inner for m in matchers]  # type: ignore[attr-defined]
+        results: list[bool | None] = [True if m.is_stopped() else False for m in inners]
+        order = _by_group(matchers)
+        if any(results):  # complete already: not advanced
+            order = [i for i in order if not results[i]]
+            if not order:
+                return results
+        accepted = self._executor.consume_token_par([(inners[i], token_ids[i]) for i in order])
+        if len(order) == len(inners) and all(accepted):  # nearly every step: every row advanced
+            return [m.is_stopped() for m in inners]
+        for i, ok in zip(order, accepted):
+            results[i] = inners[i].is_stopped() if ok else None
+        return results
+
+    def terminated(self, matchers: list[GrammarMatcher]) -> list[bool]:
+        return [m.inner.is_stopped() for m in matchers]  # type: ignore[attr-defined]
+
     def fill_bitmasks(
         self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
     ) -> None:

@@ -140,6 +140,10 @@ def test_backend_accept_tokens_advance_each_matcher(embedded_tokenizer_dir, name
         assert all(matcher.accept_token(t) for t in rest)
         assert matcher.is_terminated() or matcher.accept_token(tok.eos_token_id)
         assert matcher.is_terminated()
+    # `advance`: a complete matcher stays complete (not advanced), a rejected token gives None
+    assert backend.advance(matchers[:2], [yes[0], no[0]]) == [True, True]
+    fresh = backend.matcher(compiled)
+    assert backend.advance([fresh, matchers[0]], [tok.eos_token_id, yes[0]]) == [None, True]
 
 
 def allowed_bit(row: np.ndarray, token: int) -> bool:
