@@ -291,10 +291,15 @@ def main() -> None:
                            "verify_graph_max_batch": 0},
     }  # fmt: skip
     engines = {name: engines[name] for name in args.engines}
+    # KV for every batched request at once: with 1 GiB (SmolLM2-135M: 23 KB a token) the 32
+    # copy requests (up to ~1,400 tokens each with outputs) overflowed it on the H200 whenever
+    # the outputs ran long, and those runs decoded in two waves (756 steps vs 384): the
+    # whole-run ratio moved +-20% with the outputs (results/2026-11-27b-h200)
+    kv_bytes = 2**32 if cuda else 2**30
     llms = {}
     for name, spec in engines.items():
         llms[name] = LLM(model=args.model, max_num_batched_tokens=2048,
-                         kv_cache_memory_bytes=2**30, speculative_config=spec,
+                         kv_cache_memory_bytes=kv_bytes, speculative_config=spec,
                          dtype=args.dtype)  # fmt: skip
         run_workload(llms[name], ["Say hello."], 1, 8)  # warm-up
     runs: dict[str, dict[str, list[dict]]] = {w: {e: [] for e in engines} for w in workloads}
