@@ -133,3 +133,45 @@ def test_a_failed_guess_comes_back_unverified_and_is_counted_apart():
     accepted, missed = verify_counts(seq_ids, drafts, step.num_accepted, step.verified,
                                      ["a", "g", "p"])  # fmt: skip
     assert accepted == {"a": 2} and missed == ["g"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_all_greedy_rows_match_the_rejection_samplers_greedy_path(seed):
+    """An all-greedy verify step takes a path that reads only argmaxes (`_verify_greedy`); it
+    emits what the general path (`rejection_sample` over the float32 logits, greedy rows) does:
+    tokens, accepted counts, `full`, non-finite flags, with ties (bf16 logits on a coarse grid),
+    a NaN position, rows of 0..4 drafts, drafts right or wrong, and `valid` masks."""
+    from phloem.layers.sampler import non_finite
+    from phloem.spec_decode.rejection_sampler import PAD_TOKEN_ID, rejection_sample
+
+    rng = np.random.default_rng(seed)
+    counts = [int(c) for c in rng.integers(0, 5, size=9)]
+    n = sum(counts) + len(counts)
+    logits = torch.tensor(rng.integers(-3, 4, size=(n, VOCAB)), dtype=torch.bfloat16)
+    logits[int(rng.integers(n)), 2] = float("nan")
+    argmax = logits.float().masked_fill(logits.float().isnan().any(-1, keepdim=True), 0)
+    argmax = argmax.argmax(-1).tolist()
+    starts = np.cumsum([0] + [1 + c for c in counts])
+    drafts = [
+        tuple(argmax[starts[b] + j] if rng.random() < 0.7 else int(rng.integers(VOCAB))
+              for j in range(c))
+        for b, c in enumerate(counts)
+    ]  # fmt: skip
+    valid = torch.tensor(rng.random(len(counts)) < 0.8)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in counts]
+    got = verify_drafts(logits, rows, drafts, None, valid)
+    out = got.result()
+
+    flags = non_finite(logits.amax(dim=-1))
+    x = logits.float().masked_fill((flags != 0)[:, None], 0.0)
+    width = max(counts)
+    gather = torch.tensor([[starts[b] + min(j, c) for j in range(width + 1)]
+                           for b, c in enumerate(counts)])  # fmt: skip
+    padded = torch.tensor([list(d) + [PAD_TOKEN_ID] * (width - len(d)) for d in drafts])
+    want = rejection_sample(x[gather], padded.view(len(counts), width), counts,
+                            is_greedy=[True] * len(counts), valid=valid)  # fmt: skip
+    want_final = want.token_ids.gather(1, want.num_accepted[:, None]).squeeze(1)
+    assert out.token_ids == want_final.tolist()
+    assert got.num_accepted == want.num_accepted.tolist()
+    assert got.full.tolist() == (want.num_accepted == torch.tensor(counts)).tolist()
+    assert out.num_nonfinite == flags[gather].amax(dim=1).tolist()
