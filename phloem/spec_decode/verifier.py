@@ -209,20 +209,25 @@ class VerifyStep:
         drafted: list[int],
         sampled: SampledTokens | None,
         plain: list[int],
+        rows_on_device: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """`rows_on_device`: `drafted` and `plain` as int64 tensors on the device (staged by
+        the caller with its other indexes: one host-to-device copy a step); None: staged here."""
         self._parts = [(verified, drafted), (sampled, plain)]
         self.num_accepted: list[int] = []
         self.verified: list[bool] = []
         self.tokens, self.full = verified.tokens, verified.full
         if sampled is not None:
             device = verified.tokens.device
+            if rows_on_device is None:
+                both = to_device(np.array(drafted + plain, dtype=np.int64), device)
+                rows_on_device = both[: len(drafted)], both[len(drafted) :]
+            drafted_t, plain_t = rows_on_device
             self.tokens = torch.empty(len(drafted) + len(plain), dtype=torch.long, device=device)
             self.full = torch.ones(len(drafted) + len(plain), dtype=torch.bool, device=device)
-            for part, rows in self._parts:
-                index = to_device(torch.tensor(rows, dtype=torch.long), device)
-                self.tokens.index_copy_(0, index, part.tokens)  # type: ignore[union-attr]
-            index = to_device(torch.tensor(drafted, dtype=torch.long), device)
-            self.full.index_copy_(0, index, verified.full)
+            self.tokens.index_copy_(0, drafted_t, verified.tokens)
+            self.tokens.index_copy_(0, plain_t, sampled.tokens)
+            self.full.index_copy_(0, drafted_t, verified.full)
 
     def result(self) -> SamplerOutput:
         """The merged rows (waits for this step's copies only)."""
@@ -260,16 +265,17 @@ def launch_verify(
     caller's sampler); `valid`: bool [S] on the device, the rows whose drafts count (None:
     all). Nothing waits for the device."""
     drafted, positions, plain, plain_positions = split_verify_rows(drafts)
-    device = logits.device
-    index = to_device(np.array(positions, dtype=np.int64), device)
+    # every index of the step in one host-to-device copy, sliced on the device
+    host = np.array(positions + drafted + plain_positions + plain, dtype=np.int64)
+    staged = to_device(host, logits.device)
+    ends = list(itertools.accumulate((len(positions), len(drafted), len(plain_positions))))
+    index, drafted_t = staged[: ends[0]], staged[ends[0] : ends[1]]
+    plain_index, plain_t = staged[ends[1] : ends[2]], staged[ends[2] :]
     if valid is not None:
-        valid = valid[to_device(np.array(drafted, dtype=np.int64), device)]
+        valid = valid[drafted_t]
     verified = verify_drafts(
         logits[index], [rows[b] for b in drafted], [drafts[b] for b in drafted],
         fallback_generator, valid,
     )  # fmt: skip
-    sampled = None
-    if plain:
-        index = to_device(np.array(plain_positions, dtype=np.int64), device)
-        sampled = sample_plain(logits[index], plain)
-    return VerifyStep(verified, drafted, sampled, plain)
+    sampled = sample_plain(logits[plain_index], plain) if plain else None
+    return VerifyStep(verified, drafted, sampled, plain, (drafted_t, plain_t))
