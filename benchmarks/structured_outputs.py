@@ -5,7 +5,9 @@ under its OWN schema (distinct property names, so each compiles), and unconstrai
 work the unconstrained run generates exactly the tokens the one-schema run did (each request's
 max_tokens = its constrained output's length, ignore_eos), and the per-request-schema runs are
 capped the same way. Ratios are output tokens/s of a constrained run over the unconstrained
-run, best of two runs each, interleaved (other work on the machine drifts); the second
+run, best of `--pairs` runs each (default 2; the JSON also has each (one schema,
+unconstrained) pair's own ratio and their median), interleaved (other work on the machine
+drifts: on an H200 two unconstrained runs differed by 15%, results/2026-11-27b-h200); the second
 per-request run has new schemas, so both compile every one of theirs; compiling is inside a
 constrained run's wall time (a job pays it); loading the grammar library and building its
 tokenizer info (once per process) is not: the warm-up does it, timed apart. The warm-up also
@@ -55,6 +57,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -236,16 +239,26 @@ def measure(llm, prompts, items, args) -> dict:
     free = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=True)
             for i, k in enumerate(lens)]  # fmt: skip
     wall_free, _, _, loop_free = run(llm, prompts, free)
-    wall_one_again, _, _, grammar_one_again = run(llm, prompts, cons)
-    wall_free_again, _, _, loop_free_again = run(llm, prompts, free)
-    tokens, best_free = sum(lens), min(wall_free, wall_free_again)
+    walls_one, grammars_one = [wall_one], [grammar_one]
+    walls_free, loops_free = [wall_free], [loop_free]
+    for _ in range(max(args.pairs, 2) - 1):  # more (one schema, unconstrained) pairs, alternated
+        wall, _, _, grammar = run(llm, prompts, cons)
+        walls_one.append(wall)
+        grammars_one.append(grammar)
+        wall, _, _, loop = run(llm, prompts, free)
+        walls_free.append(wall)
+        loops_free.append(loop)
+    tokens, best_free = sum(lens), min(walls_free)
+    pair_ratios = [f / o for f, o in zip(walls_free, walls_one)]  # each pair's own ratio
     result = {
         "output_tokens": tokens, "one_schema_valid_json": sum(1 for t in texts if _parses(t)),
-        "unconstrained_s": [wall_free, wall_free_again], "one_schema_s": [wall_one, wall_one_again],
-        "one_schema_ratio": best_free / min(wall_one, wall_one_again),
+        "unconstrained_s": walls_free, "one_schema_s": walls_one,
+        "one_schema_ratio": best_free / min(walls_one),
         "one_schema_first_run_ratio": best_free / wall_one,
-        "one_schema_grammar": [grammar_one, grammar_one_again],
-        "unconstrained_steps": [loop_free["steps"], loop_free_again["steps"]],
+        "one_schema_pair_ratios": pair_ratios,
+        "one_schema_median_pair_ratio": statistics.median(pair_ratios),
+        "one_schema_grammar": grammars_one,
+        "unconstrained_steps": [loop["steps"] for loop in loops_free],
     }  # fmt: skip
     if args.skip_per_request:
         return result
@@ -290,6 +303,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens [tokens]")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids)")
     parser.add_argument("--skip-per-request", action="store_true")
+    parser.add_argument("--pairs", type=int, default=2,
+                        help="(one schema, unconstrained) pairs, alternated (>= 2); the JSON "
+                             "has each pair's ratio and their median")  # fmt: skip
     parser.add_argument("--shrink", action="store_true", help="--model on one narrow layer")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="--model's vocabulary [tokens] (a CPU check of the loop's work)")  # fmt: skip
