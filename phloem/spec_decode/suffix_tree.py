@@ -249,44 +249,54 @@ class SuffixIndex:
             return [], 0.0
         limit = min(self.max_depth - p, math.ceil(spec_factor * length)) + lead
         runs = [(self._tokens[occ >> _POS_BITS], (occ & _POS_MASK) + 1) for occ in occs]
-        draft: list[int] = []
-        prob, score = 1.0, 0.0
-        narrowed = True  # the occurrences followed changed: try the rest of the path at once
-        while len(draft) < limit:
-            pos = len(draft)
-            if narrowed:  # they all go on alike (one of them left, or copies of one text):
-                tokens, start = runs[0]  # the rest of the path has probability 1
-                tail = tokens[start + pos : start + limit]
-                if all(t[s + pos : s + limit] == tail for t, s in runs[1:]):
-                    draft += tail
-                    for _ in tail:  # (the sum as the loop below adds it, bit for bit)
-                        score += prob
-                    break
-            num_runs = len(runs)
-            groups: dict[int, list[tuple[list[int], int]]] = {}  # next token -> its runs
-            for run in runs:
-                tokens, start = run
-                if start + pos < len(tokens):
-                    token = tokens[start + pos]
-                    group = groups.get(token)
-                    if group is None:
-                        groups[token] = [run]
-                    else:
-                        group.append(run)
-            if not groups:
+        return _walk(runs, limit, min_prob)
+
+
+def _walk(
+    runs: list[tuple[list[int], int]], limit: int, min_prob: float
+) -> tuple[list[int], float]:
+    """`SuffixIndex.draft`'s walk forward from the occurrences (token list, position after the
+    match): at each position the majority next token (ties: the lower id) and its conditional
+    probability, at most `limit` tokens, stopping below path probability `min_prob`. Returns
+    (draft, score: the sum of the path probabilities)."""
+    draft: list[int] = []
+    prob, score = 1.0, 0.0
+    narrowed = True  # the occurrences followed changed: try the rest of the path at once
+    while len(draft) < limit:
+        pos = len(draft)
+        if narrowed:  # they all go on alike (one of them left, or copies of one text):
+            tokens, start = runs[0]  # the rest of the path has probability 1
+            tail = tokens[start + pos : start + limit]
+            if all(t[s + pos : s + limit] == tail for t, s in runs[1:]):
+                draft += tail
+                for _ in tail:  # (the sum as the loop below adds it, bit for bit)
+                    score += prob
                 break
-            if len(groups) == 1:  # every occurrence that goes on agrees: probability 1
-                token, runs = groups.popitem()
-            else:
-                token = min(groups, key=lambda t: (-len(groups[t]), t))
-                runs = groups[token]
-                prob *= len(runs) / sum(map(len, groups.values()))
-            if prob < min_prob:
-                break
-            draft.append(token)
-            score += prob
-            narrowed = len(runs) < num_runs
-        return draft, score
+        num_runs = len(runs)
+        groups: dict[int, list[tuple[list[int], int]]] = {}  # next token -> its runs
+        for run in runs:
+            tokens, start = run
+            if start + pos < len(tokens):
+                token = tokens[start + pos]
+                group = groups.get(token)
+                if group is None:
+                    groups[token] = [run]
+                else:
+                    group.append(run)
+        if not groups:
+            break
+        if len(groups) == 1:  # every occurrence that goes on agrees: probability 1
+            token, runs = groups.popitem()
+        else:
+            token = min(groups, key=lambda t: (-len(groups[t]), t))
+            runs = groups[token]
+            prob *= len(runs) / sum(map(len, groups.values()))
+        if prob < min_prob:
+            break
+        draft.append(token)
+        score += prob
+        narrowed = len(runs) < num_runs
+    return draft, score
 
 
 class SharedSuffixIndex:

@@ -121,17 +121,8 @@ def verify_drafts(
     flags = non_finite(logits.amax(dim=-1))  # [N]
     if all(r.params.temperature < GREEDY_TEMPERATURE for r in rows):
         return _verify_greedy(logits, flags, counts, starts, drafts, valid)
-    x = logits.float().masked_fill((flags != 0)[:, None], 0.0)
     greedy = [r.params.temperature < GREEDY_TEMPERATURE for r in rows]
-    random_positions = [
-        p for b in range(num_rows) if not greedy[b] for p in range(starts[b], starts[b + 1])
-    ]
-    if random_positions:
-        params = [
-            rows[b].params for b in range(num_rows) if not greedy[b] for _ in range(1 + counts[b])
-        ]
-        index = to_device(torch.tensor(random_positions, dtype=torch.long), device)
-        x[index] = processed_probs(x[index], params)
+    x = _target_distributions(logits, flags, rows, greedy, counts, starts)
     gather = [[starts[b] + min(j, counts[b]) for j in range(width + 1)] for b in range(num_rows)]
     gather_t = to_device(torch.tensor(gather, dtype=torch.long), device)  # [S, k + 1]
     padded = [list(d) + [PAD_TOKEN_ID] * (width - len(d)) for d in drafts]
@@ -150,6 +141,27 @@ def verify_drafts(
     num_drafts = to_device(torch.tensor(counts, dtype=torch.long), device)
     full = out.num_accepted == num_drafts
     return VerifiedTokens(final, out.num_accepted, row_flags, num_rows, full, valid)
+
+
+def _target_distributions(
+    logits: torch.Tensor,
+    flags: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    greedy: list[bool],
+    counts: list[int],
+    starts: list[int],
+) -> torch.Tensor:
+    """float32 [N, V]: the processed distribution at every scored position of the random rows
+    (`processed_probs`), the logits at the greedy rows' (only their argmax is read), zeros at
+    non-finite positions (`flags`)."""
+    x = logits.float().masked_fill((flags != 0)[:, None], 0.0)
+    random_rows = [b for b in range(len(rows)) if not greedy[b]]
+    positions = [p for b in random_rows for p in range(starts[b], starts[b + 1])]
+    if positions:
+        params = [rows[b].params for b in random_rows for _ in range(1 + counts[b])]
+        index = to_device(torch.tensor(positions, dtype=torch.long), logits.device)
+        x[index] = processed_probs(x[index], params)
+    return x
 
 
 def _verify_greedy(
