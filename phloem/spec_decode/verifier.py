@@ -111,22 +111,19 @@ def verify_drafts(
     N does not match the drafts. Leviathan et al. 2023 §2.3; Chen et al. 2023 Alg. 2.
     """
     counts = [len(d) for d in drafts]
-    num_rows, width = len(rows), max(counts, default=0)
+    num_rows = len(rows)
     if logits.shape[0] != num_rows + sum(counts):
         raise ValueError(
             f"logits must have sum(1 + k_b) = {num_rows + sum(counts)} rows, got {logits.shape[0]}"
         )
-    device = logits.device
     starts = [0, *itertools.accumulate(1 + k for k in counts)]
     flags = non_finite(logits.amax(dim=-1))  # [N]
+    staged = _stage_rows(drafts, counts, starts, logits.device)
     if all(r.params.temperature < GREEDY_TEMPERATURE for r in rows):
-        return _verify_greedy(logits, flags, counts, starts, drafts, valid)
+        return _verify_greedy(logits, flags, staged, valid)
+    gather_t, draft_t, num_drafts = staged
     greedy = [r.params.temperature < GREEDY_TEMPERATURE for r in rows]
     x = _target_distributions(logits, flags, rows, greedy, counts, starts)
-    gather = [[starts[b] + min(j, counts[b]) for j in range(width + 1)] for b in range(num_rows)]
-    gather_t = to_device(torch.tensor(gather, dtype=torch.long), device)  # [S, k + 1]
-    padded = [list(d) + [PAD_TOKEN_ID] * (width - len(d)) for d in drafts]
-    draft_t = to_device(torch.tensor(padded, dtype=torch.long).view(num_rows, width), device)
     out = rejection_sample(
         x[gather_t],
         draft_t,
@@ -138,9 +135,24 @@ def verify_drafts(
     )
     final = out.token_ids.gather(1, out.num_accepted[:, None]).squeeze(1)
     row_flags = flags[gather_t].amax(dim=1)
-    num_drafts = to_device(torch.tensor(counts, dtype=torch.long), device)
     full = out.num_accepted == num_drafts
     return VerifiedTokens(final, out.num_accepted, row_flags, num_rows, full, valid)
+
+
+def _stage_rows(
+    drafts: Sequence[Sequence[int]], counts: list[int], starts: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' host facts on the device in one copy: int64 [S, k + 1] each row's scored
+    positions in the packed logits (a short row repeats its last one), int64 [S, k] its
+    drafts padded with `PAD_TOKEN_ID`, int64 [S] its draft counts."""
+    num_rows, width = len(counts), max(counts, default=0)
+    host = torch.tensor(
+        [[starts[b] + min(j, k) for j in range(width + 1)] + list(d) + [PAD_TOKEN_ID] * (width - k)
+         + [k] for b, (d, k) in enumerate(zip(drafts, counts))],
+        dtype=torch.long,
+    )  # fmt: skip
+    staged = to_device(host.view(num_rows, 2 * width + 2), device)
+    return staged[:, : width + 1], staged[:, width + 1 : -1], staged[:, -1]
 
 
 def _target_distributions(
@@ -167,9 +179,7 @@ def _target_distributions(
 def _verify_greedy(
     logits: torch.Tensor,
     flags: torch.Tensor,
-    counts: list[int],
-    starts: list[int],
-    drafts: Sequence[Sequence[int]],
+    staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     valid: torch.Tensor | None,
 ) -> VerifiedTokens:
     """`verify_drafts` where every row is greedy: only each position's argmax is read, so
@@ -178,18 +188,13 @@ def _verify_greedy(
     time on a small model, results/2026-11-27b-h200). Same tokens and counts as the general
     path: argmax of the logits is argmax of their float32 copy (exact conversion), and a
     non-finite position (zeroed there) argmaxes to 0."""
-    num_rows, width = len(counts), max(counts, default=0)
-    device = logits.device
+    gather_t, draft_t, num_drafts = staged  # (`_stage_rows`)
+    num_rows, width = draft_t.shape
     # (on the CPU a float32 copy first: its reductions over bf16 are ~2x slower than the copy)
     source = logits if logits.is_cuda or logits.dtype == torch.float32 else logits.float()
     ids = source.argmax(dim=-1).masked_fill_(flags != 0, 0)  # [N]
-    gather = [[starts[b] + min(j, counts[b]) for j in range(width + 1)] for b in range(num_rows)]
-    padded = [list(d) + [PAD_TOKEN_ID] * (width - len(d)) for d in drafts]
-    host = torch.tensor([g + p + [k] for g, p, k in zip(gather, padded, counts)], dtype=torch.long)
-    staged = to_device(host.view(num_rows, 2 * width + 2), device)
-    gather_t, draft_t, num_drafts = staged[:, : width + 1], staged[:, width + 1 : -1], staged[:, -1]
     target = ids[gather_t]  # [S, k + 1]
-    position = torch.arange(width, device=device)
+    position = torch.arange(width, device=logits.device)
     accept = (target[:, :width] == draft_t) & (position[None, :] < num_drafts[:, None])
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)
     if valid is not None:
@@ -221,19 +226,16 @@ class VerifyStep:
         drafted: list[int],
         sampled: SampledTokens | None,
         plain: list[int],
-        rows_on_device: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows_on_device: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """`rows_on_device`: `drafted` and `plain` as int64 tensors on the device (staged by
-        the caller with its other indexes: one host-to-device copy a step); None: staged here."""
+        `launch_verify` with its other indexes: one host-to-device copy a step)."""
         self._parts = [(verified, drafted), (sampled, plain)]
         self.num_accepted: list[int] = []
         self.verified: list[bool] = []
         self.tokens, self.full = verified.tokens, verified.full
         if sampled is not None:
             device = verified.tokens.device
-            if rows_on_device is None:
-                both = to_device(np.array(drafted + plain, dtype=np.int64), device)
-                rows_on_device = both[: len(drafted)], both[len(drafted) :]
             drafted_t, plain_t = rows_on_device
             self.tokens = torch.empty(len(drafted) + len(plain), dtype=torch.long, device=device)
             self.full = torch.ones(len(drafted) + len(plain), dtype=torch.bool, device=device)
