@@ -118,20 +118,23 @@ def copy_prompts(tokenizer, num: int, seed: int) -> list[str]:
     ]
 
 
-PROFILE = False  # --profile: run_workload profiles the runs it traces
-
-
 def run_workload(
-    llm, prompts: list[str], batch: int, max_tokens: int, trace: Path | None = None
+    llm,
+    prompts: list[str],
+    batch: int,
+    max_tokens: int,
+    trace: Path | None = None,
+    profile: bool = False,
 ) -> dict:
     """Generate `prompts` in chunks of `batch`; output tokens/s end to end and mean TPOT;
-    `trace`: write the run's step trace there and add its summary (`trace_summary`)."""
+    `trace`: write the run's step trace there and add its summary (`trace_summary`); `profile`
+    (with `trace`): the run's cProfile hot spots beside it (TRACE.prof.txt)."""
     from phloem import SamplingParams
     from phloem.bench.step_trace_file import StepTraceFile
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     tracer = None if trace is None else StepTraceFile.for_engine(trace, llm.llm_engine)
-    profiler = cProfile.Profile() if trace is not None and PROFILE else None
+    profiler = cProfile.Profile() if trace is not None and profile else None
     drafter = llm.llm_engine.drafter
     before = drafter.stats.as_dict() if drafter is not None else None
     counters_before = drafter.counters() if drafter is not None else None
@@ -254,8 +257,6 @@ def main() -> None:
                              "slows the host-bound steps, so the ratios of such runs are not "
                              "the plain ones)")  # fmt: skip
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
     if "off" not in args.engines:
         parser.error("--engines must include off (the ratios' baseline)")
 
@@ -312,7 +313,7 @@ def main() -> None:
                 if args.step_trace is not None:
                     args.step_trace.mkdir(parents=True, exist_ok=True)
                     trace = args.step_trace / f"{w}-{name}-r{repeat}.jsonl"
-                r = run_workload(llms[name], prompts, batch, args.max_tokens, trace)
+                r = run_workload(llms[name], prompts, batch, args.max_tokens, trace, args.profile)
                 runs[w][name].append(r)
                 print(f"repeat {repeat} {w} {name}: {r['output_tokens_per_s']:.2f} tok/s, "
                       f"TPOT {r['mean_tpot_s'] * 1000:.0f} ms", file=sys.stderr)  # fmt: skip
