@@ -62,8 +62,11 @@ for stage in $STAGES; do
     tests)
         echo "=== tests $(date +%T)"
         # 5 cases x 3 engine starts (TP=1, TP=2 with graphs, TP=2 eager): ~60 s a case; a case
-        # that hangs is named by pytest-timeout; TESTS_K picks cases (pytest -k, e.g. symm_norm)
+        # that hangs is named by pytest-timeout; TESTS_K picks cases (pytest -k, e.g. symm_norm).
+        # The thread method dumps every thread's stack at the timeout even when the main thread is
+        # blocked in CUDA or NCCL (the signal method never fired on symm_norm's hang, 2026-11-27c)
         timeout "$TESTS_LIMIT" python3 -m pytest -v -x --tb=short -p no:cacheprovider --timeout 150 \
+            --timeout-method=thread \
             --durations=0 -k "${TESTS_K:-}" tests/distributed/test_tp_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.txt" \
             | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|s call"
         ;;
