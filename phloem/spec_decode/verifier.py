@@ -60,8 +60,8 @@ class VerifiedTokens:
         self.num_accepted: list[int] = []
         self.verified: list[int] = []
         self._num_rows = num_rows
-        verified = torch.ones_like(tokens) if valid is None else valid.to(tokens.dtype)
-        self._host = to_host(torch.stack((tokens, num_accepted, flags, verified)))
+        parts = (tokens, num_accepted, flags)  # (+ `valid`: without it every row verified)
+        self._host = to_host(torch.stack(parts if valid is None else (*parts, valid.long())))
         self._event = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()
@@ -71,7 +71,8 @@ class VerifiedTokens:
         """The rows' last tokens and non-finite flags (waits for this step's copy only)."""
         if self._event is not None:
             self._event.synchronize()
-        token_ids, self.num_accepted, flags, self.verified = self._host.tolist()
+        token_ids, self.num_accepted, flags, *verified = self._host.tolist()
+        self.verified = verified[0] if verified else [1] * self._num_rows
         num_rows = self._num_rows
         return SamplerOutput(token_ids, [None] * num_rows, [None] * num_rows, flags)
 
@@ -117,10 +118,10 @@ def verify_drafts(
             f"logits must have sum(1 + k_b) = {num_rows + sum(counts)} rows, got {logits.shape[0]}"
         )
     starts = [0, *itertools.accumulate(1 + k for k in counts)]
-    flags = non_finite(logits.amax(dim=-1))  # [N]
     staged = _stage_rows(drafts, counts, starts, logits.device)
     if all(r.params.temperature < GREEDY_TEMPERATURE for r in rows):
-        return _verify_greedy(logits, flags, staged, valid)
+        return _verify_greedy(logits, staged, valid)
+    flags = non_finite(logits.amax(dim=-1))  # [N]
     gather_t, draft_t, num_drafts = staged
     greedy = [r.params.temperature < GREEDY_TEMPERATURE for r in rows]
     x = _target_distributions(logits, flags, rows, greedy, counts, starts)
@@ -178,24 +179,29 @@ def _target_distributions(
 
 def _verify_greedy(
     logits: torch.Tensor,
-    flags: torch.Tensor,
     staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     valid: torch.Tensor | None,
 ) -> VerifiedTokens:
     """`verify_drafts` where every row is greedy: only each position's argmax is read, so
     neither the float32 copy of the logits nor their [S, k + 1, V] gather is made (the general
     path's ~40 kernels become ~12 on [N] and [S, k + 1] tensors; a verify step's launch is host
-    time on a small model, results/2026-11-27b-h200). Same tokens and counts as the general
-    path: argmax of the logits is argmax of their float32 copy (exact conversion), and a
-    non-finite position (zeroed there) argmaxes to 0."""
-    gather_t, draft_t, num_drafts = staged  # (`_stage_rows`)
+    time on a small model, results/2026-11-27b-h200). `staged` (`_stage_rows`) may index
+    positions of a larger `logits` [N', V] (`launch_verify`: the step's every sampled position,
+    so the drafted ones are not copied out first). Same tokens and counts as the general path:
+    argmax of the logits is argmax of their float32 copy (exact conversion; `max` returns the
+    first maximal index, as `argmax` does), and a non-finite position (zeroed there) argmaxes
+    to 0. One pass over the vocabulary gives the maximum (the non-finite flags) and its index;
+    a padding draft (`PAD_TOKEN_ID` < 0) never equals an index, so no mask of each row's
+    draft count is needed."""
+    gather_t, draft_t, num_drafts = staged
     num_rows, width = draft_t.shape
     # (on the CPU a float32 copy first: its reductions over bf16 are ~2x slower than the copy)
     source = logits if logits.is_cuda or logits.dtype == torch.float32 else logits.float()
-    ids = source.argmax(dim=-1).masked_fill_(flags != 0, 0)  # [N]
+    values, ids = source.max(dim=-1)  # [N']
+    flags = non_finite(values)
+    ids.masked_fill_(flags != 0, 0)
     target = ids[gather_t]  # [S, k + 1]
-    position = torch.arange(width, device=logits.device)
-    accept = (target[:, :width] == draft_t) & (position[None, :] < num_drafts[:, None])
+    accept = target[:, :width] == draft_t  # (PAD_TOKEN_ID past a row's drafts: never equal)
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)
     if valid is not None:
         num_accepted = torch.where(valid, num_accepted, 0)
@@ -279,17 +285,27 @@ def launch_verify(
     caller's sampler); `valid`: bool [S] on the device, the rows whose drafts count (None:
     all). Nothing waits for the device."""
     drafted, positions, plain, plain_positions = split_verify_rows(drafts)
+    # all greedy: the argmaxes are read in place (`_verify_greedy`), no copy of the drafted rows
+    greedy = all(rows[b].params.temperature < GREEDY_TEMPERATURE for b in drafted)
+    gathered = [] if greedy else positions
     # every index of the step in one host-to-device copy, sliced on the device
-    host = np.array(positions + drafted + plain_positions + plain, dtype=np.int64)
+    host = np.array(gathered + drafted + plain_positions + plain, dtype=np.int64)
     staged = to_device(host, logits.device)
-    ends = list(itertools.accumulate((len(positions), len(drafted), len(plain_positions))))
+    ends = list(itertools.accumulate((len(gathered), len(drafted), len(plain_positions))))
     index, drafted_t = staged[: ends[0]], staged[ends[0] : ends[1]]
     plain_index, plain_t = staged[ends[1] : ends[2]], staged[ends[2] :]
     if valid is not None:
         valid = valid[drafted_t]
-    verified = verify_drafts(
-        logits[index], [rows[b] for b in drafted], [drafts[b] for b in drafted],
-        fallback_generator, valid,
-    )  # fmt: skip
+    drafted_drafts = [drafts[b] for b in drafted]
+    if greedy:
+        starts = [0, *itertools.accumulate(1 + len(d) for d in drafts)]
+        counts = [len(d) for d in drafted_drafts]
+        rows_staged = _stage_rows(drafted_drafts, counts, [starts[b] for b in drafted],
+                                  logits.device)  # fmt: skip
+        verified = _verify_greedy(logits, rows_staged, valid)
+    else:
+        verified = verify_drafts(
+            logits[index], [rows[b] for b in drafted], drafted_drafts, fallback_generator, valid
+        )
     sampled = sample_plain(logits[plain_index], plain) if plain else None
     return VerifyStep(verified, drafted, sampled, plain, (drafted_t, plain_t))

@@ -175,3 +175,16 @@ def test_all_greedy_rows_match_the_rejection_samplers_greedy_path(seed):
     assert got.num_accepted == want.num_accepted.tolist()
     assert got.full.tolist() == (want.num_accepted == torch.tensor(counts)).tolist()
     assert out.num_nonfinite == flags[gather].amax(dim=1).tolist()
+    # the same step through `launch_verify`, rows without drafts to the sampler: the drafted
+    # rows' argmaxes are read in place there (no copy of their logits), same answers
+    from phloem.spec_decode.verifier import launch_verify
+
+    def sample_plain(plain_logits, plain):
+        return Sampler().launch(plain_logits, [rows[b] for b in plain], None)
+
+    step = launch_verify(logits, rows, drafts, None, sample_plain, valid)
+    tokens = step.result().token_ids
+    drafted = [b for b, c in enumerate(counts) if c]
+    assert [tokens[b] for b in drafted] == [out.token_ids[b] for b in drafted]
+    assert [step.num_accepted[b] for b in drafted] == [got.num_accepted[b] for b in drafted]
+    assert [step.verified[b] for b in drafted] == [bool(valid[b]) for b in drafted]
