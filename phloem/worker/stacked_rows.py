@@ -20,6 +20,7 @@ as they leave out a void row's.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +82,10 @@ def stack_checks(
     device, nothing waits. A guess row whose input token is known on the host (its step was
     collected before this one launched) is checked on the host. O(1) and no tensors when
     nothing is stacked on drafts and no row guesses (a step without drafts after one
-    without)."""
+    without). The host's indexes and guesses go to the device in one copy, sliced there:
+
+        staged: |-- void rows, their rows in prev --|-- held [S] --|-- guess rows, rows in
+        prev, guesses --|"""
     checks = StackChecks()
     scheduled, sampled = sched.scheduled, host.sampled
     on_drafts = prev is not None and prev.full is not None and bool(host.pending)
@@ -89,37 +93,45 @@ def stack_checks(
     if not (on_drafts or guessed):  # (the common step: O(1) here)
         return checks
     pending = {seq_id for _, seq_id in host.pending}
+    void_rows: list[int] = []  # rows on a row of prev, and that row's index in prev
+    void_src: list[int] = []
     if on_drafts:
-        assert prev is not None and prev.full is not None
-        rows = [b for b, i in enumerate(sampled) if scheduled[i].seq_id in pending]
-        if rows:
-            src = [prev.rows[scheduled[sampled[b]].seq_id] for b in rows]
-            index = to_device(np.array([rows, src], dtype=np.int64), device)
-            checks.void = torch.zeros(len(sampled), dtype=torch.bool, device=device)
-            checks.void[index[0]] = ~prev.full[index[1]]
-            checks.void_host = to_host(checks.void)
-    if not guessed:
-        return checks
-    held = [True] * len(sampled)  # host-checked guesses (and rows without one)
-    dev_rows, src, guesses = [], [], []
-    for b, i in enumerate(sampled):
-        s = scheduled[i]
-        if s.pending_guess < 0:
-            continue
-        if s.seq_id in pending:
-            assert prev is not None  # (the input's fill needs it too)
-            dev_rows.append(b)
-            src.append(prev.rows[s.seq_id])
-            guesses.append(s.pending_guess)
-        else:
-            start = s.num_computed_tokens
-            held[b] = states[i].token_ids(start, start + 1) == [s.pending_guess]
-    valid = to_device(torch.tensor(held, dtype=torch.bool), device)
-    if dev_rows:
         assert prev is not None
-        index = to_device(np.array([dev_rows, src, guesses], dtype=np.int64), device)
-        valid[index[0]] = prev.tokens[index[1]] == index[2]
-    checks.valid = valid
+        void_rows = [b for b, i in enumerate(sampled) if scheduled[i].seq_id in pending]
+        void_src = [prev.rows[scheduled[sampled[b]].seq_id] for b in void_rows]
+    held: list[int] = []  # host-checked guesses (and rows without one): 1 held
+    dev_rows, dev_src, guesses = [], [], []
+    if guessed:
+        held = [1] * len(sampled)
+        for b, i in enumerate(sampled):
+            s = scheduled[i]
+            if s.pending_guess < 0:
+                continue
+            if s.seq_id in pending:
+                assert prev is not None  # (the input's fill needs it too)
+                dev_rows.append(b)
+                dev_src.append(prev.rows[s.seq_id])
+                guesses.append(s.pending_guess)
+            else:
+                start = s.num_computed_tokens
+                held[b] = int(states[i].token_ids(start, start + 1) == [s.pending_guess])
+    parts = (void_rows, void_src, held, dev_rows, dev_src, guesses)
+    if not any(parts):
+        return checks
+    staged = to_device(np.array([x for part in parts for x in part], dtype=np.int64), device)
+    ends = list(itertools.accumulate(len(part) for part in parts))
+    if void_rows:
+        assert prev is not None and prev.full is not None
+        checks.void = torch.zeros(len(sampled), dtype=torch.bool, device=device)
+        checks.void[staged[: ends[0]]] = ~prev.full[staged[ends[0] : ends[1]]]
+        checks.void_host = to_host(checks.void)
+    if guessed:
+        valid = staged[ends[1] : ends[2]].bool()
+        if dev_rows:
+            assert prev is not None
+            rows_t, src_t = staged[ends[2] : ends[3]], staged[ends[3] : ends[4]]
+            valid[rows_t] = prev.tokens[src_t] == staged[ends[4] :]
+        checks.valid = valid
     return checks
 
 
