@@ -96,16 +96,17 @@ class SuffixIndex:
         windows in one pass (`zip` over shifted slices, ~2x faster per token than slicing a
         tuple per position, but with a fixed cost a decode step's 1-16 tokens do not repay)."""
         tokens, base, end = self._tokens[slot], slot << _POS_BITS, len(self._tokens[slot])
-        if end - start <= 16:
-            chains, tables = self._prev[slot], self._latest
-            for pos in range(start, end):
-                for k, length in enumerate(KEY_LENS):
-                    if pos < length - 1:
-                        chains[k].append(NO_POS)  # too close to the start for a key
+        if end - start <= 16:  # (each key length's chain and table apart: the same entries)
+            for chain, latest, length in zip(self._prev[slot], self._latest, KEY_LENS):
+                get, back = latest.get, length - 1
+                for pos in range(start, end):
+                    if pos < back:
+                        chain.append(NO_POS)  # too close to the start for a key
                         continue
-                    key = tokens[pos] if length == 1 else _key(tokens, pos, length)
-                    chains[k].append(tables[k].get(key, NO_POS))
-                    tables[k][key] = base | pos
+                    # (`_key` inlined: this loop runs for every token a verify step accepts)
+                    key = tokens[pos] if back == 0 else hash(tuple(tokens[pos - back : pos + 1]))
+                    chain.append(get(key, NO_POS))
+                    latest[key] = base | pos
             return
         for k, length in enumerate(KEY_LENS):
             chain, latest = self._prev[slot][k], self._latest[k]
