@@ -176,9 +176,11 @@ def choose_num_drafts(
     # step at batch 32 x k = 16, where the calls were most of its time
     t_host, t_weights, c_token = model.t_host_s, model.t_weights_s, model.c_token_s
     c_kv, c_draft, t_verify = model.c_kv_s, model.c_draft_s, model.t_verify_s
-    pop, push = heapq.heappop, heapq.heappush
+    # the top is read, then popped or replaced by the candidate's next draft (one sift, not
+    # two): entries are unique by candidate, so the order of pops is that of (gain, index)
+    pop, replace = heapq.heappop, heapq.heapreplace
     while heap:
-        neg_gain, i = pop(heap)
+        neg_gain, i = heap[0]
         tokens -= neg_gain
         drafts[i] += 1
         order.append(i)
@@ -192,7 +194,9 @@ def choose_num_drafts(
             break  # past the first draft the ratio only falls from here (module docstring)
         previous = rate
         if drafts[i] < caps[i]:
-            push(heap, (neg_gain * candidates[i].next_rate, i))
+            replace(heap, (neg_gain * candidates[i].next_rate, i))
+        else:
+            pop(heap)
     chosen = [0] * len(candidates)
     if best_rate >= config.min_gain * base_rate:
         for i in order[:best_num_drafts]:
