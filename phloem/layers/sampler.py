@@ -414,8 +414,11 @@ class Sampler:
         """[R, V] i.i.d. Exp(1) noise. argmax(probs / q) is a draw from probs (the exponential
         race, equivalent to the Gumbel-max trick: -log q is Gumbel).
 
-        A row with a generator gets exactly one length-V draw from it; the others share one
-        [n, V] draw from the sampler's generator. Clamped away from 0 so 0 / 0 never appears.
+        A row with a generator gets exactly one length-V draw from it, drawn in place into its
+        row (one kernel a row, no temporary and copy: a constrained step draws 1,024 of these on
+        the engine loop, `draw_noise`; the same numbers as a draw into a fresh length-V tensor);
+        the others share one [n, V] draw from the sampler's generator. Clamped away from 0 so
+        0 / 0 never appears.
         """
         q = torch.empty(len(rows), vocab_size, device=device)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
@@ -428,7 +431,7 @@ class Sampler:
                 q[_device_tensor(shared, dtype=torch.long, device=device)] = noise
         for i, r in enumerate(rows):
             if r.generator is not None:
-                q[i] = torch.empty(vocab_size, device=device).exponential_(generator=r.generator)
+                q[i].exponential_(generator=r.generator)
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 

@@ -196,6 +196,12 @@ def test_seeded_row_is_batch_invariant():
         assert run_seeded(batch_size, position) == reference, (batch_size, position)
     assert run_seeded(batch_size=1, position=0) == reference  # across runs
     assert run_seeded(batch_size=1, position=0, seed=6) != reference  # the seed matters
+    # a seeded row's noise, drawn in place into its row, is the draw of a fresh length-V tensor
+    rows = [row(SamplingParams(temperature=1.0), generator=gen(s)) for s in (3, 4)]
+    noise = Sampler().draw_noise([rows[0], row(SamplingParams(temperature=1.0)), rows[1]], 9, "cpu")
+    for k, s in [(0, 3), (2, 4)]:
+        fresh = torch.empty(9).exponential_(generator=gen(s)).clamp_min_(torch.finfo().tiny)
+        assert torch.equal(noise[k], fresh)
 
 
 # --- truncation and temperature distributions ------------------------------------------------
