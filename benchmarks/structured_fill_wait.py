@@ -9,8 +9,11 @@ engine's own `StructuredOutputs` hooks in the engine's order, over `--rows` sequ
 recorded walk of the GPU benchmark's schema (the byte-level 128,256-token tokenizer), with a
 stub scheduler and no model:
 
-    mark(N+1) -> advance(N's tokens): the fill of N+1 starts -> outputs: --outputs-ms of Python
-      -> presample: --presample-ms of small torch ops -> bitmask(N+1): the wait is measured
+    mark(N+1) -> collected(N's tokens): the advance, then the fill of N+1, start on the fill
+      thread (trees from 2026-11-27c on) -> update: --update-ms of Python (the scheduler's
+      update_from_output) -> advance(N's tokens): on trees before, the advance, then the fill
+      of N+1 starts -> outputs: --outputs-ms of Python -> presample: --presample-ms of small
+      torch ops -> bitmask(N+1): the wait is measured
 
 Per step: the loop's wait for the fill, the fill's own time, and how long after `advance`
 started it the fill's thread began (`fill_lag`, where the tree under test records it).
@@ -64,15 +67,20 @@ class _Scheduler:
         self.num_finished += 1
 
 
-def loop_work(outputs_ms: float, presample_ms: float, small) -> None:
-    """The loop's own work between `advance` and `bitmask`: `outputs_ms` of Python holding the
-    GIL (the outputs of step N), then `presample_ms` of torch calls on `small` (each releases
-    the GIL while it runs, as the noise draw's kernel launches do)."""
-    end = time.perf_counter() + outputs_ms / 1e3
+def python_work(ms: float) -> None:
+    """`ms` of Python holding the GIL (the scheduler's update, the outputs of a step)."""
+    end = time.perf_counter() + ms / 1e3
     total = 0
     while time.perf_counter() < end:
         for i in range(50):
             total += i
+
+
+def loop_work(outputs_ms: float, presample_ms: float, small) -> None:
+    """The loop's own work between `advance` and `bitmask`: `outputs_ms` of Python holding the
+    GIL (the outputs of step N), then `presample_ms` of torch calls on `small` (each releases
+    the GIL while it runs, as the noise draw's kernel launches do)."""
+    python_work(outputs_ms)
     end = time.perf_counter() + presample_ms / 1e3
     while time.perf_counter() < end:
         small.add_(1)
@@ -118,12 +126,16 @@ def replay(args, walk: np.ndarray) -> dict:
     hooks.mark(first)
     hooks.bitmask(first)  # the start state's masks, on the loop
     small, times = torch.zeros(64), hooks.times
-    steps = []
+    collected = getattr(hooks, "collected", None)  # a tree from before 2026-11-27c has none
+    steps, sched = [], first
     for num, tokens in enumerate(walk[:-1].tolist(), start=1):
-        sched = _step(num, ids)
+        ran, sched = sched, _step(num, ids)  # the step whose tokens came, the one marked
         hooks.mark(sched)
         before = _counters(times)
         start = time.perf_counter()
+        if collected is not None:
+            collected(ran, dict(zip(ids, tokens)))
+        python_work(args.update_ms)
         for request, token in zip(requests, tokens):
             request.output_token_ids.append(token)
         hooks.advance(requests)
@@ -137,7 +149,8 @@ def replay(args, walk: np.ndarray) -> dict:
     slow = ms[np.argsort(ms[:, 2])[-max(1, len(ms) // 4) :]]
     names = ("step", "advance", "fill", "fill_wait", "fill_lag")
     return {"rows": len(ids), "steps": len(ms), "fill_threads": args.fill_threads,
-            "outputs_ms": args.outputs_ms, "presample_ms": args.presample_ms,
+            "update_ms": args.update_ms, "outputs_ms": args.outputs_ms,
+            "presample_ms": args.presample_ms,
             "mean_ms": dict(zip(names, ms.mean(axis=0).round(3).tolist())),
             "slowest_quarter_ms": dict(zip(names, slow.mean(axis=0).round(3).tolist())),
             "early_fills": hooks.num_early_fills}  # fmt: skip
@@ -171,7 +184,8 @@ def run_trees(args) -> list[dict]:
             tree = str(Path(tree).resolve())
             command = [sys.executable, script, "--child", tree, "--rows", str(args.rows),
                        "--steps", str(args.steps), "--fill-threads", str(args.fill_threads),
-                       "--outputs-ms", str(args.outputs_ms), "--presample-ms",
+                       "--update-ms", str(args.update_ms), "--outputs-ms",
+                       str(args.outputs_ms), "--presample-ms",
                        str(args.presample_ms), "--walk", args.walk]  # fmt: skip
             env = os.environ | {"PYTHONPATH": tree}
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
@@ -186,6 +200,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="sequences")
     parser.add_argument("--steps", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--fill-threads", type=int, default=1, help="the library's threads")
+    parser.add_argument("--update-ms", type=float, default=0.0,
+                        help="Python between the tokens' arrival and advance")  # fmt: skip
     parser.add_argument("--outputs-ms", type=float, default=3.0, help="Python after advance")
     parser.add_argument("--presample-ms", type=float, default=19.0, help="torch calls after it")
     parser.add_argument("--walk", default=None, help=".npy of the walk (default: in /tmp)")

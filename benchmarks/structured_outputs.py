@@ -19,7 +19,9 @@ was ready, rows a step waited for, admissions put off for a grammar still compil
 run where the engine loop's time went (`steps`: mean ms per step of scheduling, launching,
 waiting for the device, updating, the rest; see `step_times`); a constrained run also its
 structured-output work per constrained step (`loop_ms_per_bitmask`: marking rows, advancing
-the matchers, the fill and the loop's wait for it).
+the matchers, the fill and the loop's wait for it), and on a GPU the caching allocator's
+device frees and retries in the run (`cuda_allocator`: each one a device sync in a step).
+`--grammar-threads N` sets the grammar library's threads (default: all CPUs but two).
 
 CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
 
@@ -142,6 +144,7 @@ def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
     records: list = []
     observer = records.append
     engine.add_step_observer(observer)
+    allocator = _allocator_counters()
     start = time.perf_counter()
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -150,6 +153,7 @@ def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
     wall = time.perf_counter() - start
     after = _grammar_counters(structured)
     added = {k: v - before.get(k, 0) for k, v in after.items() if k != "max_ready_lag_s"}
+    added["cuda_allocator"] = {k: v - allocator[k] for k, v in _allocator_counters().items()}
     added["max_ready_lag_s"] = after.get("max_ready_lag_s", 0.0)
     added["steps"] = step_times(records, start)
     added["loop_ms_per_bitmask"] = loop_ms_per_bitmask(added)
@@ -173,6 +177,20 @@ def step_times(records: list, start: float) -> dict:
     return {"num_steps": len(records), "period_ms": 1e3 * period, **{f"{k}_ms": v for k, v in parts.items()},
             "other_ms": 1e3 * period - sum(parts.values()),
             "first_step_s": starts[0] - (start - time.perf_counter() + time.monotonic())}  # fmt: skip
+
+
+def _allocator_counters() -> dict:
+    """The CUDA caching allocator's counters ({} without a GPU): `num_device_free` and
+    `num_alloc_retries` (cudaFree, and a malloc retried after freeing the cache) each
+    synchronize the device, so a run that counts them made the host wait for the device in
+    the middle of a step (the constrained step holds its logits' clone and its noise as well)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    names = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    return {k: stats.get(k, 0) for k in names}
 
 
 def _grammar_counters(structured) -> dict:
@@ -259,6 +277,7 @@ def measure(llm, prompts, items, args) -> dict:
         "one_schema_median_pair_ratio": statistics.median(pair_ratios),
         "one_schema_grammar": grammars_one,
         "unconstrained_steps": [loop["steps"] for loop in loops_free],
+        "unconstrained_cuda_allocator": [loop["cuda_allocator"] for loop in loops_free],
     }  # fmt: skip
     if args.skip_per_request:
         return result
@@ -311,6 +330,8 @@ def main() -> None:
                         help="--model's vocabulary [tokens] (a CPU check of the loop's work)")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the engine's")
     parser.add_argument("--backend", default="llguidance", help="structured_outputs_backend")
+    parser.add_argument("--grammar-threads", type=int, default=None,
+                        help="the grammar library's threads (default: all CPUs but two)")  # fmt: skip
     parser.add_argument("--small-warm-up", action="store_true",
                         help="warm up on 2 requests only (before 2026-11-27: the first measured "
                         "run was the engine's first at the batch's size)")  # fmt: skip
@@ -318,6 +339,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm, prompts, items = setup(args, tmp)
+        if args.grammar_threads is not None:  # read when the first constrained request comes
+            llm.llm_engine.structured.num_threads = args.grammar_threads
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
         start = time.perf_counter()  # the grammar library and its tokenizer info, once
         warm = StructuredOutputsParams(choice=["yes", "no"])

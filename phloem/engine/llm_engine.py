@@ -335,7 +335,8 @@ class LLMEngine:
         (the step is *held* until then; at once when no request is left, `sample_if_idle`):
 
             schedule(N+2) -> prepare(N+2) -> sample(N+1) -> launch(N+2) -> collect(N+1)
-              -> update(N+1): the fill of N+2 starts -> outputs of N+1
+              -> the grammars' advance by N+1's tokens, then the fill of N+2, start
+              -> update(N+1) -> outputs of N+1
         """
         if self._step_raised:
             raise RuntimeError("the last step() raised; call abort_all() before the next one")
@@ -411,6 +412,7 @@ class LLMEngine:
         runner_output = self.executor.collect(launched.handle)
         collected = time.perf_counter()
         scheduler_output = launched.scheduler_output
+        self.structured.collected(scheduler_output, runner_output.sampled_token_ids)
         accepted = runner_output.num_accepted_drafts
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, accepted

@@ -2,25 +2,39 @@
 grammar bitmask, the grammars advanced by the tokens the scheduler appended, and the launched
 constrained step held until its bitmask is filled.
 
-    step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward only) -> collect(N) -> update(N)
-            -> advance(N's tokens): fill(N+1) starts -> outputs of N
+    step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward only) -> collect(N)
+            -> collected(N): advance(N's tokens), then fill(N+1), start on the fill thread
+            -> update(N) -> advance: its results applied -> outputs of N
     next:   schedule(N+2) -> mark(N+2) -> prepare(N+2) -> bitmask(N+1) -> sample(N+1)
             -> launch(N+2) -> collect(N+1) -> ...
 
 The bitmask of a row is filled after the row's previous token was accepted: under async
 scheduling the forward pass of step N+1 runs on the device while the host waits for step N's
 tokens, and only step N+1's sampling waits for the host's bitmask (no extra device sync). When
-step N+1 was marked before step N's tokens came (async scheduling), its fill starts in a
-background thread as soon as they are accepted (`advance`), so the engine's own work on step
-N's outputs (detokenizing, building outputs) runs beside it; `bitmask` then waits for it (the
-thread may start late, when the loop's Python hands it the GIL; waiting in `advance` until it
-had its rows cost the loop ~3 ms a step on an H200 and gained nothing, 2026-11-26h):
+step N+1 was marked before step N's tokens came (async scheduling), the matchers consume N's
+tokens and N+1's fill starts, one after the other on the fill thread, as soon as the tokens
+are collected (`collected`), before the scheduler's update: the loop's update of N runs beside
+the matchers' advance, waits for its results in `advance` (rows whose grammar completed or
+rejected their token), and its work on N's outputs runs beside the fill; `bitmask` then waits
+for the fill:
 
-    mark(N+1) ... advance(N) -> fill(N+1) starts ──────────────┐ grammar threads
-                  process N's outputs (engine loop)             │
-                  presample(N+1): the noise (`LLMEngine.step`)  │
-                  schedule, mark and prepare N+2 (async)        │
-                  bitmask(N+1): wait ◄──────────────────────────┘ -> sample(N+1)
+    collect(N) -> collected: advance(N), then fill(N+1) ───────────┐ fill thread (library's
+                  update_from_output(N) (engine loop)              │ threads, GIL released)
+                  advance: the matchers' results ◄ (after the advance)
+                  process N's outputs                              │
+                  presample(N+1): the noise (`LLMEngine.step`)     │
+                  schedule, mark and prepare N+2 (async)           │
+                  bitmask(N+1): wait ◄─────────────────────────────┘ -> sample(N+1)
+
+Where the loop advanced the matchers itself after the scheduler's update and then handed the
+fill over (until 2026-11-27c), the fill started that update, the advance and the thread's wait
+for the GIL (the loop's Python after the hand-over) later: on an H200 host the advance alone was
+2.3-2.7 ms and the wait 1.9-2.1 ms of a 1,024-row step
+(benchmarks/results/2026-11-27c-cpu-structured-path). `collected` waits until the
+thread has begun (a thread woken while the loop runs Python gets the GIL only at the
+interpreter's switch interval, 5 ms), so the library's advance runs beside the update. Without
+a marked step (synchronous scheduling, speculative decoding) the loop advances the matchers in
+`advance`, after the update, as before.
 
 Under async scheduling the step after a constrained one is scheduled and its host arrays built
 (`Executor.prepare`) before `bitmask` waits, so that work no longer follows the fill; `mark` of
@@ -45,6 +59,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -79,10 +94,12 @@ class LoopTimes:
     Attributes:
         mark_s: `mark` (setting each step's constrained rows; an empty step's wait for held
             requests' grammars included).
-        advance_s: `advance` (the matchers accepting a step's tokens, on the loop).
+        advance_s: `collected` and `advance` (the matchers accepting a step's tokens: on the
+            loop, or the loop's hand-over and its wait for the fill thread's advance).
         fill_s: the bitmask fills themselves (in the fill thread or on the loop).
         fill_wait_s: the loop blocked in `bitmask` for a fill started in `advance`.
-        fill_lag_s: from `advance` handing a fill to its thread until the thread began it.
+        fill_lag_s: from `collected` (or `advance`) handing the advance and fill (or a fill)
+            to the fill thread until the thread began.
         num_bitmasks: the steps' bitmasks taken.
     """
 
@@ -120,6 +137,8 @@ class StructuredOutputs:
         # (step, its fill started by `advance`)
         self._fill: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         self._filler: concurrent.futures.ThreadPoolExecutor | None = None
+        # (seq ids, token ids, the fill thread's advance of them) started by `collected`
+        self._advanced: tuple[list[str], list[int], concurrent.futures.Future] | None = None
         self.num_early_fills = 0  # bitmasks whose fill started in `advance`
         self.num_held = 0  # times a waiting request was passed over, its grammar not ready
         self.times = LoopTimes()
@@ -210,9 +229,66 @@ class StructuredOutputs:
                 self.scheduler.fail_request(request, message)
         return grammar
 
+    def collected(self, sched: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+        """A launched step's tokens are in ({seq id: token id}, `Executor.collect`), before the
+        scheduler's update: when the next step is marked (async scheduling) and `sched` verified
+        no drafts, hand the matchers' advance by these tokens and then the marked step's fill
+        to the fill thread (module docstring); `advance` applies the advance's results. Waits
+        until the thread has begun. Otherwise nothing (`advance` does it all).
+
+        Every sampled row with a matcher advances, also a request the update will skip
+        (aborted, stopped or failed meanwhile: finished, its matcher unused after)."""
+        manager, marked = self.manager, self._next
+        if manager is None or marked is None or not manager.num_live:
+            return
+        if any(s.draft_token_ids for s in sched.scheduled):
+            return  # several tokens a row (speculative decoding): `advance`
+        start = time.perf_counter()
+        self._take_fill()  # none in flight here; a stale one is dropped
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
+        ids, tokens = list(sampled_token_ids), list(sampled_token_ids.values())
+        begun, advanced = threading.Event(), concurrent.futures.Future()  # type: ignore[var-annotated]
+        job = (ids, tokens, list(marked.structured_seq_ids), begun, advanced)
+        self._fill = (marked, self._filler.submit(self._advance_then_fill, job, start))
+        self._advanced = (ids, tokens, advanced)
+        self.num_early_fills += 1
+        begun.wait()
+        self.times.advance_s += time.perf_counter() - start
+
+    def _advance_then_fill(self, job: tuple, submitted: float) -> tuple[GrammarBitmask, dict]:
+        """On the fill thread: `manager.accept_rows(ids, tokens)` (its result or exception set
+        on the `advanced` future), then `manager.bitmask(fill_ids)` (returned). `begun` is set
+        first (the loop waits for it in `collected`)."""
+        ids, tokens, fill_ids, begun, advanced = job
+        assert self.manager is not None
+        self.times.fill_lag_s += time.perf_counter() - submitted
+        begun.set()
+        try:
+            ended = self.manager.accept_rows(ids, tokens)
+        except BaseException as e:
+            advanced.set_exception(e)
+            raise
+        advanced.set_result(ended)
+        return self._timed_fill(fill_ids)
+
     def advance(self, updated: list[Request]) -> None:
-        """Accept each updated constrained request's new token: the grammar complete finishes
-        it "stop"; a token the grammar rejects fails it alone."""
+        """Accept each updated constrained request's new token (or, after `collected`, wait for
+        the fill thread's advance): the grammar complete finishes it "stop"; a token the
+        grammar rejects fails it alone."""
+        started, self._advanced = self._advanced, None
+        if started is not None:
+            start = time.perf_counter()
+            ids, tokens, future = started
+            ended = future.result()
+            if ended:  # rows that complete or reject: those of requests the update kept
+                kept = {r.request_id: r for r in updated}
+                rows = [
+                    (kept[ids[k]], tokens[k], done) for k, done in ended.items() if ids[k] in kept
+                ]
+                self._end(rows)
+            self.times.advance_s += time.perf_counter() - start
+            return
         manager = self.manager
         if manager is None or not manager.num_live:
             return
@@ -222,16 +298,20 @@ class StructuredOutputs:
         # that end come back: no Python per row here beyond reading its token
         tokens = [r.output_token_ids[-1] for r in updated]
         ended = manager.accept_rows([r.request_id for r in updated], tokens)
-        for k, done in ended.items():
-            request = updated[k]
-            if done is None:
-                message = f"structured output: the grammar rejected token {tokens[k]}"
-                self.scheduler.fail_request(request, message)
-            elif not request.is_finished:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        self._end([(updated[k], tokens[k], done) for k, done in ended.items()])
         self.times.advance_s += time.perf_counter() - start
         if self._next is not None:
             self._start_fill(self._next)
+
+    def _end(self, rows: list[tuple[Request, int, bool | None]]) -> None:
+        """Finish "stop" each (request, token, True: its grammar complete) and fail each
+        (request, token, None: its token rejected), in order."""
+        for request, token, done in rows:
+            if done is None:
+                message = f"structured output: the grammar rejected token {token}"
+                self.scheduler.fail_request(request, message)
+            elif not request.is_finished:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _timed_fill(
         self, seq_ids: list[str], submitted: float | None = None
@@ -313,7 +393,7 @@ class StructuredOutputs:
         result or exception discarded): for `LLMEngine.abort_all` after an exception out of
         `step()`, whose state is unknown, so no device work. The worker drops the aborted
         sequences' states at the next step (their finished ids)."""
-        self.held = self._next = None
+        self.held = self._next = self._advanced = None
         self._take_fill()
 
     def close(self) -> None:

@@ -159,7 +159,8 @@ def tiny_llama(tmp_path_factory, embedded_tokenizer_dir):
 
 def test_async_steps_fill_while_outputs_are_processed(tiny_llama):
     """Under async scheduling a step's bitmask is filled in the background from the moment the
-    previous step's tokens are accepted (`StructuredOutputs.advance`); the tokens equal those
+    previous step's tokens are accepted (`StructuredOutputs.collected`: the matchers advance
+    on the fill thread before the scheduler's update, then the fill runs); the tokens equal those
     of synchronous scheduling, where every fill happens in `bitmask`. A fill started before
     the accepts, or on a stale step, would give other tokens or invalid JSON."""
     from phloem import LLM, SamplingParams
@@ -278,10 +279,11 @@ class _Scheduler:
 
 
 def test_advance_hands_the_next_fill_to_the_fill_thread():
-    """Under async scheduling `advance` hands the next step's fill to its thread (which asks
-    each matcher whether it terminated), `bitmask` takes its result, and the hand-over's lag is
-    counted. (`advance` does not wait for the thread to start: on an H200 that wait cost the
-    loop ~3 ms a step and gained nothing, benchmarks/results/2026-11-26h-h200.)"""
+    """Under async scheduling the matchers' advance by a step's tokens and the next step's fill
+    run on the fill thread: handed over by `collected` (the tokens just collected; `advance`
+    applies the advance's results: a complete grammar finishes its request) or, without
+    `collected`, by `advance` (the matchers advanced on the loop); `bitmask` takes the fill's
+    result, and the hand-over's lag is counted."""
     from types import SimpleNamespace
 
     from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -301,14 +303,19 @@ def test_advance_hands_the_next_fill_to_the_fill_thread():
 
     sched = step(0)
     hooks.bitmask(sched)  # the first step's fill, on the loop
-    for num, token in enumerate((5, 6), start=1):
-        sched = step(num)
+    walk = [(5, False, [6]), (6, True, [7]), (7, True, [0]), (0, True, list(range(VOCAB)))]
+    for num, (token, early, expected) in enumerate(walk, start=1):  # 0 completes: unconstrained
+        collected, sched = sched, step(num)
         for request in requests:
             request.output_token_ids.append(token)
         _Matcher.threads.clear()
+        if early:
+            hooks.collected(collected, dict.fromkeys(ids, token))
         hooks.advance(requests)  # type: ignore[arg-type]
         grammar = hooks.bitmask(sched)
         assert "phloem-grammar-fill" in " ".join(_Matcher.threads), _Matcher.threads
-        assert [allowed(r) for r in grammar.bitmask] == [[token + 1]] * 2
-    assert hooks.num_early_fills == 2 and hooks.times.fill_lag_s > 0
+        assert ("MainThread" in _Matcher.threads) is not early  # the advance's is_terminated
+        assert [allowed(r) for r in grammar.bitmask] == [expected] * 2
+    assert all(r.is_finished for r in requests)
+    assert hooks.num_early_fills == 4 and hooks.times.fill_lag_s > 0
     hooks.close()
