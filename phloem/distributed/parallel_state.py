@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 1800.0
 # Seconds `destroy_tensor_parallel` waits for the group's teardown before aborting it.
 DESTROY_TIMEOUT_S = 30.0
+# True once this process has joined a torch symmetric-memory rendezvous, in any group (never reset:
+# torch's rendezvous state outlives the group; see `symm_mem_setup`)
+_symm_mem_joined = False
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ def init_fused_norm_all_reduce(hidden_size: int, dtype: torch.dtype) -> None:
     PHLOEM_TP_ALLREDUCE is fused_norm (FlashInfer's kernel) or symm_norm (phloem's, up to
     `symm_norm_all_reduce.rows_for` rows); otherwise nothing. Collective: every rank calls it
     at the same point, after the model is built. Messages of up to PHLOEM_TP_ALLREDUCE_MAX_KB
-    take it.
+    take it. symm_norm stays off, with a warning, in a group where a rank joined a
+    symmetric-memory rendezvous in an earlier group (`symm_mem_setup`: a second engine of one
+    process).
 
     Raises:
         ImportError, RuntimeError: from the kernel's set-up (FlashInfer or Triton missing, no
@@ -121,13 +126,57 @@ def init_fused_norm_all_reduce(hidden_size: int, dtype: torch.dtype) -> None:
                            "every norm", hidden_size)  # fmt: skip
             return
         device = torch.device("cuda", torch.cuda.current_device())
-        fused: Any = SymmNormAllReduce(_state.group, device, hidden_size, max_tokens, dtype)
+        group = _state.group
+        fused: Any = symm_mem_setup(
+            group, device, lambda: SymmNormAllReduce(group, device, hidden_size, max_tokens, dtype),
+            "symm_norm",
+        )  # fmt: skip
+        if fused is None:
+            return
     else:
         fused = FusedAllReduceNorm(
             _state.group, _state.rank, _state.size, hidden_size, max_tokens, dtype
         )
     _state = dataclasses.replace(_state, fused_norm=fused)
     logger.info("tensor parallel: %s all-reduce + RMSNorm for up to %d tokens", choice, max_tokens)
+
+
+def symm_mem_setup(group, device: torch.device, build: Callable[[], Any], what: str) -> Any:
+    """`build()` (a constructor that joins a torch symmetric-memory rendezvous over `group`) when
+    every rank of `group` can join one, else None on every rank, with a warning (the group's
+    all-reduce then serves). Collective: every rank of `group` calls it at the same point; it
+    all-reduces one flag on `device` (CUDA for NCCL, the CPU for gloo). Sets `_symm_mem_joined`.
+
+    A rank can join only if no rank of the group has joined a rendezvous before, in an earlier
+    group. Torch names a rendezvous's store keys by per-process sequence numbers (`StoreExchange`
+    in CUDASymmetricMemory, the `rendezvous` counters of SymmetricMemory.cpp) and keeps the store
+    it registered for a group name for the life of the process (`enable_symm_mem_for_group` does
+    nothing for a name it has seen), while a process group made again gets the same name ("0").
+    The driver (rank 0) lives on from engine to engine and ranks 1.. are new processes, so in a
+    second engine of one process the driver and its new peers wait for each other's keys, under
+    other numbers (and, in torch versions that read the registered store, in the first group's
+    store), in C++ for the store's timeout (COLLECTIVE_TIMEOUT_S): the symm_norm GPU test's third
+    engine hung there (benchmarks/results/2026-11-27c-cpu-symm-norm-hang).
+
+    Args:
+        group: the process group; device: where the flag is all-reduced.
+        build: the set-up, called only where every rank will call it; what: its name, for logs.
+    Returns:
+        build()'s result, or None.
+    """
+    global _symm_mem_joined
+    fresh = torch.tensor([0 if _symm_mem_joined else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
+    if not int(fresh.item()):
+        logger.warning(
+            "tensor parallel: %s is off for this group (the group's all-reduce serves): a rank "
+            "(the driver, after an earlier engine in this process) joined a symmetric-memory "
+            "rendezvous before, and torch cannot rendezvous it again with new peers; start the "
+            "engine in a new process to use it", what)  # fmt: skip
+        return None
+    _symm_mem_joined = True  # before the rendezvous: a partial one leaves torch's state behind too
+    logger.info("tensor parallel: %s joins a symmetric-memory rendezvous", what)
+    return build()
 
 
 def tp_backend() -> str:
@@ -144,7 +193,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
         init_method: the rendezvous, e.g. "tcp://127.0.0.1:PORT" (rank 0 hosts the store).
         backend: "nccl" (CUDA) or "gloo" (CPU).
     With NCCL and PHLOEM_TP_ALLREDUCE=symm_mem, every rank also sets up the symmetric-memory
-    all-reduce for small messages here (collectively).
+    all-reduce for small messages here (collectively; not where a rank joined a symmetric-memory
+    rendezvous in an earlier group: `symm_mem_setup`).
 
     Raises:
         RuntimeError: this process already belongs to a process group (one started by torchrun,
@@ -175,7 +225,10 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
     small = None
     choice, max_bytes = all_reduce_choice()
     if device is not None and choice == "symm_mem":  # device: set for nccl only
-        small = OneShotAllReduce(dist.group.WORLD, device, max_bytes)
+        world = dist.group.WORLD
+        small = symm_mem_setup(
+            world, device, lambda: OneShotAllReduce(world, device, max_bytes), "symm_mem"
+        )
     _state = TensorParallelState(rank, size, dist.group.WORLD, backend, small, choice)
 
 

@@ -1,12 +1,16 @@
 """The all-reduce choice for tensor parallelism (PHLOEM_TP_ALLREDUCE): parsed and validated before
 any rank starts; the symmetric-memory path itself runs on two GPUs (tests/distributed/
-test_tp_gpu.py), and gloo groups never take it."""
+test_tp_gpu.py), and gloo groups never take it. The ranks agree whether a group may join a
+symmetric-memory rendezvous (not where a rank joined one in an earlier group: the driver of a
+second engine in one process), checked with gloo groups and a stand-in set-up."""
 
 from __future__ import annotations
 
 import multiprocessing
+import socket
 
 import pytest
+import torch
 
 from phloem import LLM
 from phloem.distributed.symm_all_reduce import DEFAULT_MAX_KB, all_reduce_choice
@@ -50,3 +54,53 @@ def test_gloo_group_keeps_the_backend_all_reduce(tmp_path, embedded_tokenizer_di
         assert tp_small_all_reduce() is None
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join_and_set_up(rank: int, port: int, built, engine: int) -> None:
+    """Rank `rank` of a two-rank gloo group (engine `engine`'s): `symm_mem_setup` with a stand-in
+    set-up; built[engine, rank] = 1 where it ran the set-up. Leaves the group."""
+    import torch.distributed as dist
+
+    from phloem.distributed.parallel_state import symm_mem_setup
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        done = symm_mem_setup(dist.group.WORLD, torch.device("cpu"), lambda: "set up", "test")
+        built[engine, rank] = int(done == "set up")
+    finally:
+        dist.destroy_process_group()
+
+
+def _driver(built) -> None:
+    """A driver process (rank 0) that starts two engines one after the other, each with a new
+    rank-1 process, as `TensorParallelExecutor` does."""
+    context = multiprocessing.get_context("fork")
+    for engine in range(2):
+        port = _free_port()
+        peer = context.Process(target=_join_and_set_up, args=(1, port, built, engine))
+        peer.start()
+        _join_and_set_up(0, port, built, engine)
+        peer.join(timeout=30)
+        assert peer.exitcode == 0
+
+
+def test_second_engine_of_a_process_skips_symmetric_memory():
+    """The first engine's ranks set symmetric memory up; in the second, the driver has joined a
+    rendezvous before and its new peer has not (torch would wait in the rendezvous for 30 min,
+    benchmarks/results/2026-11-27c-cpu-symm-norm-hang): neither rank sets it up."""
+    built = torch.full((2, 2), -1, dtype=torch.int32).share_memory_()
+    driver = multiprocessing.get_context("fork").Process(target=_driver, args=(built,))
+    driver.start()
+    driver.join(timeout=60)
+    if driver.is_alive():
+        driver.kill()
+        pytest.fail("the ranks did not agree within 60 s")
+    assert driver.exitcode == 0
+    assert built.tolist() == [[1, 1], [0, 0]]

@@ -5,11 +5,16 @@ sums' order differs between TP sizes, and random weights over a 49K vocabulary l
 logits ~0.3 apart on average, so near-ties flip (on 4 H100s 3 of 12 sequences differed within 8
 tokens): the check is vLLM's `check_logprobs_close` made stricter. Where a sequence first
 diverges, each engine's token is in the other's top-5 and the reference's lead of its token over
-the other's is a near-tie (< MAX_TIE nats); most tokens agree before the first divergence."""
+the other's is a near-tie (< MAX_TIE nats); most tokens agree before the first divergence.
+
+The symmetric-memory choices start each TP = 2 engine in a new process: torch's symmetric memory
+rendezvouses once per process (`parallel_state.symm_mem_setup`), and in the test's own process a
+second TP = 2 engine (or a later case) would fall back to NCCL, leaving its kernel untested."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import random
 
 import pytest
@@ -56,29 +61,59 @@ def test_tp2_matches_tp1_on_cuda(arch, num_kv_heads, all_reduce, tmp_path, monke
     all-reduces fused with the residual add and RMSNorm (FlashInfer's one-shot kernel);
     symm_norm: the same fusion as phloem's Triton kernel over symmetric memory, its device-side
     barrier replayed by the graphs (and run eagerly by the third engine)."""
-    from phloem.distributed.parallel_state import tp_fused_norm_all_reduce, tp_small_all_reduce
-
     monkeypatch.setenv("PHLOEM_TP_ALLREDUCE", all_reduce)
     write_model(tmp_path, arch, num_kv_heads)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(5 + 3 * i)]}
                for i in range(12)]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    symm = all_reduce in ("symm_mem", "symm_norm")
     tokens = {}
     for size, eager in ((1, False), (2, False), (2, True)):
-        with LLM(str(tmp_path), tensor_parallel_size=size, dtype="bfloat16", enforce_eager=eager,
-                 max_num_seqs=16, num_gpu_blocks=512) as llm:  # fmt: skip
-            assert llm.llm_engine.executor.worker.cuda_graphs is not eager
-            assert (tp_small_all_reduce() is not None) == (size == 2 and all_reduce == "symm_mem")
-            fused = tp_fused_norm_all_reduce() is not None
-            assert fused == (size == 2 and all_reduce in ("fused_norm", "symm_norm"))
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens[size, eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        del llm
+        args = (str(tmp_path), size, eager, prompts, params)
+        tokens[size, eager], (small, fused) = (
+            in_new_process(*args) if symm and size == 2 else engine_outputs(*args)
+        )
+        assert small == (size == 2 and all_reduce == "symm_mem")
+        assert fused == (size == 2 and all_reduce in ("fused_norm", "symm_norm"))
         gc.collect()
         torch.cuda.empty_cache()
     for key in ((2, False), (2, True)):
         assert_logprobs_close(tokens[1, False], tokens[key], str(key))
+
+
+def engine_outputs(path: str, size: int, eager: bool, prompts: list, params) -> tuple:
+    """One engine's greedy outputs, per sequence (token ids, logprobs), and whether it set up
+    (the symmetric-memory all-reduce, a fused all-reduce + norm)."""
+    from phloem.distributed.parallel_state import tp_fused_norm_all_reduce, tp_small_all_reduce
+
+    with LLM(path, tensor_parallel_size=size, dtype="bfloat16", enforce_eager=eager,
+             max_num_seqs=16, num_gpu_blocks=512) as llm:  # fmt: skip
+        assert llm.llm_engine.executor.worker.cuda_graphs is not eager
+        paths = (tp_small_all_reduce() is not None, tp_fused_norm_all_reduce() is not None)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], paths
+
+
+def _engine_process(conn, *args) -> None:
+    conn.send(engine_outputs(*args))
+    conn.close()
+
+
+def in_new_process(*args) -> tuple:
+    """`engine_outputs(*args)` in a new (spawned, non-daemon) process."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_engine_process, args=(sender, *args))
+    process.start()
+    sender.close()
+    try:
+        return receiver.recv()
+    except EOFError:
+        process.join(timeout=30)
+        pytest.fail(f"the engine's process failed (exit code {process.exitcode}; stderr above)")
+    finally:
+        process.join(timeout=60)
 
 
 def assert_logprobs_close(ref: list, got: list, name: str) -> None:
