@@ -100,6 +100,10 @@ class FusedAllReduceNorm:
         )  # fmt: skip
         return norm_out, residual_out
 
+    def abort(self) -> None:
+        """Nothing: FlashInfer's kernel cannot be told to stop waiting for a dead peer (the
+        interface `SymmNormAllReduce.abort` defines)."""
+
     def close(self) -> None:
         """Release the workspace's buffers (every rank, when the group ends)."""
         if self._workspace is not None:

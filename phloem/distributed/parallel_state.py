@@ -277,7 +277,12 @@ def finished_within(fn: Callable[[], object], timeout_s: float) -> bool:
 
 def abort_tensor_parallel() -> None:
     """Abort the group's pending collectives (from another thread, when a rank died: an NCCL
-    collective waiting for a dead peer would otherwise wait out its timeout). Best effort."""
+    collective waiting for a dead peer would otherwise wait out its timeout), and make the fused
+    all-reduce's barriers give up (`SymmNormAllReduce.abort`: a spinning kernel would otherwise
+    never end). Best effort."""
+    fused = _state.fused_norm
+    if fused is not None:
+        fused.abort()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.distributed_c10d._abort_process_group()

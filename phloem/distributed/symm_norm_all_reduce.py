@@ -91,9 +91,12 @@ class SymmNormAllReduce:
         self._handle = symm_mem.rendezvous(self.buffer, group)
         self.rank = self._handle.rank
         self.buffer_ptrs = torch.tensor(self._handle.buffer_ptrs, dtype=torch.int64, device=device)
+        # read by the kernel's spins (`abort`): pinned host memory, which the GPU reads in place
+        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.signal_ptrs = torch.tensor(
-            self._handle.signal_pad_ptrs, dtype=torch.int64, device=device
-        )
+            [*self._handle.signal_pad_ptrs, self.abort_flag.data_ptr()],
+            dtype=torch.int64, device=device,
+        )  # fmt: skip
         pad = self._handle.get_signal_pad(self.rank, [max_rows * world], dtype=torch.int32)
         pad.zero_()
         torch.cuda.synchronize(device)
@@ -138,6 +141,13 @@ class SymmNormAllReduce:
             x, residual, weight, eps, self.buffer_ptrs, self.signal_ptrs, self.rank,
             (slot & 1) * self.slot_elements,
         )  # fmt: skip
+
+    def abort(self) -> None:
+        """Make every barrier of this rank's calls, running or later, give up waiting
+        (`symm_norm_kernel`: the spins poll this flag): for when a peer died and would leave them
+        spinning forever. The results of those calls are garbage; the group must end. A host
+        write only (no CUDA call), so any thread may call it while another waits on the GPU."""
+        self.abort_flag.fill_(1)
 
     def close(self) -> None:
         """Drop the buffer (every rank, when the group ends; PyTorch frees it with the handle)."""

@@ -26,6 +26,13 @@ the grids of one call must match on every rank (they do: the same rows everywher
 orders the program's copies (made visible to the whole block by a `__syncthreads` first) before
 the flag; the acquire orders the peers' rows after it.
 
+Every spin polls an abort flag (an int32 in pinned host memory, its address after the signal
+pads' in the pad table) once per ABORT_POLL_SPINS tries: when a peer dies, nothing else could
+end the spin (an NCCL abort does not reach it) and the driver would wait for this kernel
+forever. `SymmNormAllReduce.abort` sets it (the executor's watchdog, on a rank's death); the
+kernel then leaves its barrier with whatever the buffers hold, and the step fails. The common
+case (the peer arrives within a few tries) never reads it.
+
 Step 1 writes into `slot`, one of two halves of each buffer, and callers alternate them between
 consecutive calls (`symm_norm_all_reduce.py`): a rank may begin call n + 1 while a peer still
 reads call n's rows from its buffer, but not call n + 2 (it would first need that peer at call
@@ -43,23 +50,40 @@ import triton.language as tl
 
 from phloem.distributed.symm_norm_all_reduce import MAX_COLUMNS
 
+# failed compare-and-swaps between two reads of the abort flag (module docstring; a read crosses
+# PCIe, ~1 us, so the poll costs nothing while the peers keep pace)
+ABORT_POLL_SPINS = tl.constexpr(1024)
+
+
+@triton.jit
+def _swap_flag(flag, expected, desired, abort, SEM: tl.constexpr):
+    """Compare-and-swap the int32 at `flag` from `expected` to `desired` (system scope, `SEM`
+    ordering), retrying until it succeeds or the int32 at `abort` is non-zero."""
+    done = (tl.atomic_cas(flag, expected, desired, sem=SEM, scope="sys") == expected).to(tl.int32)
+    tries = 0
+    while done == 0:
+        done = (tl.atomic_cas(flag, expected, desired, sem=SEM, scope="sys") == expected).to(
+            tl.int32
+        )
+        tries += 1
+        if tries % ABORT_POLL_SPINS == 0:
+            done = done | (tl.load(abort, volatile=True) != 0).to(tl.int32)
+
 
 @triton.jit
 def _block_barrier(signal_ptrs, rank, block, WORLD: tl.constexpr):
     """Meet program `block` of every peer (module docstring: arrive, then wait). signal_ptrs:
-    int64 [WORLD], each rank's signal pad address (int32 flags, WORLD per program)."""
+    int64 [WORLD + 1], each rank's signal pad address (int32 flags, WORLD per program), then the
+    abort flag's."""
+    abort = tl.load(signal_ptrs + WORLD).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD):
         if peer != rank:
             pad = tl.load(signal_ptrs + peer).to(tl.pointer_type(tl.int32))
-            flag = pad + block * WORLD + rank
-            while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-                pass
+            _swap_flag(pad + block * WORLD + rank, 0, 1, abort, "release")
     own = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
     for peer in tl.static_range(WORLD):
         if peer != rank:
-            flag = own + block * WORLD + peer
-            while tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+            _swap_flag(own + block * WORLD + peer, 1, 0, abort, "acquire")
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -115,19 +139,24 @@ def all_reduce_add_norm(
         buffer_ptrs: int64 [W] on x's device: the address of each rank's buffer (the symmetric
             memory handle's `buffer_ptrs`; plain tensors' `data_ptr()` in CPU tests), each at
             least slot_offset + T * hidden elements of x's dtype.
-        signal_ptrs: int64 [W]: each rank's signal pad, >= 4 * T * W bytes (read with barrier).
+        signal_ptrs: int64 [W + 1]: each rank's signal pad, >= 4 * T * W bytes, then the address
+            of the abort flag (an int32 the GPU can read: pinned host memory); read with barrier.
         rank: this rank in [0, W). slot_offset: [elements] where this call's rows start in each
             buffer (a multiple of 8: 16-byte vectors).
         barrier: False only where no peer runs (the peers' buffers are filled already).
     Returns:
         (normalized, new residual): new [T, hidden] tensors in x's dtype.
     Raises:
-        ValueError: rows wider than MAX_COLUMNS, or a shape that is not [T, hidden] as above.
+        ValueError: rows wider than MAX_COLUMNS, a shape that is not [T, hidden] as above, or
+            (with barrier) a pad table of other than W + 1 entries.
     """
     num_rows, hidden = x.shape
     if hidden > MAX_COLUMNS or residual.shape != x.shape or weight.shape != (hidden,):
         raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)}, weight "
                          f"{tuple(weight.shape)}: need [T, <= {MAX_COLUMNS}], the same, [hidden]")  # fmt: skip
+    if barrier and signal_ptrs.numel() != buffer_ptrs.numel() + 1:
+        raise ValueError(f"{signal_ptrs.numel()} pad table entries for {buffer_ptrs.numel()} "
+                         "ranks: need one per rank, then the abort flag")  # fmt: skip
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     block = triton.next_power_of_2(hidden)
     _all_reduce_add_norm_kernel[(num_rows,)](
@@ -152,7 +181,8 @@ def compile_variants(hidden_size: int, world_size: int, max_rows: int, dtype: to
     Under a real driver it would launch on CPU memory: call it only there."""
     x = torch.zeros(1, hidden_size, dtype=dtype)
     table = torch.zeros(world_size, dtype=torch.int64)
+    pads = torch.zeros(world_size + 1, dtype=torch.int64)  # the pads, then the abort flag
     for slot in (0, 1):
         all_reduce_add_norm(
-            x, x, x[0], 1e-6, table, table, 0, slot * slot_elements(max_rows, hidden_size)
+            x, x, x[0], 1e-6, table, pads, 0, slot * slot_elements(max_rows, hidden_size)
         )

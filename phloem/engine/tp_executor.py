@@ -7,7 +7,8 @@ sequence) and writes it to every rank's pipe, then runs its own share; the ranks
 model's collectives (NCCL on CUDA, gloo on the CPU). Every rank samples the all-gathered logits
 with the same seeds, so only the driver's tokens are returned and no tokens travel back. A
 watchdog thread waits on the rank processes: when one dies it aborts an NCCL group (whose
-collectives would wait for the dead peer); gloo's fail on their own. Any failure of a step, on
+collectives would wait for the dead peer) and the symm_norm kernel's barriers (which would spin
+forever), and the step collected next raises; gloo's collectives fail on their own. Any failure of a step, on
 any rank, stops the group and raises `TensorParallelError` naming the rank; the executor refuses
 later steps (so does an interrupt in the middle of a launch, after which the ranks could wait in
 collectives the driver never reaches). `shutdown` (also at garbage collection and exit) stops
@@ -72,6 +73,7 @@ class _Group:
         self.ranks = ranks
         self.closed = False
         self.before_leave: Callable[[], None] | None = None  # the driver frees its CUDA graphs
+        self.rank_died = False  # set by the watchdog, before it aborts the group
         self._stop_r, self._stop_w = os.pipe()
         self.watchdog = threading.Thread(target=self._watch, name="phloem-tp-watch", daemon=True)
 
@@ -79,6 +81,7 @@ class _Group:
         """Abort the group's collectives when a rank dies (not when `close` stops them)."""
         ready = wait([r.process.sentinel for r in self.ranks] + [self._stop_r])
         if self._stop_r not in ready:
+            self.rank_died = True
             abort_tensor_parallel()
 
     def failure(self, error: BaseException, when: str = "during a step") -> TensorParallelError:
@@ -143,9 +146,12 @@ class TensorParallelExecutor(Executor):
             return ModelRunnerOutput()
         self._collected.append(launched.step_no)
         try:
-            return self.worker.model_runner.collect(launched.inner)
+            output = self.worker.model_runner.collect(launched.inner)
         except Exception as e:
             raise self._fail(e) from e
+        if self._group.rank_died:  # an aborted step ends with garbage in its all-reduces
+            raise self._fail(RuntimeError("a rank died during the step"))
+        return output
 
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)

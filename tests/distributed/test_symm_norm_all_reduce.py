@@ -6,7 +6,8 @@ of the ranks' partials plus the residual, then RMSNorm, against a float64 refere
 interpreter two forked processes also run it with the barrier, over shared memory standing in
 for the symmetric buffers and signal pads: consecutive calls of several row counts, slots
 alternating, the same results on both ranks and every flag back to 0 (the protocol; not the
-GPU's memory ordering). Compiled for sm_90 without a GPU: the kernel with its barrier
+GPU's memory ordering); a rank whose peer never comes leaves its barrier once its abort flag is
+set. Compiled for sm_90 without a GPU: the kernel with its barrier
 (system-scope acquire/release atomics) passes ptxas, and the variant the prebuild records is
 the one the engine's call launches. NVLink and CUDA-graph replay run on two GPUs
 (tests/distributed/test_tp_gpu.py)."""
@@ -115,7 +116,8 @@ def rank_process(rank: int, buffers, pads, results) -> None:
     from phloem.distributed.symm_norm_kernel import all_reduce_add_norm, slot_elements
 
     buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    pad_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    abort = torch.zeros(1, dtype=torch.int32)  # never set
+    pad_table = torch.tensor([p.data_ptr() for p in pads] + [abort.data_ptr()], dtype=torch.int64)
     stride = slot_elements(CALL_ROWS, HIDDEN)
     for call, (rows, slot) in enumerate(CALLS):
         out, new_residual = all_reduce_add_norm(*call_inputs(call, rank), EPS, buffer_table,
@@ -152,6 +154,49 @@ def test_two_ranks_meet_at_the_barrier():
         )
         assert torch.equal(results[0, call], results[1, call])
     assert not any(p.any() for p in pads)  # every flag consumed
+
+
+def lone_rank(returned) -> None:
+    """Rank 0 of two whose peer never runs, its previous flag to the peer not yet consumed: one
+    call with the barrier, the abort flag set by a timer. returned[0] = the abort flag as the call
+    returned (1: it waited until the abort)."""
+    import threading
+
+    from phloem.distributed.symm_norm_kernel import all_reduce_add_norm
+
+    x = torch.ones(1, HIDDEN, dtype=torch.bfloat16)
+    buffers = [torch.zeros(HIDDEN, dtype=torch.bfloat16) for _ in range(2)]
+    pads = [torch.zeros(2, dtype=torch.int32) for _ in range(2)]
+    pads[1][0] = 1  # flag (program 0, from rank 0) on the peer's pad: the arrive spins too
+    abort = torch.zeros(1, dtype=torch.int32)
+    buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    pad_table = torch.tensor([p.data_ptr() for p in pads] + [abort.data_ptr()], dtype=torch.int64)
+    threading.Timer(0.5, abort.fill_, args=(1,)).start()
+    all_reduce_add_norm(x, x, x[0], EPS, buffer_table, pad_table, 0, 0)
+    returned[0] = int(abort.item())
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="a CPU process under Triton's interpreter")
+def test_abort_flag_ends_a_barrier_whose_peer_is_gone():
+    """A peer that died leaves the barrier's spins waiting forever; the abort flag (set by the
+    executor's watchdog through `SymmNormAllReduce.abort`) ends them, both the arrive's and the
+    wait's."""
+    returned = torch.full((1,), -1, dtype=torch.int32).share_memory_()
+    process = multiprocessing.get_context("fork").Process(target=lone_rank, args=(returned,))
+    process.start()
+    process.join(timeout=60)
+    if process.is_alive():
+        process.kill()
+        pytest.fail("the call still spun 60 s after its abort flag was set")
+    assert process.exitcode == 0 and returned.item() == 1
+
+
+def test_pad_table_needs_the_abort_flag():
+    from phloem.distributed.symm_norm_kernel import all_reduce_add_norm
+
+    x, table = torch.ones(1, HIDDEN, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="2 pad table entries for 2 ranks"):
+        all_reduce_add_norm(x, x, x[0], EPS, table, table, 0, 0)
 
 
 def test_choice_names_symm_norm_and_the_bad_value():
@@ -195,9 +240,9 @@ print(prebuilt[0].describe())
 
 def engine_call():  # SymmNormAllReduce's launch: rank 1, 3 rows, slot 1
     x = torch.zeros(3, 4096, dtype=torch.bfloat16)
-    table = torch.zeros(2, dtype=torch.int64)
+    table, pads = torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     k.all_reduce_add_norm(x, x.clone(), torch.ones(4096, dtype=torch.bfloat16), 1e-5, table,
-                          table, 1, k.slot_elements(MAX_ROWS, 4096))
+                          pads, 1, k.slot_elements(MAX_ROWS, 4096))
 
 (launched,) = tv.record_variants(engine_call, target)
 print("same" if launched.specialization == prebuilt[0].specialization else "differs")

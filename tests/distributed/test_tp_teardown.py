@@ -1,7 +1,8 @@
 """Leaving a tensor-parallel group never hangs the process: every member frees its CUDA graphs
 before the teardown (a graph that captured NCCL collectives made `ncclCommAbort` wait forever on
 two H200s), each teardown call is bounded in time, and the rank processes exit at once with
-status 0 after "stop"."""
+status 0 after "stop". A rank's death ends the step in flight: the watchdog's abort reaches the
+fused all-reduce's barriers, and the step collected next raises instead of returning tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from phloem import LLM
@@ -19,7 +21,8 @@ from phloem.distributed.parallel_state import (
     init_tensor_parallel,
     tp_size,
 )
-from phloem.engine.tp_executor import _free_port
+from phloem.distributed.worker_process import TensorParallelError
+from phloem.engine.tp_executor import TensorParallelExecutor, _free_port, _Group, _Handle
 from tests.engine.tiny_models import write_tiny_model
 
 
@@ -71,3 +74,41 @@ def test_close_frees_cuda_graphs_before_leaving_and_ranks_exit_cleanly(
     assert in_group_at_release == [True]  # the driver's graphs go before its group does
     assert not dist.is_initialized()
     assert [p.exitcode for p in processes] == [0]
+
+
+def test_abort_tells_the_fused_all_reduce(monkeypatch):
+    calls = []
+
+    class Fused:
+        def abort(self) -> None:
+            calls.append("abort")
+
+    state = parallel_state.TensorParallelState(fused_norm=Fused())
+    monkeypatch.setattr(parallel_state, "_state", state)
+    parallel_state.abort_tensor_parallel()
+    assert calls == ["abort"]
+
+
+def test_step_collected_after_a_rank_died_raises():
+    """The watchdog saw a rank die and aborted the group: the step's all-reduces ended with
+    garbage (an aborted NCCL collective, a symm_norm barrier that gave up), so its tokens are
+    not returned; the executor stops the group."""
+
+    class Runner:
+        def collect(self, inner) -> str:
+            return "tokens"
+
+    class Worker:
+        num_blocks = 4
+        model_runner = Runner()
+
+        def release_cuda_graphs(self) -> None:
+            pass
+
+    group = _Group([])
+    executor = TensorParallelExecutor(Worker(), group)
+    assert executor.collect(_Handle(1, None)) == "tokens"
+    group.rank_died = True
+    with pytest.raises(TensorParallelError, match="a rank died during the step"):
+        executor.collect(_Handle(2, None))
+    assert group.closed
