@@ -4,10 +4,10 @@
 #   TP=4 STAGES="agree latency" bash benchmarks/tp_device.sh "$OUT/tp4"
 # On Llama-3.1-8B shapes with random weights (load_format dummy draws the same model at every TP
 # size), bf16, one process per run, the stages of STAGES in this order:
-#   tests    tests/distributed/test_tp_gpu.py (TESTS_LIMIT s, default 420; 150 s a case; TESTS_K
-#            picks cases by pytest -k): TP=2 vs
-#            TP=1 greedy on tiny models, NCCL, decode
-#            CUDA graphs on and off (output in OUT_DIR/tp-gpu-tests.txt)
+#   tests    tests/distributed/test_tp_gpu.py (TESTS_LIMIT s, default 420; TESTS_CASE_LIMIT s a
+#            case, default 200: the symmetric-memory cases start their TP=2 engines in new
+#            processes; TESTS_K picks cases by pytest -k): TP=2 vs TP=1 greedy on tiny models,
+#            NCCL, decode CUDA graphs on and off (output in OUT_DIR/tp-gpu-tests.txt)
 #   agree    benchmarks/tp_agreement.py: greedy reference at TP=1, then TP=$TP teacher-forced top-1
 #            agreement with it (goal >= 0.99) and free-running greedy match; says whether TP=$TP
 #            replayed CUDA graphs (which capture the all-reduces); then TP=1 checked the same way,
@@ -65,7 +65,8 @@ for stage in $STAGES; do
         # that hangs is named by pytest-timeout; TESTS_K picks cases (pytest -k, e.g. symm_norm).
         # The thread method dumps every thread's stack at the timeout even when the main thread is
         # blocked in CUDA or NCCL (the signal method never fired on symm_norm's hang, 2026-11-27c)
-        timeout "$TESTS_LIMIT" python3 -m pytest -v -x --tb=short -p no:cacheprovider --timeout 150 \
+        timeout "$TESTS_LIMIT" python3 -m pytest -v -x --tb=short -p no:cacheprovider \
+            --timeout "${TESTS_CASE_LIMIT:-200}" \
             --timeout-method=thread \
             --durations=0 -k "${TESTS_K:-}" tests/distributed/test_tp_gpu.py 2>&1 | tee "$OUT/tp-gpu-tests.txt" \
             | grep -E "PASS|FAIL|ERROR|Timeout|passed|failed|s call"
