@@ -42,8 +42,11 @@ recover.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import accumulate, chain, islice, repeat
+from operator import mul, sub
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,12 @@ def expected_tokens(acceptance_rate: float, num_drafts: int) -> float:
     return sum(acceptance_rate**j for j in range(num_drafts + 1))
 
 
+# The most drafts on offer that `choose_num_drafts` merges by one sort (past the heap's first two):
+# sorting them all costs ~0.03 us a draft on offer, the heap ~0.3 us a draft handed out, so where
+# many are offered and few pay (batch 256, low rates) the sort cost more than the heap saved
+MERGE_MAX_DRAFTS = 1024
+
+
 def choose_num_drafts(
     candidates: Sequence[DraftCandidate],
     num_sampled: int,
@@ -148,6 +157,18 @@ def choose_num_drafts(
     config: CostRuleConfig,
 ) -> list[int]:
     """Drafts per candidate (0 = no speculation), maximizing expected tokens per second.
+
+    The drafts go out in the order of a heap of each candidate's next gain, (minus gain,
+    index) smallest first (module docstring). The first two come off such a heap: where drafts
+    do not pay, the ratio falls at the second and nothing else is built. The rest are each
+    candidate's remaining gains (falling: c <= 1), merged by one stable sort of them laid out
+    candidate by candidate, draft by draft (at most `MERGE_MAX_DRAFTS` on offer; more go
+    through the heap to the end), which is the heap's order: a heap holding one entry
+    per candidate pops equal gains by index, and a candidate's equal gains one after the other
+    (its next entry ties with the one just popped and keeps its index). Gains are the same
+    floats as the heap's (each the previous one times c), so the ratios and the stop are too.
+    At batch 32 x k = 16 (~360 drafts handed out) ~170 us with the heap to the end, ~95 us
+    merged (results/2026-11-27c-cpu-spec-drafting).
 
     Args:
         candidates: the step's sampled sequences that have drafts to offer, in any order.
@@ -165,43 +186,135 @@ def choose_num_drafts(
     _check_candidates(candidates, num_sampled)
     caps = [min(c.max_draft_tokens, config.max_draft_tokens) for c in candidates]
     drafts = [0] * len(candidates)
-    order: list[int] = []  # the candidate of each draft handed out, in order
-    tokens = float(num_sampled)
-    prefill_s, base_rate = _base_rate(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
-    best_rate, best_num_drafts, previous = base_rate, 0, base_rate
+    order: list[int] = []  # the candidate of each draft handed out off the heap, in order
+    scan = _RatioScan(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
     heap = [(-c.acceptance_rate, i) for i, c in enumerate(candidates) if caps[i] > 0]
     heapq.heapify(heap)
-    # `model.step_time_s(num_scheduled_tokens + n, num_kv_tokens + n, n)` for n >= 1 drafts,
-    # spelled out (the same floats): this loop runs once per draft handed out, ~500 times a
-    # step at batch 32 x k = 16, where the calls were most of its time
-    t_host, t_weights, c_token = model.t_host_s, model.t_weights_s, model.c_token_s
-    c_kv, c_draft, t_verify = model.c_kv_s, model.c_draft_s, model.t_verify_s
-    # the top is read, then popped or replaced by the candidate's next draft (one sift, not
-    # two): entries are unique by candidate, so the order of pops is that of (gain, index)
-    pop, replace = heapq.heappop, heapq.heapreplace
+    popped = _heap_order(heap, candidates, caps, drafts, order)
+    if sum(caps) > MERGE_MAX_DRAFTS:
+        scan.add(popped, sum(caps))
+    elif not scan.add(islice(popped, 2), sum(caps)):
+        # minus the remaining gains of each candidate, rising (gains fall) from its heap entry
+        rest: list[list[float]] = [[] for _ in candidates]
+        for neg_gain, i in heap:
+            c = candidates[i]
+            rate = c.acceptance_rate if c.continue_rate is None else c.continue_rate
+            rest[i] = list(accumulate(repeat(rate, caps[i] - drafts[i] - 1), mul, initial=neg_gain))
+        merged = sorted(chain.from_iterable(rest))
+        scan.add(merged, sum(caps))
+        num_merged = scan.best_num_drafts - len(order)
+        if num_merged > 0:
+            _allot(drafts, rest, merged[num_merged - 1], num_merged)
+            return drafts if scan.pays(config.min_gain) else [0] * len(candidates)
+    chosen = [0] * len(candidates)
+    if scan.pays(config.min_gain):
+        for i in order[: scan.best_num_drafts]:
+            chosen[i] += 1
+    return chosen
+
+
+def _heap_order(
+    heap: list[tuple[float, int]],
+    candidates: Sequence[DraftCandidate],
+    caps: list[int],
+    drafts: list[int],
+    order: list[int],
+) -> Iterator[float]:
+    """Minus the gain of each draft off `heap` ((minus gain, candidate) entries, one per
+    candidate), in order: the top is replaced by its candidate's next draft (one sift a draft,
+    not two: entries are unique by candidate, so the pops come in the same order) or popped at
+    its cap. Counts each in `drafts` and `order` as it goes; the heap is updated before the
+    gain is yielded, so a consumer that stops finds the heap of the drafts not handed out."""
+    replace, pop = heapq.heapreplace, heapq.heappop
     while heap:
         neg_gain, i = heap[0]
-        tokens -= neg_gain
         drafts[i] += 1
         order.append(i)
-        n = len(order)
-        compute = max(t_weights, c_token * (num_scheduled_tokens + n))
-        step_s = t_host + compute + c_kv * (num_kv_tokens + n) + (c_draft * n + t_verify)
-        rate = tokens / (step_s - prefill_s)
-        if rate > best_rate:
-            best_rate, best_num_drafts = rate, n
-        if n > 1 and rate < previous:
-            break  # past the first draft the ratio only falls from here (module docstring)
-        previous = rate
         if drafts[i] < caps[i]:
             replace(heap, (neg_gain * candidates[i].next_rate, i))
         else:
             pop(heap)
-    chosen = [0] * len(candidates)
-    if best_rate >= config.min_gain * base_rate:
-        for i in order[:best_num_drafts]:
-            chosen[i] += 1
-    return chosen
+        yield neg_gain
+
+
+def _allot(drafts: list[int], rest: list[list[float]], last: float, num: int) -> None:
+    """Add to `drafts` the first `num` entries of the stable sort of `rest` (per candidate,
+    minus its remaining gains, rising), whose last is `last`: per candidate its entries below
+    `last`, then those equal to it, candidate by candidate while they last (the sort's order)."""
+    ties = []
+    for i, negs in enumerate(rest):
+        below = bisect_left(negs, last)
+        drafts[i] += below
+        num -= below
+        ties.append(bisect_right(negs, last, below) - below)
+    for i, tied in enumerate(ties):
+        if num <= 0:
+            break
+        take = min(tied, num)
+        drafts[i] += take
+        num -= take
+
+
+class _RatioScan:
+    """The rule's scan over drafts handed out in order (`choose_num_drafts`): the ratio
+    (sampled + gains) / (t - t_prefill) after each, the best count so far, and the stop at its
+    first fall past the first draft (module docstring).
+
+    `model.step_time_s(num_scheduled_tokens + n, num_kv_tokens + n, n)` is spelled out (the
+    same floats): this runs once per draft, ~500 times a step at batch 32 x k = 16. Below the
+    knee (n <= `knee`: c_token x tokens <= t_weights, which `max` then returns) the compute
+    term is t_weights and t_host + t_weights is added once.
+    """
+
+    def __init__(
+        self, num_sampled: int, num_scheduled_tokens: int, num_kv_tokens: int, model: StepTimeModel
+    ) -> None:
+        self.prefill_s, self.base_rate = _base_rate(
+            num_sampled, num_scheduled_tokens, num_kv_tokens, model
+        )
+        self.best_rate, self.best_num_drafts = self.base_rate, 0
+        self.previous, self.tokens, self.num_drafts = self.base_rate, float(num_sampled), 0
+        self.stopped = False
+        self.num_scheduled_tokens, self.num_kv_tokens, self.model = (
+            num_scheduled_tokens, num_kv_tokens, model)  # fmt: skip
+        self.knee = -1  # not known yet
+
+    def add(self, neg_gains: Iterable[float], max_drafts: int) -> bool:
+        """Hand out drafts of these minus gains, in order, until the ratio falls; returns
+        whether it fell (the scan stopped). `max_drafts`: the most drafts the step can get."""
+        model, prefill_s = self.model, self.prefill_s
+        num_tokens, num_kv = self.num_scheduled_tokens, self.num_kv_tokens
+        t_host, c_token, c_kv = model.t_host_s, model.c_token_s, model.c_kv_s
+        c_draft, t_verify = model.c_draft_s, model.t_verify_s
+        if self.knee < 0:  # the c_token x tokens rise with n: the last n at most t_weights
+            key = lambda n: c_token * (num_tokens + n)  # noqa: E731
+            self.knee = bisect_right(range(1, max_drafts + 1), model.t_weights_s, key=key)
+        knee, fixed = self.knee, t_host + model.t_weights_s
+        best_rate, best_num, previous = self.best_rate, self.best_num_drafts, self.previous
+        n, tokens = self.num_drafts, self.tokens
+        sums = accumulate(neg_gains, sub, initial=tokens)  # tokens -= neg_gain, draft by draft
+        next(sums)
+        for tokens in sums:
+            n += 1
+            if n <= knee:
+                step_s = fixed + c_kv * (num_kv + n) + (c_draft * n + t_verify)
+            else:
+                step_s = t_host + c_token * (num_tokens + n) + c_kv * (num_kv + n) + (
+                    c_draft * n + t_verify)  # fmt: skip
+            rate = tokens / (step_s - prefill_s)
+            if rate > best_rate:
+                best_rate, best_num = rate, n
+            elif n > 1 and rate < previous:  # (best_rate >= previous: never both)
+                self.stopped = True
+                break  # past the first draft the ratio only falls from here
+            previous = rate
+        self.best_rate, self.best_num_drafts, self.previous = best_rate, best_num, previous
+        self.num_drafts, self.tokens = n, tokens
+        return self.stopped
+
+    def pays(self, min_gain: float) -> bool:
+        """Whether the best count beats no drafts by `min_gain` (and hands out any)."""
+        return self.best_num_drafts > 0 and self.best_rate >= min_gain * self.base_rate
 
 
 def uniform_drafts_pay(

@@ -1,9 +1,11 @@
 """The speculation cost rule: on at batch 1 with a good acceptance rate, off at large
 compute-bound batches and at low acceptance, k growing with acceptance, the greedy choice equal
-to exhaustive search; acceptance-rate tracking (EMA, global prior, probes)."""
+to exhaustive search and to the plain heap loop that it merges by one sort; acceptance-rate
+tracking (EMA, global prior, probes)."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 
@@ -111,6 +113,64 @@ def test_greedy_choice_equals_exhaustive_search() -> None:
         )
         got = _rate(candidates, chosen, num_sampled, tokens, kv, model)
         assert got == pytest.approx(best, rel=1e-9)
+
+
+def _heap_choose(candidates, num_sampled, tokens, kv, model, config):
+    """`choose_num_drafts` written plainly: a heap of (minus gain, index), one draft a pop,
+    the ratio after each from `model.step_time_s`, stopping at its first fall."""
+    caps = [min(c.max_draft_tokens, config.max_draft_tokens) for c in candidates]
+    prefill = model.step_time_s(tokens, kv) - model.step_time_s(min(num_sampled, tokens), kv)
+    base = num_sampled / (model.step_time_s(tokens, kv) - prefill)
+    heap = [(-c.acceptance_rate, i) for i, c in enumerate(candidates) if caps[i] > 0]
+    heapq.heapify(heap)
+    order, emitted, best, best_n, previous = [], float(num_sampled), base, 0, base
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        order.append(i)
+        emitted -= neg_gain
+        n = len(order)
+        rate = emitted / (model.step_time_s(tokens + n, kv + n, n) - prefill)
+        if rate > best:
+            best, best_n = rate, n
+        if n > 1 and rate < previous:
+            break
+        previous = rate
+        if order.count(i) < caps[i]:
+            heapq.heappush(heap, (neg_gain * candidates[i].next_rate, i))
+    chosen = [0] * len(candidates)
+    if best >= config.min_gain * base:
+        for i in order[:best_n]:
+            chosen[i] += 1
+    return chosen
+
+
+def test_choice_equals_the_plain_heap_loop() -> None:
+    """Random steps, many candidates with tied rates (a few shared values, c = 0 or 1), below
+    and past the knee, and more drafts on offer than `MERGE_MAX_DRAFTS` (heap to the end):
+    the same drafts as `_heap_choose`, candidate by candidate."""
+    rng = random.Random(1)
+    for trial in range(1500):
+        model = StepTimeModel(
+            t_host_s=rng.uniform(0, 2e-3), t_weights_s=rng.choice([0.0, rng.uniform(1e-5, 6e-3)]),
+            c_token_s=rng.choice([0.0, rng.uniform(1e-7, 5e-5)]),
+            c_kv_s=rng.choice([0.0, rng.uniform(0, 1e-7)]),
+            c_draft_s=rng.choice([0.0, rng.uniform(0, 2e-4)]), t_verify_s=rng.uniform(0, 1e-3),
+        )  # fmt: skip
+        shared = [rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in range(3)]
+        num = rng.randint(0, 40) if trial % 10 else rng.randint(70, 90)
+        candidates = [
+            DraftCandidate(
+                rng.choice([*shared, rng.random()]),
+                rng.randint(0, 20),
+                rng.choice([None, 0.0, 1.0, rng.choice(shared), rng.random()]),
+            )
+            for _ in range(num)
+        ]
+        num_sampled = num + rng.randint(0, 30)
+        tokens, kv = max(num_sampled, 1) + rng.randint(0, 300), rng.randint(0, 50000)
+        config = CostRuleConfig(rng.randint(1, 16), rng.choice([1.0, 1.02]))
+        args = (candidates, num_sampled, tokens, kv, model, config)
+        assert choose_num_drafts(*args) == _heap_choose(*args)
 
 
 def test_min_gain_keeps_marginal_speculation_off() -> None:
