@@ -145,16 +145,15 @@ class SuffixProposer(Proposer):
         if request.max_draft_tokens == 0:
             return []
         cfg = self.config
-        history = request.token_ids
         own = self._requests[request.request_id].index
         min_len = min(cfg.min_match_len, cfg.max_pattern_len)
-        args = (cfg.max_pattern_len, cfg.spec_factor, cfg.min_token_prob, min_len,
-                request.num_lead_tokens)  # fmt: skip
+        args = (cfg.spec_factor, cfg.min_token_prob, min_len, request.num_lead_tokens)
         # a match restarted after an edit bridges to the prompt only (`min_bridge_run`)
         bridge = (cfg.min_bridge_run, request.num_prompt_tokens)
-        best, best_score = own.draft(history, *args, *bridge)
+        suffix = own.suffix("", cfg.max_pattern_len)  # the history's (`_index`), for both
+        best, best_score = own.draft_suffix(suffix, *args, *bridge)
         if cfg.use_shared:
-            draft, score = self.shared.index.draft(history, *args)
+            draft, score = self.shared.index.draft_suffix(suffix, *args)
             if score > best_score:
                 best = draft
         return best[: request.max_draft_tokens]

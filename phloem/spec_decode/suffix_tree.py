@@ -10,7 +10,7 @@ overhead and 2026-11-26g-cpu-suffix-cost). This index does O(1) work per token, 
 draft time instead:
 
 - per key length K in `KEY_LENS` (12, 4, 1), a hash table holds the latest position whose last
-  K tokens hash to a key, and each position links to the previous one of the same key (a chain
+  K tokens have a key (the tokens packed into one int, `_key`), and each position links to the previous one of the same key (a chain
   per key, newest first; plain ints, nothing for Python's cyclic GC to scan);
 - a lookup walks the chain of the longest key length that fits and has an occurrence with a
   next token, takes the `max_matches` most recent such occurrences, extends each match
@@ -23,7 +23,7 @@ draft time instead:
 So counts are those of a suffix trie of depth `max_depth` (a node's count = the substring's
 occurrences) restricted to the `max_matches` most recent occurrences of the key: exact where a
 key occurs at most that often, an estimate from recent text where it is more common. A key that
-hits fewer than K tokens of the suffix (a hash collision) is skipped.
+hits fewer than K tokens of the suffix (a collision: ids outside [0, 2^32)) is skipped.
 
     sequence:  ... s_{e-p+1} ... s_e | s_{e+1} ... s_{e+d}      (one occurrence, ends at e)
     history:   ... h_{L-p}  ... h_{L-1}                         (the suffix, p tokens matched)
@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 KEY_LENS = (12, 4, 1)  # the key lengths, longest first [tokens]
 _POS_BITS = 32  # an occurrence is one int: (slot << 32) | end position
@@ -47,11 +48,46 @@ _POS_MASK = (1 << _POS_BITS) - 1
 NO_POS = -1
 
 
+# A key of K tokens packs them 32 bits apiece, the oldest highest, as one int masked to K x 32
+# bits: each position's key comes from the previous one's by a shift, an or and a mask
+# (`SuffixIndex._link`), ~2x cheaper a token than hashing a tuple of each window. The key is a
+# function of the window's tokens alone (older bits are shifted out past the mask), so equal
+# windows share a key for any int ids; ids outside [0, 2^32) may collide, which a lookup skips
+# (a hit that matches fewer than K tokens), so drafts do not depend on the key function.
+_MASKS = tuple((1 << (32 * length)) - 1 for length in KEY_LENS)
+assert KEY_LENS[-1] == 1 and len(KEY_LENS) == 3  # `SuffixIndex._link` is written for these
+
+
 def _key(tokens: Sequence[int], end: int, length: int) -> int:
-    """The hash key of `tokens[end - length + 1 : end + 1]` (the token itself for length 1)."""
+    """The key of `tokens[end - length + 1 : end + 1]` (the token itself for length 1)."""
     if length == 1:
         return tokens[end]
-    return hash(tuple(tokens[end - length + 1 : end + 1]))
+    key, mask = 0, (1 << (32 * length)) - 1
+    for token in tokens[end - length + 1 : end + 1]:
+        key = ((key << 32) | token) & mask
+    return key
+
+
+class Suffix(NamedTuple):
+    """A history's last tokens as `SuffixIndex.match` reads them.
+
+    Attributes:
+        tokens: the last n = min(max_len, len(history), max_depth - 1) tokens.
+        keys: per key length of `KEY_LENS`, the key of the last `length` tokens (`_key`);
+            None where length > n.
+    """
+
+    tokens: list[int]
+    keys: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, history: Sequence[int], max_len: int, max_depth: int) -> Suffix:
+        """The suffix of `history` that an index of `max_depth` matches, at most `max_len`
+        tokens (`history` may be a view: one slice is taken)."""
+        n = max(min(max_len, len(history), max_depth - 1), 0)
+        tokens = list(history[len(history) - n :]) if n else []
+        keys = tuple(_key(tokens, n - 1, length) if length <= n else None for length in KEY_LENS)
+        return cls(tokens, keys)
 
 
 class SuffixIndex:
@@ -72,17 +108,19 @@ class SuffixIndex:
         self._slots: OrderedDict[str, int] = OrderedDict()  # id -> slot, oldest first
         self._tokens: dict[int, list[int]] = {}
         self._prev: dict[int, list[list[int]]] = {}
+        self._roll: dict[int, list[int]] = {}  # slot -> its 12- and 4-token keys at its end
         self._latest: list[dict[int, int]] = [{} for _ in KEY_LENS]
         self._next_slot = 0
 
     def extend(self, contribution_id: str, token_ids: Sequence[int]) -> None:
         """Append tokens to a contribution (created on first use); O(len(token_ids)) hash
-        inserts per key length. Token ids must be hashable ints."""
+        inserts per key length. Token ids must be ints."""
         slot = self._slots.get(contribution_id)
         if slot is None:
             slot = self._slots[contribution_id] = self._next_slot
             self._next_slot += 1
             self._tokens[slot], self._prev[slot] = [], [[] for _ in KEY_LENS]
+            self._roll[slot] = [0, 0]
         tokens = self._tokens[slot]
         start = len(tokens)
         tokens.extend(token_ids)
@@ -90,37 +128,39 @@ class SuffixIndex:
         self._link(slot, start)
 
     def _link(self, slot: int, start: int) -> None:
-        """Chain the keys that end at positions start .. len - 1 of a slot, in order.
-
-        A step's few tokens go through a plain loop; more (a prompt) hash each key length's
-        windows in one pass (`zip` over shifted slices, ~2x faster per token than slicing a
-        tuple per position, but with a fixed cost a decode step's 1-16 tokens do not repay)."""
-        tokens, base, end = self._tokens[slot], slot << _POS_BITS, len(self._tokens[slot])
-        if end - start <= 16:  # (each key length's chain and table apart: the same entries)
-            for chain, latest, length in zip(self._prev[slot], self._latest, KEY_LENS):
-                get, back = latest.get, length - 1
-                for pos in range(start, end):
-                    if pos < back:
-                        chain.append(NO_POS)  # too close to the start for a key
-                        continue
-                    # (`_key` inlined: this loop runs for every token a verify step accepts)
-                    key = tokens[pos] if back == 0 else hash(tuple(tokens[pos - back : pos + 1]))
-                    chain.append(get(key, NO_POS))
-                    latest[key] = base | pos
-            return
-        for k, length in enumerate(KEY_LENS):
-            chain, latest = self._prev[slot][k], self._latest[k]
-            first = min(max(start, length - 1), end)
-            chain.extend([NO_POS] * (first - start))  # too close to the start for a key
-            if length == 1:
-                keys: Sequence[int] = tokens[first:]
-            else:  # the tuples (t[i - length + 1], ..., t[i]) for i = first .. end - 1, hashed
-                windows = zip(*(tokens[first - length + 1 + j :] for j in range(length)))
-                keys = list(map(hash, windows))
-            get = latest.get
-            for pos, key in enumerate(keys, first):
-                chain.append(get(key, NO_POS))
-                latest[key] = base | pos
+        """Chain the keys that end at positions start .. len - 1 of a slot, in order: one pass
+        over the tokens, each position's keys rolled from the previous position's (`_MASKS`;
+        the slot's keys at its last position are kept in `_roll`)."""
+        tokens, base = self._tokens[slot], slot << _POS_BITS
+        (long_chain, mid_chain, token_chain), roll = self._prev[slot], self._roll[slot]
+        long_latest, mid_latest, token_latest = self._latest
+        long_get, mid_get, token_get = long_latest.get, mid_latest.get, token_latest.get
+        (long_back, mid_back, _), (long_mask, mid_mask, _) = [n - 1 for n in KEY_LENS], _MASKS
+        long_key, mid_key = roll
+        for pos in range(start, min(long_back, len(tokens))):  # too close to the start for
+            token = tokens[pos]  # a 12-token key (and maybe a 4-token one)
+            long_key = ((long_key << 32) | token) & long_mask
+            mid_key = ((mid_key << 32) | token) & mid_mask
+            long_chain.append(NO_POS)
+            if pos >= mid_back:
+                mid_chain.append(mid_get(mid_key, NO_POS))
+                mid_latest[mid_key] = base | pos
+            else:
+                mid_chain.append(NO_POS)
+            token_chain.append(token_get(token, NO_POS))
+            token_latest[token] = base | pos
+        for pos in range(max(start, long_back), len(tokens)):
+            token = tokens[pos]
+            long_key = ((long_key << 32) | token) & long_mask
+            mid_key = ((mid_key << 32) | token) & mid_mask
+            occ = base | pos
+            long_chain.append(long_get(long_key, NO_POS))
+            long_latest[long_key] = occ
+            mid_chain.append(mid_get(mid_key, NO_POS))
+            mid_latest[mid_key] = occ
+            token_chain.append(token_get(token, NO_POS))
+            token_latest[token] = occ
+        roll[0], roll[1] = long_key, mid_key
 
     def remove(self, contribution_ids: Sequence[str]) -> None:
         """Drop contributions and re-chain the rest, oldest first: O(tokens held). Afterwards
@@ -128,10 +168,10 @@ class SuffixIndex:
         for cid in contribution_ids:
             slot = self._slots.pop(cid)
             self.num_tokens -= len(self._tokens.pop(slot))
-            del self._prev[slot]
+            del self._prev[slot], self._roll[slot]
         self._latest = [{} for _ in KEY_LENS]
         for slot in self._slots.values():
-            self._prev[slot] = [[] for _ in KEY_LENS]
+            self._prev[slot], self._roll[slot] = [[] for _ in KEY_LENS], [0, 0]
             self._link(slot, 0)
 
     def contribution_ids(self) -> list[str]:
@@ -143,28 +183,38 @@ class SuffixIndex:
         slot = self._slots.get(contribution_id)
         return 0 if slot is None else len(self._tokens[slot])
 
-    def match(self, history: Sequence[int], max_len: int) -> tuple[int, list[int]]:
-        """The longest suffix of `history` (p <= max_len tokens) seen here with a next token,
-        among the `max_matches` most recent occurrences of the longest key that fits; returns
-        (p, the occurrences of that suffix, newest first) or (0, []). Reads only."""
-        max_len = min(max_len, len(history), self.max_depth - 1)
-        if max_len < 1:
-            return 0, []
-        suffix = list(history[len(history) - max_len :])  # one slice: `history` may be a view
-        n = len(suffix)
+    def suffix(self, contribution_id: str, max_len: int) -> Suffix:
+        """`Suffix.of` the contribution's tokens (it must exist), its keys read from the last
+        `_link` instead of packed again (a request's own index: its history's suffix, for
+        every index that drafts for it)."""
+        slot = self._slots[contribution_id]
+        tokens, (long_key, mid_key) = self._tokens[slot], self._roll[slot]
+        n = max(min(max_len, len(tokens), self.max_depth - 1), 0)
+        if not n:
+            return Suffix([], (None,) * len(KEY_LENS))
+        (long_len, mid_len, _) = KEY_LENS
+        keys = (long_key if long_len <= n else None, mid_key if mid_len <= n else None, tokens[-1])
+        return Suffix(tokens[-n:], keys)
+
+    def match(self, suffix: Suffix) -> tuple[int, list[int]]:
+        """The longest suffix of the history (p <= len(suffix.tokens) tokens) seen here with a
+        next token, among the `max_matches` most recent occurrences of the longest key that
+        fits; returns (p, the occurrences of that suffix, newest first) or (0, []). Reads only."""
+        suffix_tokens, keys = suffix.tokens, suffix.keys
+        n = max_len = len(suffix_tokens)
         for k, length in enumerate(KEY_LENS):
             if length > max_len:
                 continue
-            occ = self._latest[k].get(_key(suffix, n - 1, length), NO_POS)
+            occ = self._latest[k].get(keys[k], NO_POS)
             found, best, best_occ = 0, 0, []
             while occ != NO_POS and found < self.max_matches:
                 slot, end = occ >> _POS_BITS, occ & _POS_MASK
                 tokens = self._tokens[slot]
                 if end + 1 < len(tokens):  # has a next token
                     p, limit = 0, min(max_len, end + 1)
-                    while p < limit and tokens[end - p] == suffix[n - 1 - p]:
+                    while p < limit and tokens[end - p] == suffix_tokens[n - 1 - p]:
                         p += 1
-                    if p >= length:  # not a hash collision
+                    if p >= length:  # not a collision
                         found += 1
                         if p > best:
                             best, best_occ = p, [occ]
@@ -177,8 +227,7 @@ class SuffixIndex:
 
     def bridge(
         self,
-        history: Sequence[int],
-        max_len: int,
+        suffix: Suffix,
         p: int,
         occs: list[int],
         min_run: int,
@@ -186,7 +235,7 @@ class SuffixIndex:
     ) -> tuple[int, list[int]]:
         """Extend a match of p tokens (`match`: `occs` its occurrences) across one substituted
         token: for each occurrence, q = how many tokens behind the one where its match stopped
-        (that token skipped on both sides) equal the history's, all within the last `max_len`
+        (that token skipped on both sides) equal the history's, all within the suffix's
         tokens; only occurrences that end before position `source_end` of their sequence (the
         proposer: the request's prompt) count. Returns (p + q, the occurrences with that q) for
         the longest q if it is at least `min_run`, else (p, occs). Reads only;
@@ -195,10 +244,10 @@ class SuffixIndex:
             source:   ... s_a .. s_b  x  s_e-p+1 .. s_e | next
             history:  ... h_a .. h_b  y  h_L-p  .. h_L-1       (x != y; q = b - a + 1)
         """
-        n = min(max_len, len(history), self.max_depth - 1)
+        suffix_tokens = suffix.tokens
+        n = len(suffix_tokens)
         if not 0 < p < n - min_run:
             return p, occs
-        suffix = list(history[len(history) - n :])
         best, best_occ = 0, occs
         for occ in occs:
             end = occ & _POS_MASK
@@ -206,7 +255,7 @@ class SuffixIndex:
                 continue
             tokens = self._tokens[occ >> _POS_BITS]
             q, limit = 0, min(n - p - 1, end - p)
-            while q < limit and tokens[end - p - 1 - q] == suffix[n - p - 2 - q]:
+            while q < limit and tokens[end - p - 1 - q] == suffix_tokens[n - p - 2 - q]:
                 q += 1
             if q > best:
                 best, best_occ = q, [occ]
@@ -218,6 +267,20 @@ class SuffixIndex:
         self,
         history: Sequence[int],
         max_len: int,
+        spec_factor: float,
+        min_prob: float,
+        min_len: int = 1,
+        lead: int = 0,
+        min_run: int = 0,
+        source_end: int = _POS_MASK,
+    ) -> tuple[list[int], float]:
+        """`draft_suffix` of the history's last tokens (at most `max_len`): `Suffix.of`."""
+        suffix = Suffix.of(history, max_len, self.max_depth)
+        return self.draft_suffix(suffix, spec_factor, min_prob, min_len, lead, min_run, source_end)
+
+    def draft_suffix(
+        self,
+        suffix: Suffix,
         spec_factor: float,
         min_prob: float,
         min_len: int = 1,
@@ -240,12 +303,13 @@ class SuffixIndex:
         p + q, and the draft follows the occurrences that the run aligns), so that the first
         draft after an edit of a copied text is as long as before the edit, not
         ceil(spec_factor x 1 or 2). Returns ([], 0.0) on no match or one shorter than
-        `min_len` tokens. Reads only.
+        `min_len` tokens. Reads only. `suffix`: the history's last tokens and their keys
+        (`Suffix.of`), built once for the indexes that draft for the same history.
         """
-        p, occs = self.match(history, max_len)
+        p, occs = self.match(suffix)
         length = p
         if min_run:  # a match restarted after a substitution counts the run behind it
-            length, occs = self.bridge(history, max_len, p, occs, min_run, source_end)
+            length, occs = self.bridge(suffix, p, occs, min_run, source_end)
         if length < max(min_len, 1):
             return [], 0.0
         limit = min(self.max_depth - p, math.ceil(spec_factor * length)) + lead

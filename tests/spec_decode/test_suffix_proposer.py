@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from phloem.spec_decode.proposer import DraftRequest
 from phloem.spec_decode.suffix_proposer import SuffixConfig, SuffixProposer
-from phloem.spec_decode.suffix_tree import KEY_LENS, SharedSuffixIndex, SuffixIndex
+from phloem.spec_decode.suffix_tree import KEY_LENS, SharedSuffixIndex, Suffix, SuffixIndex
 
 OUTPUT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
 
@@ -162,6 +162,9 @@ def test_drafts_equal_a_brute_force_matcher(
         log += [(cid, len(seq) + i) for i in range(len(chunk))]
         seq += chunk
         index.extend(cid, chunk)
+    for cid, seq in seqs.items():  # the keys rolled while linking equal those packed anew
+        for max_len in (1, 5, 16):
+            assert index.suffix(cid, max_len) == Suffix.of(seq, max_len, depth)
     histories = [seq[: rng.randrange(len(seq) + 1)] for seq in seqs.values()]
     histories += [[rng.randrange(vocab) for _ in range(rng.randrange(30))] for _ in range(3)]
     for history in histories:
