@@ -62,49 +62,28 @@ class NgramIndex:
     def extend(self, new_token_ids: Sequence[int]) -> None:
         """Append tokens; O(len(new_token_ids) x max_n) int operations and hash inserts.
 
-        The n-grams ending at positions old length - 1 .. new length - 2 become searchable.
-        A step's few tokens: per end, the key of its last max_n tokens from the previous end's
-        by a shift, an or and a mask, and each table's key its low bits (~1.7x cheaper a token
-        than packing each n-gram). 16 tokens or more (a prompt: the first proposal of a batch
-        indexes every prompt): each n's keys are built from the (n - 1)'s by one list
-        comprehension (a key of n tokens = the oldest token shifted above the n - 1 newer
-        ones' key), each table updated by one `dict.update` (~2.5x faster per token than a
-        loop, with a fixed cost a step's tokens do not repay); later ends overwrite earlier
-        ones: the latest occurrence wins."""
+        The n-grams ending at positions old length - 1 .. new length - 2 become searchable
+        (later ends overwrite earlier ones: the latest occurrence wins): per end, the key of
+        its last max_n tokens from the previous end's by a shift, an or and a mask, and each
+        table's key its low bits. A step's 17 tokens took 5.3 us (the tables of n = 2..5),
+        against 11.4 us for list comprehensions per n and one `dict.update` a table, which
+        were the faster way to pack each n-gram anew (results/2026-11-27c-cpu-spec-drafting)."""
         tokens = self.token_ids
         first = max(len(tokens) - 1, 0)  # the previous last token's n-grams become searchable
         tokens.extend(new_token_ids)
         stop = len(tokens) - 1  # the new last token's n-grams wait for the next token
-        if first >= stop:
-            return
-        if stop - first >= 16 or first < self.max_n - 1:
-            self._extend_bulk(first, stop)
-            return
-        roll, mask = self._roll, (1 << (32 * self.max_n)) - 1
-        pairs = self._pairs
-        for end in range(first, stop):
+        roll, mask, pairs = self._roll, self._masks[-1], self._pairs
+        full = min(max(first, self.max_n - 1), stop)  # ends before it lack max_n tokens
+        for end in range(first, full):
+            roll = ((roll << 32) | tokens[end]) & mask
+            for n, (table, table_mask) in enumerate(pairs, self.min_n):
+                if n <= end + 1:  # (an n-gram that would start before position 0: none)
+                    table[roll & table_mask] = end
+        for end in range(full, stop):
             roll = ((roll << 32) | tokens[end]) & mask
             for table, table_mask in pairs:
                 table[roll & table_mask] = end
         self._roll = roll
-
-    def _extend_bulk(self, first: int, stop: int) -> None:
-        """`extend`'s list comprehensions for the ends first .. stop - 1 (n-grams that start
-        before position 0 left out), then the rolling key at stop - 1."""
-        tokens = self.token_ids
-        keys, low = tokens[first:stop], first  # 1-grams ending at low .. stop - 1
-        for n in range(1, self.max_n + 1):
-            if n > 1:
-                new_low = max(first, n - 1)  # the first end with n tokens before it
-                if new_low >= stop:
-                    break
-                older = tokens[new_low - n + 1 : stop - n + 1]
-                shift = 32 * (n - 1)
-                keys = [(o << shift) | k for o, k in zip(older, keys[new_low - low :])]
-                low = new_low
-            if n >= self.min_n:
-                self.tables[n - self.min_n].update(zip(keys, range(low, stop)))
-        self._roll = _pack(tokens[max(stop - self.max_n, 0) : stop])
 
     def lookup(self, num_tokens: int) -> list[int]:
         """Up to `num_tokens` ids that followed the latest earlier occurrence of the longest

@@ -134,10 +134,12 @@ class SuffixProposer(Proposer):
         if state is None or state.index.num_tokens > len(tokens):
             own = SuffixIndex(self.config.max_depth, self.config.max_matches)
             state = self._requests[request.request_id] = _RequestState(own, 0)
-        state.index.extend("", tokens[state.index.num_tokens :])
+        indexed = state.index.num_tokens
+        new = tokens[indexed:]  # (one slice: `tokens` may be a view)
+        state.index.extend("", new)
         if self.config.use_shared:
             start = request.num_prompt_tokens + state.num_shared
-            self.shared.extend(request.request_id, tokens[start:])
+            self.shared.extend(request.request_id, new if start == indexed else tokens[start:])
             state.num_shared = len(tokens) - request.num_prompt_tokens
 
     def _draft(self, request: DraftRequest) -> list[int]:

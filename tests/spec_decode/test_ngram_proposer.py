@@ -68,7 +68,7 @@ def test_bad_requests_raise_naming_the_field() -> None:
 @settings(max_examples=150, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 3), min_size=0, max_size=80),
-    chunks=st.lists(st.integers(1, 20), min_size=1, max_size=20),  # >= 16: the bulk path
+    chunks=st.lists(st.integers(1, 20), min_size=1, max_size=20),
     min_n=st.integers(1, 3),
     extra=st.integers(0, 3),
     k=st.integers(0, 6),
