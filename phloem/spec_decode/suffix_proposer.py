@@ -136,11 +136,16 @@ class SuffixProposer(Proposer):
             state = self._requests[request.request_id] = _RequestState(own, 0)
         indexed = state.index.num_tokens
         new = tokens[indexed:]  # (one slice: `tokens` may be a view)
-        state.index.extend("", new)
-        if self.config.use_shared:
-            start = request.num_prompt_tokens + state.num_shared
-            self.shared.extend(request.request_id, new if start == indexed else tokens[start:])
-            state.num_shared = len(tokens) - request.num_prompt_tokens
+        start = request.num_prompt_tokens + state.num_shared
+        if not self.config.use_shared:
+            state.index.extend("", new)
+            return
+        if start == indexed:  # the same new tokens for both (all but the first call)
+            self.shared.extend_with(request.request_id, new, state.index, "")
+        else:
+            state.index.extend("", new)
+            self.shared.extend(request.request_id, tokens[start:])
+        state.num_shared = len(tokens) - request.num_prompt_tokens
 
     def _draft(self, request: DraftRequest) -> list[int]:
         """The better-scoring of the own and shared indexes' drafts, cut to max_draft_tokens."""

@@ -37,6 +37,7 @@ that a removal re-indexes the contributions held, oldest first, each whole.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -161,6 +162,68 @@ class SuffixIndex:
             token_chain.append(token_get(token, NO_POS))
             token_latest[token] = occ
         roll[0], roll[1] = long_key, mid_key
+
+    def extend_pair(
+        self, contribution_id: str, token_ids: Sequence[int], other: SuffixIndex, other_id: str
+    ) -> None:
+        """`self.extend(contribution_id, token_ids)`, then `other.extend(other_id, token_ids)`
+        (a request's own index and its outputs in the shared one), in one pass where both
+        contributions hold at least a long key's tokens and end alike: a position's keys are
+        those of its window's tokens, equal in both, so they are rolled once (a verify step's
+        ~13 tokens a request: ~25 % less than the two passes). Else the two calls."""
+        slot, other_slot = self._slots.get(contribution_id), other._slots.get(other_id)
+        back = KEY_LENS[0] - 1
+        if slot is None or other_slot is None or other is self or not token_ids:
+            self.extend(contribution_id, token_ids)
+            other.extend(other_id, token_ids)
+            return
+        tokens, other_tokens = self._tokens[slot], other._tokens[other_slot]
+        if len(other_tokens) < back or len(tokens) < back or tokens[-back:] != other_tokens[-back:]:
+            self.extend(contribution_id, token_ids)
+            other.extend(other_id, token_ids)
+            return
+        start, other_start = len(tokens), len(other_tokens)
+        tokens.extend(token_ids)
+        other_tokens.extend(token_ids)
+        self.num_tokens += len(tokens) - start
+        other.num_tokens += len(tokens) - start
+        self._link_pair(slot, start, other, other_slot, other_start)
+
+    def _link_pair(
+        self, slot: int, start: int, other: SuffixIndex, other_slot: int, other_start: int
+    ) -> None:
+        """`_link` of both slots (`extend_pair`), the keys rolled from this slot's."""
+        tokens, base, other_base = self._tokens[slot], slot << _POS_BITS, other_slot << _POS_BITS
+        (long_chain, mid_chain, token_chain), roll = self._prev[slot], self._roll[slot]
+        long_latest, mid_latest, token_latest = self._latest
+        long_get, mid_get, token_get = long_latest.get, mid_latest.get, token_latest.get
+        other_long_chain, other_mid_chain, other_token_chain = other._prev[other_slot]
+        other_long, other_mid, other_token = other._latest
+        other_long_get, other_mid_get, other_token_get = (
+            other_long.get,
+            other_mid.get,
+            other_token.get,
+        )
+        (long_mask, mid_mask, _), (long_key, mid_key) = _MASKS, roll
+        for pos, other_pos in zip(range(start, len(tokens)), itertools.count(other_start)):
+            token = tokens[pos]
+            long_key = ((long_key << 32) | token) & long_mask
+            mid_key = ((mid_key << 32) | token) & mid_mask
+            occ, other_occ = base | pos, other_base | other_pos
+            long_chain.append(long_get(long_key, NO_POS))
+            long_latest[long_key] = occ
+            mid_chain.append(mid_get(mid_key, NO_POS))
+            mid_latest[mid_key] = occ
+            token_chain.append(token_get(token, NO_POS))
+            token_latest[token] = occ
+            other_long_chain.append(other_long_get(long_key, NO_POS))
+            other_long[long_key] = other_occ
+            other_mid_chain.append(other_mid_get(mid_key, NO_POS))
+            other_mid[mid_key] = other_occ
+            other_token_chain.append(other_token_get(token, NO_POS))
+            other_token[token] = other_occ
+        roll[0], roll[1] = long_key, mid_key
+        other._roll[other_slot][:] = roll
 
     def remove(self, contribution_ids: Sequence[str]) -> None:
         """Drop contributions and re-chain the rest, oldest first: O(tokens held). Afterwards
@@ -384,6 +447,10 @@ class SharedSuffixIndex:
         if contribution_id in self._evicted or not token_ids:
             return
         self.index.extend(contribution_id, token_ids)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Over the cap: remove the oldest contributions to 90 % of it (the class docstring)."""
         if self.index.num_tokens > self.max_tokens:
             held = self.index.contribution_ids()
             victims, num_tokens = [], self.index.num_tokens
@@ -393,6 +460,17 @@ class SharedSuffixIndex:
                 num_tokens -= self.index.num_tokens_of(victim)
                 victims.append(victim)
             self._drop(victims)
+
+    def extend_with(
+        self, contribution_id: str, token_ids: Sequence[int], own: SuffixIndex, own_id: str
+    ) -> None:
+        """`own.extend(own_id, token_ids)` and `self.extend(contribution_id, token_ids)` in one
+        pass where they can share it (`SuffixIndex.extend_pair`)."""
+        if contribution_id in self._evicted or not token_ids:
+            own.extend(own_id, token_ids)
+            return
+        own.extend_pair(own_id, token_ids, self.index, contribution_id)
+        self._evict()
 
     def evict_oldest(self) -> str:
         """Remove the oldest contribution; returns its id (it adds nothing more)."""

@@ -206,6 +206,27 @@ def test_a_match_restarted_after_an_edit_drafts_as_before_it() -> None:
     assert proposer.propose([DraftRequest("o", history, 2, k)]) == [[]]
 
 
+def test_a_paired_extend_equals_two_extends() -> None:
+    """`extend_pair` (a request's own index and the shared one, linked in one pass) leaves
+    both indexes as `extend` on each does: requests' histories growing in random chunks, the
+    shared index holding their outputs (once 11 tokens in, the same last tokens as the own)."""
+    rng = random.Random(0)
+    for vocab in (3, 1000):
+        paired = [SuffixIndex(20, 4) for _ in range(3)] + [SuffixIndex(20, 4)]
+        plain = [SuffixIndex(20, 4) for _ in range(3)] + [SuffixIndex(20, 4)]
+        for index in (*paired[:3], *plain[:3]):  # prompts, not shared
+            index.extend("", [7, 8, 9] * 5)
+        for _ in range(60):
+            i = rng.randrange(3)
+            chunk = [rng.randrange(vocab) for _ in range(rng.randrange(0, 20))]
+            paired[i].extend_pair("", chunk, paired[3], str(i))
+            plain[i].extend("", chunk)
+            plain[3].extend(str(i), chunk)
+        for a, b in zip(paired, plain):
+            assert (a._prev, a._latest, a._roll, a.num_tokens) == (
+                b._prev, b._latest, b._roll, b.num_tokens)  # fmt: skip
+
+
 def test_removal_equals_a_rebuild_of_the_held_contributions() -> None:
     rng = random.Random(0)
     seqs: dict[str, list[int]] = {str(i): [] for i in range(5)}
