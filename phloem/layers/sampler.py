@@ -14,11 +14,15 @@ Returned log-probs are vLLM's default `raw_logprobs`: `log_softmax` of the calle
 grammar mask (as vLLM v1 masks before its sampler), before banning, penalties, temperature and
 truncation.
 
-Determinism: a row with its own `torch.Generator` draws exactly one `exponential_` vector of
-length V per step from it, so its tokens do not depend on batch size, position or neighbours.
-Rows without one share a single batched draw from the sampler's generator. Greedy rows draw
-nothing. Truncation uses value thresholds (ties at a boundary are all kept), so no result
-depends on the order an unstable sort leaves equal values in.
+Determinism: a seeded row (one with a `SeedStream`, as the engine builds every seeded request's)
+draws one length-V noise vector per step that is a pure function of (seed, draws so far, token
+id) (`ops.seeded_noise`: a counter-based hash, every seeded row of a step in one kernel), so its
+tokens depend only on its seed and its own history, never on batch size, position or
+neighbours. A row with a `torch.Generator` and no stream draws one `exponential_` vector from it
+(one kernel a row; callers outside the engine). Rows with neither share a single batched draw
+from the sampler's generator. Greedy rows draw nothing. Truncation uses value thresholds (ties at
+a boundary are all kept), so no result depends on the order an unstable sort leaves equal values
+in.
 
 Assumes at least one token of every row survives banning (the engine bans only EOS and stop ids).
 
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from phloem.ops.row_max import row_max
+from phloem.ops.seeded_noise import SeedStream, seeded_exponentials_
 from phloem.ops.staging import to_device, to_host
 from phloem.ops.token_bitmask import apply_token_bitmask_
 from phloem.sampling_params import SamplingParams
@@ -68,10 +73,14 @@ class SamplingRow:
         params: the request's sampling parameters.
         prompt_token_ids: the prompt (repetition penalty looks at prompt and output).
         output_token_ids: tokens generated so far (all three penalties look at these).
-        generator: the request's seeded generator, on the logits' device; None means the
-            sampler's own generator (shared by all such rows in one batched draw).
+        generator: the request's seeded generator, on the logits' device: the speculative
+            verifier's randomness (`spec_decode.rejection_sampler`), and the sampler's for a row
+            without a seed stream; None (and no stream) means the sampler's own generator
+            (shared by all such rows in one batched draw).
         banned_token_ids: ids set to -inf before anything else (the engine passes EOS and
             stop_token_ids while fewer than min_tokens tokens exist). Ids >= V are ignored.
+        seed_stream: the request's counter-based noise stream (`ops.seeded_noise`), which the
+            sampler draws from (before the generator) and advances by one draw a random step.
     """
 
     params: SamplingParams
@@ -79,6 +88,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
     banned_token_ids: Sequence[int] = ()
+    seed_stream: SeedStream | None = None
 
 
 @dataclass
@@ -297,8 +307,8 @@ class Sampler:
 
         logits: [B, V] in any float dtype (the model's; upcast to float32 here unless every row
             is plain greedy), B == len(rows); not modified.
-        Advances each random row's generator (or the sampler's) by one draw; greedy rows advance
-        nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
+        Advances each random row's seed stream (else its generator, else the sampler's) by one
+        draw; greedy rows advance nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
         Rows with NaN/inf logits are flagged (`SamplerOutput.num_nonfinite`), not raised on.
         """
         return self.launch(logits, rows).result()
@@ -411,28 +421,30 @@ class Sampler:
     def _exponentials(
         self, rows: list[SamplingRow], vocab_size: int, device: torch.device
     ) -> torch.Tensor:
-        """[R, V] i.i.d. Exp(1) noise. argmax(probs / q) is a draw from probs (the exponential
-        race, equivalent to the Gumbel-max trick: -log q is Gumbel).
+        """float32 [R, V] i.i.d. Exp(1) noise. argmax(probs / q) is a draw from probs (the
+        exponential race, equivalent to the Gumbel-max trick: -log q is Gumbel).
 
-        A row with a generator gets exactly one length-V draw from it, drawn in place into its
-        row (one kernel a row, no temporary and copy: a constrained step draws 1,024 of these on
-        the engine loop, `draw_noise`; the same numbers as a draw into a fresh length-V tensor);
-        the others share one [n, V] draw from the sampler's generator. Clamped away from 0 so
-        0 / 0 never appears.
+        Rows with a seed stream: one counter-based draw each, all in one kernel on CUDA
+        (`ops.seeded_noise.seeded_exponentials_`, which advances the streams; already in
+        (0, 17)). Rows with only a generator: one length-V `exponential_` draw from it, in place
+        into the row (one kernel a row). The others share one [n, V] draw from the sampler's
+        generator. The generator draws are clamped away from 0 so 0 / 0 never appears.
         """
         q = torch.empty(len(rows), vocab_size, device=device)
-        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        streamed = [i for i, r in enumerate(rows) if r.seed_stream is not None]
+        own = [i for i, r in enumerate(rows) if r.seed_stream is None and r.generator is not None]
+        shared = [i for i, r in enumerate(rows) if r.seed_stream is None and r.generator is None]
         if shared:
             noise = torch.empty(len(shared), vocab_size, device=device)
-            noise.exponential_(generator=self.generator)
+            noise.exponential_(generator=self.generator).clamp_min_(torch.finfo(q.dtype).tiny)
             if len(shared) == len(rows):
-                q = noise
-            else:
-                q[_device_tensor(shared, dtype=torch.long, device=device)] = noise
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+                return noise
+            q[_device_tensor(shared, dtype=torch.long, device=device)] = noise
+        for i in own:
+            q[i].exponential_(generator=rows[i].generator).clamp_min_(torch.finfo(q.dtype).tiny)
+        if streamed:
+            seeded_exponentials_(q, streamed, [rows[i].seed_stream for i in streamed])
+        return q
 
 
 class SampledTokens:

@@ -22,6 +22,7 @@ import numpy as np
 from phloem.core.request import token_slice
 from phloem.core.scheduler_output import SchedulerOutput
 from phloem.layers.sampler import SamplingRow
+from phloem.ops.seeded_noise import SeedStream
 from phloem.sampling_params import SamplingParams
 
 
@@ -316,12 +317,14 @@ def sampling_row(
     num_outputs_before: int,
     generator,
     eos_token_id: int | None,
+    seed_stream: SeedStream | None = None,
 ) -> SamplingRow:
     """The sequence's sampling row for a step whose sample is output number
     `num_outputs_before` (0-based): EOS and the stop ids are banned below `min_tokens`, except
     in a structured-output row (its grammar alone decides where it may end). The row
-    reads the state's output list in place (penalties see every token sampled so far). Cached
-    on the state when nothing in it depends on the step."""
+    reads the state's output list in place (penalties see every token sampled so far);
+    `generator` and `seed_stream` are the seeded sequence's (`SamplingRow`), held by the row.
+    Cached on the state when nothing in it depends on the step."""
     if state.row is not None:
         return state.row
     params = state.params
@@ -336,6 +339,7 @@ def sampling_row(
         output_token_ids=state.output_token_ids,
         generator=generator,
         banned_token_ids=banned,
+        seed_stream=seed_stream,
     )
     if params.min_tokens == 0:
         state.row = row

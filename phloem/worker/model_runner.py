@@ -48,7 +48,7 @@ from phloem.worker.cuda_graph import CUDAGraphRunner, decode_graph_max_batch
 from phloem.worker.input_batch import HostStep, InputBatch, SequenceState
 from phloem.worker.piecewise_graph import CUDAPieceGraphs, PieceGraphs, PiecewiseGraphRunner
 from phloem.worker.runner_output import LaunchedStep, ModelRunnerOutput, StepInputs
-from phloem.worker.sampling_rows import launch_sampler, sampling_rows
+from phloem.worker.sampling_rows import SeededRandomness, launch_sampler, sampling_rows
 from phloem.worker.stacked_rows import PreviousStep, append_tokens, stack_checks, verify_counts
 from phloem.worker.verify_graph import VerifyGraphRunner
 
@@ -93,7 +93,7 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed=seed, device=device)
         self._shared_generator = self.sampler.generator  # also behind a wrapped sampler
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, SeededRandomness] = {}  # seeded sequences' (made on first use)
         # the sequences' state between steps (rows that never change are cached there)
         self.input_batch = InputBatch()
         self.graph_runner: CUDAGraphRunner | None = None
@@ -210,7 +210,7 @@ class ModelRunner:
         without waiting for the device; `collect` gets the result. Every scheduler output must
         be launched, once and in order (the worker's sequence state follows them). Input tokens
         still pending (sampled by the previous launched step, async scheduling) are taken from
-        that step's device tensor. Mutates the KV cache and the seeded sequences' generators.
+        that step's device tensor. Mutates the KV cache and the seeded sequences' randomness.
         Steps replay CUDA graphs where captured ones take them (`_run_graph`). None for a step
         that samples nothing. Its host arrays come from `prepare` (run here unless the engine
         ran it ahead)."""
@@ -275,7 +275,7 @@ class ModelRunner:
     @torch.inference_mode()
     def presample(self, launched: LaunchedStep | None) -> None:
         """Enqueue the part of a launched constrained step's sampling that needs no bitmask
-        (`Sampler.draw_noise`: its random rows' noise, a draw per row with its own generator),
+        (`Sampler.draw_noise`: its random rows' noise, the seeded rows' in one counter-based draw),
         while the engine's threads fill the bitmask; `sample` then uses it. A draw that raises
         is left to `sample`, which draws again (its rows fail alone there). No-op otherwise."""
         if launched is None or launched.deferred is None or launched.noise is not None:

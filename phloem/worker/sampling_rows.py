@@ -11,11 +11,16 @@ import torch
 
 from phloem.core.scheduler_output import SchedulerOutput
 from phloem.layers.sampler import SampledTokens, Sampler, SamplingRow, seeded_generator
+from phloem.ops.seeded_noise import SeedStream
 from phloem.sampling_params import SamplingParams
 from phloem.worker.input_batch import SequenceState, sampling_row
 
 # the row sampled for a sequence whose own row failed: greedy, so it draws no randomness
 _PLACEHOLDER_PARAMS = SamplingParams(temperature=0.0)
+
+# a seeded sequence's randomness, kept until it finishes: its generator (the speculative
+# verifier's) and its counter-based noise stream (the sampler's, `ops.seeded_noise`)
+SeededRandomness = tuple[torch.Generator, SeedStream]
 
 
 def placeholder_row(state: SequenceState) -> SamplingRow:
@@ -38,7 +43,8 @@ def launch_sampler(
     raises (the trials and the launch after them draw their own noise).
 
     When the batch raises, each row is tried alone (the others replaced by greedy placeholders,
-    every generator's state, `shared_generator`'s too, restored after each trial, so the rows
+    every generator's state, `shared_generator`'s too, and every seed stream's draw count
+    restored after each trial, so the rows
     that go on draw what they would have, less anything the failed batch attempt drew); the rows
     that raise on their own are failed (added to `failed`) and replaced by placeholders for the
     real launch. A fault no single row causes, or one that survives the replacement, is the
@@ -49,6 +55,8 @@ def launch_sampler(
         placeholders = [placeholder_row(state) for state in states]
         generators = {id(g): g for g in [shared_generator] + [r.generator for r in rows]}
         saved = [(g, g.get_state()) for g in generators.values() if g is not None]
+        streams = {id(r.seed_stream): r.seed_stream for r in rows if r.seed_stream is not None}
+        saved_draws = [(stream, stream.draws) for stream in streams.values()]
         culprits: dict[int, str] = {}
         for i in range(len(rows)):
             trial = [*placeholders[:i], rows[i], *placeholders[i + 1 :]]
@@ -58,6 +66,8 @@ def launch_sampler(
                 culprits[i] = f"sampling failed: {type(e).__name__}: {e}"
             for generator, state in saved:
                 generator.set_state(state)
+            for stream, draws in saved_draws:
+                stream.draws = draws
         if not culprits:
             raise
     for i, message in culprits.items():
@@ -70,14 +80,15 @@ def sampling_rows(
     sched: SchedulerOutput,
     sampled: list[int],
     states: list[SequenceState],
-    generators: dict[str, torch.Generator],
+    generators: dict[str, SeededRandomness],
     device: torch.device,
     eos_token_id: int | None,
 ) -> tuple[list[SamplingRow], dict[str, str]]:
     """The sampling rows of the step's sampled sequences (rows `sampled` of `sched`), and
     {seq id: reason} for those whose row could not be built: they get a greedy placeholder row
     (the batch goes on) and are failed by the engine after the step. `generators` holds the
-    seeded sequences' generators (made on first use, kept until the sequence finishes)."""
+    seeded sequences' generators and seed streams (made on first use, kept until the sequence
+    finishes, across preemptions: a recomputed sequence's draws go on where they were)."""
     rows: list[SamplingRow] = []
     failed: dict[str, str] = {}
     for i in sampled:
@@ -99,19 +110,22 @@ def _sampling_row(
     seq_id: str,
     state: SequenceState,
     num_tokens: int,
-    generators: dict[str, torch.Generator],
+    generators: dict[str, SeededRandomness],
     device: torch.device,
     eos_token_id: int | None,
 ) -> SamplingRow:
     """The row of a sequence that has `num_tokens` tokens once this step ran (its sample is
-    output number num_tokens - prompt length); makes its generator on first use (seeded from
-    `generator_seed()`)."""
+    output number num_tokens - prompt length); makes its generator and seed stream on first use
+    (both seeded from `generator_seed()`)."""
     params = state.params
-    generator = None
+    generator, stream = None, None
     if params.seed is not None and not params.greedy:
-        generator = generators.get(seq_id)
-        if generator is None:
-            generator = seeded_generator(params.generator_seed(), device)
-            generators[seq_id] = generator
+        randomness = generators.get(seq_id)
+        if randomness is None:
+            seed = params.generator_seed()
+            assert seed is not None
+            randomness = (seeded_generator(seed, device), SeedStream(seed))
+            generators[seq_id] = randomness
+        generator, stream = randomness
     num_before = num_tokens - len(state.prompt_token_ids)
-    return sampling_row(state, num_before, generator, eos_token_id)
+    return sampling_row(state, num_before, generator, eos_token_id, stream)

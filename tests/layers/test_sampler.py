@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phloem.layers.sampler import Sampler, SamplingRow, apply_penalties
+from phloem.ops.seeded_noise import SeedStream
 from phloem.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -28,9 +29,9 @@ def gen(seed: int) -> torch.Generator:
     return g
 
 
-def row(params=None, prompt=(), output=(), generator=None, banned=()) -> SamplingRow:
+def row(params=None, prompt=(), output=(), generator=None, banned=(), stream=None) -> SamplingRow:
     return SamplingRow(
-        params or SamplingParams(), list(prompt), list(output), generator, list(banned)
+        params or SamplingParams(), list(prompt), list(output), generator, list(banned), stream
     )
 
 
@@ -167,13 +168,17 @@ NEIGHBOURS = [
 ]
 
 
-def run_seeded(batch_size: int, position: int, steps: int = 6, seed: int = 5) -> list[int]:
-    """Generate `steps` tokens for TARGET at `position` in a batch of varied neighbours."""
+def run_seeded(
+    batch_size: int, position: int, steps: int = 6, seed: int = 5, streams: bool = False
+) -> list[int]:
+    """Generate `steps` tokens for TARGET at `position` in a batch of varied neighbours; its
+    randomness and the seeded neighbours' from generators, or from seed streams (`streams`)."""
     vocab = 64
     step_logits = torch.randn(steps, vocab, generator=gen(100))
-    g = gen(seed)
+    g, stream = gen(seed), SeedStream(seed)
     sampler = Sampler(seed=batch_size * 10 + position)
     noise = gen(batch_size * 100 + position)
+    neighbour_streams = [SeedStream(1000 + i) for i in range(batch_size)]
     outputs: list[int] = []
     for step in range(steps):
         logits = torch.randn(batch_size, vocab, generator=noise)
@@ -181,27 +186,56 @@ def run_seeded(batch_size: int, position: int, steps: int = 6, seed: int = 5) ->
         rows = []
         for i in range(batch_size):
             if i == position:
-                rows.append(row(TARGET, prompt=[1, 2, 3], output=outputs, generator=g))
+                rows.append(row(TARGET, [1, 2, 3], outputs, None if streams else g, (),
+                                stream if streams else None))  # fmt: skip
             else:
                 params = NEIGHBOURS[(i + step) % len(NEIGHBOURS)]
-                nb_gen = gen(1000 + i) if params.seed is not None else None
-                rows.append(row(params, prompt=[4], output=[i], generator=nb_gen))
+                seeded = params.seed is not None
+                nb_gen = gen(1000 + i) if seeded and not streams else None
+                nb_stream = neighbour_streams[i] if seeded and streams else None
+                rows.append(row(params, [4], [i], nb_gen, (), nb_stream))
         outputs.append(sampler(logits, rows).token_ids[position])
     return outputs
 
 
-def test_seeded_row_is_batch_invariant():
-    reference = run_seeded(batch_size=1, position=0)
+@pytest.mark.parametrize("streams", [False, True], ids=["generator", "seed_stream"])
+def test_seeded_row_is_batch_invariant(streams):
+    reference = run_seeded(batch_size=1, position=0, streams=streams)
     for batch_size, position in [(3, 0), (3, 2), (8, 1), (8, 4), (8, 7)]:
-        assert run_seeded(batch_size, position) == reference, (batch_size, position)
-    assert run_seeded(batch_size=1, position=0) == reference  # across runs
-    assert run_seeded(batch_size=1, position=0, seed=6) != reference  # the seed matters
-    # a seeded row's noise, drawn in place into its row, is the draw of a fresh length-V tensor
+        got = run_seeded(batch_size, position, streams=streams)
+        assert got == reference, (batch_size, position)
+    assert run_seeded(batch_size=1, position=0, streams=streams) == reference  # across runs
+    assert run_seeded(batch_size=1, position=0, seed=6, streams=streams) != reference
+
+
+def test_a_generator_rows_noise_is_a_fresh_draw_from_it():
+    """A row with only a generator: its noise, drawn in place into its row, is the draw of a
+    fresh length-V tensor."""
     rows = [row(SamplingParams(temperature=1.0), generator=gen(s)) for s in (3, 4)]
     noise = Sampler().draw_noise([rows[0], row(SamplingParams(temperature=1.0)), rows[1]], 9, "cpu")
     for k, s in [(0, 3), (2, 4)]:
         fresh = torch.empty(9).exponential_(generator=gen(s)).clamp_min_(torch.finfo().tiny)
         assert torch.equal(noise[k], fresh)
+
+
+def test_a_seed_streams_noise_is_its_counter_draw_and_advances_it():
+    """A row with a seed stream (and a generator, as the engine builds it): its noise is the
+    stream's counter-based draw (the generator is not read), one draw per random step; greedy
+    rows draw nothing."""
+    from phloem.ops.seeded_noise import exponentials_reference, row_keys
+
+    stream, g = SeedStream(11, draws=4), gen(11)
+    state = g.get_state()
+    sampled = row(SamplingParams(temperature=1.0), generator=g, stream=stream)
+    greedy_stream = SeedStream(12)
+    greedy = row(SamplingParams(temperature=0.0), stream=greedy_stream)
+    want = exponentials_reference(row_keys([SeedStream(11, draws=4)]), 9)[0]
+    noise = Sampler().draw_noise([greedy, row(SamplingParams(temperature=1.0)), sampled], 9, "cpu")
+    assert torch.equal(noise[1], want)
+    assert stream.draws == 5 and greedy_stream.draws == 0
+    assert torch.equal(g.get_state(), state)
+    Sampler()(torch.zeros(2, 9), [sampled, greedy])
+    assert stream.draws == 6 and greedy_stream.draws == 0
 
 
 # --- truncation and temperature distributions ------------------------------------------------
