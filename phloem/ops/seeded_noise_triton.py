@@ -48,6 +48,9 @@ def _seeded_noise_kernel(
         tl.store(q_ptr + row * s_q + v, bits, mask=v < vocab)
     else:
         u = (bits * 2 + 1).to(tl.float32) * 5.9604644775390625e-08  # 2^-24, exact
+        # tl.log of float32 is libdevice's __nv_logf on NVIDIA (within an ulp; checked in the
+        # PTX for sm_90): an approximate lg2 would lose the small q of u near 1, the race's
+        # likeliest winners
         tl.store(q_ptr + row * s_q + v, -tl.log(u), mask=v < vocab)
 
 

@@ -65,6 +65,11 @@ def test_seeded_sampling_independent_of_batch(llm):
         use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    # behind another seeded request (their seed streams are drawn together, in one kernel)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=12)
+    out = llm.generate(["Count to five.", "Tell me a fact about owls."], [seeded, params],
+                       use_tqdm=False)  # fmt: skip
+    assert out[1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_max_tokens_min_tokens_and_logprobs(llm):
