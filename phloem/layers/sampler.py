@@ -431,20 +431,24 @@ class Sampler:
         generator. The generator draws are clamped away from 0 so 0 / 0 never appears.
         """
         q = torch.empty(len(rows), vocab_size, device=device)
+        streams = [s for r in rows if (s := r.seed_stream) is not None]
         streamed = [i for i, r in enumerate(rows) if r.seed_stream is not None]
         own = [i for i, r in enumerate(rows) if r.seed_stream is None and r.generator is not None]
         shared = [i for i, r in enumerate(rows) if r.seed_stream is None and r.generator is None]
         if shared:
             noise = torch.empty(len(shared), vocab_size, device=device)
-            noise.exponential_(generator=self.generator).clamp_min_(torch.finfo(q.dtype).tiny)
+            noise.exponential_(generator=self.generator)
             if len(shared) == len(rows):
-                return noise
-            q[_device_tensor(shared, dtype=torch.long, device=device)] = noise
+                q = noise
+            else:
+                q[_device_tensor(shared, dtype=torch.long, device=device)] = noise
         for i in own:
-            q[i].exponential_(generator=rows[i].generator).clamp_min_(torch.finfo(q.dtype).tiny)
+            q[i].exponential_(generator=rows[i].generator)
         if streamed:
-            seeded_exponentials_(q, streamed, [rows[i].seed_stream for i in streamed])
-        return q
+            seeded_exponentials_(q, streamed, streams)
+            if len(streamed) == len(rows):
+                return q
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
 class SampledTokens:

@@ -54,7 +54,7 @@ MIX_1 = _signed(0xBF58476D1CE4E5B9)
 MIX_2 = _signed(0x94D049BB133111EB)
 NUM_BITS = 23  # bits of u (2 * bits + 1 < 2^24: exact in float32)
 SHIFT = 64 - NUM_BITS
-_CPU_CHUNK_ROWS = 16  # rows hashed together on the CPU (16 x 128K int64: 16 MB a temporary)
+_CPU_CHUNK_ELEMENTS = 2**21  # entries hashed together on the CPU (int64: 16 MB a temporary)
 
 
 @dataclass
@@ -115,7 +115,7 @@ def seeded_exponentials_(
 
     q: float32 [R, V], V contiguous, modified. row_indices: distinct rows of q, one per stream.
     CUDA: one Triton launch (plus one host-to-device copy of the keys and row indices); other
-    devices: the torch reference, a chunk of rows at a time. Raises ValueError when the
+    devices: the torch reference, a chunk of rows (2^21 entries) at a time. Raises ValueError when the
     lengths differ or q is not float32 [R, V] with V contiguous."""
     if len(row_indices) != len(streams):
         raise ValueError(f"{len(row_indices)} row indices for {len(streams)} streams")
@@ -130,8 +130,9 @@ def seeded_exponentials_(
         staged = to_device(torch.stack((keys, torch.tensor(row_indices))), q.device)
         launch(q, staged[0], staged[1])
     else:
-        for start in range(0, len(streams), _CPU_CHUNK_ROWS):
-            chunk = slice(start, start + _CPU_CHUNK_ROWS)
+        chunk_rows = max(1, _CPU_CHUNK_ELEMENTS // q.shape[1])
+        for start in range(0, len(streams), chunk_rows):
+            chunk = slice(start, start + chunk_rows)
             index = torch.tensor(row_indices[chunk], dtype=torch.long)
             q[index] = exponentials_reference(keys[chunk], q.shape[1])
     for stream in streams:
