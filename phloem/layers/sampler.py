@@ -308,7 +308,8 @@ class Sampler:
         logits: [B, V] in any float dtype (the model's; upcast to float32 here unless every row
             is plain greedy), B == len(rows); not modified.
         Advances each random row's seed stream (else its generator, else the sampler's) by one
-        draw; greedy rows advance nothing. Raises ValueError on a shape mismatch. One device-to-host copy at the end.
+        draw; greedy rows advance nothing. Raises ValueError on a shape mismatch. One
+        device-to-host copy at the end.
         Rows with NaN/inf logits are flagged (`SamplerOutput.num_nonfinite`), not raised on.
         """
         return self.launch(logits, rows).result()

@@ -44,10 +44,9 @@ def launch_sampler(
 
     When the batch raises, each row is tried alone (the others replaced by greedy placeholders,
     every generator's state, `shared_generator`'s too, and every seed stream's draw count
-    restored after each trial, so the rows
-    that go on draw what they would have, less anything the failed batch attempt drew); the rows
-    that raise on their own are failed (added to `failed`) and replaced by placeholders for the
-    real launch. A fault no single row causes, or one that survives the replacement, is the
+    restored after each trial, so the rows that go on draw what they would have, less anything
+    the failed batch attempt drew); the rows that raise on their own are failed (added to
+    `failed`) and replaced by placeholders for the real launch. A fault no single row causes, or one that survives the replacement, is the
     step's own: it propagates. Mutates `rows` and `failed` only on that path."""
     try:
         return sampler.launch(logits, rows, grammar, noise)
