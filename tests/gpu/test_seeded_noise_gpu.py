@@ -50,14 +50,14 @@ def test_kernel_bits_equal_the_reference(vocab):
 
 
 def test_noise_matches_the_reference_and_advances_the_streams():
-    streams = _streams(64, 1)
+    streams = _streams(64, 1)  # 64 random streams and the 3 at the range's ends
+    end = 3 + len(streams)
     want = exponentials_reference(row_keys(streams), VOCAB)
-    q = torch.full((70, VOCAB), -1.0, device="cuda")
-    rows = list(range(3, 67))
-    seeded_exponentials_(q, rows, streams)
+    q = torch.full((end + 3, VOCAB), -1.0, device="cuda")
+    seeded_exponentials_(q, list(range(3, end)), streams)
     got = q.cpu()
-    torch.testing.assert_close(got[3:67], want, rtol=3e-7, atol=0.0)  # 2 ulps
-    assert bool((got[:3] == -1).all()) and bool((got[67:] == -1).all())
+    torch.testing.assert_close(got[3:end], want, rtol=3e-7, atol=0.0)  # 2 ulps
+    assert bool((got[:3] == -1).all()) and bool((got[end:] == -1).all())
     assert [s.draws for s in streams] == [s.draws + 1 for s in _streams(64, 1)]
 
 
