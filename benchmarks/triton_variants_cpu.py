@@ -8,9 +8,10 @@ goes through `JITFunction.run`, is recorded and launches nothing):
     runtime   what the engine's own code launches: the fused RoPE + KV write and SiLU-and-mul
               (and FP8 quantizers) over steps of several token counts, the shared-prefix
               attention warm-up (`SharedPrefixAttention.warmup`), the CUDA-graph captures of the
-              shared-prefix variant (`DecodeGraphPlan` at every captured batch size) and
+              shared-prefix variant (`DecodeGraphPlan` at every captured batch size),
               `--steps` random eager serving steps (groups, decodes, prefill chunks) through the
-              backend's own path (`begin_step` / `forward`).
+              backend's own path (`begin_step` / `forward`), and the sampler's kernels (the
+              grammar mask, the seeded rows' noise) over several row counts and vocabularies.
 
 It prints both, the runtime variants the prebuild misses (should be none), and with `--compile`
 each variant's compile time for sm_90 (one process, one at a time, into an empty cache). With
@@ -70,7 +71,7 @@ def runtime_launches(shapes: dict, kv: str, fp8: bool, steps: int, seed: int) ->
     """Run the engine's code paths that launch phloem's Triton kernels, on CPU tensors."""
     import torch
 
-    from phloem.ops import activation, rope_kv, token_bitmask_triton
+    from phloem.ops import activation, rope_kv, seeded_noise_triton, token_bitmask_triton
     from phloem.ops.attention.metadata import AttentionMetadata
     from phloem.ops.attention.reference import ReferenceAttention
     from phloem.ops.attention.shared_prefix import SharedPrefixAttention
@@ -104,6 +105,11 @@ def runtime_launches(shapes: dict, kv: str, fp8: bool, steps: int, seed: int) ->
             bitmask = torch.zeros(rows, (vocab + 31) // 32, dtype=torch.int32)
             token_bitmask_triton.launch(torch.zeros(rows, vocab, dtype=dtype), bitmask,
                                         torch.arange(rows))  # fmt: skip
+    for seeded, rows, vocab in ((1, 1, 128_256), (2, 3, 49_152), (5, 8, 151_936)):
+        # the sampler's seeded rows (`seeded_exponentials_`): keys and row indices staged as
+        # one [2, S] copy (the indices' view is 16-byte aligned only for an even S)
+        staged = torch.stack((torch.zeros(seeded, dtype=torch.int64), torch.arange(seeded)))
+        seeded_noise_triton.launch(torch.empty(rows, vocab), staged[0], staged[1])
     backend = SharedPrefixAttention(ReferenceAttention(), impl="triton", num_heads=h,
                                     num_kv_heads=hkv, head_dim=d, device="cpu")  # fmt: skip
     pool = allocate_kv_cache(4096, bs, hkv, d, kv_dtype, "cpu")

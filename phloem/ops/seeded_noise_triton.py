@@ -7,6 +7,8 @@ registers (multiplications wrap mod 2^64, shifts are logical), and stores -log(u
 `rows[i]` of q (or, with WRITE_BITS, the 23 bits u is made of, for the test against the torch
 reference). Nothing is read from q; entries past V are not touched.
 
+`compile_variants` lists the variant the sampler launches for `phloem.worker.triton_prebuild`.
+
 Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported.
 """
 
@@ -34,7 +36,12 @@ def _mix64(x):
     return x ^ (x >> 31)
 
 
-@triton.jit(do_not_specialize=["vocab", "s_q"])
+# keys and row indices are read a scalar per program: their 16-byte alignment changes no code (the
+# row indices are a view at offset 8 * S of one staged [2, S] copy, aligned only for an even S), so
+# it is not specialized on and every step launches one variant
+@triton.jit(
+    do_not_specialize=["vocab", "s_q"], do_not_specialize_on_alignment=["keys_ptr", "rows_ptr"]
+)
 def _seeded_noise_kernel(
     q_ptr, keys_ptr, rows_ptr, vocab, s_q, BLOCK: tl.constexpr, WRITE_BITS: tl.constexpr,
 ):  # fmt: skip
@@ -66,3 +73,15 @@ def launch(
     grid = (num_rows, triton.cdiv(vocab, BLOCK))
     _seeded_noise_kernel[grid](q, keys, row_indices, vocab, q.stride(0), BLOCK=BLOCK,
                                WRITE_BITS=write_bits, num_warps=4)  # fmt: skip
+
+
+def compile_variants() -> None:
+    """Launch the kernel once on CPU tensors as `seeded_noise.seeded_exponentials_` does (float32
+    q; keys and row indices as the two rows of one staged int64 [2, S] tensor), for
+    `phloem.worker.triton_prebuild`'s compile-only driver: the launch records the one variant
+    the sampler compiles and runs nothing. The variant depends on nothing of the model: q is
+    float32 whatever the model's dtype, BLOCK and num_warps are fixed, the vocabulary size and
+    q's row stride are not specialized on, nor are the keys' and row indices' alignments.
+    Under a real driver it would launch on CPU memory: call it only there."""
+    staged = torch.zeros(2, 1, dtype=torch.int64)  # keys, row indices
+    launch(torch.zeros(1, 64, dtype=torch.float32), staged[0], staged[1])

@@ -6,8 +6,9 @@ it, in the launching thread, writing it to its on-disk cache (TRITON_CACHE_DIR).
 machine the engine's start-up therefore compiled its kernels one after another in its main
 thread: the fused RoPE + KV write, SiLU-and-mul and the FP8 quantizers at the memory profile,
 the shared-prefix attention kernels at the attention warm-up (112 s on an H200 host,
-benchmarks/results/2026-11-26b-h200x2-serving). Here, at the start of the worker and before
-the weights load, one process (`python -m phloem.worker.triton_prebuild`):
+benchmarks/results/2026-11-26b-h200x2-serving), and the sampler's kernels (grammar mask,
+seeded rows' noise) stalled the first request that needed them. Here, at the start of the
+worker and before the weights load, one process (`python -m phloem.worker.triton_prebuild`):
 
 1. records the variants the engine will launch: with a compile-only Triton driver (the target
    GPU's architecture, no device) and Triton's `jit_cache_hook` returning "do not compile",
@@ -117,7 +118,14 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
     """(name, call) of each `compile_variants` hook an engine of `s` launches."""
     import torch
 
-    from phloem.ops import activation, fp8_fused_quant, fp8_quant, rope_kv, token_bitmask_triton
+    from phloem.ops import (
+        activation,
+        fp8_fused_quant,
+        fp8_quant,
+        rope_kv,
+        seeded_noise_triton,
+        token_bitmask_triton,
+    )
     from phloem.ops.attention import shared_prefix
     from phloem.worker.kernel_prebuild import comm_triton_hooks
 
@@ -143,6 +151,8 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
     hooks.extend(comm_triton_hooks(s.hidden_size, s.tp_size, dtype))  # PHLOEM_TP_ALLREDUCE
     # the sampler's grammar mask (structured outputs): any engine may get a constrained request
     hooks.append(("token_bitmask", partial(token_bitmask_triton.compile_variants, dtype)))
+    # the sampler's seeded rows' noise: any engine may get a request with a seed
+    hooks.append(("seeded_noise", seeded_noise_triton.compile_variants))
     if s.shared_prefix:
         hooks.append(("shared_prefix", partial(shared_prefix.compile_variants, s.num_heads,
                       s.num_kv_heads, s.head_dim, s.block_size, dtype, kv_dtype, s.cuda_graphs,

@@ -119,7 +119,7 @@ def test_the_prebuild_does_not_hold_up_its_caller(tmp_path):
 
 
 def test_the_prebuild_compiles_in_parallel_then_finds_its_cache(monkeypatch, tmp_path, caplog):
-    """The real process: four variants (no shared-prefix kernels: the quick ones) compiled for
+    """The real process: five variants (no shared-prefix kernels: the quick ones) compiled for
     sm_90 by two pool processes; a second prebuild finds them all cached."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     shapes = TritonShapes(**LLAMA_8B, shared_prefix=False)
@@ -131,13 +131,14 @@ def test_the_prebuild_compiles_in_parallel_then_finds_its_cache(monkeypatch, tmp
         "_silu_and_mul_kernel",
         "_token_bitmask_kernel",  # bf16 logits (a greedy step's copy)
         "_token_bitmask_kernel",  # float32 (the random path's copy)
+        "_seeded_noise_kernel",  # the seeded rows' noise (float32, any row count)
     ]
     assert not any(k["cached"] for k in kernels), kernels
     with caplog.at_level(logging.INFO, logger="phloem.worker.triton_prebuild"):
         again = TritonPrebuild(shapes, (9, 0), jobs=2)
         again.wait()
     assert all(k["cached"] for k in again.summary["kernels"])
-    assert "4 variants (0 compiled, 4 cached, 0 failed)" in caplog.text
+    assert "5 variants (0 compiled, 5 cached, 0 failed)" in caplog.text
 
 
 VARIANTS_ARE_LAUNCHES = r"""
@@ -159,10 +160,11 @@ for kv, fp8 in (("bfloat16", False), ("float8_e4m3fn", True)):
 def test_the_variants_are_what_the_engine_launches(compile_for_hopper):
     """The engine's own code paths (the layers' fused kernels over several token counts, the
     attention warm-up, the shared-prefix CUDA-graph captures at every batch size, random eager
-    serving steps, the sampler's grammar mask on bf16 and float32 logits) launch exactly the
-    prebuild's variants, bf16 and FP8 (KV cache and W8A8)."""
+    serving steps, the sampler's grammar mask on bf16 and float32 logits and its seeded rows'
+    noise at odd and even row counts) launch exactly the prebuild's variants, bf16 and FP8 (KV
+    cache and W8A8)."""
     out = compile_for_hopper(VARIANTS_ARE_LAUNCHES)
-    assert "bfloat16 9" in out and "float8_e4m3fn 12" in out
+    assert "bfloat16 10" in out and "float8_e4m3fn 13" in out
 
 
 SAME_KEYS = r"""
