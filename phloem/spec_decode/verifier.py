@@ -145,14 +145,22 @@ def _stage_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' host facts on the device in one copy: int64 [S, k + 1] each row's scored
     positions in the packed logits (a short row repeats its last one), int64 [S, k] its
-    drafts padded with `PAD_TOKEN_ID`, int64 [S] its draft counts."""
+    drafts padded with `PAD_TOKEN_ID`, int64 [S] its draft counts. Built with numpy over the
+    [S, 2k + 2] table (one Python pass over the drafts to flatten them), not per draft:
+
+        row b: |-- starts_b + min(j, k_b), j <= k --|-- drafts, PAD --|-- k_b --|"""
     num_rows, width = len(counts), max(counts, default=0)
-    host = torch.tensor(
-        [[starts[b] + min(j, k) for j in range(width + 1)] + list(d) + [PAD_TOKEN_ID] * (width - k)
-         + [k] for b, (d, k) in enumerate(zip(drafts, counts))],
-        dtype=torch.long,
-    )  # fmt: skip
-    staged = to_device(host.view(num_rows, 2 * width + 2), device)
+    counts_a = np.array(counts, dtype=np.int64).reshape(num_rows)
+    host = np.empty((num_rows, 2 * width + 2), dtype=np.int64)
+    cols = np.arange(width + 1, dtype=np.int64)
+    np.minimum(cols[None, :], counts_a[:, None], out=host[:, : width + 1])
+    host[:, : width + 1] += np.array(starts[:num_rows], dtype=np.int64).reshape(num_rows, 1)
+    draft_part = np.full((num_rows, width), PAD_TOKEN_ID, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(drafts), dtype=np.int64, count=sum(counts))
+    draft_part[cols[None, :width] < counts_a[:, None]] = flat  # (row-major: each row's in order)
+    host[:, width + 1 : -1] = draft_part
+    host[:, -1] = counts_a
+    staged = to_device(host, device)
     return staged[:, : width + 1], staged[:, width + 1 : -1], staged[:, -1]
 
 

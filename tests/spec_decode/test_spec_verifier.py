@@ -188,3 +188,27 @@ def test_all_greedy_rows_match_the_rejection_samplers_greedy_path(seed):
     assert [tokens[b] for b in drafted] == [out.token_ids[b] for b in drafted]
     assert [step.num_accepted[b] for b in drafted] == [got.num_accepted[b] for b in drafted]
     assert [step.verified[b] for b in drafted] == [bool(valid[b]) for b in drafted]
+
+
+def test_staged_rows_match_the_per_draft_loop():
+    """`_stage_rows` (numpy) against the per-draft Python loop it replaced, on rows of 0 to 5
+    drafts in random order."""
+    import itertools
+
+    from phloem.spec_decode.rejection_sampler import PAD_TOKEN_ID
+    from phloem.spec_decode.verifier import _stage_rows
+
+    rng = np.random.default_rng(0)
+    for num_rows in (1, 2, 7):
+        drafts = [tuple(rng.integers(0, 50, rng.integers(0, 6)).tolist()) for _ in range(num_rows)]
+        counts = [len(d) for d in drafts]
+        starts = [0, *itertools.accumulate(1 + k for k in counts)]
+        width = max(counts)
+        want = [
+            [starts[b] + min(j, k) for j in range(width + 1)] + list(d)
+            + [PAD_TOKEN_ID] * (width - k) + [k]
+            for b, (d, k) in enumerate(zip(drafts, counts))
+        ]  # fmt: skip
+        got = torch.cat([t.reshape(num_rows, -1) for t in _stage_rows(
+            drafts, counts, starts, torch.device("cpu"))], dim=1)  # fmt: skip
+        assert got.tolist() == want

@@ -1,0 +1,134 @@
+"""Host time of a verify step's per-row work outside the proposers (issue 20), against drafts
+per row: the worker's input building (`HostStep.build`), the verify graph's padding
+(`pad_verify_step`), the checks of rows stacked on the step in flight (`stack_checks`), the
+verifier's launch (`launch_verify`, greedy, a tiny vocabulary so its compute is negligible)
+and the worker's update after it (`append_verified`), for S rows of d drafts each on top of a
+step in flight (every row's input token pending, as with async scheduling). Prints, per
+function, microseconds a call at each d and the least-squares fit a + b * d (b: microseconds
+per draft per step, over all S rows).
+
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_per_draft_host.py --out x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+from phloem.layers.sampler import SamplingRow  # noqa: E402
+from phloem.sampling_params import SamplingParams  # noqa: E402
+from phloem.spec_decode.verifier import launch_verify  # noqa: E402
+from phloem.worker.input_batch import HostStep, SequenceState, append_verified  # noqa: E402
+from phloem.worker.stacked_rows import PreviousStep, stack_checks  # noqa: E402
+from phloem.worker.verify_graph import pad_verify_step  # noqa: E402
+
+BLOCK = 16
+VOCAB = 64
+PROMPT = 300
+
+
+def make_step(num_rows: int, d: int):
+    """(scheduler output, states, previous step) of S rows computing their pending token plus
+    d drafts each."""
+    states, scheduled = [], []
+    for b in range(num_rows):
+        outputs = list(range(40 + b))
+        state = SequenceState(list(range(PROMPT)), outputs, SamplingParams(temperature=0.0))
+        known = PROMPT + len(outputs)
+        state.block_ids = list(range(b * 64, b * 64 + (known + 1 + d) // BLOCK + 1))
+        states.append(state)
+        drafts = tuple((b + j) % VOCAB for j in range(d))
+        scheduled.append(ScheduledSequence(f"s{b}", known, 1 + d, True, draft_token_ids=drafts))
+    prev = PreviousStep(
+        torch.zeros(num_rows, dtype=torch.long),
+        {f"s{b}": b for b in range(num_rows)},
+        torch.ones(num_rows, dtype=torch.bool),
+    )
+    return SchedulerOutput(scheduled), states, prev
+
+
+def time_us(fn, calls: int) -> float:
+    """Microseconds a call, the best of 3 rounds of `calls` (after a warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def measure(num_rows: int, d: int, calls: int) -> dict[str, float]:
+    """Microseconds a call of each function at S rows of d drafts."""
+    sched, states, prev = make_step(num_rows, d)
+    host = HostStep.build(sched, states, BLOCK, False)
+    cpu = torch.device("cpu")
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in states]
+    drafts = [s.draft_token_ids for s in sched.scheduled]
+    logits = torch.randn(len(host.logits_indices), VOCAB)
+    accepted = [d // 2] * num_rows
+    tokens = [1] * num_rows
+
+    def no_plain(plain_logits, plain):  # (every row drafts: never called)
+        raise AssertionError(plain)
+
+    def update() -> None:
+        lens = [(len(s.output_token_ids), list(s.block_ids)) for s in states]
+        append_verified(states, drafts, accepted, tokens, BLOCK)
+        for s, (n, table) in zip(states, lens):
+            del s.output_token_ids[n:]
+            s.block_ids = table
+
+    out = {
+        "build": time_us(lambda: HostStep.build(sched, states, BLOCK, False), calls),
+        "pad_verify_step": time_us(
+            lambda: pad_verify_step(host, 17, num_rows, 10**6, BLOCK), calls
+        ),
+        "stack_checks": time_us(lambda: stack_checks(host, sched, states, prev, cpu), calls),
+        "launch_verify": time_us(
+            lambda: launch_verify(logits, rows, drafts, None, no_plain).result(), calls
+        ),
+        "append_verified": time_us(update, calls),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def fit(ds: list[int], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b * d."""
+    b, a = np.polyfit(np.array(ds, dtype=float), np.array(ys, dtype=float), 1)
+    return float(a), float(b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    table = {d: measure(args.rows, d, args.calls) for d in args.drafts}
+    fits = {}
+    for name in table[args.drafts[0]]:
+        a, b = fit(args.drafts, [table[d][name] for d in args.drafts])
+        fits[name] = {"us_per_step": round(a, 1), "us_per_draft": round(b, 2)}
+        cells = " ".join(f"{table[d][name]:7.1f}" for d in args.drafts)
+        print(f"{name:16s} {cells}   a={a:7.1f} us  b={b:6.2f} us/draft")
+    result = {"rows": args.rows, "drafts": args.drafts, "us": table, "fit": fits}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
