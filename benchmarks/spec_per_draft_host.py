@@ -2,7 +2,9 @@
 per row: the worker's input building (`HostStep.build`), the verify graph's padding
 (`pad_verify_step`), the checks of rows stacked on the step in flight (`stack_checks`), the
 verifier's launch (`launch_verify`, greedy, a tiny vocabulary so its compute is negligible)
-and the worker's update after it (`append_verified`), for S rows of d drafts each on top of a
+the worker's update after it (`append_verified`), and the engine's: the scheduler's
+(`apply_verified`: accepted drafts, stop rules, rollback) and the detokenizer's (`add_run`,
+no stop strings, not streaming: `LLM.generate`'s), with d // 2 drafts accepted, for S rows of d drafts each on top of a
 step in flight (every row's input token pending, as with async scheduling). Prints, per
 function, microseconds a call at each d and the least-squares fit a + b * d (b: microseconds
 per draft per step, over all S rows).
@@ -23,7 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from phloem.core.draft_tokens import apply_verified  # noqa: E402
+from phloem.core.request import Request, RequestStatus  # noqa: E402
 from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
+from phloem.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from phloem.engine.token_updates import add_run  # noqa: E402
 from phloem.layers.sampler import SamplingRow  # noqa: E402
 from phloem.sampling_params import SamplingParams  # noqa: E402
 from phloem.spec_decode.verifier import launch_verify  # noqa: E402
@@ -100,8 +106,49 @@ def measure(num_rows: int, d: int, calls: int) -> dict[str, float]:
         ),
         "append_verified": time_us(update, calls),
     }
+    out.update(measure_engine_update(sched, accepted, calls))
     out["total"] = sum(out.values())
     return out
+
+
+class NoTrim:
+    """`KVManager.trim` of a manager holding no blocks."""
+
+    def trim(self, request: Request) -> None:
+        pass
+
+
+def measure_engine_update(sched: SchedulerOutput, accepted: list[int], calls: int) -> dict:
+    """Microseconds a step of the scheduler's `apply_verified` over the rows (EOS never
+    drafted, no max_tokens: no stop) and of `add_run` over their new tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=None)
+    requests = []
+    for s in sched.scheduled:
+        r = Request(s.seq_id, list(range(PROMPT)), params, eos_token_id=VOCAB + 1)
+        r.output_token_ids = list(range(40))
+        r.status = RequestStatus.RUNNING
+        requests.append(r)
+    counts = {s.seq_id: a for s, a in zip(sched.scheduled, accepted)}
+    detoks = [IncrementalDetokenizer(None, [1, 2], incremental=False) for _ in requests]
+    kv = NoTrim()
+
+    def scheduler_update() -> None:
+        for r, s in zip(requests, sched.scheduled):
+            r.num_pending_tokens, r.num_computed_tokens = 1 + len(s.draft_token_ids), 0
+            apply_verified(r, s, 1, counts, kv, 10**6)  # type: ignore[arg-type]
+            del r.output_token_ids[40:]
+
+    def detok_update() -> None:
+        for r, detok, a in zip(requests, detoks, accepted):
+            r.output_token_ids.extend(range(a + 1))
+            add_run(r, detok, a + 1)
+            del r.output_token_ids[40:]
+            del detok._token_ids[2:]
+
+    return {
+        "apply_verified": time_us(scheduler_update, calls),
+        "add_run": time_us(detok_update, calls),
+    }
 
 
 def fit(ds: list[int], ys: list[float]) -> tuple[float, float]:

@@ -96,11 +96,35 @@ def apply_verified(
     if num_rejected and request.status is RequestStatus.RUNNING:
         request.num_computed_tokens = request.num_known_tokens + num_accepted
         kv.trim(request)
+    run = (*drafts[:num_accepted], token_id)
+    if not _may_stop(request, run, max_model_len):  # (the common run: appended at once)
+        request.output_token_ids.extend(run)
+        request.num_pending_tokens = max(0, request.num_pending_tokens - len(run))
+        return None, len(run)
     status, num_new = None, 0
-    for token in (*drafts[:num_accepted], token_id):
+    for token in run:
         request.append_output_token(token)
         num_new += 1
         status = check_stop(request, max_model_len)
         if status is not None:
             break
     return status, num_new
+
+
+def _may_stop(request: Request, run: tuple[int, ...], max_model_len: int) -> bool:
+    """False when no token of `run`, appended one at a time, would meet a `check_stop` rule,
+    so the run can be appended at once (not a Python loop per accepted draft: a verify step's
+    update is host time, results/2026-11-27c-cpu-spec-per-draft). The length rules grow with
+    each appended token (outputs + 1, pending - 1 down to 0), so the last token meets them if
+    any does; the token rules are checked on the whole run, whatever `min_tokens` (True where
+    one matches: the caller's per-token loop decides). Conservative: True may still not stop."""
+    params = request.sampling_params
+    if not params.ignore_eos and request.eos_token_id in run:
+        return True
+    if params.stop_token_ids and not set(run).isdisjoint(params.stop_token_ids):
+        return True
+    num_output = len(request.output_token_ids) + len(run)
+    if params.max_tokens is not None and num_output >= params.max_tokens:
+        return True
+    pending = max(0, request.num_pending_tokens - len(run))
+    return request.num_prompt_tokens + num_output + pending >= max_model_len

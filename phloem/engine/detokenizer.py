@@ -129,6 +129,21 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         return self._append(delta)
 
+    def add_tokens(self, token_ids: list[int]) -> tuple[int, str] | None:
+        """Append tokens one `add_token` at a time; returns (the index in `token_ids` of the
+        token that hit a stop string, the stop string), else None. Tokens after a hit are not
+        appended. Without `incremental` (no stop strings, no streaming) they are only
+        collected, so the run is appended at once (a verify step's accepted drafts:
+        results/2026-11-27c-cpu-spec-per-draft). Mutates `text`."""
+        if not self.incremental:
+            self._token_ids.extend(token_ids)
+            return None
+        for i, token_id in enumerate(token_ids):
+            stop = self.add_token(token_id)
+            if stop is not None:
+                return i, stop
+        return None
+
     def flush(self) -> str | None:
         """Emit text still held back (the sequence has ended); returns a stop string hit.
 

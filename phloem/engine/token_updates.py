@@ -77,9 +77,10 @@ def add_run(request: Request, detokenizer, num_tokens: int) -> str | None:
     it (without speculation they would never have been sampled) and return the stop string, else
     None. Mutates the request's `output_token_ids`."""
     outputs = request.output_token_ids
-    for i in range(len(outputs) - num_tokens, len(outputs)):
-        stop = detokenizer.add_token(outputs[i])
-        if stop is not None:
-            del outputs[i + 1 :]
-            return stop
-    return None
+    first = len(outputs) - num_tokens
+    hit = detokenizer.add_tokens(outputs[first:])
+    if hit is None:
+        return None
+    i, stop = hit
+    del outputs[first + i + 1 :]
+    return stop

@@ -195,3 +195,27 @@ def test_decode_stream_equals_the_window_rule(all_tokenizers, name) -> None:
         if hit is None:
             assert (fast.flush(), fast.text) == (reference.flush(), reference.text), case
     assert num_fast > 100  # most contexts end on a character boundary
+
+
+@pytest.mark.parametrize("stop", [(), ("ing",)])
+@pytest.mark.parametrize("incremental", [False, True])
+def test_add_tokens_matches_add_token_one_at_a_time(tokenizer, stop, incremental) -> None:
+    """`add_tokens` (a verify step's run) against `add_token` per token: the same stop hit, at
+    the same token, and the same text after the flush."""
+    ids = tokenizer.encode("The running dog is singing, and the cat is eating a fish.")
+    one = IncrementalDetokenizer(tokenizer, [1, 2], stop=stop, incremental=incremental)
+    run = IncrementalDetokenizer(tokenizer, [1, 2], stop=stop, incremental=incremental)
+    want, i = None, 0
+    for i, token_id in enumerate(ids):  # noqa: B007 - i is the hit's index
+        if (want := one.add_token(token_id)) is not None:
+            break
+    got = None
+    for start, end in ((0, 3), (3, 7), (7, len(ids))):
+        if (hit := run.add_tokens(ids[start:end])) is not None:
+            got = (start + hit[0], hit[1])
+            break
+    assert got == (None if want is None else (i, want))
+    assert (want is not None) == bool(stop)
+    one.flush()
+    run.flush()
+    assert run.text == one.text

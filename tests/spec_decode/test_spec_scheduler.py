@@ -190,3 +190,53 @@ def test_a_stop_token_inside_the_accepted_drafts_drops_the_rest():
     assert r.output_token_ids == [6, 7, 42] and r.stop_reason == 42
     assert r.status is RequestStatus.FINISHED_STOPPED
     scheduler.check_integrity()
+
+
+def test_a_verified_run_appended_at_once_matches_the_per_token_stop_checks():
+    """`apply_verified`'s bulk append against appending its run token by token with
+    `check_stop` after each (the rule it shortcuts), on random runs, pending counts and stop
+    settings (EOS, stop ids, min_tokens, max_tokens, the context length)."""
+    from phloem.core.draft_tokens import apply_verified
+    from phloem.core.scheduler_output import ScheduledSequence
+    from phloem.core.stop_checker import check_stop
+
+    rng = random.Random(0)
+    for _ in range(400):
+        max_tokens = rng.choice([None, rng.randint(1, 12)])
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, min(4, max_tokens or 4)),
+            stop_token_ids=rng.choice([[], [rng.randint(0, 9)]]),
+            ignore_eos=rng.random() < 0.2,
+        )
+        outputs = [rng.randint(10, 19) for _ in range(rng.randint(0, 3))]
+        drafts = tuple(rng.randint(0, 9) for _ in range(rng.randint(1, 6)))
+        num_accepted, token_id = rng.randint(0, len(drafts)), rng.randint(0, 9)
+        pending = 1 + len(drafts) + rng.choice([0, 0, 1 + len(drafts)])
+        max_model_len = rng.randint(6, 20)
+        eos = rng.choice([None, rng.randint(0, 9)])
+
+        got, want = (
+            Request("r", [20] * 3, params, eos_token_id=eos, output_token_ids=list(outputs))
+            for _ in range(2)
+        )
+        for r in (got, want):
+            r.num_pending_tokens, r.status = pending, RequestStatus.PREEMPTED  # (no KV to trim)
+        sched = ScheduledSequence("r", 0, 1 + len(drafts), True, draft_token_ids=drafts)
+        status, num_new = apply_verified(got, sched, token_id, {"r": num_accepted}, None, max_model_len)  # type: ignore[arg-type]  # fmt: skip
+        want.num_pending_tokens = max(0, pending - (len(drafts) - num_accepted))
+        if len(drafts) > num_accepted and want.num_pending_tokens > num_accepted + 1:
+            want.num_pending_tokens = num_accepted + 1
+        want_status, want_new = None, 0
+        for token in (*drafts[:num_accepted], token_id):
+            want.append_output_token(token)
+            want_new += 1
+            want_status = check_stop(want, max_model_len)
+            if want_status is not None:
+                break
+        assert (status, num_new) == (want_status, want_new)
+        assert got.output_token_ids == want.output_token_ids
+        assert (got.num_pending_tokens, got.stop_reason) == (
+            want.num_pending_tokens,
+            want.stop_reason,
+        )
