@@ -77,16 +77,16 @@ class VerifiedTokens:
         return SamplerOutput(token_ids, [None] * num_rows, [None] * num_rows, flags)
 
 
-def split_verify_rows(
-    drafts: Sequence[Sequence[int]],
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(drafted rows, their packed logits positions, rows without drafts, their one position)
-    of a verify step whose row b has 1 + len(drafts[b]) packed positions (module docstring)."""
+def split_verify_rows(drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+    """(each row's first packed logits position [S + 1], the last one's end appended; drafted
+    rows; rows without drafts) of a verify step whose row b has 1 + len(drafts[b]) packed
+    positions (module docstring). Per row, not per draft: a drafted row's positions are
+    `starts[b]:starts[b + 1]`, listed only where a path needs them (`launch_verify`'s
+    non-greedy one)."""
     starts = [0, *itertools.accumulate(1 + len(d) for d in drafts)]
     drafted = [b for b, d in enumerate(drafts) if d]
     plain = [b for b, d in enumerate(drafts) if not d]
-    positions = [p for b in drafted for p in range(starts[b], starts[b + 1])]
-    return drafted, positions, plain, [starts[b] for b in plain]
+    return starts, drafted, plain
 
 
 def verify_drafts(
@@ -292,10 +292,11 @@ def launch_verify(
     `sample_plain(their logits [P, V], their row indices)` (their one position each: the
     caller's sampler); `valid`: bool [S] on the device, the rows whose drafts count (None:
     all). Nothing waits for the device."""
-    drafted, positions, plain, plain_positions = split_verify_rows(drafts)
+    starts, drafted, plain = split_verify_rows(drafts)
+    plain_positions = [starts[b] for b in plain]
     # all greedy: the argmaxes are read in place (`_verify_greedy`), no copy of the drafted rows
     greedy = all(rows[b].params.temperature < GREEDY_TEMPERATURE for b in drafted)
-    gathered = [] if greedy else positions
+    gathered = [] if greedy else [p for b in drafted for p in range(starts[b], starts[b + 1])]
     # every index of the step in one host-to-device copy, sliced on the device
     host = np.array(gathered + drafted + plain_positions + plain, dtype=np.int64)
     staged = to_device(host, logits.device)
@@ -306,7 +307,6 @@ def launch_verify(
         valid = valid[drafted_t]
     drafted_drafts = [drafts[b] for b in drafted]
     if greedy:
-        starts = [0, *itertools.accumulate(1 + len(d) for d in drafts)]
         counts = [len(d) for d in drafted_drafts]
         rows_staged = _stage_rows(drafted_drafts, counts, [starts[b] for b in drafted],
                                   logits.device)  # fmt: skip
