@@ -7,7 +7,9 @@ the worker's update after it (`append_verified`), and the engine's: the schedule
 no stop strings, not streaming: `LLM.generate`'s), with d // 2 drafts accepted, for S rows of d drafts each on top of a
 step in flight (every row's input token pending, as with async scheduling). Prints, per
 function, microseconds a call at each d and the least-squares fit a + b * d (b: microseconds
-per draft per step, over all S rows).
+per draft per step, over all S rows). Then, apart from "total" (its update runs
+`apply_verified` again), the scheduler's `schedule` and `update_from_output` over a loop of
+verify steps.
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python benchmarks/spec_per_draft_host.py --out x.json
 """
@@ -25,8 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from phloem.config import SchedulerConfig  # noqa: E402
 from phloem.core.draft_tokens import apply_verified  # noqa: E402
+from phloem.core.kv_manager import KVManager  # noqa: E402
 from phloem.core.request import Request, RequestStatus  # noqa: E402
+from phloem.core.scheduler import Scheduler  # noqa: E402
 from phloem.core.scheduler_output import ScheduledSequence, SchedulerOutput  # noqa: E402
 from phloem.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from phloem.engine.token_updates import add_run  # noqa: E402
@@ -151,6 +156,37 @@ def measure_engine_update(sched: SchedulerOutput, accepted: list[int], calls: in
     }
 
 
+def measure_scheduler(num_rows: int, d: int, steps: int) -> dict[str, float]:
+    """Median microseconds of `Scheduler.schedule` and `update_from_output` (which runs
+    `apply_verified`) over `steps` verify steps of S running requests given d drafts each,
+    d // 2 accepted (so each step's rejected drafts roll back: `KVManager.trim`, and the next
+    step allocates again), 16-token blocks, prefix caching on, nothing in flight."""
+    config = SchedulerConfig(
+        max_num_seqs=2 * num_rows,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+        memory_centric_admission=False,
+    )
+    scheduler = Scheduler(config, KVManager(num_rows * 128, BLOCK, enable_prefix_cache=True))
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    for b in range(num_rows):
+        scheduler.add_request(Request(f"s{b}", [b] * 8 + list(range(PROMPT)), params))
+    times: dict[str, list[float]] = {"schedule": [], "update_from_output": []}
+    for step in range(steps + 1):
+        for r in scheduler.running:
+            r.draft_token_ids = [5] * d
+        start = time.perf_counter()
+        out = scheduler.schedule()
+        mid = time.perf_counter()
+        sampled = {s.seq_id: 1 for s in out.scheduled if s.sample}
+        accepted = {s.seq_id: len(s.draft_token_ids) // 2 for s in out.scheduled}
+        scheduler.update_from_output(out, sampled, accepted)
+        if step:  # (step 0: the prompts)
+            times["schedule"].append(mid - start)
+            times["update_from_output"].append(time.perf_counter() - mid)
+    return {name: float(np.median(ts)) * 1e6 for name, ts in times.items()}
+
+
 def fit(ds: list[int], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b * d."""
     b, a = np.polyfit(np.array(ds, dtype=float), np.array(ys, dtype=float), 1)
@@ -166,6 +202,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     table = {d: measure(args.rows, d, args.calls) for d in args.drafts}
+    for d in args.drafts:  # (a separate loop: not in "total", which has apply_verified)
+        table[d].update(measure_scheduler(args.rows, d, args.calls))
     fits = {}
     for name in table[args.drafts[0]]:
         a, b = fit(args.drafts, [table[d][name] for d in args.drafts])
