@@ -282,6 +282,11 @@ class SpeculativeConfig:
             1 + num_speculative_tokens query tokens (`worker/verify_graph.py`) [sequences],
             >= 0; 0 captures none (verify steps replay the piecewise graphs). Also capped at
             max_num_seqs and max_num_batched_tokens // (1 + k).
+        verify_graph_widths: the draft widths w whose verify graphs are captured, every
+            sequence padded to 1 + w query tokens; a step replays the smallest width >= its
+            largest draft count (`worker/verify_graph.py`) [tokens], a non-empty list of
+            integers in [1, num_speculative_tokens]; None: [num_speculative_tokens] (one
+            width). Each width captures its own batch buckets (capture time and graph memory).
     """
 
     method: str = "ngram"
@@ -293,6 +298,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     use_cost_rule: bool = True
     verify_graph_max_batch: int = 64
+    verify_graph_widths: list[int] | None = None
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
     draft_num_blocks: int | None = None
@@ -348,7 +354,30 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.verify_graph_max_batch must be an integer >= 0, got {limit!r}"
             )
+        self._validate_widths()
         self._validate_draft_model()
+
+    def _validate_widths(self) -> None:
+        """`verify_graph_widths`: None, or a non-empty list of integers in [1, k]."""
+        widths, k = self.verify_graph_widths, self.num_speculative_tokens
+        if widths is None:
+            return
+
+        def bad(w: object) -> bool:
+            return isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= k
+
+        if not isinstance(widths, (list, tuple)) or not widths or any(map(bad, widths)):
+            raise ValueError(
+                "speculative_config.verify_graph_widths must be a non-empty list of integers "
+                f"in [1, num_speculative_tokens = {k}], got {widths!r}"
+            )
+
+    def verify_widths(self) -> list[int]:
+        """The verify graphs' draft widths, ascending and distinct (`verify_graph_widths`;
+        None: [num_speculative_tokens])."""
+        if self.verify_graph_widths is None:
+            return [self.num_speculative_tokens]
+        return sorted(set(self.verify_graph_widths))
 
     def _validate_draft_model(self) -> None:
         """The "draft_model" fields: `model` set exactly for that method, one draft rank."""

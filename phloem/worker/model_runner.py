@@ -154,17 +154,16 @@ class ModelRunner:
         self.piecewise_runner = runner
 
     def capture_verify_graphs(
-        self, query_len: int, batch_sizes: list[int], graphs: PieceGraphs | None = None,
+        self, shapes: dict[int, list[int]], graphs: PieceGraphs | None = None,
         backend: AttentionBackend | None = None,
     ) -> None:  # fmt: skip
-        """Capture the verify graphs of `query_len` (1 + k) tokens a sequence for these
-        buckets (`verify_graph`); `graphs`: how (default CUDA graphs); `backend`: whose
+        """Capture the verify graphs of `shapes`: query length 1 + w a sequence (a width w)
+        -> its buckets (`verify_graph`); `graphs`: how (default CUDA graphs); `backend`: whose
         `prepare_verify_replay` plans them (default the runner's; CPU tests pass a re-planning
         one). Writes the scratch block."""
         runner = VerifyGraphRunner(
             self.model, self.kv_caches, backend or self.backend, self.block_size,
-            self.num_blocks, query_len, batch_sizes, self.device,
-            graphs or CUDAPieceGraphs(self.device),
+            self.num_blocks, shapes, self.device, graphs or CUDAPieceGraphs(self.device),
         )  # fmt: skip
         runner.capture()
         self.verify_runner = runner

@@ -1,13 +1,16 @@
-"""Full CUDA graphs for verify steps (speculative decoding): one captured forward pass per batch
-bucket, every sequence padded to the same query length q = 1 + k (vLLM's "uniform decode" graphs
-for speculative decoding).
+"""Full CUDA graphs for verify steps (speculative decoding): one captured forward pass per
+(batch bucket, width), every sequence padded to the same query length q = 1 + w (vLLM's "uniform
+decode" graphs for speculative decoding). The widths w are `SpeculativeConfig.verify_graph_widths`
+(default: k alone, q = 1 + k).
 
 A verify step whose sequences each compute their last token and at most k drafts (rows without
-drafts included; no prompt chunk) runs the graph of the smallest bucket >= B sequences, unless
-the backend would share its prefix groups' KV (`AttentionBackend.plan_verify`: the shared-prefix
-backend's cost rule); anything else keeps the piecewise or eager path (`verify_graph_fits`):
+drafts included; no prompt chunk) runs the graph of the smallest captured width w >= its largest
+draft count, at the smallest bucket >= B sequences of that width (`pick_verify_shape`; a larger
+width when the smaller has no such bucket), unless the backend would share its prefix groups' KV
+(`AttentionBackend.plan_verify`: the shared-prefix backend's cost rule); anything else keeps the
+piecewise or eager path (`verify_graph_fits`):
 
-    row b    |-- last, d_1 .. d_kb (real) --|-- k - k_b padding tokens --|     q tokens
+    row b    |-- last, d_1 .. d_kb (real) --|-- w - k_b padding tokens --|     q tokens
     rows     |-- B real rows --|-- bucket - B dummy rows (q padding tokens each) --|
     padding  token 0 at position 0, its K/V written to the scratch slot
 
@@ -24,10 +27,11 @@ The backend plans each padded step into the fixed buffers of its (bucket, q) wra
 capture and before each replay. The capture mechanism is the piecewise graphs' (`PieceGraphs`):
 CUDA graphs on a GPU, re-runs of the same forward on the same buffers in the CPU tests.
 
-Memory: one graph per bucket, all in one pool (largest first), captured only with a
-speculative config, for buckets up to `SpeculativeConfig.verify_graph_max_batch` whose
-bucket x q tokens fit `max_num_batched_tokens` (`verify_batch_sizes`); the worker measures them
-with the other graphs (`worker/graph_memory.py`).
+Memory: one graph per (bucket, width), all in one pool (most tokens first), captured only with
+a speculative config, for buckets up to `SpeculativeConfig.verify_graph_max_batch` whose
+bucket x q tokens fit `max_num_batched_tokens` (`verify_batch_sizes`, per width); the static
+buffers hold the largest bucket x q; the worker measures the graphs with the other graphs
+(`worker/graph_memory.py`). Each extra width adds its buckets' captures (start-up time).
 """
 
 from __future__ import annotations
@@ -70,6 +74,21 @@ def verify_batch_sizes(
         raise ValueError(f"verify graphs need query_len >= 2 (1 + k), got {query_len}")
     limit = min(max_batch, max_num_seqs, max_num_batched_tokens // query_len)
     return graph_batch_sizes(limit) if limit >= 1 else []
+
+
+def pick_verify_shape(
+    shapes: dict[int, list[int]], num_seqs: int, max_query_len: int
+) -> tuple[int, int] | None:
+    """The (query length q, bucket) a verify step replays: the smallest q >= max_query_len
+    (1 + the step's largest draft count) among `shapes` (q -> its captured buckets) that has
+    a bucket >= num_seqs, with its smallest such bucket; None when no shape fits."""
+    for q in sorted(shapes):
+        if q < max_query_len:
+            continue
+        batch = smallest_bucket(shapes[q], num_seqs)
+        if batch is not None:
+            return q, batch
+    return None
 
 
 def verify_graph_fits(host: HostStep, query_len: int) -> bool:
@@ -161,11 +180,11 @@ class VerifyGraphRunner:
         kv_caches: the per-layer caches (fixed addresses); backend: one that
             `supports_verify_graphs`.
         block_size: tokens per block; scratch_block: a block id no request ever owns.
-        query_len: q = 1 + k tokens a sequence; batch_sizes: the buckets (`verify_batch_sizes`),
-            ascending, each >= 1; device: where the buffers live.
+        shapes: query length q = 1 + w (a width w of `verify_graph_widths`) -> its buckets
+            (`verify_batch_sizes`), ascending, each >= 1; device: where the buffers live.
         graphs: the capture mechanism (`CUDAPieceGraphs`; CPU tests re-run, `RerunPieceGraphs`).
     Raises:
-        ValueError: for a backend without verify graphs, query_len < 2 or bad batch_sizes.
+        ValueError: for a backend without verify graphs, no shape, a q < 2 or bad buckets.
     """
 
     def __init__(
@@ -175,36 +194,46 @@ class VerifyGraphRunner:
         backend: AttentionBackend,
         block_size: int,
         scratch_block: int,
-        query_len: int,
-        batch_sizes: list[int],
+        shapes: dict[int, list[int]],
         device: torch.device,
         graphs: PieceGraphs,
     ) -> None:
         if not backend.supports_verify_graphs:
             raise ValueError(f"attention backend {backend.name!r} cannot plan verify graphs")
-        if query_len < 2:
-            raise ValueError(f"verify graphs need query_len >= 2 (1 + k), got {query_len}")
-        if not batch_sizes or batch_sizes != sorted(set(batch_sizes)) or batch_sizes[0] < 1:
-            raise ValueError(f"batch_sizes must be ascending positive counts, got {batch_sizes}")
+        if not shapes or min(shapes) < 2:
+            raise ValueError(f"verify graphs need query_len >= 2 (1 + w), got {sorted(shapes)}")
+        for sizes in shapes.values():
+            if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+                raise ValueError(f"batch_sizes must be ascending positive counts, got {sizes}")
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.query_len = query_len
-        self.batch_sizes = batch_sizes
+        self.shapes = {q: shapes[q] for q in sorted(shapes)}
+        self.query_len = max(shapes)  # the widest: the longest row a step may have
         self.device = device
         self.graphs = graphs
-        rows = batch_sizes[-1] * query_len
+        rows = max(q * sizes[-1] for q, sizes in shapes.items())
         self._inputs = GraphInputs(rows, device)  # [3, largest bucket x q]
         self._hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=device)
-        self._graphs: dict[int, PieceGraph] = {}
+        self._graphs: dict[tuple[int, int], PieceGraph] = {}  # (q, bucket) -> graph
         self._ctx: ForwardContext | None = None  # the step being replayed (read by re-runs)
         self.num_replays = 0
 
+    def shape(self, num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
+        """The captured (q, bucket) a step of num_seqs rows of at most max_query_len tokens
+        replays (`pick_verify_shape`), or None when there is none."""
+        captured: dict[int, list[int]] = {}
+        for q, batch in self._graphs:
+            captured.setdefault(q, []).append(batch)
+        return pick_verify_shape({q: sorted(b) for q, b in captured.items()}, num_seqs,
+                                 max_query_len)  # fmt: skip
+
     def bucket(self, num_seqs: int) -> int | None:
-        """The smallest captured bucket >= num_seqs, or None when there is none."""
-        return smallest_bucket((s for s in self.batch_sizes if s in self._graphs), num_seqs)
+        """The smallest captured bucket >= num_seqs of the widest q, or None."""
+        shape = self.shape(num_seqs, self.query_len)
+        return None if shape is None else shape[1]
 
     def _plain_prefixes(self, host: HostStep) -> bool:
         """True unless the step has prefix groups the backend would share (`plan_verify`)."""
@@ -228,10 +257,11 @@ class VerifyGraphRunner:
         self.backend.prepare_verify_replay(meta)
         self._ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
 
-    def _forward(self, batch: int) -> Callable[[], None]:
-        """The captured step of bucket `batch`: the forward pass over the first batch x q rows
-        of the static buffers, its hidden states copied into the static output."""
-        rows = batch * self.query_len
+    def _forward(self, query_len: int, batch: int) -> Callable[[], None]:
+        """The captured step of bucket `batch` at q = query_len: the forward pass over the
+        first batch x q rows of the static buffers, its hidden states copied into the static
+        output."""
+        rows = batch * query_len
         ids, positions = self._inputs.ids(rows), self._inputs.positions(rows)
         hidden = self._hidden[:rows]
 
@@ -243,19 +273,20 @@ class VerifyGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first. Mutates the scratch block of the KV caches."""
+        """Capture every (q, bucket), most tokens first (the pool's largest allocation first).
+        Mutates the scratch block of the KV caches."""
         start = time.perf_counter()
         self._inputs.reset(self.scratch_block * self.block_size)
-        for batch in reversed(self.batch_sizes):
-            padded = pad_verify_step(_no_step(), self.query_len, batch, self.scratch_block,
-                                     self.block_size)  # fmt: skip
+        order = sorted(((q * b, q, b) for q, sizes in self.shapes.items() for b in sizes),
+                       reverse=True)  # fmt: skip
+        for _, q, batch in order:
+            padded = pad_verify_step(_no_step(), q, batch, self.scratch_block, self.block_size)
             self._prepare(padded.step)
-            self._graphs[batch] = self.graphs.capture(self._forward(batch))
+            self._graphs[q, batch] = self.graphs.capture(self._forward(q, batch))
         self.backend.reset_stats()  # the counters count the workload's steps
         logger.info(
-            "captured %d verify CUDA graphs (%d query tokens a sequence; batch sizes %d..%d) "
-            "in %.1f s", len(self._graphs), self.query_len, self.batch_sizes[0],
-            self.batch_sizes[-1], time.perf_counter() - start,
+            "captured %d verify CUDA graphs (query tokens a sequence -> batch sizes: %s) "
+            "in %.1f s", len(self._graphs), self.shapes, time.perf_counter() - start,
         )  # fmt: skip
 
     def release(self) -> None:
@@ -264,8 +295,9 @@ class VerifyGraphRunner:
         self.graphs.release()
 
     def run(self, host: HostStep, fill_pending: FillPending | None = None) -> torch.Tensor | None:
-        """Replay the verify graph of the step's bucket when it fits (`verify_graph_fits`, a
-        captured bucket, and for a step of prefix groups the backend's `plan_verify`); None
+        """Replay the verify graph of the step's shape when it fits (`verify_graph_fits`, a
+        captured (width, bucket): `shape`, and for a step of prefix groups the backend's
+        `plan_verify`); None
         otherwise (the caller runs its other path). `fill_pending`, if given, is called with
         the static input-id rows and the padded step's pending (token index, seq id) pairs (it
         writes ids sampled by the step in flight). Mutates the KV caches at the step's slots
@@ -276,16 +308,16 @@ class VerifyGraphRunner:
         """
         if not verify_graph_fits(host, self.query_len):
             return None
-        batch = self.bucket(len(host.query_lens))
-        if batch is None or not self._plain_prefixes(host):
+        shape = self.shape(len(host.query_lens), max(host.query_lens))
+        if shape is None or not self._plain_prefixes(host):
             return None
-        padding = pad_verify_step(host, self.query_len, batch, self.scratch_block,
-                                  self.block_size)  # fmt: skip
-        step, rows = padding.step, batch * self.query_len
+        q, batch = shape
+        padding = pad_verify_step(host, q, batch, self.scratch_block, self.block_size)
+        step, rows = padding.step, batch * q
         self._inputs.load(step)
         if step.pending and fill_pending is not None:
             fill_pending(self._inputs.ids(rows), step.pending)
         self._prepare(step)
-        self._graphs[batch].replay()
+        self._graphs[q, batch].replay()
         self.num_replays += 1
         return self._hidden[:rows][to_device(padding.gather, self.device)]

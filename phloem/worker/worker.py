@@ -310,19 +310,23 @@ class Worker:
             self.model_runner.piecewise_runner = None
 
     def _capture_verify(self, sched: SchedulerConfig) -> None:
-        """With speculative decoding, capture the verify graphs (`verify_graph`: q = 1 + k
-        tokens a sequence, buckets by `verify_batch_sizes`) when the backend plans them; if
-        that fails on one GPU, verify steps keep their piecewise or eager path."""
+        """With speculative decoding, capture the verify graphs (`verify_graph`: q = 1 + w
+        tokens a sequence for each width w of `verify_widths`, buckets by `verify_batch_sizes`)
+        when the backend plans them; if that fails on one GPU, verify steps keep their
+        piecewise or eager path."""
         spec, backend = self.speculative, self.model_runner.backend
         if spec is None or not backend.supports_verify_graphs:
             return
-        query_len = 1 + spec.num_speculative_tokens
-        sizes = verify_batch_sizes(spec.verify_graph_max_batch, sched.max_num_seqs, query_len,
-                                   sched.max_num_batched_tokens)  # fmt: skip
-        if not sizes:
+        shapes = {}
+        for width in spec.verify_widths():
+            sizes = verify_batch_sizes(spec.verify_graph_max_batch, sched.max_num_seqs,
+                                       1 + width, sched.max_num_batched_tokens)  # fmt: skip
+            if sizes:
+                shapes[1 + width] = sizes
+        if not shapes:
             return
         try:
-            self.model_runner.capture_verify_graphs(query_len, sizes)
+            self.model_runner.capture_verify_graphs(shapes)
         except Exception:  # a verify step off the graph is slower, not wrong
             if tp_size() > 1:
                 raise

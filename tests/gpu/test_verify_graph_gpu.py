@@ -60,7 +60,7 @@ def test_verify_graphs_equal_eager(arch, backend):
     compile_elementwise_layers(model)
     runner = make_runner(model, "cuda", _backend(backend, model))
     assert runner.backend.supports_verify_graphs
-    runner.capture_verify_graphs(1 + K, [1, 2, 4])
+    runner.capture_verify_graphs({1 + K: [1, 2, 4]})
     a, b, c = sequences(model.config.vocab_size)
     prefill(runner, [(a, 10), (b, 7), (c, 13)])
     replays = 0

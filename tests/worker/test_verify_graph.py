@@ -19,6 +19,7 @@ from phloem.worker.piecewise_graph import RerunPieceGraphs
 from phloem.worker.verify_graph import (
     VerifyGraphRunner,
     pad_verify_step,
+    pick_verify_shape,
     verify_batch_sizes,
     verify_graph_fits,
 )
@@ -91,6 +92,51 @@ def test_config_limit():
             SpeculativeConfig(verify_graph_max_batch=bad).validate()
 
 
+def test_config_widths():
+    """`verify_graph_widths`: None means [k] (one width, today's graphs); a list of integers in
+    [1, k], sorted and deduplicated; anything else is refused naming the field."""
+    assert SpeculativeConfig(num_speculative_tokens=16).verify_widths() == [16]
+    spec = SpeculativeConfig(num_speculative_tokens=16, verify_graph_widths=[16, 2, 8, 4, 2])
+    spec.validate()
+    assert spec.verify_widths() == [2, 4, 8, 16]
+    SpeculativeConfig(num_speculative_tokens=3, verify_graph_widths=[1]).validate()
+    for bad in ([], [0], [17], [2, 2.5], [True], 4, "2,4"):
+        with pytest.raises(ValueError, match="speculative_config.verify_graph_widths"):
+            SpeculativeConfig(num_speculative_tokens=16, verify_graph_widths=bad).validate()
+    from_json = SpeculativeConfig.from_dict({"verify_graph_widths": [2, 4]})
+    assert from_json.verify_widths() == [2, 4]
+
+
+def test_width_selection():
+    """The smallest width whose q = 1 + w holds the step's longest row and that has a bucket
+    for its rows; a wider one when the narrow one has none; None when nothing fits."""
+    shapes = {3: [1], 5: [1, 2, 4], 9: [1, 2, 4, 8]}
+    assert pick_verify_shape(shapes, 1, 2) == (3, 1)  # 1 draft at most: width 2
+    assert pick_verify_shape(shapes, 1, 3) == (3, 1)
+    assert pick_verify_shape(shapes, 2, 3) == (5, 2)  # width 2 has no bucket of 2
+    assert pick_verify_shape(shapes, 3, 4) == (5, 4)
+    assert pick_verify_shape(shapes, 3, 6) == (9, 4)
+    assert pick_verify_shape(shapes, 5, 2) == (9, 8)
+    assert pick_verify_shape(shapes, 9, 2) is None  # no bucket of 9 rows
+    assert pick_verify_shape(shapes, 1, 10) is None  # more drafts than the widest width
+    assert pick_verify_shape({}, 1, 2) is None
+
+
+def test_padding_to_a_narrow_width():
+    """Rows of 1 and 0 drafts padded to width 1 (q = 2) and to width 3 (q = 4): the same real
+    tokens, each row padded only to its width's q."""
+    tables = [[0, 7, 3, 9], [5, 1]]
+    host = _host([2, 1], [9, 7], [1, 0], tables)
+    narrow = pad_verify_step(host, 2, 2, SCRATCH, BLOCK_SIZE)
+    wide = pad_verify_step(host, Q, 2, SCRATCH, BLOCK_SIZE)
+    assert narrow.gather.tolist() == [0, 1, 2] and wide.gather.tolist() == [0, 1, 4]
+    assert len(narrow.step.input_ids) == 4 and len(wide.step.input_ids) == 2 * Q
+    assert narrow.step.query_lens == [2, 2] and narrow.step.seq_lens == [11, 9]
+    for padding in (narrow, wide):
+        assert padding.step.input_ids[padding.gather].tolist() == host.input_ids.tolist()
+        assert padding.step.positions[padding.gather].tolist() == host.positions.tolist()
+
+
 def test_which_steps_fit():
     tables = [[0, 1, 2], [3, 4, 5]]
     assert verify_graph_fits(_host([3, 1], [5, 6], [2, 0], tables), Q)
@@ -138,7 +184,7 @@ def test_padding_layout():
 def _runner(model, sizes, graphs=None, backend=None):
     runner = make_runner(model)
     runner.capture_verify_graphs(
-        Q, sizes, graphs or RerunPieceGraphs(), backend=backend or ReplanningReference()
+        {Q: sizes}, graphs or RerunPieceGraphs(), backend=backend or ReplanningReference()
     )
     return runner
 
@@ -146,13 +192,13 @@ def _runner(model, sizes, graphs=None, backend=None):
 def test_runner_refuses_a_backend_without_verify_graphs():
     runner = make_runner(tiny_phloem_model("llama"))
     with pytest.raises(ValueError, match="cannot plan verify graphs"):
-        runner.capture_verify_graphs(Q, [1, 2], RerunPieceGraphs(), backend=ReferenceAttention())
+        runner.capture_verify_graphs({Q: [1, 2]}, RerunPieceGraphs(), backend=ReferenceAttention())
     with pytest.raises(ValueError, match="query_len"):
         VerifyGraphRunner(runner.model, runner.kv_caches, ReplanningReference(), BLOCK_SIZE,
-                          NUM_BLOCKS, 1, [1], runner.device, RerunPieceGraphs())  # fmt: skip
+                          NUM_BLOCKS, {1: [1]}, runner.device, RerunPieceGraphs())  # fmt: skip
     with pytest.raises(ValueError, match="batch_sizes"):
         VerifyGraphRunner(runner.model, runner.kv_caches, ReplanningReference(), BLOCK_SIZE,
-                          NUM_BLOCKS, Q, [2, 1], runner.device, RerunPieceGraphs())  # fmt: skip
+                          NUM_BLOCKS, {Q: [2, 1]}, runner.device, RerunPieceGraphs())  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -187,6 +233,26 @@ def test_verify_graph_steps_equal_eager(arch):
             torch.testing.assert_close(got[:SCRATCH], want[:SCRATCH], rtol=1e-5, atol=1e-5)
             assert padded == (not torch.equal(got[SCRATCH], old[SCRATCH]))
     assert replays == 4
+
+
+def test_verify_graph_widths_equal_eager():
+    """Widths 2 (buckets 1) and 3 = k (buckets 1, 2, 4): each verify step replays the
+    narrowest shape that holds it and its hidden states equal the eager step's."""
+    model = tiny_phloem_model("llama")
+    graphs, backend = CountingGraphs(), ReplanningReference()
+    runner = make_runner(model)
+    runner.capture_verify_graphs({3: [1], Q: [1, 2, 4]}, graphs, backend=backend)
+    assert backend.plans == 4  # one capture per (width, bucket)
+    a, b, c = sequences(model.config.vocab_size)
+    prefill(runner, [(a, 10), (b, 7), (c, 13)])
+    verify = runner.verify_runner
+    shapes = []
+    for rows in verify_steps(a, b, c)[:4]:
+        shapes.append(verify.shape(len(rows), 1 + max(len(d) for _, d, _ in rows)))
+        eager, graph, *_ = verify_both_ways(runner, verify_step(rows))
+        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    assert shapes == [(Q, 4), (Q, 4), (3, 1), (Q, 2)]
+    assert graphs.replays == verify.num_replays == 4
 
 
 def test_steps_without_a_bucket_keep_their_path():
@@ -266,11 +332,17 @@ def test_greedy_engine_outputs_identical_with_verify_graphs(tiny_llama_dir):
     runner = llm.llm_engine.executor.worker.model_runner
     assert runner.verify_runner is None  # the CPU captures none
     graphs = CountingGraphs()
-    runner.capture_verify_graphs(Q, [1, 2, 4, 8], graphs, backend=ReplanningReference())
+    runner.capture_verify_graphs({Q: [1, 2, 4, 8]}, graphs, backend=ReplanningReference())
     graphs.replays = 0
     drafter = llm.llm_engine.drafter
     verified = drafter.stats.num_spec_steps
     assert generate(llm) == eager == off
     assert drafter.stats.num_spec_steps > verified
     assert graphs.replays >= 4 and graphs.replays == runner.verify_runner.num_replays
+    # several widths (`verify_graph_widths` [1, 2, 3]): the same tokens
+    runner.verify_runner.release()
+    runner.capture_verify_graphs({2: [1, 2, 4, 8], 3: [1, 2, 4, 8], Q: [1, 2, 4, 8]},
+                                 CountingGraphs(), backend=ReplanningReference())  # fmt: skip
+    assert generate(llm) == eager
+    assert runner.verify_runner.num_replays >= 4
     llm.llm_engine.scheduler.check_integrity()
