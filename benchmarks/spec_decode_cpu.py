@@ -15,7 +15,9 @@ results/2026-11-26c-cpu-spec-decode (5 before): on the CPU a draft costs a few p
 so the rule verifies long drafts while a request copies; `draft_model`: the embedded model
 as its own draft, cost rule off, so every draft is accepted in float32 and the ratio shows the
 draft machinery's overhead; `ngram_nograph`, `suffix_nograph`: on CUDA, verify steps without
-their full CUDA graphs, `verify_graph_max_batch` 0; `--engines` picks some) are built once; each workload runs on them
+their full CUDA graphs, `verify_graph_max_batch` 0; `ngram_widths`, `suffix_widths`: verify
+graphs also at the narrower draft widths `--verify-widths` (`verify_graph_widths`, issue 20);
+`--engines` picks some) are built once; each workload runs on them
 back to back (the order rotated per repeat), so a load that drifts on a shared machine touches
 them alike. Reported per workload and engine: output
 tokens/s end to end (prefill included), mean time per output token after the first (TPOT), the
@@ -239,12 +241,14 @@ def main() -> None:
         default=None,
         help="prompts of each batch-1 workload (default 8 on CUDA, 4 on the CPU)",
     )
+    parser.add_argument("--verify-widths", type=int, nargs="+", default=[2, 4, 8, 16],
+                        help="*_widths engines: verify_graph_widths (<= k; k added)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=32, help="prompts of the batched workload")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", nargs="*", help="run only these workloads (e.g. copy_b1)")
     parser.add_argument("--engines", nargs="*", default=["off", "ngram", "suffix"],
                         choices=["off", "ngram", "suffix", "draft_model", "ngram_nograph",
-                                 "suffix_nograph"])  # fmt: skip
+                                 "suffix_nograph", "ngram_widths", "suffix_widths"])  # fmt: skip
     parser.add_argument("--dtype", default="auto", help="the engines' dtype")
     parser.add_argument("--model", default=None,
                         help="a GGUF file or checkpoint dir (default: the embedded model)")  # fmt: skip
@@ -278,6 +282,7 @@ def main() -> None:
         "open_b1": ([f"Write a few paragraphs about {s}." for s in SUBJECTS[: args.num_b1]], 1),
     }
     workloads = {w: v for w, v in workloads.items() if not args.only or w in args.only}
+    widths = sorted({w for w in args.verify_widths if 1 <= w <= args.k} | {args.k})
     engines = {
         "off": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
@@ -290,6 +295,11 @@ def main() -> None:
                           "verify_graph_max_batch": 0},
         "suffix_nograph": {"method": "suffix", "num_speculative_tokens": args.k,
                            "verify_graph_max_batch": 0},
+        # verify graphs at several draft widths, a step padded to the narrowest that holds it
+        "ngram_widths": {"method": "ngram", "num_speculative_tokens": args.k,
+                         "verify_graph_widths": widths},
+        "suffix_widths": {"method": "suffix", "num_speculative_tokens": args.k,
+                          "verify_graph_widths": widths},
     }  # fmt: skip
     engines = {name: engines[name] for name in args.engines}
     # KV for every batched request at once: with 1 GiB (SmolLM2-135M: 23 KB a token) the 32
