@@ -1,16 +1,17 @@
 """Verify graphs of speculative decoding on the GPU (phloem/worker/verify_graph.py): real CUDA
-graphs, one per batch bucket, every sequence padded to q = 1 + k query tokens, planned by
-FlashInfer's fixed-buffer prefill wrappers.
+graphs, one per (width, batch bucket), every sequence padded to q = 1 + w query tokens, planned
+by FlashInfer's fixed-buffer prefill wrappers.
 
 - Runner level (tiny model, FlashInfer and the shared-prefix backend over it, bf16, compiled
   RMSNorms): the hidden states of the rows the verifier reads and the KV cache outside the
   scratch block equal the eager step's for padded and unpadded verify steps.
 - Engine level (Llama-3.1-8B shapes with 2 layers, random weights): greedy tokens with n-gram
   drafts replaying the verify graphs against the same drafts without them (piecewise graphs,
-  `verify_graph_max_batch=0`) and against speculation off. Different step shapes round bf16
-  differently, so the first token of each prompt must agree (prefill runs the same way) and
-  the agreement of the rest is printed and held to 75% (a near-tie flipped early in one of 12
-  sequences loses the rest of it); the exact check is the runner level's.
+  `verify_graph_max_batch=0`), against speculation off, and with `verify_graph_widths`
+  [1, 2, k] against [k]. Different step shapes round bf16 differently, so the first token of
+  each prompt must agree (prefill runs the same way) and the agreement of the rest is printed
+  and held to 75% (a near-tie flipped early in one of 12 sequences loses the rest of it); the
+  exact check is the runner level's.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_verify_graphs_equal_eager(arch, backend):
     compile_elementwise_layers(model)
     runner = make_runner(model, "cuda", _backend(backend, model))
     assert runner.backend.supports_verify_graphs
-    runner.capture_verify_graphs({1 + K: [1, 2, 4]})
+    runner.capture_verify_graphs({3: [1], 1 + K: [1, 2, 4]})  # the 1-row step of 2 drafts: q 3
     a, b, c = sequences(model.config.vocab_size)
     prefill(runner, [(a, 10), (b, 7), (c, 13)])
     replays = 0
@@ -111,7 +112,7 @@ def _greedy(path: str, prompts: list[list[int]], spec: dict | None):
     verify = llm.llm_engine.executor.worker.model_runner.verify_runner
     replays = None if verify is None else verify.num_replays
     sc = llm.llm_engine.scheduler_config
-    sizes = None if verify is None else (verify.batch_sizes, sc.max_num_seqs,
+    sizes = None if verify is None else (verify.shapes, sc.max_num_seqs,
                                          sc.max_num_batched_tokens)  # fmt: skip
     drafter = llm.llm_engine.drafter
     verified = 0 if drafter is None else drafter.stats.num_draft_tokens
@@ -136,8 +137,17 @@ def test_greedy_tokens_with_verify_graphs(llama8b):
             "prompt_lookup_min": 1}  # fmt: skip
     graphed, replays, sizes, verified = _greedy(path, prompts, spec)
     buckets, max_num_seqs, max_tokens = sizes
-    assert buckets == verify_batch_sizes(64, max_num_seqs, 1 + K, max_tokens)  # the default
+    assert buckets == {1 + K: verify_batch_sizes(64, max_num_seqs, 1 + K, max_tokens)}  # default
     assert verified > 0 and replays > 0, (verified, replays)
+    # verify graphs of widths 1, 2 and k (`verify_graph_widths`): rows padded to the narrowest
+    widths = {**spec, "verify_graph_widths": [1, 2, K]}
+    narrow, narrow_replays, shapes, _ = _greedy(path, prompts, widths)
+    assert sorted(shapes[0]) == [2, 3, 1 + K] and narrow_replays > 0
+    vs_narrow = _agreement(narrow, graphed)
+    print(
+        f"widths 1, 2, {K}: {narrow_replays} replays; tokens agree with width {K} {vs_narrow:.3f}"
+    )
+    assert [t[0] for t in narrow] == [t[0] for t in graphed] and vs_narrow >= 0.75
     pieces, no_replays, _, _ = _greedy(path, prompts, {**spec, "verify_graph_max_batch": 0})
     assert no_replays is None  # none captured
     off, _, _, _ = _greedy(path, prompts, None)
