@@ -218,17 +218,14 @@ class VerifyGraphRunner:
         self._inputs = GraphInputs(rows, device)  # [3, largest bucket x q]
         self._hidden = torch.zeros(rows, model.config.hidden_size, dtype=model.dtype, device=device)
         self._graphs: dict[tuple[int, int], PieceGraph] = {}  # (q, bucket) -> graph
+        self._captured: dict[int, list[int]] = {}  # q -> its captured buckets, both ascending
         self._ctx: ForwardContext | None = None  # the step being replayed (read by re-runs)
         self.num_replays = 0
 
     def shape(self, num_seqs: int, max_query_len: int) -> tuple[int, int] | None:
         """The captured (q, bucket) a step of num_seqs rows of at most max_query_len tokens
         replays (`pick_verify_shape`), or None when there is none."""
-        captured: dict[int, list[int]] = {}
-        for q, batch in self._graphs:
-            captured.setdefault(q, []).append(batch)
-        return pick_verify_shape({q: sorted(b) for q, b in captured.items()}, num_seqs,
-                                 max_query_len)  # fmt: skip
+        return pick_verify_shape(self._captured, num_seqs, max_query_len)
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest captured bucket >= num_seqs of the widest q, or None."""
@@ -283,6 +280,8 @@ class VerifyGraphRunner:
             padded = pad_verify_step(_no_step(), q, batch, self.scratch_block, self.block_size)
             self._prepare(padded.step)
             self._graphs[q, batch] = self.graphs.capture(self._forward(q, batch))
+        self._captured = {q: [b for b in sizes if (q, b) in self._graphs]
+                          for q, sizes in self.shapes.items()}  # fmt: skip
         self.backend.reset_stats()  # the counters count the workload's steps
         logger.info(
             "captured %d verify CUDA graphs (query tokens a sequence -> batch sizes: %s) "
@@ -292,6 +291,7 @@ class VerifyGraphRunner:
     def release(self) -> None:
         """Free every captured graph and their memory pool."""
         self._graphs.clear()
+        self._captured = {}
         self.graphs.release()
 
     def run(self, host: HostStep, fill_pending: FillPending | None = None) -> torch.Tensor | None:
