@@ -28,7 +28,12 @@ into a fixed part and a part per draft. b is the least-squares slope of the veri
 against the step's drafts D (EMAs of D, r, D^2 and D r over verify samples, no prior), used once
 `slope_min_samples` verify samples spread over a variance of at least `slope_min_var` drafts^2
 (else 0: all of the excess is fixed, as it is where every verify step has the same drafts);
-D_mean is their EMA, so at the mean draft count the model predicts r_verify either way. On the
+D_mean is their EMA with r_verify's weights, so at the recent mean draft count the model predicts
+r_verify either way. The moments remember longer (`slope_ema_weight`, 0.01: ~100 samples) than
+the residuals: a batch's tail verifies few drafts a step whose cost moves with its rows, not its
+drafts, and with the residuals' ~10 samples the slope was the tail's alone (H200 copy batch 32:
+c_draft fell from ~30 us to ~3 us against a fitted ~32-38 us,
+benchmarks/results/2026-11-27c-cpu-spec-learner). On the
 CPU the excess grows per draft (~6 ms a draft at batch 32 against the prior's 3.2 ms,
 benchmarks/results/2026-11-26e-cpu-spec-cost): charged as fixed, it weighed on a few drafts as
 much as on many, and the rule chose fewer. A verify graph's cost hardly moves with the drafts
@@ -83,6 +88,8 @@ class StepTimeConfig:
             in [0, 1].
         slope_min_samples: verify samples before the per-draft slope is used [samples], >= 2.
         slope_min_var: the least variance of their draft counts for it [drafts^2], > 0.
+        slope_ema_weight: the slope's moments' EMA weight once 1/n falls to it, in (0, 1]
+            (longer memory than `ema_weight`: the slope needs the spread of many steps).
     """
 
     ema_weight: float = 0.1
@@ -95,11 +102,13 @@ class StepTimeConfig:
     forget_weight: float = 0.001
     slope_min_samples: int = 8
     slope_min_var: float = 1.0
+    slope_ema_weight: float = 0.01
 
     def validate(self) -> None:
         """Raise ValueError naming the field out of range."""
-        if not 0.0 < self.ema_weight <= 1.0:
-            raise ValueError(f"ema_weight must lie in (0, 1], got {self.ema_weight}")
+        for name in ("ema_weight", "slope_ema_weight"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in (0, 1], got {getattr(self, name)}")
         if self.prior_samples < 0:
             raise ValueError(f"prior_samples must be >= 0, got {self.prior_samples}")
         if self.clip_factor <= 1.0:
@@ -168,7 +177,8 @@ class StepTimeLearner:
         self.plain_residual_s = 0.0
         self.verify_residual_s = 0.0
         self.draft_slope_s = 0.0  # b: the verify residual per draft [s / draft]
-        self._moments = [0.0, 0.0, 0.0, 0.0]  # verify samples' EMAs of D, r, D^2, D r
+        self._moments = [0.0, 0.0, 0.0, 0.0]  # verify samples' long EMAs of D, r, D^2, D r
+        self._mean_drafts = 0.0  # D_mean: their EMA of D with r_verify's memory
         self.num_plain = 0  # samples of each kind so far
         self.num_verify = 0
         self._since_plain = 0  # verify samples since the last plain one
@@ -224,7 +234,9 @@ class StepTimeLearner:
         """Update the moments with one verify sample and the slope b from them (module
         docstring): cov(D, r) / var(D) once there are enough samples spread enough, at least
         -c_draft (a draft never makes a step cheaper); else 0."""
-        m, w = self._moments, self._weight(self.num_verify)
+        self._mean_drafts += self._weight(self.num_verify) * (num_drafts - self._mean_drafts)
+        m = self._moments
+        w = max(self.config.slope_ema_weight, 1.0 / self.num_verify)
         values = (num_drafts, residual, num_drafts * num_drafts, num_drafts * residual)
         for i, value in enumerate(values):
             m[i] += w * (value - m[i])
@@ -241,7 +253,7 @@ class StepTimeLearner:
         slope = self.draft_slope_s
         verify_extra = 0.0
         if self.num_verify:
-            fixed = self.verify_residual_s - slope * self._moments[0]
+            fixed = self.verify_residual_s - slope * self._mean_drafts
             verify_extra = fixed - self.plain_residual_s
         return dataclasses.replace(
             prior,

@@ -106,7 +106,8 @@ def test_probes_come_after_verify_steps_and_are_bounded() -> None:
 
 def test_bad_settings_raise_naming_the_field() -> None:
     for field, value in [("ema_weight", 0.0), ("clip_factor", 1.0), ("prior_samples", -1), ("probe_every", 0),
-                         ("warmup_samples", -1), ("forget_weight", 2.0)]:  # fmt: skip
+                         ("warmup_samples", -1), ("forget_weight", 2.0),
+                         ("slope_ema_weight", 0.0)]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             StepTimeConfig(**{field: value}).validate()
     with pytest.raises(ValueError, match="seconds"):
@@ -158,6 +159,22 @@ def test_a_verify_cost_independent_of_the_drafts_cancels_the_per_draft_charge() 
     assert learner.model.c_draft_s == pytest.approx(0.0, abs=1e-9)
     for d in (8, 64):
         assert learner.model.step_time_s(96, 3200, d) == pytest.approx(cost(d), rel=0.01)
+
+
+def test_a_tail_of_few_row_steps_keeps_the_per_draft_cost_of_the_batch() -> None:
+    """H200 copy batch 32 (benchmarks/results/2026-11-27c-cpu-spec-learner): verify steps of 32
+    rows and 64-256 drafts cost ~32 us a draft, then the batch's tail verifies ~14 drafts a step
+    whose cost varies with its rows, not with its drafts. With the slope fitted over the last ~10
+    samples the tail's alone set it (~0: c_draft fell to ~3 us); the long memory keeps it."""
+    learner = StepTimeLearner(PRIOR, StepTimeConfig(clip_factor=100.0))
+    for i in range(60):
+        d = 64 * (1 + i % 4)
+        learner.observe(_verify_shape(d), PRIOR.step_time_s(32 + d, 3200, d) + 32e-6 * d)
+    for i in range(100):
+        d = 12 + 4 * (i % 2)
+        shape = StepShape(num_sampled=2, num_tokens=2 + d, num_kv_tokens=200, num_drafts=d)
+        learner.observe(shape, PRIOR.step_time_s(2 + 14, 200, 14) + 32e-6 * 14)
+    assert learner.model.c_draft_s == pytest.approx(PRIOR.c_draft_s + 32e-6, rel=0.15)
 
 
 def test_the_same_drafts_every_step_keep_the_whole_excess_fixed() -> None:
