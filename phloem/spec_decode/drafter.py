@@ -28,8 +28,8 @@ from phloem.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from phloem.core.request import Request, token_slice
 from phloem.core.scheduler_output import SchedulerOutput
 from phloem.spec_decode import ahead
+from phloem.spec_decode.acceptance import AcceptanceTracker
 from phloem.spec_decode.cost_rule import (
-    AcceptanceTracker,
     CostRuleConfig,
     DraftCandidate,
     StepTimeModel,

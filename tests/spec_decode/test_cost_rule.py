@@ -11,10 +11,9 @@ import random
 
 import pytest
 
+from phloem.spec_decode.acceptance import AcceptanceConfig, AcceptanceTracker
 from phloem.spec_decode.cost_rule import (
     LLAMA_8B_H100,
-    AcceptanceConfig,
-    AcceptanceTracker,
     CostRuleConfig,
     DraftCandidate,
     StepTimeModel,

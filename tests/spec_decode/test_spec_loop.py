@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from phloem.spec_decode.acceptance import AcceptanceTracker
 from phloem.spec_decode.cost_rule import (
     LLAMA_8B_H100,
-    AcceptanceTracker,
     CostRuleConfig,
     DraftCandidate,
     choose_num_drafts,
