@@ -402,7 +402,7 @@ def test_sampled_token_is_in_reference_allowed_set(case, position):
 
 def test_top_k_top_p_fast_path_equals_full_sort(monkeypatch):
     """The candidate fast path (sort only the top 1024) keeps exactly the tokens a full sort does."""
-    import phloem.layers.sampler as sampler_module
+    import phloem.layers.logits_processors as sampler_module
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(60):
