@@ -191,12 +191,7 @@ def choose_num_drafts(
     if sum(caps) > MERGE_MAX_DRAFTS:
         scan.add(popped, sum(caps))
     elif not scan.add(islice(popped, 2 * len(heap)), sum(caps)):
-        # minus the remaining gains of each candidate, rising (gains fall) from its heap entry
-        rest: list[list[float]] = [[] for _ in candidates]
-        for neg_gain, i in heap:
-            c = candidates[i]
-            rate = c.acceptance_rate if c.continue_rate is None else c.continue_rate
-            rest[i] = list(accumulate(repeat(rate, caps[i] - drafts[i] - 1), mul, initial=neg_gain))
+        rest = _remaining_gains(heap, candidates, caps, drafts)
         merged = sorted(chain.from_iterable(rest))
         scan.add(merged, sum(caps))
         num_merged = scan.best_num_drafts - len(order)
@@ -208,6 +203,22 @@ def choose_num_drafts(
         for i in order[: scan.best_num_drafts]:
             chosen[i] += 1
     return chosen
+
+
+def _remaining_gains(
+    heap: list[tuple[float, int]],
+    candidates: Sequence[DraftCandidate],
+    caps: list[int],
+    drafts: list[int],
+) -> list[list[float]]:
+    """Minus the remaining gains of each candidate (`choose_num_drafts`' merge), rising (gains
+    fall) from its heap entry; [] for a candidate with no entry left."""
+    rest: list[list[float]] = [[] for _ in candidates]
+    for neg_gain, i in heap:
+        c = candidates[i]
+        rate = c.acceptance_rate if c.continue_rate is None else c.continue_rate
+        rest[i] = list(accumulate(repeat(rate, caps[i] - drafts[i] - 1), mul, initial=neg_gain))
+    return rest
 
 
 def _heap_order(
