@@ -99,22 +99,9 @@ def stack_checks(
         assert prev is not None
         void_rows = [b for b, i in enumerate(sampled) if scheduled[i].seq_id in pending]
         void_src = [prev.rows[scheduled[sampled[b]].seq_id] for b in void_rows]
-    held: list[int] = []  # host-checked guesses (and rows without one): 1 held
-    dev_rows, dev_src, guesses = [], [], []
-    if guessed:
-        held = [1] * len(sampled)
-        for b, i in enumerate(sampled):
-            s = scheduled[i]
-            if s.pending_guess < 0:
-                continue
-            if s.seq_id in pending:
-                assert prev is not None  # (the input's fill needs it too)
-                dev_rows.append(b)
-                dev_src.append(prev.rows[s.seq_id])
-                guesses.append(s.pending_guess)
-            else:
-                start = s.num_computed_tokens
-                held[b] = int(states[i].token_ids(start, start + 1) == [s.pending_guess])
+    held, dev_rows, dev_src, guesses = (
+        _guess_rows(sched, sampled, states, pending, prev) if guessed else ([], [], [], [])
+    )
     parts = (void_rows, void_src, held, dev_rows, dev_src, guesses)
     if not any(parts):
         return checks
@@ -133,6 +120,36 @@ def stack_checks(
             valid[rows_t] = prev.tokens[src_t] == staged[ends[4] :]
         checks.valid = valid
     return checks
+
+
+def _guess_rows(
+    sched: SchedulerOutput,
+    sampled: list[int],
+    states: list[SequenceState],
+    pending: set[str],
+    prev: PreviousStep | None,
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """`stack_checks`' guesses: (held [S]: 1 where a row has no guess or its guess checked on the
+    host holds, else 0; the rows whose guess is checked on the device, their rows in prev, their
+    guesses)."""
+    scheduled = sched.scheduled
+    held = [1] * len(sampled)
+    dev_rows: list[int] = []
+    dev_src: list[int] = []
+    guesses: list[int] = []
+    for b, i in enumerate(sampled):
+        s = scheduled[i]
+        if s.pending_guess < 0:
+            continue
+        if s.seq_id in pending:
+            assert prev is not None  # (the input's fill needs it too)
+            dev_rows.append(b)
+            dev_src.append(prev.rows[s.seq_id])
+            guesses.append(s.pending_guess)
+        else:
+            start = s.num_computed_tokens
+            held[b] = int(states[i].token_ids(start, start + 1) == [s.pending_guess])
+    return held, dev_rows, dev_src, guesses
 
 
 def append_tokens(
