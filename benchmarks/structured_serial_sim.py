@@ -39,18 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import sys
 import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def python_work(ms: float) -> None:
-    """`ms` of Python holding the GIL (host work of the loop)."""
-    end = time.perf_counter() + ms / 1e3
-    total = 0
-    while time.perf_counter() < end:
-        for i in range(50):
-            total += i
+from structured_fill_wait import python_work  # noqa: E402  (`ms` of Python holding the GIL)
 
 
 class Device:

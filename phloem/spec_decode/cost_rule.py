@@ -215,8 +215,7 @@ def _remaining_gains(
     fall) from its heap entry; [] for a candidate with no entry left."""
     rest: list[list[float]] = [[] for _ in candidates]
     for neg_gain, i in heap:
-        c = candidates[i]
-        rate = c.acceptance_rate if c.continue_rate is None else c.continue_rate
+        rate = candidates[i].next_rate
         rest[i] = list(accumulate(repeat(rate, caps[i] - drafts[i] - 1), mul, initial=neg_gain))
     return rest
 
