@@ -322,7 +322,11 @@ class FlashInferAttention(AttentionBackend):
                 kv_data_type=self.kv_dtype,
             )
             return
-        qo_indptr = pinned(np.array(meta.query_start_loc_cpu, dtype=np.int32))
+        qo_host = np.array(meta.query_start_loc_cpu, dtype=np.int32)
+        qo_indptr = pinned(qo_host)
+        # The longest query and KV given here: without them `plan()` finds both with Python's
+        # `max` over host tensors, one tensor op a sequence (~9 ms a step at 1,024 sequences
+        # on an H200 host, in series with the step's launch: 2026-11-27d-h200).
         wrapper.plan(
             qo_indptr,
             kv_indptr,
@@ -336,6 +340,8 @@ class FlashInferAttention(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.kv_dtype,
+            max_token_per_sequence=int(np.diff(qo_host).max(initial=0)),
+            max_sequence_kv=max(meta.seq_lens_cpu, default=0),
         )
 
     # -- the kernel ------------------------------------------------------------------------------
