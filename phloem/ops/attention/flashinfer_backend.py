@@ -35,6 +35,7 @@ page holds L_b - (n_pages - 1) * block_size tokens:
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import os
 from collections.abc import Mapping
@@ -75,6 +76,34 @@ def fp8_decode_on_cuda_cores(gqa_group: int) -> bool:
     """Whether an FP8 cache's decode-only steps with this GQA group (query heads per KV head)
     run FlashInfer's CUDA-core batch decode kernel (`fp8_decode_kernel`)."""
     return gqa_group in FP8_DECODE_GROUP_SIZES and fp8_decode_kernel() == "cuda_core"
+
+
+def tensor_max(*args, **kwargs):
+    """Python's `max`, but one `Tensor.max()` for a single non-empty 1-D CPU tensor.
+
+    The builtin iterates a tensor element by element, four tensor ops each (select, gt,
+    is_nonzero, item: a few us apiece); the result is the same 0-d tensor of the largest value.
+    """
+    if len(args) == 1 and not kwargs:
+        (x,) = args
+        if isinstance(x, torch.Tensor) and x.dim() == 1 and x.device.type == "cpu" and x.numel():
+            return x.max()
+    return builtins.max(*args, **kwargs)
+
+
+def _install_tensor_max(module) -> None:
+    """Make `module`'s global name `max` `tensor_max` (FlashInfer's prefill module).
+
+    FlashInfer 0.6's `BatchPrefillWithPagedKVCacheWrapper.plan` takes the longest KV of a step
+    as `max(kv_lens_arr_host)` over a host tensor: ~2,000 tensor ops at 1,024 sequences, ~5 ms
+    of host time a step on an H200 machine, in series with the launch of every planned step
+    (profiled in benchmarks/results/2026-11-27d-h200). Its `max_sequence_kv` argument would skip
+    that loop but also skips the host KV lengths its fa2 planner needs (an `UnboundLocalError`).
+    The module-level name shadows the builtin for that module only; every other call of `max`
+    there returns what the builtin returns.
+    """
+    if getattr(module, "max", None) is not tensor_max:
+        module.max = tensor_max
 
 
 def paged_kv_layout(
@@ -156,7 +185,9 @@ class FlashInferAttention(AttentionBackend):
         kv_layout: str = "NHD",
     ) -> None:
         import flashinfer
+        import flashinfer.prefill
 
+        _install_tensor_max(flashinfer.prefill)
         self._flashinfer = flashinfer
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
@@ -324,9 +355,8 @@ class FlashInferAttention(AttentionBackend):
             return
         qo_host = np.array(meta.query_start_loc_cpu, dtype=np.int32)
         qo_indptr = pinned(qo_host)
-        # The longest query and KV given here: without them `plan()` finds both with Python's
-        # `max` over host tensors, one tensor op a sequence (~9 ms a step at 1,024 sequences
-        # on an H200 host, in series with the step's launch: 2026-11-27d-h200).
+        # The longest query given here: without it `plan()` finds it with Python's `max` over a
+        # host tensor, tensor ops a sequence (see `_install_tensor_max` for the longest KV).
         wrapper.plan(
             qo_indptr,
             kv_indptr,
@@ -341,7 +371,6 @@ class FlashInferAttention(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.kv_dtype,
             max_token_per_sequence=int(np.diff(qo_host).max(initial=0)),
-            max_sequence_kv=max(meta.seq_lens_cpu, default=0),
         )
 
     # -- the kernel ------------------------------------------------------------------------------
