@@ -1,16 +1,10 @@
 """The cost rule of speculative decoding: how many drafts each request verifies this step (0 =
 off), chosen to maximize the step's expected output tokens per second. Pure Python.
 
-Step time (the model of docs/DESIGN.md "Steady inter-token latency", `benchmarks/itl_sim.py`),
-plus what drafts cost beyond their tokens:
-
-    t = t_host + max(t_weights, c_token x T) + c_kv x K + c_draft x D + t_verify x [D > 0]
-
-T = tokens the step computes (scheduled tokens plus D drafts), K = KV tokens read, D = drafts.
-Below the knee (c_token x T < t_weights: the step is bound by reading the weights) a draft costs
-only c_draft; past it, a full token of compute too.
-The engine's model is a prior whose t_host and t_verify are corrected online by the device's
-measured step times (`step_time.StepTimeLearner`).
+Step time: `step_model.StepTimeModel`, t = t_host + max(t_weights, c_token x T) + c_kv x K +
+c_row x R + c_draft x D + t_verify x [D > 0] (T tokens computed, drafts included; K KV tokens
+read; R rows sampled; D drafts), a verify step padded to a graph width computing R x (1 + w)
+tokens; a prior corrected online by the device's step times (`step_time.StepTimeLearner`).
 
 Expected tokens (Leviathan et al. 2023, arXiv 2211.17192, §3.1, with an i.i.d. per-token
 acceptance rate a): a request verifying k drafts emits 1 + a + a^2 + ... + a^k tokens, so its
@@ -29,7 +23,9 @@ grows, where t_prefill = t(T) - t(sampled sequences) is what the step's prompt c
 without drafts: their time is spent anyway, and charging it to the drafts would make any draft look
 cheap beside a long chunk. Gains fall and, after the first draft (which also pays t_verify), time
 increments do not fall, so the ratio rises then falls along that order: stopping at its first fall
-finds its best prefix.
+finds its best prefix. Padded to a width, the compute does not move with the drafts (the
+increments are c_draft + c_kv): each width's scan finds its best prefix, and the rule takes the
+best of them.
 
 Acceptance rates: `acceptance.AcceptanceTracker`.
 """
@@ -39,52 +35,13 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import accumulate, chain, islice, repeat
+from math import inf
 from operator import mul, sub
 
-
-@dataclass(frozen=True)
-class StepTimeModel:
-    """t(T, K, D) [s]; see the module docstring.
-
-    Attributes:
-        t_host_s: host time per step [s].
-        t_weights_s: reading the weights once [s].
-        c_token_s: compute per token [s / token].
-        c_kv_s: reading one token's KV (all layers) [s / token].
-        c_draft_s: proposing and verifying one draft on top of its token [s / token].
-        t_verify_s: fixed cost of a step that verifies any drafts (the rejection sampler) [s].
-    """
-
-    t_host_s: float
-    t_weights_s: float
-    c_token_s: float
-    c_kv_s: float
-    c_draft_s: float = 2e-6
-    t_verify_s: float = 1e-4
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first negative field."""
-        for name, value in asdict(self).items():
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-
-    def step_time_s(self, num_tokens: int, num_kv_tokens: int, num_drafts: int = 0) -> float:
-        """The step's time [s]: `num_tokens` computed (drafts included), `num_kv_tokens` read."""
-        compute = max(self.t_weights_s, self.c_token_s * num_tokens)
-        verify = self.c_draft_s * num_drafts + (self.t_verify_s if num_drafts else 0.0)
-        return self.t_host_s + compute + self.c_kv_s * num_kv_tokens + verify
-
-
-# Llama-3.1-8B, bf16, one H100 (benchmarks/itl_sim.py): 16.06 GB of weights at 85 % of 3.35 TB/s,
-# 2 x 8.03e9 FLOP per token at 60 % of 989 TFLOP/s, 128 KiB of KV per token at 85 % of 3.35 TB/s.
-LLAMA_8B_H100 = StepTimeModel(
-    t_host_s=1.0e-3,
-    t_weights_s=16.06e9 / (0.85 * 3.35e12),
-    c_token_s=2 * 8.03e9 / (0.60 * 989e12),
-    c_kv_s=131072 / (0.85 * 3.35e12),
-)
+from phloem.spec_decode.step_model import LLAMA_8B_H100 as LLAMA_8B_H100
+from phloem.spec_decode.step_model import StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -157,15 +114,17 @@ def choose_num_drafts(
     index) smallest first (module docstring). The first 2 x (candidates) come off such a heap:
     where drafts do not pay the ratio mostly falls within them, and nothing else is built
     (building and sorting all drafts on offer costs about as much as ~70 pops at batch 32 x
-    k = 16). The rest are each
-    candidate's remaining gains (falling: c <= 1), merged by one stable sort of them laid out
-    candidate by candidate, draft by draft (at most `MERGE_MAX_DRAFTS` on offer; more go
-    through the heap to the end), which is the heap's order: a heap holding one entry
-    per candidate pops equal gains by index, and a candidate's equal gains one after the other
-    (its next entry ties with the one just popped and keeps its index). Gains are the same
+    k = 16). The rest are each candidate's remaining gains (falling: c <= 1), merged by one
+    stable sort of them laid out candidate by candidate, draft by draft (at most
+    `MERGE_MAX_DRAFTS` on offer; more go through the heap to the end), which is the heap's
+    order: a heap holding one entry per candidate pops equal gains by index, and a candidate's
+    equal gains one after the other (its next entry ties with the one just popped and keeps
+    its index). Gains are the same
     floats as the heap's (each the previous one times c), so the ratios and the stop are too.
     At batch 32 x k = 16 (~360 drafts handed out) ~170 us with the heap to the end, ~95 us
-    merged (results/2026-11-27c-cpu-spec-drafting).
+    merged (results/2026-11-27c-cpu-spec-drafting). Where the model pads verify steps, this
+    runs once per width of `StepTimeModel.scan_widths`, each candidate capped at the width and
+    the compute that of rows x (1 + width) tokens; the best rate of them is taken.
 
     Args:
         candidates: the step's sampled sequences that have drafts to offer, in any order.
@@ -182,9 +141,28 @@ def choose_num_drafts(
     """
     _check_candidates(candidates, num_sampled)
     caps = [min(c.max_draft_tokens, config.max_draft_tokens) for c in candidates]
+    best: tuple[_RatioScan, list[int]] | None = None
+    widths = model.scan_widths(num_sampled, num_scheduled_tokens, max(caps, default=0))
+    for width in widths:
+        padded = None if width is None else model.padded(num_sampled, width)
+        scan = _RatioScan(num_sampled, num_scheduled_tokens, num_kv_tokens, model, padded)
+        capped = caps if width is None else [min(c, width) for c in caps]
+        drafts = _allocate(candidates, capped, scan)
+        if width is None and len(widths) > 1 and max(drafts) <= model.verify_widths[-1]:
+            continue  # the device pads it: priced by that width's scan
+        if best is None or scan.best_rate > best[0].best_rate:
+            best = scan, drafts
+    if best is None or not best[0].pays(config.min_gain):
+        return [0] * len(candidates)
+    return best[1]
+
+
+def _allocate(candidates: Sequence[DraftCandidate], caps: list[int], scan: _RatioScan) -> list[int]:
+    """The drafts per candidate (each at most its cap) of the best prefix of the heap's order
+    that `scan` finds (`choose_num_drafts`: the heap, then the merge), before the `min_gain`
+    check."""
     drafts = [0] * len(candidates)
     order: list[int] = []  # the candidate of each draft handed out off the heap, in order
-    scan = _RatioScan(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
     heap = [(-c.acceptance_rate, i) for i, c in enumerate(candidates) if caps[i] > 0]
     heapq.heapify(heap)
     popped = _heap_order(heap, candidates, caps, drafts, order)
@@ -197,11 +175,10 @@ def choose_num_drafts(
         num_merged = scan.best_num_drafts - len(order)
         if num_merged > 0:
             _allot(drafts, rest, merged[num_merged - 1], num_merged)
-            return drafts if scan.pays(config.min_gain) else [0] * len(candidates)
+            return drafts
     chosen = [0] * len(candidates)
-    if scan.pays(config.min_gain):
-        for i in order[: scan.best_num_drafts]:
-            chosen[i] += 1
+    for i in order[: scan.best_num_drafts]:
+        chosen[i] += 1
     return chosen
 
 
@@ -267,14 +244,21 @@ class _RatioScan:
     (sampled + gains) / (t - t_prefill) after each, the best count so far, and the stop at its
     first fall past the first draft (module docstring).
 
-    `model.step_time_s(num_scheduled_tokens + n, num_kv_tokens + n, n)` is spelled out (the
-    same floats): this runs once per draft, ~500 times a step at batch 32 x k = 16. Below the
-    knee (n <= `knee`: c_token x tokens <= t_weights, which `max` then returns) the compute
-    term is t_weights and t_host + t_weights is added once.
+    `model.step_time_s(num_scheduled_tokens + n, num_kv_tokens + n, n, num_sampled)` is spelled
+    out (the same floats): this runs once per draft, ~500 times a step at batch 32 x k = 16.
+    Below the knee (n <= `knee`: c_token x tokens <= t_weights, which `max` then returns) the
+    compute term is t_weights and t_host + c_row x rows + t_weights is added once. `padded`:
+    the model of the step's verify steps where the device pads them to a width
+    (`StepTimeModel.padded`: every n below the knee); the base rate is `model`'s plain step.
     """
 
     def __init__(
-        self, num_sampled: int, num_scheduled_tokens: int, num_kv_tokens: int, model: StepTimeModel
+        self,
+        num_sampled: int,
+        num_scheduled_tokens: int,
+        num_kv_tokens: int,
+        model: StepTimeModel,
+        padded: StepTimeModel | None = None,
     ) -> None:
         self.prefill_s, self.base_rate = _base_rate(
             num_sampled, num_scheduled_tokens, num_kv_tokens, model
@@ -282,8 +266,9 @@ class _RatioScan:
         self.best_rate, self.best_num_drafts = self.base_rate, 0
         self.previous, self.tokens, self.num_drafts = self.base_rate, float(num_sampled), 0
         self.stopped = False
-        self.num_scheduled_tokens, self.num_kv_tokens, self.model = (
-            num_scheduled_tokens, num_kv_tokens, model)  # fmt: skip
+        self.num_sampled, self.num_scheduled_tokens, self.num_kv_tokens = (
+            num_sampled, num_scheduled_tokens, num_kv_tokens)  # fmt: skip
+        self.model = model if padded is None else padded
         self.knee = -1  # not known yet
 
     def add(self, neg_gains: Iterable[float], max_drafts: int) -> bool:
@@ -293,6 +278,7 @@ class _RatioScan:
         num_tokens, num_kv = self.num_scheduled_tokens, self.num_kv_tokens
         t_host, c_token, c_kv = model.t_host_s, model.c_token_s, model.c_kv_s
         c_draft, t_verify = model.c_draft_s, model.t_verify_s
+        t_host += model.c_row_s * self.num_sampled  # (+ 0.0 without a row term: the same floats)
         if self.knee < 0:  # the c_token x tokens rise with n: the last n at most t_weights
             key = lambda n: c_token * (num_tokens + n)  # noqa: E731
             self.knee = bisect_right(range(1, max_drafts + 1), model.t_weights_s, key=key)
@@ -386,8 +372,10 @@ def _uniform_scan(
     config: CostRuleConfig,
     first_paying: bool = False,
 ) -> tuple[int, int]:
-    """(drafts `uniform_num_drafts` hands out, 0 when none pays; the per-candidate cap);
-    `first_paying`: stop at the first count that pays instead (a count > 0 iff one pays)."""
+    """(drafts `uniform_num_drafts` hands out, 0 when none pays; the per-candidate cap of the
+    scan that found them: the padded width's where the device pads, `choose_num_drafts`'
+    widths); `first_paying`: stop at the first count that pays instead (a count > 0 iff one
+    pays)."""
     _check_candidates([candidate], max(num_sampled, 1))
     if num_sampled < num_candidates:
         raise ValueError(f"num_sampled must be >= len(candidates) = {num_candidates}")
@@ -396,11 +384,52 @@ def _uniform_scan(
         return 0, cap
     prefill_s, base_rate = _base_rate(num_sampled, num_scheduled_tokens, num_kv_tokens, model)
     pays_at = config.min_gain * base_rate
+    best_rate, best_num_drafts, best_cap = base_rate, 0, cap
+    widths = model.scan_widths(num_sampled, num_scheduled_tokens, cap)
+    for width in widths:
+        capped = cap if width is None else min(cap, width)
+        step_model = model if width is None else model.padded(num_sampled, width)
+        # the unpadded scan of a step the device may pad: only its counts past the widest width
+        mixed = width is None and len(widths) > 1
+        stop_at = pays_at if first_paying and not mixed else inf
+        step = (num_sampled, num_scheduled_tokens, num_kv_tokens, prefill_s, base_rate)
+        rate, num_drafts = _uniform_loop(
+            candidate, num_candidates, capped, step, step_model, stop_at
+        )
+        if (
+            mixed
+            and _first_candidate_drafts(candidate, capped, num_candidates, num_drafts)
+            <= model.verify_widths[-1]
+        ):
+            continue  # the device pads it: priced by that width's scan
+        if rate >= stop_at and num_drafts:
+            return num_drafts, capped
+        if rate > best_rate:
+            best_rate, best_num_drafts, best_cap = rate, num_drafts, capped
+    if best_num_drafts == 0 or best_rate < pays_at:
+        return 0, cap
+    return best_num_drafts, best_cap
+
+
+def _uniform_loop(
+    candidate: DraftCandidate,
+    num_candidates: int,
+    cap: int,
+    step: tuple[int, int, int, float, float],
+    model: StepTimeModel,
+    stop_at: float,
+) -> tuple[float, int]:
+    """(best rate, its drafts) of `num_candidates` copies of `candidate`, each capped at `cap`,
+    drafts handed out in rounds (`uniform_num_drafts`); `step`: (sampled rows, scheduled
+    tokens, KV tokens, the chunks' share [s], the base rate); returns at the first count whose
+    rate is the best so far and >= `stop_at`."""
+    num_sampled, num_scheduled_tokens, num_kv_tokens, prefill_s, base_rate = step
     best_rate, best_num_drafts = base_rate, 0
     previous, tokens, gain, num_drafts = base_rate, float(num_sampled), candidate.acceptance_rate, 0
     # `model.step_time_s` spelled out (the same floats), as in `choose_num_drafts`
     t_host, t_weights, c_token = model.t_host_s, model.t_weights_s, model.c_token_s
     c_kv, c_draft, t_verify = model.c_kv_s, model.c_draft_s, model.t_verify_s
+    t_host += model.c_row_s * num_sampled  # (+ 0.0 without a row term: the same floats)
     for _ in range(cap):
         for _ in range(num_candidates):
             tokens += gain
@@ -411,8 +440,8 @@ def _uniform_scan(
                              - prefill_s)  # fmt: skip
             if rate > best_rate:
                 best_rate, best_num_drafts = rate, num_drafts
-                if first_paying and rate >= pays_at:
-                    return num_drafts, cap
+                if rate >= stop_at:
+                    return rate, num_drafts
             if num_drafts > 1 and rate < previous:
                 break  # past the first draft the ratio only falls from here
             previous = rate
@@ -420,9 +449,7 @@ def _uniform_scan(
             gain *= candidate.next_rate
             continue
         break  # the inner loop saw the fall
-    if best_num_drafts == 0 or best_rate < pays_at:
-        return 0, cap
-    return best_num_drafts, cap
+    return best_rate, best_num_drafts
 
 
 def _first_candidate_drafts(
@@ -453,10 +480,12 @@ def _base_rate(
     num_sampled: int, num_scheduled_tokens: int, num_kv_tokens: int, model: StepTimeModel
 ) -> tuple[float, float]:
     """(the prompt chunks' own share of the step [s], which is charged to them and not to the
-    drafts; the step's tokens per second without drafts, that share left out)."""
-    prefill_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
-    prefill_s -= model.step_time_s(min(num_sampled, num_scheduled_tokens), num_kv_tokens)
-    step_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens)
+    drafts; the step's tokens per second without drafts, that share left out). The rows are
+    the sampled ones in both steps, so their cost (`c_row_s`) is not the chunks'."""
+    step_s = model.step_time_s(num_scheduled_tokens, num_kv_tokens, 0, num_sampled)
+    prefill_s = step_s - model.step_time_s(
+        min(num_sampled, num_scheduled_tokens), num_kv_tokens, 0, num_sampled
+    )
     return prefill_s, num_sampled / (step_s - prefill_s)
 
 

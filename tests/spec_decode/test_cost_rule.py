@@ -5,6 +5,7 @@ tracking (EMA, global prior, probes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
@@ -19,6 +20,8 @@ from phloem.spec_decode.cost_rule import (
     StepTimeModel,
     choose_num_drafts,
     expected_tokens,
+    uniform_drafts_pay,
+    uniform_num_drafts,
 )
 
 CONTEXT = 600  # KV tokens per sequence
@@ -267,3 +270,99 @@ def test_tracker_chain_follows_full_acceptance() -> None:
         [DraftCandidate(hot_first, 16, hot_next)], 1, 1, 800, CPU_LIKE, CostRuleConfig(16)
     )
     assert cold[0] < hot[0]
+
+
+def _rate_rows(candidates, ks, num_sampled, tokens, kv, model):
+    """`_rate` with the step's rows and its longest row passed (the row cost and the padding
+    of `StepTimeModel.step_time_s`)."""
+    emitted = num_sampled - len(candidates)
+    emitted += sum(_chain_tokens(c, k) for c, k in zip(candidates, ks))
+    d, rows = sum(ks), num_sampled
+    plain = model.step_time_s(tokens, kv, 0, rows)
+    prefill = plain - model.step_time_s(min(num_sampled, tokens), kv, 0, rows)
+    return emitted / (model.step_time_s(tokens + d, kv + d, d, rows, max(ks)) - prefill)
+
+
+def _random_model(rng: random.Random) -> StepTimeModel:
+    """A model with a row cost (H200 copy batch: ~25-60 us a row) and, on some, verify steps
+    padded to widths that reach the candidates' cap (3)."""
+    return StepTimeModel(
+        t_host_s=rng.uniform(0, 2e-3), t_weights_s=rng.choice([0.0, rng.uniform(1e-5, 6e-3)]),
+        c_token_s=rng.choice([0.0, rng.uniform(1e-7, 5e-5)]), c_kv_s=rng.uniform(0, 1e-7),
+        c_draft_s=rng.uniform(0, 2e-4), t_verify_s=rng.uniform(0, 1e-3),
+        c_row_s=rng.uniform(0, 1e-4), verify_widths=rng.choice([(), (3,), (1, 3), (2, 3)]),
+        verify_max_rows=rng.choice([0, 8, 64]),
+    )  # fmt: skip
+
+
+def test_choice_with_a_row_cost_and_padded_widths_equals_exhaustive_search() -> None:
+    """The rule's drafts price the sampled rows (`c_row_s`) and, where the device pads a verify
+    step to a width, its rows x (1 + width) tokens: its rate is the best of all allocations
+    priced by `step_time_s` with the step's rows and longest row; the pre-check's list-free
+    scans answer as the rule does."""
+    rng = random.Random(3)
+    for _ in range(300):
+        model = _random_model(rng)
+        candidates = [
+            DraftCandidate(rng.random(), rng.randint(0, 3), rng.choice([None, rng.random()]))
+            for _ in range(3)
+        ]
+        num_sampled = 3 + rng.randint(0, 50)
+        tokens = num_sampled + rng.choice([0, 0, rng.randint(1, 600)])  # decode-only, or a chunk
+        kv, config = rng.randint(0, 20000), CostRuleConfig(3, 1.0)
+        chosen = choose_num_drafts(candidates, num_sampled, tokens, kv, model, config)
+        ranges = [range(c.max_draft_tokens + 1) for c in candidates]
+        best = max(
+            _rate_rows(candidates, ks, num_sampled, tokens, kv, model)
+            for ks in itertools.product(*ranges)
+        )
+        got = _rate_rows(candidates, chosen, num_sampled, tokens, kv, model)
+        assert got == pytest.approx(best, rel=1e-9)
+        uniform = [candidates[0]] * 3
+        want = choose_num_drafts(uniform, num_sampled, tokens, kv, model, config)
+        got_uniform = uniform_num_drafts(candidates[0], 3, num_sampled, tokens, kv, model, config)
+        assert got_uniform == ((sum(want), max(want)) if any(want) else (0, 0))
+        pays = uniform_drafts_pay(candidates[0], 3, num_sampled, tokens, kv, model, config)
+        assert pays == any(want)
+
+
+# H200, SmolLM2-135M, copy batch 32 (benchmarks/results/2026-11-27d-cpu-spec-row-cost): a
+# host-bound step whose rows cost ~45 us each and drafts ~30 us each
+H200_COPY = StepTimeModel(t_host_s=1.1e-3, t_weights_s=9e-5, c_token_s=4.5e-7, c_kv_s=8e-9,
+                          c_draft_s=3e-5, t_verify_s=4e-4, c_row_s=4.5e-5)  # fmt: skip
+
+
+def test_the_rows_cost_makes_a_wide_step_draft_more_than_a_narrow_one() -> None:
+    """A step's rows are paid with or without drafts: at batch 32 their ~1.4 ms make a draft's
+    ~30 us and the verify step's 0.4 ms a smaller share of the step than the model without
+    the row term charges (dropped, the rule drafts nothing at batch 32 instead of 5 a row)."""
+    hot = DraftCandidate(0.9, 16, 0.9)
+    rowless = dataclasses.replace(H200_COPY, c_row_s=0.0)
+    config = CostRuleConfig(16)
+    wide = choose_num_drafts([hot] * 32, 32, 32, 32 * 700, H200_COPY, config)
+    assert wide == [5] * 32
+    assert choose_num_drafts([hot] * 32, 32, 32, 32 * 700, rowless, config) == [0] * 32
+    assert H200_COPY.step_time_s(32, 32 * 700) - rowless.step_time_s(32, 32 * 700) == (
+        pytest.approx(32 * 4.5e-5)
+    )
+
+
+def test_padded_verify_steps_cost_their_rows_times_the_width() -> None:
+    """Llama-3.1-8B on an H100 at batch 32: unpadded, the rule verifies 6 drafts a row (32 x 7
+    tokens, at the weights' knee); where every verify row is padded to 1 + 8 tokens (one
+    width, 8) the first draft already pays 32 x 9 tokens of compute, so the rule fills the
+    width; with widths 2, 4, 8 it stops at 4 (32 x 5 tokens, below the knee), as 6 would be
+    padded to 8."""
+    model = dataclasses.replace(LLAMA_8B_H100, verify_max_rows=64)
+    candidates = [DraftCandidate(0.7, 8)] * 32
+    args = (candidates, 32, 32, 32 * CONTEXT)
+    assert model.padded_width(32, 32 + 64, 64, longest=3) is None  # no widths: unpadded
+    wide = dataclasses.replace(model, verify_widths=(8,))
+    assert wide.padded_width(32, 32 + 64, 64, longest=3) == 8
+    assert wide.step_time_s(96, 0, 64, 32, 3) == pytest.approx(model.step_time_s(32 * 9, 0, 64))
+    narrow = dataclasses.replace(model, verify_widths=(2, 4, 8))
+    assert narrow.padded_width(32, 32 + 64, 64, longest=3) == 4
+    got = [choose_num_drafts(*args, m, CostRuleConfig(8)) for m in (model, wide, narrow)]
+    assert max(got[0]) == 6 and got[1] == [8] * 32 and got[2] == [4] * 32
+    with pytest.raises(ValueError, match="verify_widths"):
+        dataclasses.replace(model, verify_widths=(4, 2)).validate()

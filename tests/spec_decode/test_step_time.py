@@ -6,6 +6,7 @@ it on. No wall-clock timings: every time is synthetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -83,7 +84,7 @@ def test_steps_with_prompt_chunks_are_not_samples() -> None:
     assert learner.num_plain == 0 and learner.model == PRIOR
     rows = [ScheduledSequence("a", 10, 3, True, draft_token_ids=(4, 5)),
             ScheduledSequence("b", 7, 1, True), ScheduledSequence("c", 0, 8, False)]  # fmt: skip
-    assert StepShape.of(rows) == StepShape(2, 12, 17, 2) and not StepShape.of(rows).decode_only
+    assert StepShape.of(rows) == StepShape(2, 12, 17, 2, 2) and not StepShape.of(rows).decode_only
     assert StepShape.of(rows[:2]).decode_only
 
 
@@ -305,3 +306,66 @@ def test_the_engine_reports_its_steps_and_greedy_outputs_stay_equal(tiny_llama, 
         llm.close()
     assert outputs[0] == outputs[1]
     assert samples[0] >= 10  # 30 tokens a request: most steps decode only
+
+
+def _row_cost(rows: int, drafts: int) -> float:
+    """A device whose steps cost 0.5 ms + 40 us a row, verify steps 0.3 ms + 30 us a draft more
+    (H200 copy batch 32: ~25-60 us a row, ~17-38 us a draft, benchmarks/results/
+    2026-11-27d-cpu-spec-row-cost), over the prior's time."""
+    prior = PRIOR.step_time_s(rows + drafts, 100 * rows, drafts)
+    return prior + 5e-4 + 40e-6 * rows + ((3e-4 + 30e-6 * drafts) if drafts else 0.0)
+
+
+def _row_shape(rows: int, drafts: int) -> StepShape:
+    return StepShape(num_sampled=rows, num_tokens=rows + drafts, num_kv_tokens=100 * rows,
+                     num_drafts=drafts)  # fmt: skip
+
+
+def _learn_rows(config: StepTimeConfig, collinear: bool = False) -> StepTimeLearner:
+    """A learner fed steps of 2-32 rows (a batch and its tail), plain and verify alternately,
+    then 30 steps of 32 rows only; drafts 2-5 a row (4 a row where `collinear`)."""
+    learner = StepTimeLearner(PRIOR, config)
+    rng = random.Random(0)
+    steps = [rng.choice([2, 4, 8, 16, 24, 32]) for _ in range(150)] + [32] * 30
+    for i, rows in enumerate(steps):
+        drafts = 0 if i % 2 else rows * (4 if collinear else rng.randint(2, 5))
+        learner.observe(_row_shape(rows, drafts), _row_cost(rows, drafts))
+    return learner
+
+
+def test_a_per_row_cost_is_learned_and_predicts_the_tail() -> None:
+    """The rows' cost is fitted with the drafts' (least squares over plain and verify steps):
+    after a run of 32-row steps the model still predicts a 2-row step of the tail; without
+    the row term the plain residual holds 32 rows' cost and a 2-row step is over-predicted by
+    ~30 x 40 us."""
+    config = StepTimeConfig(clip_factor=100.0)
+    for collinear in (False, True):  # drafts proportional to rows: those from plain steps
+        learner = _learn_rows(config, collinear)
+        assert learner.model.c_row_s == pytest.approx(40e-6, rel=0.05)
+        assert learner.model.c_draft_s == pytest.approx(PRIOR.c_draft_s + 30e-6, rel=0.05)
+        for rows, drafts in [(2, 0), (2, 8), (32, 0), (32, 128)]:
+            predicted = learner.model.step_time_s(rows + drafts, 100 * rows, drafts)
+            assert predicted == pytest.approx(_row_cost(rows, drafts), rel=0.03)
+    rowless = _learn_rows(StepTimeConfig(clip_factor=100.0, row_min_var=float("inf")))
+    assert rowless.model.c_row_s == 0.0
+    assert rowless.model.step_time_s(2, 200) > _row_cost(2, 0) + 25 * 40e-6
+    for field, value in [("row_min_var", 0.0), ("max_row_draft_r2", 1.0)]:
+        with pytest.raises(ValueError, match=field):
+            StepTimeConfig(**{field: value}).validate()
+
+
+def test_a_padded_prior_charges_the_width_the_step_ran() -> None:
+    """Verify graphs of widths 4 and 8: the prior's time of a verify step is that of its rows
+    x (1 + the narrowest width >= its longest row), which `StepShape.of` gives; the learner's
+    residual is taken against it."""
+    padded = dataclasses.replace(PRIOR, t_weights_s=0.0, verify_widths=(4, 8), verify_max_rows=64)
+    rows = [ScheduledSequence("a", 10, 4, True, draft_token_ids=(4, 5, 6)),
+            ScheduledSequence("b", 7, 2, True, draft_token_ids=(9,))]  # fmt: skip
+    shape = StepShape.of(rows)
+    assert shape.longest_drafts == 3
+    args = (shape.num_tokens, shape.num_kv_tokens, shape.num_drafts, 2)
+    assert padded.step_time_s(*args, 3) == pytest.approx(padded.step_time_s(10, 17, 4, 2))
+    assert padded.step_time_s(*args, 5) == pytest.approx(padded.step_time_s(18, 17, 4, 2))
+    learner = StepTimeLearner(padded, StepTimeConfig(prior_samples=0))
+    learner.observe(shape, padded.step_time_s(*args, 3) + 1e-3)
+    assert learner.verify_residual_s == pytest.approx(1e-3)
