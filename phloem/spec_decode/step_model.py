@@ -122,8 +122,10 @@ class StepTimeModel:
         its rows capped at the width, and None for the unpadded step (every row at its cap
         of at most `max_drafts`): [None] where the device pads no verify step of `num_rows`
         rows and `num_tokens` tokens without drafts (no widths, a prompt chunk, more rows
-        than `verify_max_rows`); else the widths up to the first >= `max_drafts`, and None
-        after them where `max_drafts` is past the widest (such a step may run unpadded). That
+        than `verify_max_rows`); else the widths up to the first >= `max_drafts`, less each
+        whose padded step costs what the next one's does (below the weights' knee: the wider
+        caps can only do better), and None after them where `max_drafts` is past the widest
+        (such a step may run unpadded). That
         last scan prices every count unpadded and is used only where its best has a row past
         the widest width: an approximation (a random search found ~1 step in 400 off the
         exhaustive best, none where the widest width reaches the cap, as the default widths
@@ -131,8 +133,13 @@ class StepTimeModel:
         if not self.verify_widths or self.padded_width(num_rows, num_tokens + 1, 1) is None:
             return [None]
         widths: list[int | None] = []
+        compute = -1.0  # of the last width kept
         for width in self.verify_widths:
+            width_compute = max(self.t_weights_s, self.c_token_s * num_rows * (1 + width))
+            if width_compute == compute:  # below the knee: the wider one costs the same
+                widths.pop()
             widths.append(width)
+            compute = width_compute
             if width >= max_drafts:
                 return widths
         return [*widths, None]

@@ -301,7 +301,7 @@ def test_choice_with_a_row_cost_and_padded_widths_equals_exhaustive_search() -> 
     priced by `step_time_s` with the step's rows and longest row; the pre-check's list-free
     scans answer as the rule does."""
     rng = random.Random(3)
-    for _ in range(300):
+    for _ in range(600):
         model = _random_model(rng)
         candidates = [
             DraftCandidate(rng.random(), rng.randint(0, 3), rng.choice([None, rng.random()]))

@@ -346,6 +346,16 @@ def test_a_per_row_cost_is_learned_and_predicts_the_tail() -> None:
         for rows, drafts in [(2, 0), (2, 8), (32, 0), (32, 128)]:
             predicted = learner.model.step_time_s(rows + drafts, 100 * rows, drafts)
             assert predicted == pytest.approx(_row_cost(rows, drafts), rel=0.03)
+    # collinear without plain steps to tell them apart: every plain step of 32 rows, 4 drafts
+    # a verify row; the drafts' slope carries the rows' cost (30 + 40 / 4 us), rows get none
+    learner = StepTimeLearner(PRIOR, config)
+    for i in range(200):
+        rows = 32 if i % 2 else 2 + 6 * (i % 6)
+        learner.observe(
+            _row_shape(rows, 4 * rows * (i % 2 == 0)), _row_cost(rows, 4 * rows * (i % 2 == 0))
+        )
+    assert learner.row_slope_s == 0.0
+    assert learner.draft_slope_s == pytest.approx(40e-6, rel=0.01)
     rowless = _learn_rows(StepTimeConfig(clip_factor=100.0, row_min_var=float("inf")))
     assert rowless.model.c_row_s == 0.0
     assert rowless.model.step_time_s(2, 200) > _row_cost(2, 0) + 25 * 40e-6
