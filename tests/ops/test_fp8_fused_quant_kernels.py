@@ -82,6 +82,37 @@ def test_silu_and_mul_quant(ops, dtype, rows, d):
     quantized_like_the_reference(q, scale, y)
 
 
+def test_silu_and_mul_quant_programs_walk_rows_alike(ops):
+    """The persistent kernel: each program walks rows first, first + programs, ... and loads
+    the next row while it computes this one; whatever the number of programs (1: one program
+    walks every row; rows: one row each, the loads of a next row all masked) the rows come
+    out the same, bit for bit. 14336 columns use all three pieces (8192 + 4096 + 2048)."""
+    rows, d = 3, 14336
+    x = rows_of(7, rows, 2 * d, torch.bfloat16) / 1e3
+    y = torch.empty(rows, d, dtype=torch.bfloat16)
+    outs = [ops._silu_and_mul_quant(x, fp8_math.MIN_SCALE, y, n, 16) for n in (1, 2, rows)]
+    for q, scale in outs[1:]:
+        assert torch.equal(scale, outs[0][1])
+        assert torch.equal(q.view(torch.uint8), outs[0][0].view(torch.uint8))
+    x64 = x.double()
+    want = F.silu(x64[:, :d]) * x64[:, d:]
+    torch.testing.assert_close(y.double(), want, rtol=2.0**-7, atol=1e-12)
+    quantized_like_the_reference(*outs[0], y)
+
+
+@pytest.mark.parametrize("width", [1, 5, 100, 4096, 5000, 11008, 14336, 18944, 28672, 32768])
+def test_row_pieces_cover_a_row_with_powers_of_two(width):
+    from phloem.ops.fp8_fused_quant import _row_pieces
+
+    pieces = _row_pieces(width)
+    assert list(pieces) == sorted(pieces, reverse=True) and min(pieces) >= 16
+    assert all(p & (p - 1) == 0 for p in pieces) and sum(pieces) >= width
+    # never more padding than one power-of-two block; none at Llama-3's MLP widths
+    assert sum(pieces) <= max(48, 1 << (width - 1).bit_length())
+    if width in (4096, 14336, 28672, 32768):
+        assert sum(pieces) == width
+
+
 def test_bad_input_is_named(ops):
     x = torch.zeros(2, 6)
     with pytest.raises(ValueError, match="even"):
@@ -107,11 +138,13 @@ norm = {**ptr, "r_ptr": "*bf16", "w_ptr": "*bf16", "r_out_ptr": "*bf16", "k": "i
         "num_cols": "fp32", "s_x": "i32", "s_r": "i32", "s_q": "i32", "s_ro": "i32", "s_y": "i32",
         "eps": "fp32", "min_scale": "fp32", "HAS_RESIDUAL": "constexpr", "HAS_Y": "constexpr",
         "BLOCK": "constexpr"}
-silu = {**ptr, "d": "i32", "s_x": "i32", "s_q": "i32", "s_y": "i32", "min_scale": "fp32",
-        "HAS_Y": "constexpr", "BLOCK": "constexpr"}
+silu = {**ptr, "rows": "i32", "d": "i32", "s_x": "i32", "s_q": "i32", "s_y": "i32",
+        "min_scale": "fp32", "HAS_Y": "constexpr", "BLOCK0": "constexpr", "BLOCK1": "constexpr",
+        "BLOCK2": "constexpr"}
 for fn, sig, const, warps in (
     (m._rms_norm_quant_kernel, norm, {"HAS_RESIDUAL": True, "HAS_Y": False, "BLOCK": 4096}, 8),
-    (m._silu_and_mul_quant_kernel, silu, {"HAS_Y": False, "BLOCK": 16384}, 16),
+    (m._silu_and_mul_quant_kernel, silu,
+     {"HAS_Y": False, "BLOCK0": 8192, "BLOCK1": 4096, "BLOCK2": 2048}, 16),
 ):
     src = ASTSource(fn=fn, signature={n: sig[n] for n in fn.arg_names}, constexprs=const)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
