@@ -18,6 +18,17 @@ from phloem.layers.norm import RMSNorm
 from phloem.layers.quantization import fp8_math
 
 torch.set_num_threads(1)
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+fq = pytest.importorskip("phloem.ops.fp8_fused_quant")
+
+
+@triton.jit
+def _divide_kernel(y_ptr, scale, q_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    b, r = fq._divisor(scale)
+    tl.store(q_ptr + cols, fq._div_rn_by(tl.load(y_ptr + cols, mask=ok), b, r), mask=ok)
 
 
 @pytest.fixture
@@ -98,6 +109,28 @@ def test_silu_and_mul_quant_programs_walk_rows_alike(ops):
     want = F.silu(x64[:, :d]) * x64[:, d:]
     torch.testing.assert_close(y.double(), want, rtol=2.0**-7, atol=1e-12)
     quantized_like_the_reference(*outs[0], y)
+
+
+@pytest.mark.parametrize("scale", [1e-12, 3.0 / 448, 0.7, 1e5, 7.5e35, float("inf")])
+def test_division_by_the_row_scale_rounds_as_div_rn(ops, scale):
+    """`_div_rn_by` (three FMA-unit operations on a divisor's reciprocal computed once a row)
+    on every finite bf16 value y with |y| <= 448 scale (the values a row of that scale holds)
+    against IEEE division: equal where neither y nor the quotient is tiny; elsewhere (e4m3
+    zeros, as scale >= 2^-80) tiny, with y's sign (-0 / scale = -0); an infinite scale gives
+    y * 0. Interpreted, the reciprocal is numpy's correctly rounded 1 / scale, not the GPU's
+    rcp.approx: benchmarks/fp8_fused_quant_bench.py's "exact" rows check the GPU's bytes."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    y = bits.view(torch.bfloat16).float()
+    y = y[y.isfinite() & (y.abs() <= 448 * torch.tensor(scale, dtype=torch.float32))]
+    q = torch.empty_like(y)
+    _divide_kernel[(1,)](y, scale, q, y.numel(), BLOCK=triton.next_power_of_2(y.numel()))
+    want = y / torch.tensor(scale, dtype=torch.float32)
+    # fp32 subnormal y or y / scale: not the fast path's domain; all are e4m3 zeros
+    fast = (want.abs() >= 2.0**-126) & (y.abs() >= 2.0**-100)
+    assert fast.any() or scale == float("inf")
+    assert torch.equal(q[fast], want[fast])
+    assert (want[~fast].abs() < 2.0**-11).all() and (q[~fast].abs() < 2.0**-11).all()
+    assert torch.equal(torch.signbit(q[~fast]), torch.signbit(y[~fast]))
 
 
 @pytest.mark.parametrize("width", [1, 5, 100, 4096, 5000, 11008, 14336, 18944, 28672, 32768])
