@@ -1,8 +1,9 @@
 """The fused FP8 quantizers of phloem/ops/fp8_fused_quant.py against the bandwidth ceiling (issue
-18): SiLU-and-mul + per-token quantization (the previous kernel, one program per row over one
-padded power-of-two block, against the library's persistent kernel at its default launch and at
-other warp and program counts) and RMSNorm + quantization (with and without the residual, the
-library's kernel), at Llama-3.1-8B widths (intermediate 14336, hidden 4096), bf16.
+18), at Llama-3.1-8B widths (intermediate 14336, hidden 4096), bf16: SiLU-and-mul + per-token
+quantization (the previous kernel, one program per row over one padded power-of-two block,
+against the library's persistent pipelined kernel at its default launch, at 8 and 32 warps,
+and launched one program a row without the pipeline) and RMSNorm + quantization (with and
+without the residual; the library's kernel, unchanged).
 
 Each variant is captured in a CUDA graph and timed with CUDA events (`graph_replay_seconds`);
 reported: us per call, the bytes it must move (inputs read once, outputs written once), the
@@ -67,14 +68,18 @@ def old_silu_and_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def silu_variants(x: torch.Tensor, sms: int, sweep: bool) -> dict:
-    """name -> fn() returning (q, scale) of SiLU-and-mul + quantization of x."""
+    """name -> fn() returning (q, scale) of SiLU-and-mul + quantization of x: the old kernel,
+    the library's launch, and (sweep) the persistent kernel at 8 and 32 warps (one program
+    an SM) and the one-program-a-row launch without the pipeline (16 warps)."""
     variants = {"old": lambda: old_silu_and_mul_quant(x),
                 "new": lambda: fq.silu_and_mul_quant(x, MIN_SCALE)}  # fmt: skip
-    for warps in (8, 16, 32) if sweep else ():
-        for per_sm in (1, 2):
-            variants[f"new_w{warps}_p{per_sm}"] = lambda w=warps, p=per_sm: fq._silu_and_mul_quant(
-                x, MIN_SCALE, None, sms * p, w
+    if sweep:
+        rows = x.shape[0]
+        for warps in (8, 32):
+            variants[f"new_w{warps}"] = lambda w=warps: fq._silu_and_mul_quant(
+                x, MIN_SCALE, None, min(rows, sms), w, 3
             )
+        variants["new_rows"] = lambda: fq._silu_and_mul_quant(x, MIN_SCALE, None, rows, 16, 1)
     return variants
 
 

@@ -11,11 +11,14 @@ residual sum): per bf16 element of output, 1 byte written instead of 2 written a
 again, and one launch less.
 
 SiLU-and-mul runs as persistent programs (one per SM on a GPU), each walking rows first,
-first + programs, ...: its loads of the next row are in flight while it computes this one,
-since a row's arithmetic (exp, two divisions and the e4m3 cast: 30 to 40 instructions a value)
-takes about as long on an SM as its bytes take to arrive. One program per row loaded, then
-computed, then stored, with only 2 programs an SM (registers) to overlap those phases: 286 us
-for 8192 x 14336 on an H200, about half its copy bandwidth. A row is held as three power-of-two
+first + programs, ..., with Triton's pipeliner copying the next two rows into shared memory
+(cp.async) while it computes this one: a row's arithmetic (exp, two divisions and the e4m3
+cast: 30 to 40 instructions a value) takes about as long on an SM as its bytes take to
+arrive. One program per row loaded, then computed, then stored, with only 2 programs an SM
+(registers) to overlap those phases: 286 us for 8192 x 14336 on an H200, about half its copy
+bandwidth. (Loads of the next row into registers do not do it: ptxas schedules them after
+this row's SiLU, to spare registers.) Rows too wide for two rows' copies in shared memory
+(`_silu_launch`) run one program per row. A row is held as three power-of-two
 pieces (`_row_pieces`) rather than one padded block: 14336 = 8192 + 4096 + 2048 computes no
 padding, where a 16384 block computed 12.5% more. And its division by the row's scale takes
 div.rn.f32's reciprocal once a row rather than once a value (`_div_rn_by`: 17% fewer
@@ -40,8 +43,10 @@ from phloem.ops.fp8_quant import FP8_MAX, store_row_quantized
 # one program holds a row: 32768 columns is 64 values per thread at 16 warps (RMSNorm), 32 at
 # 32 warps (SiLU-and-mul, which also holds the next row's loads)
 MAX_FUSED_COLUMNS = 32768
-# persistent SiLU-and-mul programs per SM
-PROGRAMS_PER_SM = 1
+# SiLU-and-mul's persistent programs: warps an SM, and the shared memory their pipelined copies
+# may use (two rows' gate and up halves each; an H100's or H200's SM has 227 KB for blocks)
+WARPS_PER_SM = 16
+PIPELINE_SHARED_BYTES = 200 * 1024
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
@@ -70,7 +75,8 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, r_out_ptr, y_ptr, 
 @triton.jit
 def _load_gate_up(x_ptr, row, rows, d, s_x, start, BLOCK: tl.constexpr):
     """Columns [start, start + BLOCK) of row `row`'s gate (x[row, :d]) and up (x[row, d:])
-    halves as loaded; zeros past d, and everywhere once row >= rows."""
+    halves as loaded; zeros past d, and everywhere once row >= rows (the pipeliner's copies
+    past the last row)."""
     cols = start + tl.arange(0, BLOCK)
     ok = cols < tl.where(row < rows, d, 0)
     ptrs = x_ptr + row * s_x + cols
@@ -122,19 +128,16 @@ def _store_quantized(y, b, r, row, d, q_ptr, y_ptr, s_q, s_y, start, HAS_Y: tl.c
 @triton.jit(do_not_specialize=["rows"])
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, y_ptr, rows, d, s_x, s_q, s_y, min_scale,
                                HAS_Y: tl.constexpr, BLOCK0: tl.constexpr, BLOCK1: tl.constexpr,
-                               BLOCK2: tl.constexpr):  # fmt: skip
-    # A persistent program: rows first, first + step, ...; a row is held in registers as three
-    # power-of-two pieces (|-- BLOCK0 --|-- BLOCK1 --|-- BLOCK2 --| >= d, see `_row_pieces`),
-    # and the next row's halves are loaded while this row computes.
+                               BLOCK2: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    # Rows first, first + step, ...; a row is held in registers as three power-of-two pieces
+    # (|-- BLOCK0 --|-- BLOCK1 --|-- BLOCK2 --| >= d, see `_row_pieces`). NUM_STAGES = 3:
+    # Triton's pipeliner keeps the copies of the next two rows into shared memory (cp.async)
+    # in flight while this row computes; 1: plain loads (one row per program, `_silu_launch`).
     first = tl.program_id(0).to(tl.int64)  # so that row (and row * strides) is 64-bit
-    step = tl.num_programs(0)
-    g0, u0 = _load_gate_up(x_ptr, first, rows, d, s_x, 0, BLOCK0)
-    g1, u1 = _load_gate_up(x_ptr, first, rows, d, s_x, BLOCK0, BLOCK1)
-    g2, u2 = _load_gate_up(x_ptr, first, rows, d, s_x, BLOCK0 + BLOCK1, BLOCK2)
-    for row in range(first, rows, step):
-        n0, v0 = _load_gate_up(x_ptr, row + step, rows, d, s_x, 0, BLOCK0)
-        n1, v1 = _load_gate_up(x_ptr, row + step, rows, d, s_x, BLOCK0, BLOCK1)
-        n2, v2 = _load_gate_up(x_ptr, row + step, rows, d, s_x, BLOCK0 + BLOCK1, BLOCK2)
+    for row in tl.range(first, rows, tl.num_programs(0), num_stages=NUM_STAGES):
+        g0, u0 = _load_gate_up(x_ptr, row, rows, d, s_x, 0, BLOCK0)
+        g1, u1 = _load_gate_up(x_ptr, row, rows, d, s_x, BLOCK0, BLOCK1)
+        g2, u2 = _load_gate_up(x_ptr, row, rows, d, s_x, BLOCK0 + BLOCK1, BLOCK2)
         # phloem/ops/activation.py's expression, rounded once to the model dtype (0 past d)
         y0 = silu_mul(g0, u0).to(x_ptr.dtype.element_ty)
         y1 = silu_mul(g1, u1).to(x_ptr.dtype.element_ty)
@@ -149,7 +152,6 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, y_ptr, rows, d, s_x, s_q, s_
         _store_quantized(y1, b, r, row, d, q_ptr, y_ptr, s_q, s_y, BLOCK0, HAS_Y, BLOCK1)
         _store_quantized(y2, b, r, row, d, q_ptr, y_ptr, s_q, s_y, BLOCK0 + BLOCK1, HAS_Y,
                          BLOCK2)  # fmt: skip
-        g0, u0, g1, u1, g2, u2 = n0, v0, n1, v1, n2, v2
 
 
 @functools.cache
@@ -169,15 +171,25 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _persistent_programs(rows: int, device: torch.device) -> int:
-    """Programs of a persistent launch over `rows` rows: one per SM on a GPU (each holds a row
-    and the next one's loads in registers: one program fills an SM's registers at 16 warps),
-    two elsewhere (the interpreter; the prebuild's compile-only launches), so that each walks
-    several rows."""
-    if device.type != "cuda":
-        return min(rows, 2)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return min(rows, _sm_count(index) * PROGRAMS_PER_SM)
+def _silu_launch(rows: int, d: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """The launch of SiLU-and-mul over `rows` rows of d columns in `dtype`: `programs`,
+    `num_warps` (16 to 32 columns a thread) and NUM_STAGES. When two rows' gate and up halves
+    fit `PIPELINE_SHARED_BYTES` (bf16: d <= 25600), persistent programs and a 3-stage pipeline:
+    on a GPU, enough programs an SM for `WARPS_PER_SM` warps as far as their copies fit the
+    same shared memory (14336 columns: one of 16 warps, which also fills the SM's registers),
+    elsewhere two (the interpreter, the prebuild's compile-only launches: each walks several
+    rows). Wider rows: one program per row, plain loads. num_warps and NUM_STAGES depend on d
+    and dtype only, so the prebuild records the variant a GPU launches."""
+    num_warps = max(4, min(32, triton.next_power_of_2(d) // 1024))
+    pipelined = 2 * (2 * sum(_row_pieces(d)) * dtype.itemsize)  # shared bytes of a program
+    if pipelined > PIPELINE_SHARED_BYTES:
+        return {"programs": rows, "num_warps": num_warps, "num_stages": 1}
+    launch = {"programs": min(rows, 2), "num_warps": num_warps, "num_stages": 3}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        per_sm = max(1, min(WARPS_PER_SM // num_warps, PIPELINE_SHARED_BYTES // pipelined))
+        launch["programs"] = min(rows, _sm_count(index) * per_sm)
+    return launch
 
 
 def _check_width(width: int, what: str) -> None:
@@ -272,16 +284,19 @@ def silu_and_mul_quant(
     _check_width(two_d // 2, "silu_and_mul_quant")
     if not min_scale >= 2.0**-80:  # `_div_rn_by`'s domain
         raise ValueError(f"silu_and_mul_quant: min_scale {min_scale} below 2^-80")
-    # 16 to 32 columns per thread (14336: 16 warps, one program's row fills an SM's registers)
-    num_warps = max(4, min(32, triton.next_power_of_2(two_d // 2) // 1024))
-    return _silu_and_mul_quant(x, min_scale, y, _persistent_programs(rows, x.device), num_warps)
+    return _silu_and_mul_quant(x, min_scale, y, **_silu_launch(rows, two_d // 2, x.dtype, x.device))
 
 
 def _silu_and_mul_quant(
-    x: torch.Tensor, min_scale: float, y: torch.Tensor | None, programs: int, num_warps: int
+    x: torch.Tensor,
+    min_scale: float,
+    y: torch.Tensor | None,
+    programs: int,
+    num_warps: int,
+    num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`silu_and_mul_quant` of a checked x on `programs` persistent programs of `num_warps`
-    warps (the benchmark sweeps both)."""
+    """`silu_and_mul_quant` of a checked x on `programs` programs of `num_warps` warps, with
+    the kernel's NUM_STAGES = num_stages (the benchmark sweeps them)."""
     rows, d = x.shape[0], x.shape[1] // 2
     q, scale = _outputs(rows, d, x.device)
     y_dst = y if y is not None else x  # not written without y
@@ -289,7 +304,8 @@ def _silu_and_mul_quant(
         b0, b1, b2 = _row_pieces(d)
         _silu_and_mul_quant_kernel[(min(rows, programs),)](
             x, q, scale, y_dst, rows, d, x.stride(0), q.stride(0), y_dst.stride(0), min_scale,
-            HAS_Y=y is not None, BLOCK0=b0, BLOCK1=b1, BLOCK2=b2, num_warps=num_warps,
+            HAS_Y=y is not None, BLOCK0=b0, BLOCK1=b1, BLOCK2=b2, NUM_STAGES=num_stages,
+            num_warps=num_warps,
         )  # fmt: skip
     return q, scale
 

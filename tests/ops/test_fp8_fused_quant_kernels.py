@@ -94,14 +94,16 @@ def test_silu_and_mul_quant(ops, dtype, rows, d):
 
 
 def test_silu_and_mul_quant_programs_walk_rows_alike(ops):
-    """The persistent kernel: each program walks rows first, first + programs, ... and loads
-    the next row while it computes this one; whatever the number of programs (1: one program
-    walks every row; rows: one row each, the loads of a next row all masked) the rows come
-    out the same, bit for bit. 14336 columns use all three pieces (8192 + 4096 + 2048)."""
+    """The persistent kernel: each program walks rows first, first + programs, ..., its
+    loads pipelined (NUM_STAGES 3) or not (1, the launch of rows too wide for the pipeline's
+    shared memory); whatever the number of programs (1: one walks every row; rows: one row
+    each, every copy ahead masked) and stages, the rows come out the same, bit for bit.
+    14336 columns use all three pieces (8192 + 4096 + 2048)."""
     rows, d = 3, 14336
     x = rows_of(7, rows, 2 * d, torch.bfloat16) / 1e3
     y = torch.empty(rows, d, dtype=torch.bfloat16)
-    outs = [ops._silu_and_mul_quant(x, fp8_math.MIN_SCALE, y, n, 16) for n in (1, 2, rows)]
+    launches = [(1, 3), (2, 3), (rows, 3), (rows, 1)]
+    outs = [ops._silu_and_mul_quant(x, fp8_math.MIN_SCALE, y, n, 16, s) for n, s in launches]
     for q, scale in outs[1:]:
         assert torch.equal(scale, outs[0][1])
         assert torch.equal(q.view(torch.uint8), outs[0][0].view(torch.uint8))
@@ -131,6 +133,19 @@ def test_division_by_the_row_scale_rounds_as_div_rn(ops, scale):
     assert torch.equal(q[fast], want[fast])
     assert (want[~fast].abs() < 2.0**-11).all() and (q[~fast].abs() < 2.0**-11).all()
     assert torch.equal(torch.signbit(q[~fast]), torch.signbit(y[~fast]))
+
+
+@pytest.mark.parametrize(
+    ("d", "dtype", "stages"),
+    [(14336, torch.bfloat16, 3), (18944, torch.bfloat16, 3), (28672, torch.bfloat16, 1),
+     (14336, torch.float32, 1), (100, torch.float32, 3)],
+)  # fmt: skip
+def test_silu_launch_pipelines_rows_that_fit_shared_memory(d, dtype, stages):
+    from phloem.ops.fp8_fused_quant import _silu_launch
+
+    launch = _silu_launch(1000, d, dtype, torch.device("cpu"))
+    assert launch["num_stages"] == stages and launch["programs"] == (2 if stages == 3 else 1000)
+    assert 4 <= launch["num_warps"] <= 32
 
 
 @pytest.mark.parametrize("width", [1, 5, 100, 4096, 5000, 11008, 14336, 18944, 28672, 32768])
@@ -173,11 +188,11 @@ norm = {**ptr, "r_ptr": "*bf16", "w_ptr": "*bf16", "r_out_ptr": "*bf16", "k": "i
         "BLOCK": "constexpr"}
 silu = {**ptr, "rows": "i32", "d": "i32", "s_x": "i32", "s_q": "i32", "s_y": "i32",
         "min_scale": "fp32", "HAS_Y": "constexpr", "BLOCK0": "constexpr", "BLOCK1": "constexpr",
-        "BLOCK2": "constexpr"}
+        "BLOCK2": "constexpr", "NUM_STAGES": "constexpr"}
 for fn, sig, const, warps in (
     (m._rms_norm_quant_kernel, norm, {"HAS_RESIDUAL": True, "HAS_Y": False, "BLOCK": 4096}, 8),
     (m._silu_and_mul_quant_kernel, silu,
-     {"HAS_Y": False, "BLOCK0": 8192, "BLOCK1": 4096, "BLOCK2": 2048}, 16),
+     {"HAS_Y": False, "BLOCK0": 8192, "BLOCK1": 4096, "BLOCK2": 2048, "NUM_STAGES": 3}, 16),
 ):
     src = ASTSource(fn=fn, signature={n: sig[n] for n in fn.arg_names}, constexprs=const)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
