@@ -10,18 +10,18 @@ scale and e4m3 values (`fp8_quant.store_row_quantized`), and writes only those (
 residual sum): per bf16 element of output, 1 byte written instead of 2 written and 2 read
 again, and one launch less.
 
-SiLU-and-mul runs as persistent programs (one per SM on a GPU), each walking rows first,
+SiLU-and-mul runs as persistent programs (16 warps an SM on a GPU), each walking rows first,
 first + programs, ..., with Triton's pipeliner copying the next two rows into shared memory
 (cp.async) while it computes this one: a row's arithmetic (exp, two divisions and the e4m3
 cast: 30 to 40 instructions a value) takes about as long on an SM as its bytes take to
 arrive. One program per row loaded, then computed, then stored, with only 2 programs an SM
 (registers) to overlap those phases: 286 us for 8192 x 14336 on an H200, about half its copy
 bandwidth. (Loads of the next row into registers do not do it: ptxas schedules them after
-this row's SiLU, to spare registers.) Rows too wide for two rows' copies in shared memory
-(`_silu_launch`) run one program per row. A row is held as three power-of-two
-pieces (`_row_pieces`) rather than one padded block: 14336 = 8192 + 4096 + 2048 computes no
-padding, where a 16384 block computed 12.5% more. And its division by the row's scale takes
-div.rn.f32's reciprocal once a row rather than once a value (`_div_rn_by`: 17% fewer
+this row's SiLU, to spare registers.) Rows too wide for two rows' copies in shared memory run
+one program per row (`_silu_launch`). A row is held as three power-of-two pieces
+(`_row_pieces`) rather than one padded block: 14336 = 8192 + 4096 + 2048 computes no padding,
+where a 16384 block computed 12.5% more. And the division by the row's scale takes
+div.rn.f32's reciprocal once a row rather than once a value (`_div_rn_by`: about 17% fewer
 instructions a row). Same values, same rounding: the scales and bytes do not depend on how a
 row is split or walked, and the division gives div.rn's e4m3 bytes (NaN activations aside).
 
@@ -41,7 +41,7 @@ from phloem.ops.activation import silu_mul
 from phloem.ops.fp8_quant import FP8_MAX, store_row_quantized
 
 # one program holds a row: 32768 columns is 64 values per thread at 16 warps (RMSNorm), 32 at
-# 32 warps (SiLU-and-mul, which also holds the next row's loads)
+# 32 warps (SiLU-and-mul)
 MAX_FUSED_COLUMNS = 32768
 # SiLU-and-mul's persistent programs: warps an SM, and the shared memory their pipelined copies
 # may use (two rows' gate and up halves each; an H100's or H200's SM has 227 KB for blocks)
