@@ -10,8 +10,9 @@ logits several times over (1,024 rows of a 128K vocabulary: ~0.5 GB of temporari
   of words per program and writes -inf only where a bit is clear (predicated stores), on the
   row named by the row index; nothing is read from the logits and no temporary is made.
 - CPU: the words are inverted and unpacked by numpy (`np.unpackbits`, little bit order) a
-  chunk of rows at a time into bool rows, and each logits row is filled in place
-  (`masked_fill_`): no gather or scatter, one chunk's [64, V] bools at a time.
+  chunk of rows at a time into bool rows, and the logits rows are filled in place
+  (`masked_fill_`): one call for a chunk whose rows are consecutive (a step whose rows are all
+  constrained), else one a row; no gather or scatter, one chunk's [64, V] bools at a time.
 
 The bitmask reaches a GPU on a copy stream of its own (`bitmask_to_device`): filled on the host
 while the step's forward pass runs, its copy (16 MB for 1,024 rows of a 128K vocabulary) then
@@ -34,19 +35,29 @@ CPU_CHUNK_ROWS = 64  # rows unpacked together on the CPU (64 x 128K bools: 8 MB)
 
 
 def _apply_torch(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor) -> None:
-    """The CPU path (module docstring): numpy unpacks a chunk of inverted rows, each logits row
-    is filled in place."""
+    """The CPU path (module docstring): numpy unpacks a chunk of inverted rows, the logits
+    rows are filled in place (a run of consecutive rows in one call)."""
     vocab = logits.shape[1]
     covered = min(vocab, 32 * bitmask.shape[1])
     packed = bitmask.contiguous().numpy().view(np.uint8)
     rows = row_indices.tolist()
     for start in range(0, len(rows), CPU_CHUNK_ROWS):
         chunk = np.unpackbits(~packed[start : start + CPU_CHUNK_ROWS], axis=1, bitorder="little")
-        disallowed = torch.from_numpy(chunk).view(torch.bool)
-        for k, row in enumerate(rows[start : start + CPU_CHUNK_ROWS]):
-            logits[row, :covered].masked_fill_(disallowed[k, :covered], float("-inf"))
+        disallowed = torch.from_numpy(chunk).view(torch.bool)[:, :covered]
+        chunk_rows = rows[start : start + CPU_CHUNK_ROWS]
+        first, num = chunk_rows[0], len(chunk_rows)
+        if (
+            0 <= first
+            and first + num <= len(logits)
+            and chunk_rows == list(range(first, first + num))
+        ):
+            targets = [(logits[first : first + num], disallowed)]  # a view: one fill
+        else:
+            targets = [(logits[row], disallowed[k]) for k, row in enumerate(chunk_rows)]
+        for target, bits in targets:
+            target[..., :covered].masked_fill_(bits, float("-inf"))
             if covered < vocab:
-                logits[row, covered:] = float("-inf")
+                target[..., covered:] = float("-inf")
 
 
 def apply_token_bitmask_(

@@ -104,11 +104,17 @@ def test_strided_rows_and_row_subset(tb):
 
 
 def test_cpu_path_chunks_many_rows():
-    """More rows than one unpacked chunk, in shuffled order."""
-    logits, bitmask, rows = random_case(150, 40, 2, 150, torch.float32, seed=3)
-    assert torch.equal(
-        apply_token_bitmask_(logits.clone(), bitmask, rows), reference(logits, bitmask, rows)
-    )
+    """More rows than one unpacked chunk, in shuffled order, in order (a chunk of consecutive
+    rows is filled in one call), and in order then shuffled; the logits wider than the bitmask
+    covers; a consecutive run past the last row raises as a single row does."""
+    logits, bitmask, rows = random_case(150, 70, 2, 150, torch.float32, seed=3)
+    in_order = torch.arange(150)
+    partly = torch.cat([torch.arange(100), 100 + torch.randperm(50)])
+    for order in (rows, in_order, partly, in_order.flip(0)):
+        got = apply_token_bitmask_(logits.clone(), bitmask, order)
+        assert torch.equal(got, reference(logits, bitmask, order))
+    with pytest.raises(IndexError):
+        apply_token_bitmask_(logits[:100].clone(), bitmask, in_order)
 
 
 def test_bad_arguments_raise_naming_them():
