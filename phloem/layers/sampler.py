@@ -8,7 +8,9 @@ Owns the per-step sampling pipeline, applied to a private copy of the `[B, V]` l
 This is the order of vLLM v1's `Sampler` (min_p is its default argmax-invariant logits processor,
 applied after temperature and before `apply_top_k_top_p`, which does top-k then top-p). min_p is
 therefore measured on the full tempered distribution, and top_p on the distribution left after
-min_p and top_k, renormalized.
+min_p and top_k, renormalized. The grammar mask is applied where it changes no float: after
+the bans, penalties and temperature, which map -inf to -inf entry by entry (`PreparedSampling`),
+so a constrained step enqueues all of that (`Sampler.prepare`) while its bitmask is filled.
 
 Returned log-probs are vLLM's default `raw_logprobs`: `log_softmax` of the caller's logits after the
 grammar mask (as vLLM v1 masks before its sampler), before banning, penalties, temperature and
@@ -34,7 +36,8 @@ flagged random row is sampled from zeros; its caller fails that row's request (`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,30 +122,157 @@ def non_finite(row_values: torch.Tensor) -> torch.Tensor:
     return row_values.isfinite().logical_not_().long()
 
 
+def _check_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(
+            f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
+        )
+
+
+def plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Every row greedy with nothing that needs a float32 copy (no logprobs, bans, penalties)."""
+    return all(
+        r.params.temperature < GREEDY_TEMPERATURE
+        and r.params.logprobs is None
+        and not r.banned_token_ids
+        and not r.params.has_penalties
+        for r in rows
+    )
+
+
+def logprobs_k(rows: Sequence[SamplingRow], vocab_size: int) -> int | None:
+    """The most top log-probs a row asks for, capped at V (0: only the sampled tokens'); None
+    when no row asks (`SampledTokens.start` then skips the log-softmax)."""
+    asked = [k for r in rows if (k := r.params.logprobs) is not None]
+    return min(max(asked), vocab_size) if asked else None
+
+
+@dataclass
+class Truncation:
+    """Random rows' min-p and top-k/top-p settings as tensors on the device, built from their
+    params on the host (`build`), applied by `probs` without reading a row's params.
+
+    Fields:
+        min_p: [R] (0: off); None when no row uses min-p.
+        top_k: [T] int64 (V: off) and top_p: [T] (1: off) of the T rows that truncate; both
+            None when none does. top_rows: int64 [T], those rows' indices; None when all do.
+    """
+
+    min_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_rows: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], vocab_size: int, dtype: torch.dtype, device
+    ) -> Truncation:
+        """params: [R] (random rows); dtype: the tempered logits' (min_p's and top_p's)."""
+        out = cls()
+        if any(p.min_p > 0.0 for p in params):
+            out.min_p = _device_tensor([p.min_p for p in params], dtype=dtype, device=device)
+        trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+        if trunc:
+            k = [t if 0 < (t := params[i].top_k) < vocab_size else vocab_size for i in trunc]
+            out.top_k = _device_tensor(k, dtype=torch.long, device=device)
+            out.top_p = _device_tensor([params[i].top_p for i in trunc], dtype=dtype, device=device)
+            if len(trunc) < len(params):
+                out.top_rows = _device_tensor(trunc, dtype=torch.long, device=device)
+        return out
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Min-p, then top-k/top-p, then softmax of tempered x [R, V] float32 (written in place
+        where only some rows truncate): float32 [R, V] rows summing to 1."""
+        if self.min_p is not None:
+            x = apply_min_p(x, self.min_p)
+        if self.top_k is not None and self.top_p is not None:
+            if self.top_rows is None:
+                x = apply_top_k_top_p(x, self.top_k, self.top_p)
+            else:
+                rows = self.top_rows
+                x[rows] = apply_top_k_top_p(x[rows], self.top_k, self.top_p)
+        return x.softmax(dim=-1)
+
+
 def processed_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution a random row is drawn from: temperature, min_p, top-k/top-p, softmax.
 
     x: [R, V] float32 (after bans and penalties), not modified; params: [R] (random rows).
     Returns float32 [R, V] rows summing to 1: what the sampler draws from, and what speculative
     decoding verifies drafts against (`phloem.spec_decode`)."""
-    num_rows, vocab_size = x.shape
-    device = x.device
-    temperature = _device_tensor([p.temperature for p in params], dtype=x.dtype, device=device)
-    x = x / temperature[:, None]
-    if any(p.min_p > 0.0 for p in params):
-        min_p = _device_tensor([p.min_p for p in params], dtype=x.dtype, device=device)
-        x = apply_min_p(x, min_p)
-    trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
-    if trunc:
-        k = [t if 0 < (t := params[i].top_k) < vocab_size else vocab_size for i in trunc]
-        k_t = _device_tensor(k, dtype=torch.long, device=device)
-        p_t = _device_tensor([params[i].top_p for i in trunc], dtype=x.dtype, device=device)
-        if len(trunc) == num_rows:
-            x = apply_top_k_top_p(x, k_t, p_t)
+    temperature = _device_tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    truncation = Truncation.build(params, x.shape[1], x.dtype, x.device)
+    return truncation.probs(x / temperature[:, None])
+
+
+@dataclass(eq=False)
+class PreparedSampling:
+    """A step's sampling enqueued up to its grammar mask (`Sampler.prepare`); `finish` enqueues
+    the mask, then what reads a row's distribution as a whole (min-p, top-k/top-p, softmax),
+    the draw and the copy to the host, from device tensors only (no row's params read: a fixed
+    number of launches at any batch size). The mask (disallowed tokens -> -inf) commutes bit
+    for bit with what `prepare` did after the float32 copy: bans set -inf, the penalties and
+    the division by a positive temperature are elementwise and map -inf to -inf, so each
+    allowed entry holds the same float whether the mask came first or last.
+
+    Fields:
+        rows: the step's rows [B]; num_nonfinite: int64 [B] (of the logits); max_k: `logprobs_k`.
+        raw: [B, V] the log-probs' source: float32, non-finite rows zeroed (plain greedy: a
+            copy of the logits). x: raw after bans, penalties and the random rows' temperature
+            (greedy rows divided by 1), what the tokens come from (None once finished).
+        plain: ids by `row_max` of x (a plain greedy step).
+        truncation: the random rows' `Truncation`; None when no row is random.
+        split: (greedy rows, random rows) int64 indices when both kinds are present, else None.
+        noise: the random rows' noise [random rows, V] (`Sampler.draw_noise`); None: drawn by
+            `draw` after the truncation (as `launch` draws it: a batch whose truncation raises
+            drew nothing, `worker.sampling_rows.launch_sampler`).
+    """
+
+    rows: list[SamplingRow]
+    raw: torch.Tensor
+    x: torch.Tensor | None
+    num_nonfinite: torch.Tensor
+    max_k: int | None = None
+    plain: bool = False
+    truncation: Truncation | None = None
+    split: tuple[torch.Tensor, torch.Tensor] | None = None
+    noise: torch.Tensor | None = None
+    draw: Callable[[], torch.Tensor] | None = None
+
+    def finish(self, grammar: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampledTokens:
+        """Enqueue the rest of the sampling (see the class docstring) under `grammar` (bitmask
+        int32 [R, ceil(V / 32)], row indices int64 [R] on the logits' device, as
+        `Sampler.launch` takes it; None: no mask). Once only: raises RuntimeError after."""
+        x, raw = self.x, self.raw
+        if x is None:
+            raise RuntimeError("this prepared sampling was finished already")
+        self.x = None
+        if grammar is not None:
+            apply_token_bitmask_(x, *grammar)
+            if raw is not x and self.max_k is not None:  # the log-probs are taken of it
+                apply_token_bitmask_(raw, *grammar)
+        if self.plain:
+            tokens = row_max(x)[1]
+        elif self.truncation is None:
+            tokens = x.argmax(dim=-1)
+        elif self.split is None:
+            tokens = self._draw(x)
         else:
-            t_idx = _device_tensor(trunc, dtype=torch.long, device=device)
-            x[t_idx] = apply_top_k_top_p(x[t_idx], k_t, p_t)
-    return x.softmax(dim=-1)
+            greedy, random = self.split
+            tokens = torch.empty(len(self.rows), dtype=torch.long, device=x.device)
+            tokens[greedy] = x[greedy].argmax(dim=-1)
+            tokens[random] = self._draw(x[random])
+        return SampledTokens.start(raw, tokens, self.rows, self.num_nonfinite, self.max_k)
+
+    def _draw(self, x: torch.Tensor) -> torch.Tensor:
+        """The exponential race over the random rows' truncated distribution: [R, V] -> [R]."""
+        assert self.truncation is not None
+        probs = self.truncation.probs(x)
+        noise = self.noise
+        if noise is None:
+            assert self.draw is not None
+            noise = self.draw()
+        return probs.div_(noise).argmax(dim=-1)
 
 
 class Sampler:
@@ -182,20 +312,10 @@ class Sampler:
         structured-output rows' allowed tokens, applied to the float32 copy the other steps
         work on (`ops.token_bitmask.apply_token_bitmask_`; a plain greedy step masks a copy of
         `logits`); the non-finite flags are taken before it: its -inf is no model fault.
-        noise: `draw_noise(rows, V, device)`, drawn earlier (a constrained step draws it while
-        its bitmask is filled), or None: drawn here; the same tokens either way."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(
-                f"logits must be [len(rows), V] = [{len(rows)}, V], got {tuple(logits.shape)}"
-            )
-        plain_greedy = all(
-            r.params.temperature < GREEDY_TEMPERATURE
-            and r.params.logprobs is None
-            and not r.banned_token_ids
-            and not r.params.has_penalties
-            for r in rows
-        )
-        if plain_greedy and grammar is None:
+        noise: `draw_noise(rows, V, device)`, drawn earlier, or None: drawn here; the same
+        tokens either way. `prepare(...).finish(grammar)` but for a plain greedy free step."""
+        _check_logits(logits, rows)
+        if grammar is None and plain_greedy(rows):
             # Plain greedy step (the offline batch's usual case): one max over the logits in their
             # own dtype (`row_max`) gives the ids and the flags. Upcasting is exact and monotone,
             # so the ids (first index among ties) equal argmax of a float32 copy, which would cost
@@ -203,40 +323,54 @@ class Sampler:
             # max propagates NaN, so a row's max is non-finite when it holds a NaN or +inf (or
             # is all -inf); its id is still an id: nothing to replace.
             values, tokens = row_max(logits)
-            return SampledTokens.start(logits, tokens, rows, non_finite(values))
+            return SampledTokens.start(logits, tokens, rows, non_finite(values), None)
+        return self.prepare(logits, rows, noise).finish(grammar)
+
+    def prepare(
+        self, logits: torch.Tensor, rows: list[SamplingRow], noise: torch.Tensor | None = None
+    ) -> PreparedSampling:
+        """Enqueue the part of `launch` that needs no grammar bitmask (a constrained step's,
+        while its bitmask is filled: `ModelRunner.presample`): the non-finite flags, the
+        float32 copy, bans, penalties, the random rows' temperature and every per-row tensor;
+        `finish(grammar)` enqueues the rest: `launch`'s tokens (`PreparedSampling`). logits,
+        noise: as `launch` takes them (noise None: `finish` draws it). Raises ValueError on a
+        shape mismatch."""
+        _check_logits(logits, rows)
         num_nonfinite = non_finite(logits.amax(dim=-1))
-        if plain_greedy and grammar is not None:  # masked on a copy (the caller's logits stay)
-            logits = apply_token_bitmask_(logits.clone(), *grammar)
-            return SampledTokens.start(logits, row_max(logits)[1], rows, num_nonfinite)
+        if plain_greedy(rows):  # masked on a copy (the caller's logits stay)
+            x = logits.clone()
+            return PreparedSampling(rows, x, x, num_nonfinite, plain=True)
+        vocab_size, device = logits.shape[1], logits.device
         # a non-finite row is sampled from zeros, so no kernel below sees NaN (a new tensor: the
         # caller's logits stay as they were; the grammar masks it in place, a flagged row too)
         raw = logits.float().masked_fill((num_nonfinite != 0)[:, None], 0.0)
-        if grammar is not None:
-            apply_token_bitmask_(raw, *grammar)
         needs_copy = any(r.banned_token_ids or r.params.has_penalties for r in rows)
         x = raw.clone() if needs_copy else raw  # bans and penalties write in place; raw is
         # what the log-probs are taken of
         apply_banned(x, [r.banned_token_ids for r in rows])
         x = self._penalize(x, rows)
-        return SampledTokens.start(raw, self._tokens(x, rows, noise), rows, num_nonfinite)
-
-    def _tokens(self, x: torch.Tensor, rows: list[SamplingRow], noise) -> torch.Tensor:
-        """Greedy rows' argmax, random rows' draws (with `noise` if drawn): x [B, V] -> [B]."""
-        device = x.device
-        greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
+        out = PreparedSampling(rows, raw, x, num_nonfinite, logprobs_k(rows, vocab_size))
         random = [i for i, r in enumerate(rows) if r.params.temperature >= GREEDY_TEMPERATURE]
-        if noise is not None and tuple(noise.shape) != (len(random), x.shape[1]):
+        if noise is not None and tuple(noise.shape) != (len(random), vocab_size):
             raise ValueError(f"noise must be [random rows, V], got {tuple(noise.shape)}")
         if not random:
-            return x.argmax(dim=-1)
-        if not greedy:
-            return self._sample(x, rows, noise)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-        g_idx = _device_tensor(greedy, dtype=torch.long, device=device)
-        r_idx = _device_tensor(random, dtype=torch.long, device=device)
-        tokens[g_idx] = x[g_idx].argmax(dim=-1)
-        tokens[r_idx] = self._sample(x[r_idx], [rows[i] for i in random], noise)
-        return tokens
+            return out
+        random_rows = [rows[i] for i in random]
+        # greedy rows (of a mixed step) are divided by 1: exact
+        temperature = [
+            t if (t := r.params.temperature) >= GREEDY_TEMPERATURE else 1.0 for r in rows
+        ]
+        if len(random) < len(rows):
+            greedy = [i for i, r in enumerate(rows) if r.params.temperature < GREEDY_TEMPERATURE]
+            out.split = tuple(_device_tensor(idx, dtype=torch.long, device=device)
+                              for idx in (greedy, random))  # fmt: skip
+        t = _device_tensor(temperature, dtype=x.dtype, device=device)[:, None]
+        out.x = x.div_(t) if x is not raw or out.max_k is None else x / t  # raw kept as is
+        params = [r.params for r in random_rows]
+        out.truncation = Truncation.build(params, vocab_size, x.dtype, device)
+        out.noise = noise
+        out.draw = functools.partial(self._exponentials, random_rows, vocab_size, device)
+        return out
 
     def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Apply penalties to the rows that have any (others are untouched); returns x."""
@@ -259,13 +393,6 @@ class Sampler:
             column("presence_penalty"),
         )
         return x
-
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow], noise=None) -> torch.Tensor:
-        """Temperature, min_p, top-k/top-p, then draw (`noise`: drawn already, or None).
-        x: [R, V] float32; returns [R] int64."""
-        probs = processed_probs(x, [r.params for r in rows])
-        q = self._exponentials(rows, x.shape[1], x.device) if noise is None else noise
-        return probs.div_(q).argmax(dim=-1)
 
     def draw_noise(self, rows: list[SamplingRow], vocab_size: int, device) -> torch.Tensor | None:
         """The noise `launch` would draw for `rows`' random rows (float32 [random rows, V]; None
@@ -331,17 +458,17 @@ class SampledTokens:
         tokens: torch.Tensor,
         rows: list[SamplingRow],
         num_nonfinite: torch.Tensor,
+        max_k: int | None,
     ) -> SampledTokens:
         """Enqueue what the host needs: the tokens with each row's non-finite flag (int64
         [2, B], one copy), and for logprob rows the raw log-probs of the sampled and of the
-        top-k tokens (one log-softmax pass, only if a row asked)."""
+        top-k tokens (one log-softmax pass, only if a row asked). max_k: `logprobs_k(rows, V)`
+        (None: no row asks)."""
         parts = [torch.stack((tokens, num_nonfinite))]
-        if all(r.params.logprobs is None for r in rows):
+        if max_k is None:
             return cls(tokens, parts, rows, 0)
         lse = torch.logsumexp(raw, dim=-1)
         sampled_lp = raw.gather(1, tokens[:, None]).squeeze(1) - lse
-        max_k = max((r.params.logprobs or 0 for r in rows), default=0)
-        max_k = min(max_k, raw.shape[1])
         parts.append(sampled_lp)
         if max_k > 0:
             values, indices = raw.topk(max_k, dim=-1)

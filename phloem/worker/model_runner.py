@@ -10,9 +10,10 @@ the piecewise graphs, attention eager between them (piecewise_graph.py); larger 
 eagerly.
 
 Structured outputs: a step with constrained samples (`SchedulerOutput.structured_seq_ids`) is
-launched in two parts: `launch` enqueues the forward pass and keeps the logits, `sample` gets the
-step's grammar bitmask (data: `GrammarBitmask`, filled by the engine once the previous step's
-tokens advanced the grammars) and enqueues the sampling. Under async scheduling the forward pass
+launched in parts: `launch` enqueues the forward pass and keeps the logits, `presample` the part
+of the sampling that needs no bitmask (while the engine fills it), `sample` gets the step's
+grammar bitmask (data: `GrammarBitmask`, filled by the engine once the previous step's tokens
+advanced the grammars) and enqueues its copy, the mask and the rest of the sampling. Under async scheduling the forward pass
 of step N+1 still overlaps the host's wait for step N; only the constrained step's sampling waits
 for the host.
 
@@ -273,23 +274,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def presample(self, launched: LaunchedStep | None) -> None:
-        """Enqueue the part of a launched constrained step's sampling that needs no bitmask
-        (`Sampler.draw_noise`: its random rows' noise, the seeded rows' in one counter-based draw),
-        while the engine's threads fill the bitmask; `sample` then uses it. A draw that raises
-        is left to `sample`, which draws again (its rows fail alone there). No-op otherwise."""
-        if launched is None or launched.deferred is None or launched.noise is not None:
+        """Enqueue all of a launched constrained step's sampling that needs no bitmask
+        (`Sampler.prepare`: its random rows' noise, the non-finite flags, the float32 copy,
+        bans, penalties, temperature, every per-row tensor) while the engine's threads fill
+        the bitmask, so that `sample` only copies the bitmask, masks and samples. A
+        preparation that raises is left to `sample`, which samples the step whole (its rows
+        fail alone there; noise drawn before it stays drawn, as `sample` would draw it). No-op
+        otherwise."""
+        if launched is None or launched.deferred is None or launched.presampled is not None:
             return
         logits, rows = launched.deferred
         try:
-            launched.noise = self.sampler.draw_noise(rows, logits.shape[1], logits.device)
+            if launched.noise is None:
+                launched.noise = self.sampler.draw_noise(rows, logits.shape[1], logits.device)
+            launched.presampled = self.sampler.prepare(logits, rows, launched.noise)
         except Exception:  # noqa: BLE001 - `sample` finds the row that raises
-            launched.noise = None
+            launched.presampled = None
 
     @torch.inference_mode()
     def sample(self, launched: LaunchedStep | None, grammar: GrammarBitmask) -> None:
         """Enqueue the sampling of a launched constrained step with its grammar bitmask (rows
-        `grammar.seq_ids`; the others are unconstrained). Must come before the next `launch`
-        (whose pending input ids are this step's tokens).
+        `grammar.seq_ids`; the others are unconstrained): after `presample`, the bitmask's copy
+        and `PreparedSampling.finish` (no Python a row but the row indices of a grammar that
+        leaves rows out); else the whole sampling. Must come before the next `launch` (whose
+        pending input ids are this step's tokens).
 
         Raises:
             ValueError: the step is not waiting for a bitmask, or names a row it did not sample.
@@ -297,27 +305,29 @@ class ModelRunner:
         if launched is None or launched.deferred is None:
             raise ValueError("sample() needs a launched step waiting for its grammar bitmask")
         logits, rows = launched.deferred
-        noise, launched.deferred, launched.noise = launched.noise, None, None
+        prepared, noise = launched.presampled, launched.noise
+        launched.deferred = launched.presampled = launched.noise = None
         seq_ids = launched.seq_ids
         index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
-        try:
-            row_indices = np.array([index[s] for s in grammar.seq_ids], dtype=np.int64)
-        except KeyError as e:
-            raise ValueError(
-                f"grammar bitmask names {e}, which this step does not sample"
-            ) from None
+        if grammar.seq_ids == seq_ids:  # every row constrained, in order (no Python a row)
+            row_indices = np.arange(len(seq_ids), dtype=np.int64)
+        else:
+            try:
+                row_indices = np.array([index[s] for s in grammar.seq_ids], dtype=np.int64)
+            except KeyError as e:
+                raise ValueError(
+                    f"grammar bitmask names {e}, which this step does not sample"
+                ) from None
         mask = bitmask_to_device(grammar.bitmask, row_indices, self.device)  # a copy stream
-        handle = launch_sampler(
-            self.sampler,
-            self._shared_generator,
-            logits,
-            rows,
-            seq_ids,
-            launched.states,
-            launched.failed,
-            mask,
-            noise,
-        )
+        handle = None
+        if prepared is not None:
+            try:
+                handle = prepared.finish(mask)
+            except Exception:  # noqa: BLE001 - sampled whole below, where rows fail alone
+                handle = None
+        if handle is None:
+            handle = launch_sampler(self.sampler, self._shared_generator, logits, rows, seq_ids,
+                                    launched.states, launched.failed, mask, noise)  # fmt: skip
         launched.sampled = handle
         full = None if launched.checks is None else launched.checks.full(None)
         self._last_sampled = PreviousStep(handle.tokens, index, full)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from phloem.layers.sampler import SampledTokens, SamplingRow
+from phloem.layers.sampler import PreparedSampling, SampledTokens, SamplingRow
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.spec_decode.verifier import VerifyStep
 from phloem.worker.input_batch import SequenceState
@@ -55,6 +55,7 @@ class LaunchedStep:
     # a constrained step's logits [S, V] and sampling rows, until its grammar bitmask comes
     deferred: tuple[torch.Tensor, list[SamplingRow]] | None = None
     noise: torch.Tensor | None = None  # its random rows' noise, drawn by `ModelRunner.presample`
+    presampled: PreparedSampling | None = None  # its sampling up to the mask (`presample`)
     drafts: list[tuple[int, ...]] | None = None  # a verify step's drafts per sampled row
     checks: StackChecks | None = None  # its rows' void flags and guesses (`stacked_rows`)
 

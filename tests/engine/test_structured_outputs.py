@@ -273,13 +273,17 @@ def test_tensor_parallel_ranks_sample_under_the_same_bitmask(tiny_llama):
 class OrderExecutor(UniProcExecutor):
     """The default executor, recording the order of `prepare`, `launch` and `sample` and, at
     each `prepare`, whether a bitmask fill started since the last `sample` (`structured`: the
-    engine's `StructuredOutputs`, set once the engine is built). Test-only fault injection:
-    the next call named by `fail_next` raises (a fault of the whole step) before it does
-    anything, and the next collected step that sampled `fail_row` fails that row alone."""
+    engine's `StructuredOutputs`, set once the engine is built), and at each `sample` whether
+    the step came prepared (`ModelRunner.presample`'s `PreparedSampling`, which leaves the
+    sampling after the fill no Python a row: tests/ops/test_token_bitmask.py). Test-only
+    fault injection: the next call named by `fail_next` raises (a fault of the whole step)
+    before it does anything, and the next collected step that sampled `fail_row` fails that
+    row alone."""
 
     def __init__(self, worker) -> None:
         super().__init__(worker)
         self.events: list[tuple[str, bool]] = []
+        self.presampled: list[bool] = []
         self.structured = None
         self._early_fills_sampled = 0  # fills started before the last `sample`
         self.fail_next: str | None = None
@@ -303,6 +307,7 @@ class OrderExecutor(UniProcExecutor):
     def sample(self, launched, grammar) -> None:
         self._event("sample")
         self._early_fills_sampled = self.structured.num_early_fills
+        self.presampled.append(launched.presampled is not None)
         super().sample(launched, grammar)
 
     def collect(self, launched):
@@ -359,7 +364,7 @@ def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama):
         events = executor.events
         samples = [k for k, (name, _) in enumerate(events) if name == "sample"]
         prepared_first = [k for k in samples if events[k - 1] == ("prepare", True)]
-        assert len(samples) > 5
+        assert len(samples) > 5 and all(executor.presampled), executor.presampled
         if overlap:  # not while the penalty request runs: its steps collect before prepare
             assert len(prepared_first) >= 10, " ".join(n[0] + "*" * f for n, f in events)
         else:

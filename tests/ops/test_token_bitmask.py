@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from phloem.layers.sampler import Sampler, SamplingRow
+from phloem.ops.seeded_noise import SeedStream
 from phloem.ops.token_bitmask import _apply_torch, apply_token_bitmask_
 from phloem.sampling_params import SamplingParams
 
@@ -225,3 +226,122 @@ def test_noise_drawn_before_the_bitmask_gives_the_same_tokens():
     assert sampler.draw_noise(greedy, vocab, logits.device) is None
     with pytest.raises(ValueError, match=r"noise must be \[random rows, V\]"):
         sampler.launch(logits, sample_rows(), None, noise[:3])
+
+
+# the kinds of row the sampler treats apart: plain greedy, greedy with log-probs, seeded (seed
+# stream or generator) at several temperatures with top-k, top-p, min-p or penalties, and the
+# sampler's own generator with log-probs
+ROW_KINDS = [
+    dict(temperature=0.0),
+    dict(temperature=0.0, logprobs=2),
+    dict(temperature=0.8, seed=1),
+    dict(temperature=1.1, seed=2, top_k=7),
+    dict(temperature=0.7, seed=3, top_p=0.8),
+    dict(temperature=0.9, seed=4, min_p=0.05),
+    dict(temperature=0.6, seed=5, repetition_penalty=1.3, frequency_penalty=0.4),
+    dict(temperature=1.0, logprobs=3),
+]
+
+
+def kind_rows(kinds: list[dict], batch: int, cls=SamplingRow, bans=True) -> list[SamplingRow]:
+    """`batch` fresh rows cycling through `kinds` (with `bans`, every fifth with a banned id):
+    the same seeds, streams and draws each call."""
+    rows = []
+    for i in range(batch):
+        params = SamplingParams(**kinds[i % len(kinds)])
+        seeded = params.seed is not None
+        stream = SeedStream(100 + i) if seeded and i % 2 == 0 else None
+        generator = torch.Generator().manual_seed(i) if seeded and stream is None else None
+        rows.append(
+            cls(params, [1, 2, 5], [5, 9], generator, [3] if bans and i % 5 == 1 else [], stream)
+        )
+    return rows
+
+
+def allowing_bitmask(batch: int, vocab: int, seed: int) -> torch.Tensor:
+    """int32 [batch, ceil(V / 32)] random bits, token 0 allowed in every row."""
+    g = torch.Generator().manual_seed(seed)
+    words = -(-vocab // 32)
+    return torch.randint(-(2**31), 2**31 - 1, (batch, words), dtype=torch.int32, generator=g) | 1
+
+
+@pytest.mark.parametrize("kinds", ["mixed", "random", "plain", "logprobs"])
+def test_prepared_sampling_masked_last_samples_as_masked_first(kinds):
+    """A constrained step runs its bans, penalties and temperature before the grammar mask
+    (`Sampler.prepare` while the bitmask is filled, `PreparedSampling.finish` after): its
+    tokens, log-probs and draws are bit for bit those of the logits masked first (the float32
+    logits masked, then sampled without a grammar), with the noise drawn before or by it
+    ("logprobs": no bans or penalties, so the float32 copy the log-probs read is the one the
+    temperature divides: it must not be divided in place)."""
+    vocab, batch = 300, 24
+    chosen = {"mixed": ROW_KINDS, "random": ROW_KINDS[2:7], "plain": ROW_KINDS[:1],
+              "logprobs": [ROW_KINDS[i] for i in (1, 7, 2)]}[kinds]  # fmt: skip
+    bans = kinds != "logprobs"
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    constrained = torch.randperm(batch, generator=torch.Generator().manual_seed(6))[:18]
+    grammar = (allowing_bitmask(18, vocab, seed=7), constrained)
+    masked_first = apply_token_bitmask_(logits.clone(), *grammar)
+    want_rows = kind_rows(chosen, batch, bans=bans)
+    want = Sampler(seed=3).launch(masked_first, want_rows).result()
+    for early in (False, True):
+        sampler, rows = Sampler(seed=3), kind_rows(chosen, batch, bans=bans)
+        noise = sampler.draw_noise(rows, vocab, logits.device) if early else None
+        got = sampler.prepare(logits, rows, noise).finish(grammar).result()
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == want.logprobs and got.top_logprobs == want.top_logprobs
+        if kinds == "logprobs":  # of the masked logits as given (`launch` above shares the code)
+            tokens = torch.tensor(got.token_ids)[:, None]
+            raw = masked_first.gather(1, tokens)[:, 0] - masked_first.logsumexp(dim=-1)
+            assert got.logprobs == raw.tolist()
+        assert [r.seed_stream and r.seed_stream.draws for r in rows] == [
+            r.seed_stream and r.seed_stream.draws for r in want_rows
+        ]
+
+
+class WatchedRow(SamplingRow):
+    """A sampling row that counts the reads of its fields while `armed`."""
+
+    armed = False
+    reads = 0
+
+    def __getattribute__(self, name: str):
+        if type(self).armed:
+            WatchedRow.reads += 1
+        return super().__getattribute__(name)
+
+
+def count_ops(fn, *args) -> int:
+    """The torch operators `fn(*args)` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        num = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.num += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn(*args)
+    return Count.num
+
+
+def test_prepared_sampling_finish_reads_no_row_and_dispatches_fixed_ops():
+    """What a constrained step enqueues after its bitmask fill (`PreparedSampling.finish`,
+    the noise drawn before as `ModelRunner.presample` draws it) reads no sampling row and
+    dispatches as many operators at 8 rows as at 64, for every kind of row: no Python a row
+    on the step's critical chain (issue 21: at 1,024 rows most of that enqueue's host time)."""
+    vocab, counts = 300, []
+    for batch in (8, 64):
+        rows = kind_rows(ROW_KINDS, batch, cls=WatchedRow)
+        logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch))
+        grammar = (allowing_bitmask(batch, vocab, seed=batch), torch.arange(batch))
+        sampler = Sampler(seed=0)
+        prepared = sampler.prepare(logits, rows, sampler.draw_noise(rows, vocab, "cpu"))
+        WatchedRow.reads, WatchedRow.armed = 0, True
+        try:
+            counts.append(count_ops(prepared.finish, grammar))
+        finally:
+            WatchedRow.armed = False
+        assert WatchedRow.reads == 0
+    assert counts[0] == counts[1] < 100, counts
