@@ -307,11 +307,11 @@ class ModelRunner:
         logits, rows = launched.deferred
         prepared, noise = launched.presampled, launched.noise
         launched.deferred = launched.presampled = launched.noise = None
-        seq_ids = launched.seq_ids
-        index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
+        seq_ids, index = launched.seq_ids, None
         if grammar.seq_ids == seq_ids:  # every row constrained, in order (no Python a row)
             row_indices = np.arange(len(seq_ids), dtype=np.int64)
         else:
+            index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
             try:
                 row_indices = np.array([index[s] for s in grammar.seq_ids], dtype=np.int64)
             except KeyError as e:
@@ -329,6 +329,8 @@ class ModelRunner:
             handle = launch_sampler(self.sampler, self._shared_generator, logits, rows, seq_ids,
                                     launched.states, launched.failed, mask, noise)  # fmt: skip
         launched.sampled = handle
+        if index is None:  # built once the sampling is enqueued: off the step's critical chain
+            index = {seq_id: k for k, seq_id in enumerate(seq_ids)}
         full = None if launched.checks is None else launched.checks.full(None)
         self._last_sampled = PreviousStep(handle.tokens, index, full)
 
