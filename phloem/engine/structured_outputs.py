@@ -22,7 +22,7 @@ for the fill:
                   update_from_output(N) (engine loop)              │ threads, GIL released)
                   advance: the matchers' results ◄ (after the advance)
                   process N's outputs                              │
-                  presample(N+1): the noise (`LLMEngine.step`)     │
+                  presample(N+1): sampling up to the mask          │
                   schedule, mark and prepare N+2 (async)           │
                   bitmask(N+1): wait ◄─────────────────────────────┘ -> sample(N+1)
 
@@ -359,9 +359,9 @@ class StructuredOutputs:
     # -- the held step: launched, sampled once its bitmask is filled ---------------------------
 
     def hold(self, launched: LaunchedStep, executor: Executor, defer: bool) -> None:
-        """Take a launched step with constrained samples: its noise is enqueued now
-        (`Executor.presample`, beside the bitmask's fill), its sampling now or, with `defer`
-        (async scheduling), by `sample_held` in the next `step()`, after that step's
+        """Take a launched step with constrained samples: its sampling up to the mask is
+        enqueued now (`Executor.presample`, beside the bitmask's fill), the rest now or, with
+        `defer` (async scheduling), by `sample_held` in the next `step()`, after that step's
         scheduling and `Executor.prepare` ran beside the fill. At most one step is held: the
         one before was sampled before this one's launch."""
         assert self.held is None, "the step held before was never sampled"
