@@ -389,7 +389,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.executor.prepare(scheduler_output)  # host only: beside the step in flight's fill
         prepared = time.perf_counter()
-        self.structured.sample_held(self.executor, collect_first=True)  # N+1's sampling first
+        self.structured.sample_held(self.executor)  # the device's order: N+1's sampling first
         start += time.perf_counter() - prepared  # launch_s: prepare + launch, not the wait
         handle = self.executor.launch(scheduler_output)
         if scheduler_output.is_empty:
@@ -409,9 +409,10 @@ class LLMEngine:
         assert launched is not None
         self._in_flight = None
         start = time.perf_counter()
-        runner_output, wait_s = self.structured.collect(self.executor, launched)
+        runner_output = self.executor.collect(launched.handle)
         collected = time.perf_counter()
         scheduler_output = launched.scheduler_output
+        self.structured.collected(scheduler_output, runner_output.sampled_token_ids)
         accepted = runner_output.num_accepted_drafts
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids, accepted
@@ -424,7 +425,9 @@ class LLMEngine:
         if self.drafter is not None:  # the step's cost: its host work, its collection, its update
             self.drafter.step_done(scheduler_output, start)
         if self._step_observers:
-            record = launched.record(runner_output, wait_s, time.perf_counter() - collected)
+            record = launched.record(
+                runner_output, collected - start, time.perf_counter() - collected
+            )
             for fn in list(self._step_observers):
                 fn(record)
         return outputs

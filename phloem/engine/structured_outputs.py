@@ -6,13 +6,7 @@ constrained step held until its bitmask is filled.
             -> collected(N): advance(N's tokens), then fill(N+1), start on the fill thread
             -> update(N) -> advance: its results applied -> outputs of N
     next:   schedule(N+2) -> mark(N+2) -> prepare(N+2) -> bitmask(N+1) -> sample(N+1)
-            -> collect(N+1) -> collected(N+1) -> launch(N+2) -> ...
-
-The held step N+1 is collected before N+2's launch (`sample_held(collect_first=True)`, the
-default; `PHLOEM_STRUCTURED_COLLECT_FIRST=0` collects after the launch as before 2026-11-27d):
-the launch's host work (12-14 ms at 1,024 rows on an H200 host: the attention plan and the eager
-pieces between CUDA graphs) then runs beside N+2's fill instead of on the chain tokens(N+1) ->
-fill(N+2) -> sample(N+2) that sets a constrained batch's step period.
+            -> launch(N+2) -> collect(N+1) -> ...
 
 The bitmask of a row is filled after the row's previous token was accepted: under async
 scheduling the forward pass of step N+1 runs on the device while the host waits for step N's
@@ -78,7 +72,6 @@ from phloem.structured_output.manager import GrammarBitmask, StructuredOutputMan
 if TYPE_CHECKING:
     from phloem.engine.executor import Executor
     from phloem.engine.step_observer import LaunchedStep
-    from phloem.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # longest wait of an empty step for the held requests' grammars [s]
@@ -149,10 +142,6 @@ class StructuredOutputs:
         self.num_early_fills = 0  # bitmasks whose fill started in `advance`
         self.num_held = 0  # times a waiting request was passed over, its grammar not ready
         self.times = LoopTimes()
-        # `sample_held(collect_first=True)`: the held step's tokens, collected before the next
-        # step's launch (held step, its output, the wait [s]) for `collect`
-        self.collect_first = os.environ.get("PHLOEM_STRUCTURED_COLLECT_FIRST", "1") != "0"
-        self._early: tuple[LaunchedStep, ModelRunnerOutput, float] | None = None
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
@@ -381,40 +370,13 @@ class StructuredOutputs:
         if not defer:
             self.sample_held(executor)
 
-    def sample_held(self, executor: Executor, collect_first: bool = False) -> None:
+    def sample_held(self, executor: Executor) -> None:
         """Enqueue the held step's sampling under its bitmask (waiting for its fill); a no-op
         when no step is held. Before the next step's launch and before the held step's
-        collection; rows that cannot be constrained fail alone (`bitmask`).
-
-        `collect_first` (the engine's `_launch`, with `self.collect_first`): then also wait for
-        the held step's tokens and hand them to the fill thread (`collected`) before returning,
-        so the next step's launch (12-14 ms of host work at 1,024 rows on an H200 host: its
-        attention plan and eager pieces) runs beside the marked step's fill instead of between
-        this sampling and the fill's start; the engine's `_finish_in_flight` takes the output
-        with `collect`. The device then waits for the launch's first kernel after the
-        sampling (the forward of the step after it is queued behind the sampling either way)."""
+        collection; rows that cannot be constrained fail alone (`bitmask`)."""
         launched, self.held = self.held, None
         if launched is not None:
             executor.sample(launched.handle, self.bitmask(launched.scheduler_output))
-            if collect_first and self.collect_first and self._next is not None:
-                start = time.perf_counter()
-                output = executor.collect(launched.handle)
-                self._early = (launched, output, time.perf_counter() - start)
-                self.collected(launched.scheduler_output, output.sampled_token_ids)
-
-    def collect(
-        self, executor: Executor, launched: LaunchedStep
-    ) -> tuple[ModelRunnerOutput, float]:
-        """`launched`'s output and the wait for its tokens [s], its tokens handed to the fill
-        thread (`collected`): collected now, or before the launch after it by `sample_held`."""
-        early, self._early = self._early, None
-        if early is not None and early[0] is launched:
-            return early[1], early[2]
-        start = time.perf_counter()
-        output = executor.collect(launched.handle)
-        wait_s = time.perf_counter() - start
-        self.collected(launched.scheduler_output, output.sampled_token_ids)
-        return output, wait_s
 
     def sample_if_idle(self, executor: Executor) -> None:
         """`sample_held` when no request is left unfinished (all finished, failed, aborted or
@@ -431,7 +393,7 @@ class StructuredOutputs:
         result or exception discarded): for `LLMEngine.abort_all` after an exception out of
         `step()`, whose state is unknown, so no device work. The worker drops the aborted
         sequences' states at the next step (their finished ids)."""
-        self.held = self._next = self._advanced = self._early = None
+        self.held = self._next = self._advanced = None
         self._take_fill()
 
     def close(self) -> None:
