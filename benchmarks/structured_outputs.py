@@ -60,6 +60,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -335,8 +336,14 @@ def main() -> None:
     parser.add_argument("--small-warm-up", action="store_true",
                         help="warm up on 2 requests only (before 2026-11-27: the first measured "
                         "run was the engine's first at the batch's size)")  # fmt: skip
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval [s] for the run (default: Python's 0.005): "
+                        "how long the fill thread may wait for the GIL while the loop runs "
+                        "Python (2026-11-27d-h200)")  # fmt: skip
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     with tempfile.TemporaryDirectory() as tmp:
         llm, prompts, items = setup(args, tmp)
         if args.grammar_threads is not None:  # read when the first constrained request comes
@@ -350,7 +357,8 @@ def main() -> None:
                         "output_len": args.output_len, "vocab_size": args.vocab_size,
                         "max_num_seqs": args.max_num_seqs, "machine": platform.machine(),
                         **host_cpus(), "grammar_library_load_s": time.perf_counter() - start,
-                        "grammar_threads": llm.llm_engine.structured.num_threads}  # fmt: skip
+                        "grammar_threads": llm.llm_engine.structured.num_threads,
+                        "switch_interval_s": sys.getswitchinterval()}  # fmt: skip
         if not args.small_warm_up:
             result["full_batch_warm_up_s"] = full_batch_warm_up(llm, prompts, items)
         result.update(measure(llm, prompts, items, args))
