@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from phloem.ops.attention import AttentionMetadata, _importable, tile_plan
+from phloem.ops.attention.prefill_split import PrefillSplit
 from phloem.ops.attention.prefix_groups import build_shared_prefix_metadata, pad_groups
 from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
 from phloem.ops.attention.shared_prefix import (
@@ -285,6 +286,7 @@ def test_backend_cost_rule_counters_and_exactness():
         "cuda_graph_steps": 0,
         "shared_prefix_graph_steps": 0,
         "prefill_split_steps": 0,
+        "plain_prefill_split_steps": 0,
         "shared_prefix_saved_kv_tokens": 192,
     }
     with pytest.raises(ValueError, match="CUDA graphs"):
@@ -558,7 +560,8 @@ def test_triton_split_rule(triton_kernel, monkeypatch):
 def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, monkeypatch):
     """A tiny Llama through LLM.generate (planned groups, chunked prefill mixed with decode): the
     model runner passes each sequence's group prefix length itself, and the shared-prefix
-    backend (reference impl, always chosen) changes no greedy token."""
+    backend (reference impl, always chosen) changes no greedy token; nor does its plain steps'
+    prefill split (chunks of >= 4 queries on a second reference backend, `plan_plain`)."""
     from phloem import LLM, SamplingParams
     from tests.engine.test_prefix_sharing_e2e import workloads
     from tests.engine.tiny_models import write_tiny_model
@@ -577,10 +580,12 @@ def test_greedy_identical_with_shared_path(tmp_path, embedded_tokenizer_dir, mon
             assert isinstance(backend, SharedPrefixAttention)
             backend.impl = "reference"
             backend.rule = SharingRule(min_saved_kv_tokens=0, partial_cost_tokens=0)
+            backend.prefill = PrefillSplit(ReferenceAttention(), min_query_len=4)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
     assert backend.num_shared_steps > 0 and backend.num_saved_kv_tokens > 0
+    assert backend.num_plain_split_steps > 0
 
 
 def test_plan_decode_for_the_cuda_graph_decision():

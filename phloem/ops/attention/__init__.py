@@ -43,7 +43,9 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             cost rule says sharing pays (BatchLLM §5), wrapping the plain backend ("flashinfer"
             on CUDA when it imports, else "reference") for all other steps, or "auto": on a
             CUDA device with FlashInfer, "shared_prefix" over FlashInfer when Triton imports
-            (else plain FlashInfer); otherwise the reference.
+            (else plain FlashInfer); otherwise the reference. On Hopper the shared-prefix
+            backend hands the long prefill chunks of eager steps to FlashInfer's fa3 kernels
+            (`_hopper_prefill_backend`).
         geometry: what a planning backend needs up front, ignored by the reference:
             num_heads, num_kv_heads, head_dim, scale, dtype (of q), kv_dtype (of the KV cache,
             default dtype), device,
@@ -51,7 +53,7 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             max_num_seqs (largest batch of a step, sizes FlashInfer's workspace),
             kv_layout ("NHD" or "HND", the cache's memory layout, `kv_store.allocate_kv_cache`).
     Raises:
-        ValueError: for an unknown backend name.
+        ValueError: for an unknown backend name, or PHLOEM_FA3_PLAIN_PREFILL not 0 or 1.
         ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.
     """
     if name not in BACKENDS:
@@ -60,6 +62,7 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
         plain = _plain_backend("auto", geometry)
         if name == "auto" and (plain.name != "flashinfer" or not _importable("triton")):
             return plain
+        from phloem.ops.attention.prefill_split import plain_prefill_split
         from phloem.ops.attention.shared_prefix import SharedPrefixAttention
 
         return SharedPrefixAttention(
@@ -69,15 +72,17 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             head_dim=geometry.get("head_dim"),
             device=geometry.get("device"),
             prefill_backend=_hopper_prefill_backend(plain, geometry),
+            prefill_plain_steps=plain_prefill_split(),  # PHLOEM_FA3_PLAIN_PREFILL, read once
         )
     return _plain_backend(name, geometry)
 
 
 def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:
-    """FlashInfer's "fa3" prefill kernels for the long prefill chunks of shared-prefix steps, on
-    Hopper (compute capability 9.x) when the plain backend is FlashInfer; else None. Its
-    workspace is sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step). None
-    for an FP8 KV cache."""
+    """FlashInfer's "fa3" prefill kernels for the long prefill chunks of eager steps (shared-prefix
+    steps, and plain ones unless PHLOEM_FA3_PLAIN_PREFILL=0: `prefill_split`), on Hopper
+    (compute capability 9.x) when the plain backend is FlashInfer; else None. Its workspace is
+    sized for 256 sequences (chunks of >= 64 tokens in an 8K-16K token step; a step with more
+    is not split, `PrefillSplit.max_num_seqs`). None for an FP8 KV cache."""
     device = geometry.get("device")
     if plain.name != "flashinfer" or torch.cuda.get_device_capability(device)[0] != 9:
         return None  # (FlashInfer is the plain backend only for head dims it compiles)

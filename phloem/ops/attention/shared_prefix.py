@@ -17,7 +17,7 @@ import torch
 from phloem.ops.attention import sharing_rule
 from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
 from phloem.ops.attention.metadata import AttentionMetadata
-from phloem.ops.attention.prefill_split import PrefillSplit, SplitPlan
+from phloem.ops.attention.prefill_split import PlainSplitPlan, PrefillSplit, SplitPlan
 from phloem.ops.attention.prefix_groups import (
     SharedPrefixMetadata,
     build_shared_prefix_metadata,
@@ -71,7 +71,8 @@ class SharedPrefixAttention(AttentionBackend):
 
     Counters (`stats()`, for `--json`): steps that ran the shared path (eagerly or in a graph),
     eager plain steps, CUDA-graph plain steps and shared-prefix graph steps (each replay plans
-    once), shared steps whose prefill chunks went to `prefill_backend`, and KV tokens saved.
+    once), shared and plain steps whose prefill chunks went to `prefill_backend`, and KV tokens
+    saved.
 
     Args:
         fallback: the plain paged backend (FlashInfer on GPU, `ReferenceAttention` on CPU).
@@ -83,7 +84,9 @@ class SharedPrefixAttention(AttentionBackend):
         num_heads, num_kv_heads, head_dim, device: the attention geometry, needed for the
             shared-prefix graph variant (`get_attention_backend` passes them).
         prefill_backend: if set, eager shared steps hand their long ungrouped prefill chunks
-            (at least `prefill_min_query_len` queries) to it (`prefill_split.PrefillSplit`).
+            (at least `prefill_min_query_len` queries) to it (`prefill_split.PrefillSplit`),
+            and, with `prefill_plain_steps`, eager plain steps their long chunks (the fallback
+            computes the rest of the step; decode graphs never split).
         triton_options: passed to the Triton kernel (block_m, block_n, prefix_splits, ...).
     Raises:
         ValueError: for an unknown impl.
@@ -104,6 +107,7 @@ class SharedPrefixAttention(AttentionBackend):
         device: torch.device | str | None = None,
         prefill_backend: AttentionBackend | None = None,
         prefill_min_query_len: int = 64,
+        prefill_plain_steps: bool = True,
         **triton_options: Any,
     ) -> None:
         if impl not in IMPLS:
@@ -123,12 +127,13 @@ class SharedPrefixAttention(AttentionBackend):
             prefill_backend, prefill_min_query_len
         )  # fmt: skip
         self.prefill_ready: Callable[[], bool] | None = None  # `defer_prefill_backend`
+        self.prefill_plain_steps = prefill_plain_steps
         self.triton_options = triton_options
         self.reset_stats()
         self.last_path: str | None = None
         self._meta: AttentionMetadata | None = None
         self._sp: SharedPrefixMetadata | None = None
-        self._split: SplitPlan | None = None
+        self._split: SplitPlan | PlainSplitPlan | None = None  # by the path: shared | plain
         self._cascade: Any = None  # FlashInferCascade, made at the first "flashinfer" step
         self._graph_plan: Any = None  # DecodeGraphPlan, made at the first shared graph capture
         self._graph_step = False  # the current step replays a shared-prefix graph
@@ -223,18 +228,24 @@ class SharedPrefixAttention(AttentionBackend):
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Choose an eager step's path and plan it; call once per step before the forward pass
-        (the model runner does). Mutates the counters and, on the plain path, the fallback's
-        plan."""
+        (the model runner, and the piecewise graph runner between its pieces, do). Mutates the
+        counters and the plans of the fallback and the prefill backend: on the plain path, a
+        step with long chunks is split between them once the prefill backend is ready
+        (`PrefillSplit.plan_plain`), else the fallback plans it whole."""
         self._graph_step = False
         sp = self.plan(meta)
         self._meta, self._sp, self._split = meta, sp, None
+        ready = self.prefill is not None and (self.prefill_ready is None or self.prefill_ready())
         if sp is None:
             self.num_plain_steps += 1
             self.last_path = self.fallback.name
-            self.fallback.begin_step(meta)
+            if ready and self.prefill_plain_steps:
+                self._split = self.prefill.plan_plain(meta, self.fallback)
+                self.num_plain_split_steps += self._split is not None
+            if self._split is None:
+                self.fallback.begin_step(meta)
             return
-        ready = self.prefill_ready is None or self.prefill_ready()  # fa3 built (cold starts)
-        if self.prefill is not None and ready and self._resolve_impl(None) == "triton":
+        if ready and self._resolve_impl(None) == "triton":  # fa3 built (cold starts)
             self._split = self.prefill.plan(meta, sp)
             self.num_prefill_split_steps += self._split is not None
         self._count_shared(sp)
@@ -313,9 +324,14 @@ class SharedPrefixAttention(AttentionBackend):
         plans the step first if `begin_step` was not called with this `meta`."""
         if meta is not self._meta:
             self.begin_step(meta)
-        if self._sp is None:
-            return self.fallback.forward(query, kv_cache, meta, scale, out, k_scale, v_scale)
         kv_scales = (k_scale, v_scale)
+        if self._sp is None:
+            if self._split is None:
+                return self.fallback.forward(query, kv_cache, meta, scale, out, *kv_scales)
+            self._split, res = self.prefill.run_plain(
+                self._split, self.fallback, query, kv_cache, out, scale, kv_scales
+            )
+            return res
         if self._graph_step:
             res = self._graph_plan.forward(query, kv_cache, scale, meta.block_size, *kv_scales)
         else:
@@ -369,22 +385,23 @@ class SharedPrefixAttention(AttentionBackend):
             "cuda_graph_steps": self.num_graph_steps,
             "shared_prefix_graph_steps": self.num_shared_graph_steps,
             "prefill_split_steps": self.num_prefill_split_steps,
+            "plain_prefill_split_steps": self.num_plain_split_steps,
             "shared_prefix_saved_kv_tokens": self.num_saved_kv_tokens,
         }
 
     def reset_stats(self) -> None:
         """Zero the counters of `stats()` (e.g. after CUDA-graph captures and warm-up steps)."""
-        self._set_counters((0, 0, 0, 0, 0, 0))
+        self._set_counters((0, 0, 0, 0, 0, 0, 0))
 
     def _counters(self) -> tuple[int, ...]:
         return (self.num_shared_steps, self.num_plain_steps, self.num_graph_steps,
                 self.num_shared_graph_steps, self.num_prefill_split_steps,
-                self.num_saved_kv_tokens)  # fmt: skip
+                self.num_plain_split_steps, self.num_saved_kv_tokens)  # fmt: skip
 
     def _set_counters(self, values: tuple[int, ...]) -> None:
         (self.num_shared_steps, self.num_plain_steps, self.num_graph_steps,
          self.num_shared_graph_steps, self.num_prefill_split_steps,
-         self.num_saved_kv_tokens) = values  # fmt: skip
+         self.num_plain_split_steps, self.num_saved_kv_tokens) = values  # fmt: skip
 
     def _count_shared(self, sp: SharedPrefixMetadata) -> None:
         self.num_shared_steps += 1
