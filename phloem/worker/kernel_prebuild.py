@@ -18,14 +18,14 @@ one after the other, and each before the engine can go on. Here:
   weights load (the compiler runs while they are read) and waited for before the first step
   that plans attention. A failed prebuild is logged and left to the first use, which builds
   (or raises) as it always did.
-- The fa3 module is *deferred* (`split_deferred`): only the long prefill chunks of eager
-  shared-prefix steps use it (`ops/attention/prefill_split.py`; our Triton kernel computes them
-  without it), and on a bare H200 it compiles for 123 s against ~45 s for fa2. The thread builds
+- The fa3 module is *deferred* (`split_deferred`): only the long prefill chunks of eager steps
+  use it (`ops/attention/prefill_split.py`; shared-prefix steps compute them on our Triton
+  kernel without it, plain steps on fa2), and on a bare H200 it compiles for 123 s against ~45 s for fa2. The thread builds
   it after the required modules, on every core, and `wait()` returns once those are built; the
   shared-prefix backend hands chunks to fa3 only from the step after `deferred_ready()` says it
   is built (`SharedPrefixAttention.prefill_ready`). A warm cache builds nothing, so there fa3
-  is ready before the first step as before; on a cold start the first minutes of shared-prefix
-  steps run their long chunks on our kernel.
+  is ready before the first step as before; on a cold start the first minutes of steps run
+  their long chunks on our kernel (shared-prefix steps) or on fa2 (plain steps).
 
 `phloem prebuild-kernels` runs `build_modules` for a model and settings ahead of time.
 
