@@ -56,8 +56,9 @@ class Executor(abc.ABC):
 
     def presample(self, launched: Any) -> None:  # noqa: B027 - optional: it only saves time
         """Enqueue the part of a launched constrained step's sampling that needs no bitmask
-        (its random rows' noise), while the engine's threads fill the bitmask; before
-        `sample`, which otherwise does it."""
+        (its random rows' noise and `Sampler.prepare`: non-finite flags, the float32 copy,
+        bans, penalties, temperature, the per-row tensors), while the engine's threads fill the
+        bitmask; before `sample`, which otherwise does it."""
 
     @abc.abstractmethod
     def sample(self, launched: Any, grammar: GrammarBitmask) -> None:

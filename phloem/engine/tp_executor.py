@@ -157,8 +157,8 @@ class TensorParallelExecutor(Executor):
         return self.worker.model_runner.needs_token_history(scheduler_output)
 
     def presample(self, launched: _Handle) -> None:
-        """Every rank draws the constrained step's noise (a "presample" message, in pipe
-        order before its "sample")."""
+        """Every rank enqueues the constrained step's sampling up to the mask (noise and
+        `Sampler.prepare`; a "presample" message, in pipe order before its "sample")."""
         self._check_open()
         payload = encode_step(("presample", launched.step_no), SchedulerOutput())
         try:
