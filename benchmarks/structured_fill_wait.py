@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -177,22 +175,13 @@ def load_walk(args) -> np.ndarray:
 def run_trees(args) -> list[dict]:
     """`replay` of each tree in `args.trees` in a process of its own, alternating, each round."""
     load_walk(args)  # recorded once, here
-    runs = []
-    script = str(Path(__file__).resolve())
-    for round_ in range(args.rounds):
-        for tree in args.trees.split(","):
-            tree = str(Path(tree).resolve())
-            command = [sys.executable, script, "--child", tree, "--rows", str(args.rows),
-                       "--steps", str(args.steps), "--fill-threads", str(args.fill_threads),
-                       "--update-ms", str(args.update_ms), "--outputs-ms",
-                       str(args.outputs_ms), "--presample-ms",
-                       str(args.presample_ms), "--walk", args.walk]  # fmt: skip
-            env = os.environ | {"PYTHONPATH": tree}
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            run = json.loads(done.stdout.strip().splitlines()[-1]) | {"tree": tree, "round": round_}
-            print(json.dumps(run), flush=True)
-            runs.append(run)
-    return runs
+    child_args = ["--rows", str(args.rows), "--steps", str(args.steps),
+                  "--fill-threads", str(args.fill_threads), "--update-ms", str(args.update_ms),
+                  "--outputs-ms", str(args.outputs_ms), "--presample-ms", str(args.presample_ms),
+                  "--walk", args.walk]  # fmt: skip
+    from phloem.bench.ab_trees import run_in_trees  # the parent's tree (a child's may lack it)
+
+    return run_in_trees(str(Path(__file__).resolve()), child_args, args.trees, args.rounds)
 
 
 def main() -> None:

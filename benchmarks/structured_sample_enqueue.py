@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -170,20 +168,12 @@ def measure(args) -> dict:
 
 def run_trees(args) -> list[dict]:
     """`measure` of each tree in `args.trees` in a process of its own, alternating, each round."""
-    runs = []
-    script = str(Path(__file__).resolve())
-    for round_ in range(args.rounds):
-        for tree in args.trees.split(","):
-            tree = str(Path(tree).resolve())
-            command = [sys.executable, script, "--child", tree, "--rows", str(args.rows),
-                       "--vocab-size", str(args.vocab_size), "--repeats", str(args.repeats),
-                       "--params", args.params, "--device", args.device]  # fmt: skip
-            env = os.environ | {"PYTHONPATH": tree}
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            run = json.loads(done.stdout.strip().splitlines()[-1]) | {"tree": tree, "round": round_}
-            print(json.dumps(run), flush=True)
-            runs.append(run)
-    return runs
+    child_args = ["--rows", str(args.rows), "--vocab-size", str(args.vocab_size),
+                  "--repeats", str(args.repeats), "--params", args.params,
+                  "--device", args.device]  # fmt: skip
+    from phloem.bench.ab_trees import run_in_trees  # the parent's tree (a child's may lack it)
+
+    return run_in_trees(str(Path(__file__).resolve()), child_args, args.trees, args.rounds)
 
 
 def main() -> None:
