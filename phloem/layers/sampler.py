@@ -156,12 +156,18 @@ class Truncation:
         min_p: [R] (0: off); None when no row uses min-p.
         top_k: [T] int64 (V: off) and top_p: [T] (1: off) of the T rows that truncate; both
             None when none does. top_rows: int64 [T], those rows' indices; None when all do.
+        host_top_k, host_top_p: top_k's and top_p's values on the host, from which
+            `apply_top_k_top_p` picks its path without reading the device.
+        host_reads: `apply_top_k_top_p`'s (None: only where a read is free, on the CPU).
     """
 
     min_p: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     top_rows: torch.Tensor | None = None
+    host_top_k: list[int] | None = None
+    host_top_p: list[float] | None = None
+    host_reads: bool | None = None
 
     @classmethod
     def build(
@@ -175,7 +181,8 @@ class Truncation:
         if trunc:
             k = [t if 0 < (t := params[i].top_k) < vocab_size else vocab_size for i in trunc]
             out.top_k = _device_tensor(k, dtype=torch.long, device=device)
-            out.top_p = _device_tensor([params[i].top_p for i in trunc], dtype=dtype, device=device)
+            out.host_top_k, out.host_top_p = k, [params[i].top_p for i in trunc]
+            out.top_p = _device_tensor(out.host_top_p, dtype=dtype, device=device)
             if len(trunc) < len(params):
                 out.top_rows = _device_tensor(trunc, dtype=torch.long, device=device)
         return out
@@ -186,11 +193,12 @@ class Truncation:
         if self.min_p is not None:
             x = apply_min_p(x, self.min_p)
         if self.top_k is not None and self.top_p is not None:
+            host = (self.host_top_k, self.host_top_p, self.host_reads)
             if self.top_rows is None:
-                x = apply_top_k_top_p(x, self.top_k, self.top_p)
+                x = apply_top_k_top_p(x, self.top_k, self.top_p, *host)
             else:
                 rows = self.top_rows
-                x[rows] = apply_top_k_top_p(x[rows], self.top_k, self.top_p)
+                x[rows] = apply_top_k_top_p(x[rows], self.top_k, self.top_p, *host)
         return x.softmax(dim=-1)
 
 
