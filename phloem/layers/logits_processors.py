@@ -4,6 +4,7 @@ repetition / frequency / presence penalties, min-p, and top-k then top-p truncat
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -98,6 +99,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+_SYNC_FREE_TOP_P = os.environ.get("PHLOEM_SYNC_FREE_TOP_P", "0") == "1"  # see apply_top_k_top_p
 _TOP_P_CANDIDATES = 1024  # tokens sorted on the fast path of top-k/top-p
 _SEARCH_STEPS = 32  # binary search steps over the 2^32 ordered float32 bit patterns
 _BLOCK = 256  # tokens summed in float32 by the search before its float64 sum
@@ -119,8 +121,11 @@ def apply_top_k_top_p(
     to disable); top_p: [B] float in (0, 1] (1 disables). host_top_k, host_top_p: the same
     values as host lists (`sampler.Truncation` has them), from which the path is chosen; None
     reads them from the tensors (a device-to-host copy: a synchronization on a GPU).
-    host_reads: whether the host may read the device to skip a search no row needs; None: only
-    where that read is free (CPU tensors). The kept set is the same either way.
+    host_reads: whether the host may read the device to skip a search no row needs; None: where
+    that read is free (CPU tensors), and on a GPU unless `PHLOEM_SYNC_FREE_TOP_P=1` (the search
+    for every pure top-p row costs ~7 ms of device time at 256 x 128K by estimate, against the
+    read's wait for the step in flight: unmeasured on a GPU, 2026-11-27d-cpu-topp-sync-free).
+    The kept set is the same either way.
     Top-p keeps the smallest prefix of the sorted, top-k-renormalized distribution whose mass is
     >= top_p, i.e. the tokens whose mass strictly before them is < top_p (so the top token always
     stays). In sorted order:
@@ -150,7 +155,9 @@ def apply_top_k_top_p(
         return _masked(logits, _sorted_threshold(cand, top_k, top_p))
     bound = num_cand / (2 * vocab_size)  # margin 2x over C / V for the float32 masses
     search = [i for i, (k, p) in enumerate(zip(ks, ps)) if k >= vocab_size and p > bound]
-    reads = logits.device.type == "cpu" if host_reads is None else host_reads
+    reads = (
+        (logits.device.type == "cpu" or not _SYNC_FREE_TOP_P) if host_reads is None else host_reads
+    )
     return _masked(logits, _wide_threshold(logits, cand, top_k, top_p, search, reads))
 
 
