@@ -1,15 +1,18 @@
 """The sampler's logits processors (`sampler.Sampler`, in its order): banned ids, the
 repetition / frequency / presence penalties, min-p, and top-k then top-p truncation, each over
-[B, V] logits on their device, plus the pinned staging of a step's small index tensors."""
+[B, V] logits on their device, `Truncation` (the random rows' min-p and top-k/top-p settings
+as device tensors and host lists), plus the pinned staging of a step's small index tensors."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from phloem.ops.staging import to_device
+from phloem.sampling_params import SamplingParams
 
 
 def device_tensor(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -119,7 +122,7 @@ def apply_top_k_top_p(
     Top-k: Fan et al. 2018; top-p: Holtzman et al. 2020, sec. 3.1 ("The Curious Case of Neural
     Text Degeneration"). logits: [B, V] float, not modified; top_k: [B] int64 in [1, V] (pass V
     to disable); top_p: [B] float in (0, 1] (1 disables). host_top_k, host_top_p: the same
-    values as host lists (`sampler.Truncation` has them), from which the path is chosen; None
+    values as host lists (`Truncation` has them), from which the path is chosen; None
     reads them from the tensors (a device-to-host copy: a synchronization on a GPU).
     host_reads: whether the host may read the device to skip a search no row needs; None: where
     that read is free (CPU tensors), and on a GPU unless `PHLOEM_SYNC_FREE_TOP_P=1` (the search
@@ -269,3 +272,58 @@ def _key_float(key: torch.Tensor) -> torch.Tensor:
     """`_float_key`'s inverse: integer keys in the int32 range -> float32."""
     bits = torch.where(key < 0, key ^ 0x7FFFFFFF, key)
     return bits.int().view(torch.float32)
+
+
+@dataclass
+class Truncation:
+    """Random rows' min-p and top-k/top-p settings as tensors on the device, built from their
+    params on the host (`build`), applied by `probs` without reading a row's params.
+
+    Fields:
+        min_p: [R] (0: off); None when no row uses min-p.
+        top_k: [T] int64 (V: off) and top_p: [T] (1: off) of the T rows that truncate; both
+            None when none does. top_rows: int64 [T], those rows' indices; None when all do.
+        host_top_k, host_top_p: top_k's and top_p's values on the host, from which
+            `apply_top_k_top_p` picks its path without reading the device.
+        host_reads: `apply_top_k_top_p`'s (None: only where a read is free, on the CPU).
+    """
+
+    min_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_rows: torch.Tensor | None = None
+    host_top_k: list[int] | None = None
+    host_top_p: list[float] | None = None
+    host_reads: bool | None = None
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], vocab_size: int, dtype: torch.dtype, device
+    ) -> Truncation:
+        """params: [R] (random rows); dtype: the tempered logits' (min_p's and top_p's)."""
+        out = cls()
+        if any(p.min_p > 0.0 for p in params):
+            out.min_p = device_tensor([p.min_p for p in params], dtype=dtype, device=device)
+        trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+        if trunc:
+            k = [t if 0 < (t := params[i].top_k) < vocab_size else vocab_size for i in trunc]
+            out.top_k = device_tensor(k, dtype=torch.long, device=device)
+            out.host_top_k, out.host_top_p = k, [params[i].top_p for i in trunc]
+            out.top_p = device_tensor(out.host_top_p, dtype=dtype, device=device)
+            if len(trunc) < len(params):
+                out.top_rows = device_tensor(trunc, dtype=torch.long, device=device)
+        return out
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Min-p, then top-k/top-p, then softmax of tempered x [R, V] float32 (written in place
+        where only some rows truncate): float32 [R, V] rows summing to 1."""
+        if self.min_p is not None:
+            x = apply_min_p(x, self.min_p)
+        if self.top_k is not None and self.top_p is not None:
+            host = (self.host_top_k, self.host_top_p, self.host_reads)
+            if self.top_rows is None:
+                x = apply_top_k_top_p(x, self.top_k, self.top_p, *host)
+            else:
+                rows = self.top_rows
+                x[rows] = apply_top_k_top_p(x[rows], self.top_k, self.top_p, *host)
+        return x.softmax(dim=-1)

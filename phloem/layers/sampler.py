@@ -43,10 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from phloem.layers.logits_processors import (
+    Truncation,
     apply_banned,
-    apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
 )
 from phloem.layers.logits_processors import device_tensor as _device_tensor
 from phloem.ops.row_max import row_max
@@ -145,61 +144,6 @@ def logprobs_k(rows: Sequence[SamplingRow], vocab_size: int) -> int | None:
     when no row asks (`SampledTokens.start` then skips the log-softmax)."""
     asked = [k for r in rows if (k := r.params.logprobs) is not None]
     return min(max(asked), vocab_size) if asked else None
-
-
-@dataclass
-class Truncation:
-    """Random rows' min-p and top-k/top-p settings as tensors on the device, built from their
-    params on the host (`build`), applied by `probs` without reading a row's params.
-
-    Fields:
-        min_p: [R] (0: off); None when no row uses min-p.
-        top_k: [T] int64 (V: off) and top_p: [T] (1: off) of the T rows that truncate; both
-            None when none does. top_rows: int64 [T], those rows' indices; None when all do.
-        host_top_k, host_top_p: top_k's and top_p's values on the host, from which
-            `apply_top_k_top_p` picks its path without reading the device.
-        host_reads: `apply_top_k_top_p`'s (None: only where a read is free, on the CPU).
-    """
-
-    min_p: torch.Tensor | None = None
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
-    top_rows: torch.Tensor | None = None
-    host_top_k: list[int] | None = None
-    host_top_p: list[float] | None = None
-    host_reads: bool | None = None
-
-    @classmethod
-    def build(
-        cls, params: Sequence[SamplingParams], vocab_size: int, dtype: torch.dtype, device
-    ) -> Truncation:
-        """params: [R] (random rows); dtype: the tempered logits' (min_p's and top_p's)."""
-        out = cls()
-        if any(p.min_p > 0.0 for p in params):
-            out.min_p = _device_tensor([p.min_p for p in params], dtype=dtype, device=device)
-        trunc = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
-        if trunc:
-            k = [t if 0 < (t := params[i].top_k) < vocab_size else vocab_size for i in trunc]
-            out.top_k = _device_tensor(k, dtype=torch.long, device=device)
-            out.host_top_k, out.host_top_p = k, [params[i].top_p for i in trunc]
-            out.top_p = _device_tensor(out.host_top_p, dtype=dtype, device=device)
-            if len(trunc) < len(params):
-                out.top_rows = _device_tensor(trunc, dtype=torch.long, device=device)
-        return out
-
-    def probs(self, x: torch.Tensor) -> torch.Tensor:
-        """Min-p, then top-k/top-p, then softmax of tempered x [R, V] float32 (written in place
-        where only some rows truncate): float32 [R, V] rows summing to 1."""
-        if self.min_p is not None:
-            x = apply_min_p(x, self.min_p)
-        if self.top_k is not None and self.top_p is not None:
-            host = (self.host_top_k, self.host_top_p, self.host_reads)
-            if self.top_rows is None:
-                x = apply_top_k_top_p(x, self.top_k, self.top_p, *host)
-            else:
-                rows = self.top_rows
-                x[rows] = apply_top_k_top_p(x[rows], self.top_k, self.top_p, *host)
-        return x.softmax(dim=-1)
 
 
 def processed_probs(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
         seeded_noise_triton,
         token_bitmask_triton,
     )
-    from phloem.ops.attention import shared_prefix
+    from phloem.ops.attention import shared_prefix_variants
     from phloem.worker.kernel_prebuild import comm_triton_hooks
 
     dtype, kv_dtype = getattr(torch, s.dtype), getattr(torch, s.kv_dtype)
@@ -154,7 +154,7 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
     # the sampler's seeded rows' noise: any engine may get a request with a seed
     hooks.append(("seeded_noise", seeded_noise_triton.compile_variants))
     if s.shared_prefix:
-        hooks.append(("shared_prefix", partial(shared_prefix.compile_variants, s.num_heads,
+        hooks.append(("shared_prefix", partial(shared_prefix_variants.compile_variants, s.num_heads,
                       s.num_kv_heads, s.head_dim, s.block_size, dtype, kv_dtype, s.cuda_graphs,
                       kv_layout=s.kv_layout)))  # fmt: skip
     return hooks

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from phloem.layers import logits_processors
-from phloem.layers.logits_processors import apply_top_k_top_p
-from phloem.layers.sampler import Truncation
+from phloem.layers.logits_processors import Truncation, apply_top_k_top_p
 from phloem.sampling_params import SamplingParams
 
 torch.set_num_threads(1)

@@ -60,7 +60,7 @@ def test_shapes_follow_the_fp8_switch(monkeypatch):
 
 
 def test_wide_block_ms_are_every_block_m_the_planner_picks():
-    from phloem.ops.attention.shared_prefix import WIDE_BLOCK_MS
+    from phloem.ops.attention.shared_prefix_variants import WIDE_BLOCK_MS
     from phloem.ops.attention.tile_plan import _auto_block_m
 
     picked = {_auto_block_m(SimpleNamespace(group_rows=np.array([rows])), np.array([rows]))

@@ -4,8 +4,9 @@ all members, on the steps where the cost rule says it pays; a plain backend runs
 The parts live beside it: the step's groups (`prefix_groups.py`), the cascade math and oracle
 (`shared_prefix_reference.py`), the cost rule (`sharing_rule.py`), our Triton kernels
 (`shared_prefix_triton.py`, its tile planner `tile_plan.py` and CUDA-graph buffers
-`decode_graph_plan.py`, lazily), the prefill split (`prefill_split.py`) and the FlashInfer
-cascade baseline (`shared_prefix_flashinfer.py`, lazily)."""
+`decode_graph_plan.py`, lazily; the variants prebuilt, `shared_prefix_variants.py`), the
+prefill split (`prefill_split.py`) and the FlashInfer cascade baseline
+(`shared_prefix_flashinfer.py`, lazily)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from phloem.ops.attention.prefix_groups import (
     pad_groups,
 )
 from phloem.ops.attention.shared_prefix_reference import shared_prefix_attention_reference
+from phloem.ops.attention.shared_prefix_variants import GRAPH_TRITON_OPTIONS
 from phloem.ops.attention.sharing_rule import SharingRule
 from phloem.ops.kv_store import kv_layout
 
@@ -31,8 +33,6 @@ IMPLS = ("auto", "triton", "flashinfer", "reference")
 # Block-id capacity of the shared-prefix graph buffers, per sequence of the largest batch
 # (average own blocks: 4,096 tokens at block size 16); a step needing more runs eagerly.
 _GRAPH_BLOCKS_PER_SEQ = 256
-# Options of the Triton kernel that the CUDA-graph buffers (`DecodeGraphPlan`) take as well.
-_GRAPH_TRITON_OPTIONS = ("block_n", "num_warps", "num_stages", "narrow_block_m")
 
 
 def shared_prefix_attention_triton(
@@ -424,7 +424,7 @@ class SharedPrefixAttention(AttentionBackend):
         sp = pad_groups(groups, meta)
         if self._graph_plan is None:
             num_heads, num_kv_heads, head_dim = self.geometry
-            options = {k: v for k, v in self.triton_options.items() if k in _GRAPH_TRITON_OPTIONS}
+            options = {k: v for k, v in self.triton_options.items() if k in GRAPH_TRITON_OPTIONS}
             self._graph_plan = DecodeGraphPlan(
                 meta.num_seqs, num_heads, num_kv_heads, head_dim, self.device or "cuda",
                 max_blocks=meta.num_seqs * _GRAPH_BLOCKS_PER_SEQ, **options,
@@ -471,47 +471,3 @@ class SharedPrefixAttention(AttentionBackend):
                     pass
             self.impl = impl
         return self.impl
-
-
-# Every BLOCK_M of a wide launch: `tile_plan._auto_block_m` rounds the widest segment's rows up
-# to a power of two in [16, 64] (a test checks the two agree).
-WIDE_BLOCK_MS = (16, 32, 64)
-
-
-def compile_variants(
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    graphs: bool,
-    kv_layout: str = "NHD",
-    **options,
-) -> None:
-    """Run the kernels once per variant the engine can launch, on CPU tensors, for
-    `phloem.worker.triton_prebuild`'s compile-only driver (the launches record the variants and
-    run nothing; see `phloem.ops.rope_kv.compile_variants`): an eager step of a 16-member
-    decode group and a lone decode token (the wide launch at each BLOCK_M of `WIDE_BLOCK_MS`,
-    or at `options["block_m"]`; the narrow launch; the merge) and, with `graphs`, a CUDA-graph
-    step (`DecodeGraphPlan`: the persistent wide launch), over a cache in `kv_layout` ("NHD" or
-    "HND", `kv_store.allocate_kv_cache`). `options`: the backend's
-    `triton_options` (`shared_prefix_attention`'s keywords), so the launch options match."""
-    from phloem.ops.attention.decode_graph_plan import DecodeGraphPlan
-    from phloem.ops.attention.shared_prefix_triton import shared_prefix_attention
-    from phloem.ops.kv_store import allocate_kv_cache
-
-    cache = allocate_kv_cache(2, block_size, num_kv_heads, head_dim, kv_dtype, "cpu", kv_layout)
-    query = torch.zeros(17, num_heads, head_dim, dtype=dtype)
-    tables = [[0, 1]] * 16 + [[1]]
-    meta = AttentionMetadata.from_host([1] * 17, [block_size + 1] * 16 + [1], tables, block_size,
-                                       "cpu", prefix_lens=[block_size] * 16 + [0])  # fmt: skip
-    sp = build_shared_prefix_metadata(meta, meta.prefix_lens_cpu, 2, 1)
-    block_m = options.pop("block_m", None)
-    for bm in (block_m,) if block_m else WIDE_BLOCK_MS:
-        sp.plan_cache.clear()
-        shared_prefix_attention(query, cache, meta, sp, 1.0, block_m=bm, **options)
-    if graphs:  # the graph's tables are zeros: every launch finds no tile to run
-        graph_options = {k: v for k, v in options.items() if k in _GRAPH_TRITON_OPTIONS}
-        plan = DecodeGraphPlan(16, num_heads, num_kv_heads, head_dim, "cpu", 64, **graph_options)
-        plan.forward(query[:16], cache, 1.0, block_size)
