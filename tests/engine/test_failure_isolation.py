@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import phloem.core.scheduler as scheduler_module
-import phloem.layers.sampler as sampler_module
+import phloem.layers.logits_processors as processors_module
 import phloem.worker.sampling_rows as sampling_rows_module
 from phloem import LLM, SamplingParams
 from phloem.core.prefix_groups import PrefixGroups
@@ -101,7 +101,7 @@ def test_detokenizer_failure_fails_alone(llm, monkeypatch):
 
 
 def test_sampling_failure_fails_alone_and_seeded_neighbours_draw_the_same(llm, monkeypatch):
-    real = sampler_module.apply_min_p
+    real = processors_module.apply_min_p
 
     def apply_min_p(logits, min_p):
         if bool(((min_p - 0.125).abs() < 1e-6).any()):
@@ -110,7 +110,7 @@ def test_sampling_failure_fails_alone_and_seeded_neighbours_draw_the_same(llm, m
 
     seeded = SamplingParams(seed=7, min_p=0.01, max_tokens=4, ignore_eos=True)
     expected = llm.generate(PROMPTS, seeded, use_tqdm=False)
-    monkeypatch.setattr(sampler_module, "apply_min_p", apply_min_p)
+    monkeypatch.setattr(processors_module, "apply_min_p", apply_min_p)  # `Truncation.probs`
     bad = SamplingParams(seed=8, min_p=0.125, max_tokens=4, ignore_eos=True)
     outputs = llm.generate(PROMPTS, [seeded, bad, seeded], use_tqdm=False)
     assert "injected sampling fault" in outputs[1].error
