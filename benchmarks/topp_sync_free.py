@@ -24,6 +24,7 @@ import importlib.util
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,10 +35,16 @@ PATH = "phloem/layers/logits_processors.py"
 
 
 def load_old(ref: str):
-    """The module at git `ref`, loaded from a temporary file."""
-    source = subprocess.run(["git", "show", f"{ref}:{PATH}"], capture_output=True, check=True)
+    """The module at git `ref` (or in the file `ref`, for a machine without the repository's
+    history), loaded from a temporary file."""
+    if Path(ref).is_file():
+        source = Path(ref).read_bytes()
+    else:
+        source = subprocess.run(
+            ["git", "show", f"{ref}:{PATH}"], capture_output=True, check=True
+        ).stdout
     with tempfile.NamedTemporaryFile("wb", suffix=".py", delete=False) as f:
-        f.write(source.stdout)
+        f.write(source)
     spec = importlib.util.spec_from_file_location("old_logits_processors", f.name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -151,7 +158,7 @@ def measure(old, logits: torch.Tensor, k: int, top_p: float, repeats: int) -> li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old-ref", default="5906d46")
+    parser.add_argument("--old-ref", default="5906d46", help="a git ref or a file")
     parser.add_argument("--rows", default="1,64,256")
     parser.add_argument("--vocab", default="32000,128256")
     parser.add_argument("--top-p", type=float, default=0.9)
