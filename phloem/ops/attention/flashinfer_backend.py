@@ -353,8 +353,7 @@ class FlashInferAttention(AttentionBackend):
                 kv_data_type=self.kv_dtype,
             )
             return
-        qo_host = np.array(meta.query_start_loc_cpu, dtype=np.int32)
-        qo_indptr = pinned(qo_host)
+        qo_indptr = pinned(np.array(meta.query_start_loc_cpu, dtype=np.int32))
         # The longest query given here: without it `plan()` finds it with Python's `max` over a
         # host tensor, tensor ops a sequence (see `_install_tensor_max` for the longest KV).
         wrapper.plan(
@@ -370,7 +369,7 @@ class FlashInferAttention(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.kv_dtype,
-            max_token_per_sequence=int(np.diff(qo_host).max(initial=0)),
+            max_token_per_sequence=meta.max_query_len,
         )
 
     # -- the kernel ------------------------------------------------------------------------------
