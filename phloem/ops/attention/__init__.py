@@ -5,7 +5,9 @@ Modules: `metadata` (what a step hands a kernel), `interface` (the backend ABC, 
 types), `reference` (plain torch), `flashinfer_backend`, and the shared-prefix (cascade) family:
 `prefix_groups`, `shared_prefix_reference`, `sharing_rule`, `shared_prefix` (the backend),
 `prefill_split`, `tile_plan`, `shared_prefix_triton` (kernels), `decode_graph_plan`,
-`shared_prefix_flashinfer` (the library baseline).
+`shared_prefix_flashinfer` (the library baseline); `small_decode` (decode steps of a few
+sequences in one split-KV launch, `small_decode_triton`; PHLOEM_SMALL_DECODE_ATTENTION=1 wraps
+the plain backend in it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from phloem.config import ATTENTION_BACKENDS as BACKENDS  # the one list of names
 from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
 from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.small_decode import small_decode_max_batch, wrap_small_decode
 
 __all__ = [
     "BACKENDS",
@@ -52,21 +55,26 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
             max_num_seqs (largest batch of a step, sizes FlashInfer's workspace),
             kv_layout ("NHD" or "HND", the cache's memory layout, `kv_store.allocate_kv_cache`).
+        With PHLOEM_SMALL_DECODE_ATTENTION=1 the plain backend (FlashInfer or the reference; under
+        "shared_prefix" too) is wrapped in `small_decode.SmallDecodeAttention`, which runs
+        decode-only steps of at most PHLOEM_SMALL_DECODE_MAX_BATCH (16) sequences itself.
     Raises:
-        ValueError: for an unknown backend name, or PHLOEM_FA3_PLAIN_PREFILL not 0 or 1.
+        ValueError: for an unknown backend name, or PHLOEM_FA3_PLAIN_PREFILL not 0 or 1, or a
+            malformed PHLOEM_SMALL_DECODE_* value.
         ImportError / RuntimeError: "flashinfer" asked for explicitly but unavailable.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
+    max_small = small_decode_max_batch()  # PHLOEM_SMALL_DECODE_*, read once per backend
     if name in ("auto", "shared_prefix"):
         plain = _plain_backend("auto", geometry)
         if name == "auto" and (plain.name != "flashinfer" or not _importable("triton")):
-            return plain
+            return wrap_small_decode(plain, geometry, max_small)
         from phloem.ops.attention.prefill_split import plain_prefill_split
         from phloem.ops.attention.shared_prefix import SharedPrefixAttention
 
         return SharedPrefixAttention(
-            plain,
+            wrap_small_decode(plain, geometry, max_small),
             num_heads=geometry.get("num_heads"),
             num_kv_heads=geometry.get("num_kv_heads"),
             head_dim=geometry.get("head_dim"),
@@ -74,7 +82,7 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             prefill_backend=_hopper_prefill_backend(plain, geometry),
             prefill_plain_steps=plain_prefill_split(),  # PHLOEM_FA3_PLAIN_PREFILL, read once
         )
-    return _plain_backend(name, geometry)
+    return wrap_small_decode(_plain_backend(name, geometry), geometry, max_small)
 
 
 def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:

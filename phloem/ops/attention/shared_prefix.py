@@ -377,8 +377,10 @@ class SharedPrefixAttention(AttentionBackend):
     # -- counters -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Which path ran how often (JSON-ready)."""
+        """Which path ran how often (JSON-ready), with the fallback's counters (e.g. the
+        small-decode wrapper's, `small_decode.SmallDecodeAttention`)."""
         return {
+            **self.fallback.stats(),
             "attention_path_last": self.last_path,
             "shared_prefix_steps": self.num_shared_steps,
             "plain_steps": self.num_plain_steps,
@@ -390,8 +392,10 @@ class SharedPrefixAttention(AttentionBackend):
         }
 
     def reset_stats(self) -> None:
-        """Zero the counters of `stats()` (e.g. after CUDA-graph captures and warm-up steps)."""
+        """Zero the counters of `stats()` (e.g. after CUDA-graph captures and warm-up steps),
+        the fallback's too."""
         self._set_counters((0, 0, 0, 0, 0, 0, 0))
+        self.fallback.reset_stats()
 
     def _counters(self) -> tuple[int, ...]:
         return (self.num_shared_steps, self.num_plain_steps, self.num_graph_steps,

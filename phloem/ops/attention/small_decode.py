@@ -1,0 +1,453 @@
+"""Small-batch decode attention in one launch, split-KV merged inside the kernel (issues 19, 24).
+
+At batch 1-16 and a few hundred KV tokens, a decode step's attention is launch and fixed
+latency, not bytes: FlashInfer's q_len-1 attention plus its split-KV merge took 9.5 + 2.4 us a
+layer of Llama-3.1-8B on an H200 (benchmarks/results/2026-11-26d-h200-serving). Here one Triton
+launch (`small_decode_triton.py`) splits each sequence's KV over `num_splits` programs per
+(sequence, KV head) as Flash-Decoding does (Dao et al. 2023) and merges the partials in the
+same launch (the last program of a pair to finish merges; an int32 counter per pair, reset by
+that program, so CUDA-graph replays start from 0).
+
+This module owns what is not the kernel: the split rule (`num_splits`), the device workspace
+and fixed-address index buffers (`SmallDecodePlan`), the same split-and-merge math in torch
+(`small_decode_torch`: the CPU path, without Triton), the switch (`small_decode_max_batch`,
+PHLOEM_SMALL_DECODE_ATTENTION / PHLOEM_SMALL_DECODE_MAX_BATCH) and the backend that runs
+decode-only steps of at most that many sequences here and hands every other step to a plain
+backend (`SmallDecodeAttention`). The index buffers, per step (one pinned copy, before the
+capture or replay of a decode graph, or at an eager step's `begin_step`):
+
+    int32 buf |-- seq_lens [max_batch] --|-- page indptr [max_batch] --|-- page ids ... --|
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from phloem.ops.attention.interface import AttentionBackend, DecodePlan
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
+from phloem.ops.kv_store import FP8_KV_DTYPE
+from phloem.ops.staging import pinned
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PHLOEM_SMALL_DECODE_ATTENTION"  # "1": on; "0" / unset: off
+ENV_MAX_BATCH = "PHLOEM_SMALL_DECODE_MAX_BATCH"  # largest decode step it takes (default 16)
+DEFAULT_MAX_BATCH = 16
+MAX_SPLITS = 32
+CPU_TARGET_PROGRAMS = 8  # without SMs: enough splits that CPU runs exercise the merge
+
+
+def small_decode_max_batch(environ: Mapping[str, str] | None = None) -> int:
+    """The largest decode step (sequences) the small-decode kernel takes; 0 when it is off.
+
+    PHLOEM_SMALL_DECODE_ATTENTION: "1" on, "0" or unset off (the default until a GPU A/B
+    measures it); PHLOEM_SMALL_DECODE_MAX_BATCH: an integer >= 1 (default 16).
+
+    Raises:
+        ValueError: naming the variable for any other value.
+    """
+    env = os.environ if environ is None else environ
+    switch = env.get(ENV_SWITCH, "0")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {switch!r}")
+    raw = env.get(ENV_MAX_BATCH, str(DEFAULT_MAX_BATCH))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ENV_MAX_BATCH} must be an integer >= 1, got {raw!r}")
+    return int(raw) if switch == "1" else 0
+
+
+def num_splits(batch: int, num_kv_heads: int, target_programs: int) -> int:
+    """KV splits per (sequence, KV head) for a decode step of `batch` sequences: about one wave
+    of `target_programs` programs (the SM count), floor(target / (batch * H_kv)), within
+    [1, MAX_SPLITS]. Fixed per batch size (a CUDA graph's grid), never by the KV lengths:
+    splits a short sequence cannot fill get no tiles (`small_decode_triton`)."""
+    return max(1, min(MAX_SPLITS, target_programs // max(1, batch * num_kv_heads)))
+
+
+def target_programs(device: torch.device) -> int:
+    """The SM count of a CUDA device; `CPU_TARGET_PROGRAMS` elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_TARGET_PROGRAMS
+
+
+def split_ranges(seq_len: int, splits: int, block_n: int) -> list[tuple[int, int]]:
+    """The kernel's KV range [begin, end) of each split of a sequence of `seq_len` tokens:
+    ceil(ceil(L / block_n) / splits) whole tiles each, the last busy one ragged, the rest empty
+    (begin >= end)."""
+    tiles = -(-seq_len // block_n)
+    per_split = -(-tiles // splits) * block_n
+    return [(s * per_split, min((s + 1) * per_split, seq_len)) for s in range(splits)]
+
+
+def small_decode_torch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    splits: int,
+    scale: float,
+    block_n: int = 32,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """The kernel's math in torch (the CPU path): per sequence and split, the partial softmax
+    (O, LSE) of the split's KV range, then the LSE-weighted merge (Flash-Decoding).
+
+    Args:
+        query: [B, H, D]; kv_cache: [num_blocks, 2, block_size, H_kv, D] (any layout; an FP8
+            cache is read as stored * k_scale / v_scale); seq_lens: [B] KV tokens (>= 1);
+            block_tables: [B] block ids (at least ceil(L_b / block_size) each).
+        splits, block_n: as the kernel's (`split_ranges`).
+    Returns:
+        [B, H, D] in query's dtype, computed in float32 (float64 for float64 queries).
+    """
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    block_size, num_kv_heads = kv_cache.shape[2:4]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query)
+    for b, (seq_len, table) in enumerate(zip(seq_lens, block_tables)):
+        pos = torch.arange(seq_len, device=kv_cache.device)
+        ids = torch.tensor(table, dtype=torch.int64, device=kv_cache.device)[pos // block_size]
+        kv = kv_cache[ids, :, pos % block_size].to(compute)  # [L, 2, H_kv, D]
+        if kv_cache.dtype == FP8_KV_DTYPE:
+            kv = kv * torch.tensor([k_scale, v_scale], dtype=compute).view(1, 2, 1, 1)
+        k = kv[:, 0].repeat_interleave(group, dim=1)  # [L, H, D]
+        v = kv[:, 1].repeat_interleave(group, dim=1)
+        q = query[b].to(compute)  # [H, D]
+        parts, lses = [], []
+        for begin, end in split_ranges(seq_len, splits, block_n):
+            if begin >= end:
+                continue  # an empty split: LSE -inf, weight 0 in the merge
+            s = torch.einsum("hd,lhd->hl", q, k[begin:end]) * scale
+            lse = torch.logsumexp(s, dim=-1)  # [H]
+            parts.append(torch.einsum("hl,lhd->hd", torch.exp(s - lse[:, None]), v[begin:end]))
+            lses.append(lse)
+        weights = torch.softmax(torch.stack(lses), dim=0)  # [splits, H]
+        out[b] = (weights[:, :, None] * torch.stack(parts)).sum(0).to(query.dtype)
+    return out
+
+
+class SmallDecodePlan:
+    """Fixed-address device buffers of the small-decode kernel: the step's sequence lengths
+    and page ids (layout in the module docstring), and the split partials' workspace.
+
+    Args:
+        max_batch: the largest decode step; num_heads, num_kv_heads, head_dim: the geometry.
+        max_blocks_per_seq: the longest block table of a sequence (sizes the page-id region).
+        device: where the buffers live.
+        splits: KV splits for every batch size (None: `num_splits` per batch size).
+    Memory: int32 (2 + max_blocks_per_seq) * max_batch, int32 max_batch * H_kv counters, and
+        float32 (D + 1) * H * max over B <= max_batch of B * splits(B) (<= max(SMs * GQA,
+        max_batch * H) partial rows: ~0.3 MiB for Llama-3.1-8B on an H200).
+    """
+
+    def __init__(
+        self,
+        max_batch: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_blocks_per_seq: int,
+        device: torch.device | str,
+        splits: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.max_batch, self.max_blocks_per_seq = max_batch, max_blocks_per_seq
+        self.num_kv_heads = num_kv_heads
+        self.fixed_splits = splits
+        self.programs = target_programs(self.device)
+        rows = max(b * num_heads * self.splits(b) for b in range(1, max_batch + 1))
+        f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+        self.opart = torch.zeros(rows * head_dim, **f32)
+        self.lpart = torch.zeros(rows, **f32)
+        self.counters = torch.zeros(max_batch * num_kv_heads, **i32)
+        self.index = torch.zeros((2 + max_blocks_per_seq) * max_batch, **i32)
+        self.seq_lens = self.index[:max_batch]
+        self.page_indptr = self.index[max_batch : 2 * max_batch]
+        self.page_ids = self.index[2 * max_batch :]
+
+    def splits(self, batch: int) -> int:
+        """KV splits of a step of `batch` sequences (`num_splits`, or the fixed count)."""
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        return num_splits(batch, self.num_kv_heads, self.programs)
+
+    def upload(self, meta: AttentionMetadata) -> None:
+        """Write a decode step's lengths and page ids into the buffers (one non-blocking copy
+        from pinned memory, ordered on the current stream after the kernels that read them).
+
+        Raises:
+            ValueError: for more than max_batch sequences or a table shorter than its length.
+        """
+        batch, bs = meta.num_seqs, meta.block_size
+        if batch > self.max_batch:
+            raise ValueError(f"{batch} sequences; the small-decode buffers hold {self.max_batch}")
+        lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+        pages = (lens + bs - 1) // bs
+        tables = meta.block_tables_cpu
+        if tables is None:
+            tables = meta.block_tables.tolist()  # one device sync; builders pass host tables
+        if any(len(t) < n for t, n in zip(tables, pages.tolist())):
+            raise ValueError("a block table is shorter than its sequence")
+        head = 2 * self.max_batch
+        data = np.zeros(head + int(pages.sum()), dtype=np.int32)
+        data[:batch] = lens
+        np.cumsum(pages[:-1], out=data[self.max_batch + 1 : self.max_batch + batch])
+        data[head:] = np.fromiter(
+            itertools.chain.from_iterable(t[:n] for t, n in zip(tables, pages.tolist())),
+            dtype=np.int32,
+            count=len(data) - head,
+        )
+        if len(data) > self.index.numel():
+            raise ValueError(f"the step's page ids exceed the buffer ({self.index.numel()})")
+        self.index[: len(data)].copy_(pinned(data), non_blocking=True)
+
+    def run(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        **options: Any,
+    ) -> None:
+        """The kernel over the uploaded step, B = query.shape[0] sequences, into `out`
+        ([B, H, D], written); `options`: block_n, num_warps, num_stages of the launch."""
+        from phloem.ops.attention.small_decode_triton import small_decode_launch
+
+        small_decode_launch(
+            query, kv_cache, out, self.seq_lens, self.page_indptr, self.page_ids, self.opart,
+            self.lpart, self.counters, self.splits(query.shape[0]), scale, k_scale=k_scale,
+            v_scale=v_scale, **options,
+        )  # fmt: skip
+
+
+def is_small_decode(meta: AttentionMetadata, max_batch: int) -> bool:
+    """Whether a step is decode-only (every q_len 1) with at most `max_batch` sequences."""
+    batch = meta.num_seqs
+    return (
+        0 < batch <= max_batch and meta.max_query_len == 1 and meta.query_start_loc_cpu[-1] == batch
+    )
+
+
+class SmallDecodeAttention(AttentionBackend):
+    """Decode-only steps of at most `max_batch` sequences on the small-decode kernel (eagerly
+    and in the "plain" CUDA graphs of those batch sizes); every other step, and every other
+    graph variant or verify graph, on the plain backend it wraps.
+
+    The factory (`get_attention_backend`) wraps the plain backend in it when
+    PHLOEM_SMALL_DECODE_ATTENTION=1, below the shared-prefix backend (whose shared steps and
+    graphs stay its own). Which path a graph takes depends only on its batch size, so a
+    replay runs what its capture recorded.
+
+    Args:
+        fallback: the plain paged backend (FlashInfer on a GPU, the reference on a CPU).
+        num_heads, num_kv_heads, head_dim: this rank's geometry; device: where the buffers live.
+        max_batch: the largest decode step taken (`small_decode_max_batch`).
+        max_num_blocks_per_seq: the longest block table (sizes the page-id buffer).
+        impl: "triton" (the kernel; interpreted on a CPU under TRITON_INTERPRET=1), "torch"
+            (`small_decode_torch`) or "auto" (Triton for CUDA queries, else torch).
+        splits: KV splits at every batch size (None: `num_splits`, about one wave of SMs).
+        kernel_options: block_n, num_warps, num_stages of the launch.
+    Raises:
+        ValueError: for an unknown impl or max_batch < 1.
+    """
+
+    def __init__(
+        self,
+        fallback: AttentionBackend,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_num_blocks_per_seq: int = 8192,
+        impl: str = "auto",
+        splits: int | None = None,
+        **kernel_options: Any,
+    ) -> None:
+        if impl not in ("auto", "triton", "torch") or max_batch < 1:
+            raise ValueError(f"small decode: impl {impl!r}, max_batch {max_batch}")
+        self.fallback = fallback
+        self.name = f"{fallback.name}+small_decode"
+        self.needs_block_tables = fallback.needs_block_tables
+        self.supports_cuda_graphs = fallback.supports_cuda_graphs
+        self.supports_verify_graphs = fallback.supports_verify_graphs
+        self.max_batch, self.impl = max_batch, impl
+        self.kernel_options = kernel_options
+        self.plan = SmallDecodePlan(
+            max_batch, num_heads, num_kv_heads, head_dim, max_num_blocks_per_seq, device, splits
+        )
+        self._meta: AttentionMetadata | None = None
+        self._small = False  # the current step runs here
+        self.num_steps = 0
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Plan an eager step: a small decode step uploads its lengths and page ids, any other
+        is planned by the fallback."""
+        self._meta, self._small = meta, is_small_decode(meta, self.max_batch)
+        if self._small:
+            self.num_steps += 1
+            self.plan.upload(meta)
+        else:
+            self.fallback.begin_step(meta)
+
+    def prepare_replay(
+        self,
+        meta: AttentionMetadata,
+        variant: str = "plain",
+        groups: SharedPrefixMetadata | None = None,
+    ) -> None:
+        """Plan a padded decode step for its graph: a "plain" graph of at most max_batch
+        sequences reads our buffers (uploaded here), any other the fallback's."""
+        self._meta = meta
+        self._small = variant == "plain" and is_small_decode(meta, self.max_batch)
+        if self._small:
+            self.num_steps += 1
+            self.plan.upload(meta)
+        else:
+            self.fallback.prepare_replay(meta, variant, groups)
+
+    def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
+        """Verify graphs run the fallback's kernels (q_len > 1)."""
+        self._meta, self._small = meta, False
+        self.fallback.prepare_verify_replay(meta)
+
+    def end_step(self) -> None:
+        """Forget the step's plan (and the fallback's)."""
+        self._meta, self._small = None, False
+        self.fallback.end_step()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Causal paged attention (`AttentionBackend.forward`) by the step's path; plans the
+        step first if neither `begin_step` nor `prepare_replay` saw this `meta`. Query rows
+        past the step's B sequences (padding) get zeros."""
+        if meta is not self._meta:
+            self.begin_step(meta)
+        if not self._small:
+            return self.fallback.forward(query, kv_cache, meta, scale, out, k_scale, v_scale)
+        out = torch.empty_like(query) if out is None else out
+        batch = meta.num_seqs
+        if query.shape[0] > batch:
+            out[batch:].zero_()
+        q, dst = query[:batch], out[:batch]
+        if self._resolve_impl(query) == "triton":
+            self.plan.run(q, kv_cache, dst, scale, k_scale, v_scale, **self.kernel_options)
+        else:
+            block_n = self.kernel_options.get("block_n", 32)
+            dst.copy_(small_decode_torch(q, kv_cache, meta.seq_lens_cpu, meta.block_tables_cpu
+                                         or meta.block_tables.tolist(), self.plan.splits(batch),
+                                         scale, block_n, k_scale, v_scale))  # fmt: skip
+        return out
+
+    def _resolve_impl(self, query: torch.Tensor) -> str:
+        if self.impl == "auto":
+            return "triton" if query.is_cuda else "torch"
+        return self.impl
+
+    # -- delegated ------------------------------------------------------------------------------
+
+    def graph_variants(self) -> dict[str, int]:
+        return self.fallback.graph_variants()
+
+    def plan_decode(
+        self,
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        prefix_lens: list[int],
+        block_size: int,
+        shared_graph: bool = False,
+    ) -> DecodePlan:
+        """The fallback's answer (the plain graph, for a plain backend)."""
+        return self.fallback.plan_decode(
+            seq_lens, block_tables, prefix_lens, block_size, shared_graph
+        )
+
+    def plan_verify(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        prefix_lens: list[int],
+        block_size: int,
+    ) -> bool:
+        return self.fallback.plan_verify(
+            query_lens, seq_lens, block_tables, prefix_lens, block_size
+        )
+
+    def warmup(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        block_id: int,
+        scale: float,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """The fallback's warm-up, then one batch-1 decode step over block `block_id` on the
+        kernel (compiled now rather than in the first step; no step is counted)."""
+        self.fallback.warmup(kv_cache, num_heads, block_id, scale, dtype)
+        meta = AttentionMetadata.from_host([1], [1], [[block_id]], kv_cache.shape[2])
+        query = torch.zeros(1, num_heads, kv_cache.shape[4], dtype=dtype or kv_cache.dtype,
+                            device=kv_cache.device)  # fmt: skip
+        steps = self.num_steps
+        self.begin_step(meta)
+        self.forward(query, kv_cache, meta, scale)
+        self.end_step()
+        self.num_steps = steps
+
+    def defer_prefill_backend(self, ready: Callable[[], bool]) -> None:
+        self.fallback.defer_prefill_backend(ready)
+
+    def stats(self) -> dict[str, Any]:
+        """Decode steps run here (eager, captures excluded after `reset_stats`, and replays),
+        and the fallback's counters."""
+        return {**self.fallback.stats(), "small_decode_steps": self.num_steps}
+
+    def reset_stats(self) -> None:
+        self.num_steps = 0
+        self.fallback.reset_stats()
+
+
+def wrap_small_decode(
+    plain: AttentionBackend, geometry: Mapping[str, Any], max_batch: int
+) -> AttentionBackend:
+    """`plain` wrapped in `SmallDecodeAttention` (max_batch > 0 and the geometry known), else
+    `plain` itself; on a CUDA device without Triton, `plain` (logged)."""
+    device = torch.device(geometry.get("device") or "cpu")
+    need = ("num_heads", "num_kv_heads", "head_dim")
+    if max_batch < 1 or any(geometry.get(k) is None for k in need):
+        return plain
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            logger.warning("small decode attention off: Triton unavailable (%s)", e)
+            return plain
+    logger.info("small decode attention: decode steps of <= %d sequences", max_batch)
+    return SmallDecodeAttention(
+        plain, geometry["num_heads"], geometry["num_kv_heads"], geometry["head_dim"], device,
+        max_batch, geometry.get("max_num_blocks_per_seq") or 8192,
+    )  # fmt: skip

@@ -1,0 +1,215 @@
+"""Our Triton kernel for small-batch decode attention, split-KV merged in the same launch;
+imported lazily by `small_decode.py` (which holds the workspace, the torch path and the backend).
+
+Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference"):
+at q_len 1 and a small batch, one program per (sequence, KV head) leaves most SMs idle, so the KV
+of each sequence is cut into `num_splits` ranges, each program computes a partial softmax (O, LSE)
+of its range, and the partials are merged LSE-weighted. Here the merge runs inside the same
+launch: each program writes its partial to a float32 workspace, bumps the (sequence, KV head)'s
+int32 counter, and the program that finds itself last (counter == splits - 1) merges all of them,
+writes the output and sets the counter back to 0 (so the next launch, a CUDA-graph replay too,
+starts from 0). No host work depends on the step: the grid is (B, H_kv, splits), fixed per
+batch size, and each split's token range is computed on the device from the sequence length:
+
+    seq_len L, tiles T = ceil(L / BLOCK_N), each split takes ceil(T / splits) whole tiles:
+    |-- split 0 --|-- split 1 --| ... |-- last busy split (ragged) --|  (empty splits: LSE -inf)
+
+A program handles the GQA query heads of one KV head together (rows of a BLOCK_M >= 16 tile for
+`tl.dot`), so every KV byte is read once; the inner step is the shared-prefix kernel's `kv_step`
+(online softmax in log2 units, float32 state; an FP8 cache converts to the query's dtype).
+
+Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported (the
+decorator reads it); tensors may then live on the CPU (programs run one after another there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from phloem.ops.attention.shared_prefix_triton import kv_step
+from phloem.ops.kv_store import FP8_KV_DTYPE
+
+_LOG2E = 1.4426950408889634
+_INDEX_PTRS = ["count_ptr", "seq_lens_ptr", "indptr_ptr", "pages_ptr"]
+
+
+@triton.jit
+def _merge_partials(
+    opart_ptr, lpart_ptr, base, rows, row_ok, offs_d, d_ok, num_splits,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The LSE-weighted sum of the `num_splits` partials of one (sequence, KV head), [BLOCK_M,
+    BLOCK_D] float32 (partial rows base + s * GQA + row). Loads bypass L1 (".cg"): other
+    programs wrote the partials during this launch."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(lpart_ptr + base + s * GQA + rows, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        m = tl.maximum(m, lse)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        prow = base + s * GQA + rows
+        lse = tl.load(lpart_ptr + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - m_use)  # 0 for an empty split (LSE -inf): its O is never read
+        o_mask = (row_ok & (w > 0))[:, None] & d_ok[None, :]
+        o = tl.load(opart_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask,
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += o * w[:, None]
+        den += w
+    return acc / tl.where(den > 0, den, 1.0)[:, None]
+
+
+@triton.jit
+def _split_softmax(
+    q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh, s_mul,
+    s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The online-softmax state (running max m and sum l in log2 units, float32 [BLOCK_M];
+    unnormalized O, float32 [BLOCK_M, BLOCK_D]) of KV indices [kv_begin, kv_end) for the query
+    rows `q` (`s_mul`: softmax scale * log2(e), times an FP8 cache's k_scale)."""
+    qpos = tl.full([BLOCK_M], 0, tl.int32) + seq_len - 1  # every KV index is visible
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # (the interpreter cannot take loaded scalars as range() bounds: a while loop there)
+    if INTERPRET:
+        start = kv_begin
+        while start < kv_end:
+            m_i, l_i, acc = kv_step(
+                q, m_i, l_i, acc, start, kv_end, 0, qpos, kv_ptr, pages_ptr, blk_off, kvh,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(kv_begin, kv_end, BLOCK_N):
+            m_i, l_i, acc = kv_step(
+                q, m_i, l_i, acc, start, kv_end, 0, qpos, kv_ptr, pages_ptr, blk_off, kvh,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
+def small_decode_kernel(
+    q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, count_ptr,
+    seq_lens_ptr, indptr_ptr, pages_ptr,
+    scale_log2, k_scale, v_scale, num_splits,
+    s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    # grid (B, H_kv, num_splits): program (b, kvh, split) reads split `split` of sequence b's
+    # KV for the GQA query heads of KV head kvh (see the module docstring)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
+    kv_begin = split * per_split
+    kv_end = tl.minimum(kv_begin + per_split, seq_len)
+    blk_off = tl.load(indptr_ptr + b)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GQA
+    head = kvh * GQA + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)  # fmt: skip
+    m_i, l_i, acc = _split_softmax(
+        q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh, scale_log2 * k_scale,
+        s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D, BLOCK_N, PAGE, PRECISION,
+        INTERPRET,
+    )  # fmt: skip
+    has = l_i > 0
+    l_use = tl.where(has, l_i, 1.0)
+    o = acc * (v_scale / l_use)[:, None]  # an FP8 cache's V scale (1.0 otherwise)
+    out_dst = out_ptr + b.to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :]
+    if num_splits == 1:
+        tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        lse = tl.where(has, m_i + tl.log2(l_use), float("-inf"))  # log2 units
+        pair = b * tl.num_programs(1) + kvh
+        base = pair.to(tl.int64) * num_splits * GQA
+        prow = base + split * GQA + rows
+        tl.store(opart_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=q_mask)
+        tl.store(lpart_ptr + prow, lse, mask=row_ok)
+        # every thread's partial stores precede the counter's release (CUTLASS's semaphore:
+        # a CTA barrier, then one thread's gpu-scope atomic)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
+        if done == num_splits - 1:  # the last split of this pair to finish merges
+            o = _merge_partials(opart_ptr, lpart_ptr, base, rows, row_ok, offs_d, d_ok,
+                                num_splits, GQA, HEAD_DIM, BLOCK_M, BLOCK_D)  # fmt: skip
+            tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed")  # ready for the next launch
+
+
+def _interpreting() -> bool:
+    return isinstance(small_decode_kernel, InterpretedFunction)
+
+
+def small_decode_launch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_indptr: torch.Tensor,
+    page_indices: torch.Tensor,
+    opart: torch.Tensor,
+    lpart: torch.Tensor,
+    counters: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """One launch of `small_decode_kernel` over grid (B, H_kv, num_splits); writes `out`.
+
+    Args:
+        query: [B, H, D] (one decode token per sequence; last dim contiguous), bf16/fp16/fp32.
+        kv_cache: [num_blocks, 2, block_size, H_kv, D] (NHD or HND strides; last dim
+            contiguous); query's dtype or float8_e4m3fn (read as stored * k_scale / v_scale).
+        out: [B, H, D] in query's dtype (written; last dim contiguous).
+        seq_lens: int32 [>= B] KV tokens of each sequence (>= 1); page_indptr: int32 [>= B]
+            offset of sequence b's page ids in `page_indices` (int32), ceil(L_b / block_size)
+            of them.
+        opart / lpart: float32 workspace of >= B * H * num_splits * D and B * H * num_splits
+            elements (contiguous); counters: int32 [>= B * H_kv], all 0 (left all 0).
+        num_splits: KV splits per (sequence, KV head) (1: no workspace, no merge).
+        scale: softmax scale; block_n: KV tokens per inner step (power of 2, >= 16).
+    Raises:
+        ValueError: for a float64 query or a GQA group above 128 rows.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    gqa = num_heads // num_kv_heads
+    if query.dtype == torch.float64 or gqa > 128:
+        raise ValueError(f"small decode kernel: {query.dtype}, GQA {gqa} (use the torch path)")
+    if kv_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_m = max(16, 1 << (gqa - 1).bit_length())
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    small_decode_kernel[(batch, num_kv_heads, num_splits)](
+        query, kv_cache, out, opart, lpart, counters, seq_lens, page_indptr, page_indices,
+        scale * _LOG2E, k_scale, v_scale, num_splits,
+        query.stride(0), query.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        out.stride(0), out.stride(1),
+        GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE=block_size, PRECISION=precision, INTERPRET=_interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip

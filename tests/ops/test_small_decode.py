@@ -1,0 +1,239 @@
+"""Small-batch decode attention (split-KV merged in the launch) against float64 paged attention,
+on fresh random steps: non-contiguous block ids, lengths of 1 and off the block size, batch 1
+and several, GQA 1/4/8, more splits than tiles, NaN in every cache slot no sequence owns and in
+the whole workspace before the first launch (a split that skips its partial, or a merge that
+reads an empty split's O, fails), and launches in a row on one workspace (the counters' reset).
+The Triton kernel runs under TRITON_INTERPRET=1 on the CPU at tiny shapes; the backend, the
+switch and the engine run the torch path there."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from phloem.ops.attention import AttentionMetadata, get_attention_backend
+from phloem.ops.attention import small_decode as sd
+from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
+from phloem.ops.kv_store import allocate_kv_cache
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def kernel(triton_kernels):
+    """The Triton module; on the CPU, interpreted (tests/conftest.py sets TRITON_INTERPRET)."""
+    return triton_kernels("phloem.ops.attention.small_decode_triton", "small_decode_kernel")
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_step(lens, num_kv_heads, gqa, head_dim, block_size, seed, layout="NHD"):
+    """(query float32 [B + 1 padding row, H, D], cache float32 with NaN in unowned slots, meta
+    with host and padded device tables); block ids shuffled, so no table is contiguous."""
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    pages = [-(-n // block_size) for n in lens]
+    free = list(range(sum(pages) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in pages]
+    num_blocks = sum(pages) + 3
+    kv = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32,
+                           "cpu", layout)  # fmt: skip
+    kv.fill_(float("nan"))
+    for table, n in zip(tables, lens):
+        pos = torch.arange(n)
+        ids, off = torch.tensor(table)[pos // block_size], pos % block_size
+        kv[ids, :, off] = torch.randn(n, 2, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(lens) + 1, gqa * num_kv_heads, head_dim, generator=gen)
+    meta = AttentionMetadata.from_host([1] * len(lens), list(lens), tables, block_size,
+                                       device="cpu", padded_tables=True)  # fmt: skip
+    return query, kv, meta
+
+
+def launch(kernel, plan: sd.SmallDecodePlan, query, kv, meta, scale, **options):
+    """Upload the step and run the kernel on `device()`; the output of its B rows."""
+    dev = device()
+    plan.upload(meta)
+    q, out = query[: meta.num_seqs].to(dev), torch.empty_like(query[: meta.num_seqs]).to(dev)
+    plan.run(q, kv.to(dev), out, scale, **options)
+    return out.cpu()
+
+
+CASES = [  # (lens, H_kv, GQA, D, block size, splits, block_n, layout)
+    ([1], 2, 1, 16, 4, 4, 16, "NHD"),  # one token, more splits than tiles
+    ([5, 1, 37, 16], 2, 4, 16, 4, 3, 16, "NHD"),  # lengths off the block size
+    ([40, 9], 1, 8, 32, 16, 8, 16, "HND"),  # GQA 8, head-major cache, 8 splits of 3 tiles
+    ([70], 2, 4, 64, 16, 2, 32, "NHD"),  # head_dim 64, a ragged last split
+    ([3, 21], 2, 1, 16, 8, 1, 16, "NHD"),  # one split: no workspace, no merge
+]
+
+
+@pytest.mark.parametrize("lens,kv_heads,gqa,head_dim,bs,splits,block_n,layout", CASES)
+def test_kernel_and_torch_path_match_float64(kernel, lens, kv_heads, gqa, head_dim, bs, splits,
+                                             block_n, layout):  # fmt: skip
+    query, kv, meta = make_step(lens, kv_heads, gqa, head_dim, bs, seed=len(lens) * 7 + gqa,
+                                layout=layout)  # fmt: skip
+    scale = head_dim**-0.5
+    want = paged_attention_reference(query.double(), kv.double(), meta, scale)[: len(lens)]
+    plan = sd.SmallDecodePlan(4, gqa * kv_heads, kv_heads, head_dim, 16, device(), splits)
+    plan.opart.fill_(float("nan"))
+    plan.lpart.fill_(float("nan"))
+    got = launch(kernel, plan, query, kv, meta, scale, block_n=block_n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not plan.counters.any()  # every merging program set its counter back to 0
+    torch_path = sd.small_decode_torch(query[: len(lens)], kv, lens, meta.block_tables_cpu,
+                                       splits, scale, block_n)  # fmt: skip
+    torch.testing.assert_close(torch_path.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_launches_in_a_row_reuse_the_workspace(kernel):
+    """Three steps of different batches and lengths on one plan (the counters reset by each
+    launch's merging programs), fp16 queries and cache: each matches float64."""
+    plan = sd.SmallDecodePlan(3, 8, 2, 16, 8, device(), splits=4)
+    for seed, lens in enumerate(([17, 2, 30], [1], [9, 31])):
+        query, kv, meta = make_step(lens, 2, 4, 16, 4, seed=100 + seed)
+        query, kv = query.half(), kv.half()
+        want = paged_attention_reference(query.double(), kv.double(), meta, 0.3)[: len(lens)]
+        got = launch(kernel, plan, query, kv, meta, 0.3, block_n=16)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-3)
+        assert not plan.counters.any()
+
+
+def test_kernel_reads_an_fp8_cache_with_scales(kernel):
+    """float8_e4m3fn K/V (read as stored * k_scale / v_scale) with float16 queries (the
+    interpreter cannot convert FP8 to bfloat16)."""
+    query, kv, meta = make_step([13, 26], 2, 4, 16, 4, seed=5)
+    kv8, q16 = kv.clamp(-448, 448).to(torch.float8_e4m3fn), (query * 2).half()
+    plan = sd.SmallDecodePlan(2, 8, 2, 16, 8, device(), splits=3)
+    got = launch(kernel, plan, q16, kv8, meta, 0.4, k_scale=0.5, v_scale=2.0, block_n=16)
+    want = paged_attention_reference(q16.double(), kv8.double(), meta, 0.4, k_scale=0.5,
+                                     v_scale=2.0)[:2]  # fmt: skip
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-3)
+
+
+def test_split_rule_and_ranges():
+    """About one wave of SMs (132 on an H200): Llama-3.1-8B's 8 KV heads get 16 splits at
+    batch 1, 4 at batch 4, 1 at batch 16; its TP = 2 shard (4 KV heads) 32, 8 and 2. Split
+    ranges are whole tiles, the last busy one ragged, the rest empty."""
+    assert [sd.num_splits(b, 8, 132) for b in (1, 4, 16, 32)] == [16, 4, 1, 1]
+    assert [sd.num_splits(b, 4, 132) for b in (1, 4, 16)] == [32, 8, 2]
+    assert sd.split_ranges(70, 4, 16) == [(0, 32), (32, 64), (64, 70), (96, 70)]
+    assert sd.split_ranges(1, 3, 32) == [(0, 1), (32, 1), (64, 1)]
+
+
+def test_switch_parsing():
+    assert sd.small_decode_max_batch({}) == 0
+    assert sd.small_decode_max_batch({sd.ENV_SWITCH: "1"}) == 16
+    assert sd.small_decode_max_batch({sd.ENV_SWITCH: "1", sd.ENV_MAX_BATCH: "32"}) == 32
+    assert sd.small_decode_max_batch({sd.ENV_SWITCH: "0", sd.ENV_MAX_BATCH: "32"}) == 0
+    for env in ({sd.ENV_SWITCH: "yes"}, {sd.ENV_SWITCH: "1", sd.ENV_MAX_BATCH: "0"}):
+        with pytest.raises(ValueError, match="PHLOEM_SMALL_DECODE"):
+            sd.small_decode_max_batch(env)
+
+
+def test_backend_takes_small_decode_steps_only(monkeypatch):
+    """The factory wraps the plain backend when the switch is on; decode steps of <= max_batch
+    sequences (eager, or planned for a "plain" graph) run the split path (padding rows
+    zeroed), larger or mixed steps the fallback; counters reset with the fallback's."""
+    geometry = dict(num_heads=4, num_kv_heads=2, head_dim=16, device="cpu",
+                    max_num_blocks_per_seq=8)  # fmt: skip
+    assert isinstance(get_attention_backend("reference", **geometry), ReferenceAttention)
+    monkeypatch.setenv(sd.ENV_SWITCH, "1")
+    monkeypatch.setenv(sd.ENV_MAX_BATCH, "2")
+    backend = get_attention_backend("reference", **geometry)
+    assert isinstance(backend, sd.SmallDecodeAttention) and backend.max_batch == 2
+    assert backend.name == "reference+small_decode"
+    query, kv, meta = make_step([7, 19], 2, 2, 16, 4, seed=11)
+    want = paged_attention_reference(query.double(), kv.double(), meta, 0.25)
+    for plan in (backend.begin_step, backend.prepare_replay):
+        plan(meta)
+        got = backend.forward(query, kv, meta, 0.25)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        backend.end_step()
+    assert backend.stats() == {"small_decode_steps": 2}
+    big_q, big_kv, big = make_step([7, 19, 3], 2, 2, 16, 4, seed=12)
+    mixed = AttentionMetadata.from_host([1, 3], [7, 19], meta.block_tables_cpu, 4,
+                                        device="cpu", padded_tables=True)  # fmt: skip
+    mixed_q = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(3))
+    for q, cache, step in ((big_q, big_kv, big), (mixed_q, kv, mixed)):
+        got = backend.forward(q, cache, step, 0.25)
+        ref = paged_attention_reference(q.double(), cache.double(), step, 0.25)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert backend.stats() == {"small_decode_steps": 2}
+    backend.reset_stats()
+    assert backend.stats() == {"small_decode_steps": 0}
+
+
+def test_switch_gives_the_same_greedy_tokens(tmp_path_factory, embedded_tokenizer_dir,
+                                             monkeypatch):  # fmt: skip
+    """A tiny Llama (GQA 2), decode batches of 4 down to 1: with the switch on its decode
+    steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS gives 4 splits at batch 1) and the
+    greedy tokens are the plain backend's."""
+    from phloem import LLM, SamplingParams
+    from tests.engine.tiny_models import VOCAB, tiny_model_dir
+
+    path = tiny_model_dir(tmp_path_factory, embedded_tokenizer_dir, "llama", "llama_small_dec", 3)
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(6 + 3 * i)]}
+               for i in range(4)]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(4)]  # fmt: skip
+
+    def run() -> tuple[list[list[int]], dict]:
+        llm = LLM(str(path), block_size=4, max_num_batched_tokens=64,
+                  kv_cache_memory_bytes=1 << 20)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.llm_engine.executor.worker.model_runner.backend.stats()
+        return [list(o.outputs[0].token_ids) for o in outs], stats
+
+    monkeypatch.delenv(sd.ENV_SWITCH, raising=False)
+    plain, _ = run()
+    monkeypatch.setenv(sd.ENV_SWITCH, "1")
+    tokens, stats = run()
+    assert tokens == plain
+    assert stats["small_decode_steps"] >= 8, stats
+
+
+COMPILE_FOR_HOPPER = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from phloem.ops.attention import small_decode_triton as sdt
+
+fn = sdt.small_decode_kernel
+types = dict(opart_ptr="*fp32", lpart_ptr="*fp32", count_ptr="*i32", seq_lens_ptr="*i32",
+             indptr_ptr="*i32", pages_ptr="*i32", scale_log2="fp32", k_scale="fp32",
+             v_scale="fp32")
+for gqa, dim, kv, split in ((4, 128, "bf16", True), (8, 64, "fp8e4nv", False)):
+    const = dict(GQA=gqa, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_M=16, BLOCK_N=32, PAGE=16,
+                 PRECISION="tf32", INTERPRET=False, **({} if split else dict(num_splits=1)))
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    sig.update(q_ptr="*bf16", out_ptr="*bf16", kv_ptr="*" + kv)
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs={})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    assert "mma" in ptx, "QK^T and PV on the tensor cores"
+    atomics = re.findall(r"atom\.global\.gpu\.[\w.]+", ptx)
+    if split:  # stores, a CTA barrier, then one thread's release (the merge's handshake)
+        assert atomics == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
+        head = ptx[: ptx.index("atom.global.gpu.acq_rel")]
+        assert head.rfind("bar.sync") > head.rfind("st.global"), "barrier after the partials"
+        assert "ld.global.cg" in ptx, "the merge reads the partials past L1"
+    else:
+        assert not atomics, "one split: no workspace, no merge"
+    print("compiled", gqa, dim, kv, split)
+"""
+
+
+def test_kernel_compiles_for_hopper(compile_for_hopper):
+    """The GPU compiler (which rejects what the interpreter accepts) takes the split variant
+    (bf16, GQA 4, head_dim 128: Llama-3.1-8B) and the one-split variant over an FP8 cache:
+    tensor-core products; with splits, the partial stores, a CTA barrier, then the counter's
+    acq_rel atomic (CUTLASS's semaphore order), and L1-bypassing loads in the merge."""
+    assert compile_for_hopper(COMPILE_FOR_HOPPER).count("compiled") == 2
