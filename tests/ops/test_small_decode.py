@@ -90,22 +90,25 @@ def test_kernel_and_torch_path_match_float64(kernel, lens, kv_heads, gqa, head_d
 
 
 def test_launches_in_a_row_reuse_the_workspace(kernel):
-    """Three steps of different batches and lengths on one plan (the counters reset by each
-    launch's merging programs), fp16 queries and cache: each matches float64."""
+    """Three steps of different batches, lengths and dtypes on one plan (the counters reset
+    by each launch's merging programs): each matches float64 within its dtype's rounding.
+    (Under the interpreter the kernel computes bf16 in fp32: Triton 3.9's interpreted bf16
+    `tl.dot` returns garbage; the GPU benchmark's checks cover bf16 compiled.)"""
     plan = sd.SmallDecodePlan(3, 8, 2, 16, 8, device(), splits=4)
-    for seed, lens in enumerate(([17, 2, 30], [1], [9, 31])):
+    steps = (([17, 2, 30], torch.float16, 2e-3), ([1], torch.bfloat16, 2e-2),
+             ([9, 31], torch.bfloat16, 2e-2))  # fmt: skip
+    for seed, (lens, dtype, atol) in enumerate(steps):
         query, kv, meta = make_step(lens, 2, 4, 16, 4, seed=100 + seed)
-        query, kv = query.half(), kv.half()
+        query, kv = query.to(dtype), kv.to(dtype)
         want = paged_attention_reference(query.double(), kv.double(), meta, 0.3)[: len(lens)]
         got = launch(kernel, plan, query, kv, meta, 0.3, block_n=16)
-        assert got.dtype == torch.float16
-        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-3)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=atol)
         assert not plan.counters.any()
 
 
 def test_kernel_reads_an_fp8_cache_with_scales(kernel):
-    """float8_e4m3fn K/V (read as stored * k_scale / v_scale) with float16 queries (the
-    interpreter cannot convert FP8 to bfloat16)."""
+    """float8_e4m3fn K/V (read as stored * k_scale / v_scale) with float16 queries."""
     query, kv, meta = make_step([13, 26], 2, 4, 16, 4, seed=5)
     kv8, q16 = kv.clamp(-448, 448).to(torch.float8_e4m3fn), (query * 2).half()
     plan = sd.SmallDecodePlan(2, 8, 2, 16, 8, device(), splits=3)
@@ -210,9 +213,9 @@ fn = sdt.small_decode_kernel
 types = dict(opart_ptr="*fp32", lpart_ptr="*fp32", count_ptr="*i32", seq_lens_ptr="*i32",
              indptr_ptr="*i32", pages_ptr="*i32", scale_log2="fp32", k_scale="fp32",
              v_scale="fp32")
-for gqa, dim, kv, split in ((4, 128, "bf16", True), (8, 64, "fp8e4nv", False)):
+for gqa, dim, kv in ((4, 128, "bf16"), (8, 64, "fp8e4nv")):
     const = dict(GQA=gqa, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_M=16, BLOCK_N=32, PAGE=16,
-                 PRECISION="tf32", INTERPRET=False, **({} if split else dict(num_splits=1)))
+                 PRECISION="tf32", INTERPRET=False)
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     sig.update(q_ptr="*bf16", out_ptr="*bf16", kv_ptr="*" + kv)
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs={})
@@ -220,20 +223,18 @@ for gqa, dim, kv, split in ((4, 128, "bf16", True), (8, 64, "fp8e4nv", False)):
                          options=dict(num_warps=4, num_stages=2)).asm["ptx"]
     assert "mma" in ptx, "QK^T and PV on the tensor cores"
     atomics = re.findall(r"atom\.global\.gpu\.[\w.]+", ptx)
-    if split:  # stores, a CTA barrier, then one thread's release (the merge's handshake)
-        assert atomics == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
-        head = ptx[: ptx.index("atom.global.gpu.acq_rel")]
-        assert head.rfind("bar.sync") > head.rfind("st.global"), "barrier after the partials"
-        assert "ld.global.cg" in ptx, "the merge reads the partials past L1"
-    else:
-        assert not atomics, "one split: no workspace, no merge"
-    print("compiled", gqa, dim, kv, split)
+    # stores, a CTA barrier, then one thread's release (the merge's handshake)
+    assert atomics == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
+    head = ptx[: ptx.index("atom.global.gpu.acq_rel")]
+    assert head.rfind("bar.sync") > head.rfind("st.global"), "barrier after the partials"
+    assert "ld.global.cg" in ptx, "the merge reads the partials past L1"
+    print("compiled", gqa, dim, kv)
 """
 
 
 def test_kernel_compiles_for_hopper(compile_for_hopper):
-    """The GPU compiler (which rejects what the interpreter accepts) takes the split variant
-    (bf16, GQA 4, head_dim 128: Llama-3.1-8B) and the one-split variant over an FP8 cache:
-    tensor-core products; with splits, the partial stores, a CTA barrier, then the counter's
-    acq_rel atomic (CUTLASS's semaphore order), and L1-bypassing loads in the merge."""
+    """The GPU compiler (which rejects what the interpreter accepts) takes the kernel for
+    Llama-3.1-8B (bf16, GQA 4, head_dim 128) and for an FP8 cache (GQA 8, head_dim 64):
+    tensor-core products; the partial stores, a CTA barrier, then the counter's acq_rel atomic
+    (CUTLASS's semaphore order), and L1-bypassing loads in the merge."""
     assert compile_for_hopper(COMPILE_FOR_HOPPER).count("compiled") == 2

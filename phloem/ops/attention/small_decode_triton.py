@@ -96,7 +96,9 @@ def _split_softmax(
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize_on_alignment=_INDEX_PTRS)
+# num_splits is not specialized (not on 1, not on multiples of 16): one compiled kernel serves
+# every batch bucket's split count; a single split takes the store branch at run time.
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=_INDEX_PTRS)
 def small_decode_kernel(
     q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, count_ptr,
     seq_lens_ptr, indptr_ptr, pages_ptr,
@@ -125,6 +127,8 @@ def small_decode_kernel(
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + b.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)  # fmt: skip
+    if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9): K, V follow q
+        q = q.to(tl.float32)
     m_i, l_i, acc = _split_softmax(
         q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh, scale_log2 * k_scale,
         s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D, BLOCK_N, PAGE, PRECISION,

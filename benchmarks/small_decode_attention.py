@@ -1,0 +1,205 @@
+"""Small-batch decode attention: our one-launch split-KV kernel against FlashInfer's decode path,
+per layer, in CUDA graphs (issues 19, 24).
+
+At batch 1-16 and a few hundred KV tokens a decode step's attention is launch and fixed latency:
+FlashInfer's q_len-1 attention plus its split-KV merge took 9.5 + 2.4 us a layer of Llama-3.1-8B
+on an H200 (benchmarks/results/2026-11-26d-h200-serving). This times, for each batch x KV length
+x geometry (Llama-3.1-8B's 32 query / 8 KV heads of 128, and its TP = 2 shard, 16 / 4):
+
+  flashinfer      phloem's FlashInfer backend as its decode graphs run it (`prepare_replay`:
+                  fa2 prefill kernel at q_len 1 in a CUDA-graph wrapper, plus its merge)
+  small/bn{N}     `small_decode.SmallDecodeAttention` (the kernel of `small_decode_triton.py`,
+                  BLOCK_N = N, splits by `num_splits`), planned the same way
+  small/bn{N}/s{S}  the same with S KV splits at every batch (--splits S)
+
+Each runs --layers forward calls (one KV cache per layer, the same block table: the engine's
+layout; pages shuffled) captured in one CUDA graph, timed over --iters replays; us/layer = mean
+replay / layers. Errors: each output's max |diff| from FlashInfer's, and from float64 attention
+(`paged_attention_reference`) on the first layer. Before timing, `checks` runs the kernel on
+ragged steps (lengths 1, off the block size, up to 4,095; batch 1, 3, 16; two launches in a row
+on one workspace; an FP8 cache with scales) against float64 and records pass / fail.
+
+    source benchmarks/device_setup.sh && python3 benchmarks/small_decode_attention.py \
+        --device cuda --json $OUT/small_decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import traceback
+
+import torch
+
+from phloem.bench.graph_timing import graph_replay_seconds
+from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
+from phloem.ops.attention.small_decode import SmallDecodeAttention, num_splits, target_programs
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="a CUDA device (the kernels are GPU-only)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--kv", type=int, nargs="+", default=[128, 384, 1024, 4096],
+                   help="KV tokens per sequence")  # fmt: skip
+    p.add_argument("--geometry", nargs="+", default=["32,8,128", "16,4,128"],
+                   help="num_heads,num_kv_heads,head_dim")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--splits", type=int, nargs="+", default=[0],
+                   help="KV splits to time (0: the rule, `small_decode.num_splits`)")  # fmt: skip
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--iters", type=int, default=200)
+    return p.parse_args(argv)
+
+
+def make_step(lens, geometry, block_size, device, seed, layers=1, kv_dtype=torch.bfloat16):
+    """(query bf16 [B, H, D], `layers` caches [blocks, 2, bs, H_kv, D], meta with host tables)
+    for sequences of KV lengths `lens`, each sequence's pages shuffled over the cache."""
+    num_heads, num_kv_heads, head_dim = geometry
+    rng = random.Random(seed)
+    pages = [-(-n // block_size) for n in lens]
+    ids = list(range(sum(pages)))
+    rng.shuffle(ids)
+    tables, start = [], 0
+    for n in pages:
+        tables.append(ids[start : start + n])
+        start += n
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (sum(pages), 2, block_size, num_kv_heads, head_dim)
+    caches = [torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).to(kv_dtype)
+              for _ in range(layers)]  # fmt: skip
+    query = torch.randn(len(lens), num_heads, head_dim, generator=gen, device=device,
+                        dtype=torch.bfloat16)  # fmt: skip
+    meta = AttentionMetadata.from_host([1] * len(lens), list(lens), tables, block_size,
+                                       device=device, padded_tables=True)  # fmt: skip
+    return query, caches, meta
+
+
+def flashinfer_backend(geometry, batch: int, max_pages: int, device):
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+
+    num_heads, num_kv_heads, head_dim = geometry
+    return FlashInferAttention(num_heads, num_kv_heads, head_dim, torch.bfloat16, device,
+                               max_num_blocks_per_seq=max_pages, max_num_seqs=batch)  # fmt: skip
+
+
+def small_backend(geometry, batch: int, max_pages: int, device, args, block_n: int, splits=0):
+    """Our backend over a reference fallback (unused: every step here is a small decode);
+    `splits` 0: the rule."""
+    num_heads, num_kv_heads, head_dim = geometry
+    return SmallDecodeAttention(
+        ReferenceAttention(), num_heads, num_kv_heads, head_dim, device, max_batch=batch,
+        max_num_blocks_per_seq=max_pages, impl="triton", splits=splits or None,
+        block_n=block_n, num_warps=args.num_warps, num_stages=args.num_stages,
+    )  # fmt: skip
+
+
+def time_layers(backend, query, caches, meta, iters: int) -> tuple[float, torch.Tensor]:
+    """Mean seconds a layer (one graph replay of every cache's forward, / layers) and the first
+    layer's output."""
+    scale = query.shape[-1] ** -0.5
+    outs = [torch.empty_like(query) for _ in caches]
+    backend.prepare_replay(meta)
+
+    def step():
+        for kv, out in zip(caches, outs):
+            backend.forward(query, kv, meta, scale, out=out)
+
+    return graph_replay_seconds(step, iters) / len(caches), outs[0]
+
+
+def run_case(args, geometry, batch: int, kv_len: int, device) -> dict:
+    """FlashInfer and each BLOCK_N of ours on one (geometry, batch, KV length) case."""
+    query, caches, meta = make_step([kv_len] * batch, geometry, args.block_size, device,
+                                    seed=batch * 7919 + kv_len, layers=args.layers)  # fmt: skip
+    max_pages = -(-kv_len // args.block_size)
+    want = paged_attention_reference(query.double(), caches[0].double(), meta,
+                                     query.shape[-1] ** -0.5)  # fmt: skip
+    rule = num_splits(batch, geometry[1], target_programs(device))
+    case = {"geometry": list(geometry), "batch": batch, "kv": kv_len, "rule_splits": rule,
+            "kernels": {}}  # fmt: skip
+    runs = [("flashinfer", lambda: flashinfer_backend(geometry, batch, max_pages, device))]
+    for bn, s in itertools.product(args.block_n, args.splits):
+        name = f"small/bn{bn}" + (f"/s{s}" if s else "")
+        runs.append((name, lambda bn=bn, s=s: small_backend(geometry, batch, max_pages, device,
+                                                            args, bn, s)))  # fmt: skip
+    base = None
+    for name, make in runs:
+        try:
+            seconds, out = time_layers(make(), query, caches, meta, args.iters)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails is reported, not fatal
+            case["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            traceback.print_exc()
+            continue
+        base = out if base is None else base
+        entry = {"us_per_layer": seconds * 1e6,
+                 "max_abs_diff_vs_flashinfer": (out.float() - base.float()).abs().max().item(),
+                 "max_abs_err_vs_float64": (out.double() - want).abs().max().item()}  # fmt: skip
+        case["kernels"][name] = entry
+        print(f"H={geometry[0]:2d}/{geometry[1]} B={batch:2d} KV={kv_len:5d} rule S={rule:2d} "
+              f"{name:14s} {entry['us_per_layer']:7.2f} us/layer  "
+              f"diff {entry['max_abs_diff_vs_flashinfer']:.1e} "
+              f"err64 {entry['max_abs_err_vs_float64']:.1e}", flush=True)  # fmt: skip
+    return case
+
+
+def checks(args, device) -> list[dict]:
+    """The kernel against float64 on ragged steps, two launches in a row per backend (the
+    counters' reset) and an FP8 cache with scales; tolerance: bf16 output rounding."""
+    results = []
+    geometry = (32, 8, 128)
+    steps = [[1], [4095, 1, 130], [random.Random(s).randint(1, 700) for s in range(16)]]
+    for kv_dtype, k_scale, v_scale in ((torch.bfloat16, 1.0, 1.0),
+                                       (torch.float8_e4m3fn, 0.5, 2.0)):  # fmt: skip
+        for bn in args.block_n:
+            backend = small_backend(geometry, 16, 256, device, args, bn)
+            for seed, lens in enumerate(steps):
+                query, (kv,), meta = make_step(lens, geometry, args.block_size, device, seed,
+                                               kv_dtype=kv_dtype)  # fmt: skip
+                backend.begin_step(meta)
+                got = backend.forward(query, kv, meta, 0.088, k_scale=k_scale, v_scale=v_scale)
+                backend.end_step()
+                want = paged_attention_reference(query.double(), kv.double(), meta, 0.088,
+                                                 k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                err = (got.double() - want).abs().max().item()
+                ok = err <= 2e-2 and not backend.plan.counters.any().item()
+                results.append({"lens": lens[:4], "batch": len(lens), "block_n": bn,
+                                "kv_dtype": str(kv_dtype), "max_abs_err": err, "ok": ok})  # fmt: skip
+                print(f"check B={len(lens):2d} bn={bn} {kv_dtype}: err {err:.1e} "
+                      f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    return results
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("the FlashInfer and Triton kernels need --device cuda")
+    import flashinfer
+    import triton
+
+    result = {"device": torch.cuda.get_device_name(device), "flashinfer": flashinfer.__version__,
+              "triton": triton.__version__, "args": vars(args)}  # fmt: skip
+    result["checks"] = checks(args, device)
+    result["cases"] = []
+    for spec in args.geometry:
+        geometry = tuple(int(x) for x in spec.split(","))
+        for kv_len in args.kv:
+            for batch in args.batch:
+                result["cases"].append(run_case(args, geometry, batch, kv_len, device))
+    print("checks:", "all ok" if all(c["ok"] for c in result["checks"]) else "FAILED")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
