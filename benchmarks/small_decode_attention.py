@@ -16,8 +16,9 @@ Each runs --layers forward calls (one KV cache per layer, the same block table: 
 layout; pages shuffled) captured in one CUDA graph, timed over --iters replays; us/layer = mean
 replay / layers. Errors: each output's max |diff| from FlashInfer's, and from float64 attention
 (`paged_attention_reference`) on the first layer. Before timing, `checks` runs the kernel on
-ragged steps (lengths 1, off the block size, up to 4,095; batch 1, 3, 16; two launches in a row
-on one workspace; an FP8 cache with scales) against float64 and records pass / fail.
+ragged steps (lengths 1, off the block size, up to 4,095; batch 1, 3, 16; launches in a row on
+one workspace; an FP8 cache with scales), and one captured decode graph replayed on other steps
+(`graph_checks`), against float64, and records pass / fail.
 
     source benchmarks/device_setup.sh && python3 benchmarks/small_decode_attention.py \
         --device cuda --json $OUT/small_decode_attention.json
@@ -177,6 +178,45 @@ def checks(args, device) -> list[dict]:
     return results
 
 
+def graph_checks(args, device) -> list[dict]:
+    """One "plain" decode graph of 4 sequences captured on one step and replayed on others (new
+    lengths and block tables planned into the same buffers by `prepare_replay`, new queries in
+    the static buffer), as the engine replays it: each replay against float64, counters 0."""
+    geometry, bs, num_blocks = (32, 8, 128), args.block_size, 1024
+    gen = torch.Generator(device=device).manual_seed(1)
+    kv = torch.randn(num_blocks, 2, bs, 8, 128, generator=gen, device=device,
+                     dtype=torch.bfloat16)  # fmt: skip
+    query = torch.randn(4, 32, 128, generator=gen, device=device, dtype=torch.bfloat16)
+    out, rng, metas = torch.empty_like(query), random.Random(1), []
+    for lens in ([1, 1, 1, 1], [300, 17, 4095, 64], [5, 129, 1000, 2]):
+        pages = [-(-n // bs) for n in lens]
+        ids = rng.sample(range(num_blocks), sum(pages))
+        tables = [ids[sum(pages[:b]) : sum(pages[: b + 1])] for b in range(4)]
+        metas.append(AttentionMetadata.from_host([1] * 4, lens, tables, bs, device=device,
+                                                 padded_tables=True))  # fmt: skip
+    results = []
+    for bn in args.block_n:
+        backend = small_backend(geometry, 4, 256, device, args, bn)
+        backend.prepare_replay(metas[0])
+        backend.forward(query, kv, metas[0], 0.088, out=out)  # compiles
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            backend.forward(query, kv, metas[0], 0.088, out=out)
+        for meta in metas[1:] + metas[:1]:
+            backend.prepare_replay(meta)
+            query.copy_(torch.randn(query.shape, generator=gen, device=device))
+            graph.replay()
+            want = paged_attention_reference(query.double(), kv.double(), meta, 0.088)
+            err = (out.double() - want).abs().max().item()
+            ok = err <= 2e-2 and not backend.plan.counters.any().item()
+            results.append({"graph_replay_lens": meta.seq_lens_cpu, "block_n": bn,
+                            "max_abs_err": err, "ok": ok})  # fmt: skip
+            print(f"graph replay {meta.seq_lens_cpu} bn={bn}: err {err:.1e} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    return results
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -187,7 +227,7 @@ def main(argv=None) -> None:
 
     result = {"device": torch.cuda.get_device_name(device), "flashinfer": flashinfer.__version__,
               "triton": triton.__version__, "args": vars(args)}  # fmt: skip
-    result["checks"] = checks(args, device)
+    result["checks"] = checks(args, device) + graph_checks(args, device)
     result["cases"] = []
     for spec in args.geometry:
         geometry = tuple(int(x) for x in spec.split(","))

@@ -173,9 +173,10 @@ def test_backend_takes_small_decode_steps_only(monkeypatch):
 
 def test_switch_gives_the_same_greedy_tokens(tmp_path_factory, embedded_tokenizer_dir,
                                              monkeypatch):  # fmt: skip
-    """A tiny Llama (GQA 2), decode batches of 4 down to 1: with the switch on its decode
-    steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS gives 4 splits at batch 1) and the
-    greedy tokens are the plain backend's."""
+    """A tiny float32 Llama (GQA 2), decode batches of 4 down to 1: with the switch on its
+    decode steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS gives 4 splits at
+    batch 1; the kernel on a GPU, eagerly: FlashInfer has no head_dim 16) and the greedy tokens
+    are the plain backend's."""
     from phloem import LLM, SamplingParams
     from tests.engine.tiny_models import VOCAB, tiny_model_dir
 
@@ -188,7 +189,7 @@ def test_switch_gives_the_same_greedy_tokens(tmp_path_factory, embedded_tokenize
 
     def run() -> tuple[list[list[int]], dict]:
         llm = LLM(str(path), block_size=4, max_num_batched_tokens=64,
-                  kv_cache_memory_bytes=1 << 20)  # fmt: skip
+                  kv_cache_memory_bytes=1 << 20, dtype="float32")  # fmt: skip
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.llm_engine.executor.worker.model_runner.backend.stats()
         return [list(o.outputs[0].token_ids) for o in outs], stats
