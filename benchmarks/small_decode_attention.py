@@ -8,9 +8,9 @@ x geometry (Llama-3.1-8B's 32 query / 8 KV heads of 128, and its TP = 2 shard, 1
 
   flashinfer      phloem's FlashInfer backend as its decode graphs run it (`prepare_replay`:
                   fa2 prefill kernel at q_len 1 in a CUDA-graph wrapper, plus its merge)
-  small/bn{N}     `small_decode.SmallDecodeAttention` (the kernel of `small_decode_triton.py`,
-                  BLOCK_N = N, splits by `num_splits`), planned the same way
-  small/bn{N}/s{S}  the same with S KV splits at every batch (--splits S)
+  small/bn{N}/w{W}  `small_decode.SmallDecodeAttention` (the kernel of `small_decode_triton.py`,
+                  BLOCK_N = N, W warps, splits by `num_splits`), planned the same way
+  small/bn{N}/w{W}/s{S}  the same with S KV splits at every batch (--splits S)
 
 Each runs --layers forward calls (one KV cache per layer, the same block table: the engine's
 layout; pages shuffled) captured in one CUDA graph, timed over --iters replays; us/layer = mean
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     p.add_argument("--splits", type=int, nargs="+", default=[0],
                    help="KV splits to time (0: the rule, `small_decode.num_splits`)")  # fmt: skip
-    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=200)
@@ -91,14 +91,14 @@ def flashinfer_backend(geometry, batch: int, max_pages: int, device):
                                max_num_blocks_per_seq=max_pages, max_num_seqs=batch)  # fmt: skip
 
 
-def small_backend(geometry, batch: int, max_pages: int, device, args, block_n: int, splits=0):
+def small_backend(geometry, batch, max_pages, device, args, block_n, splits=0, warps=None):
     """Our backend over a reference fallback (unused: every step here is a small decode);
-    `splits` 0: the rule."""
+    `splits` 0: the rule; `warps` None: the first --num-warps."""
     num_heads, num_kv_heads, head_dim = geometry
     return SmallDecodeAttention(
         ReferenceAttention(), num_heads, num_kv_heads, head_dim, device, max_batch=batch,
         max_num_blocks_per_seq=max_pages, impl="triton", splits=splits or None,
-        block_n=block_n, num_warps=args.num_warps, num_stages=args.num_stages,
+        block_n=block_n, num_warps=warps or args.num_warps[0], num_stages=args.num_stages,
     )  # fmt: skip
 
 
@@ -127,10 +127,10 @@ def run_case(args, geometry, batch: int, kv_len: int, device) -> dict:
     case = {"geometry": list(geometry), "batch": batch, "kv": kv_len, "rule_splits": rule,
             "kernels": {}}  # fmt: skip
     runs = [("flashinfer", lambda: flashinfer_backend(geometry, batch, max_pages, device))]
-    for bn, s in itertools.product(args.block_n, args.splits):
-        name = f"small/bn{bn}" + (f"/s{s}" if s else "")
-        runs.append((name, lambda bn=bn, s=s: small_backend(geometry, batch, max_pages, device,
-                                                            args, bn, s)))  # fmt: skip
+    for bn, s, w in itertools.product(args.block_n, args.splits, args.num_warps):
+        name = f"small/bn{bn}/w{w}" + (f"/s{s}" if s else "")
+        runs.append((name, lambda bn=bn, s=s, w=w: small_backend(
+            geometry, batch, max_pages, device, args, bn, s, w)))  # fmt: skip
     base = None
     for name, make in runs:
         try:
@@ -145,7 +145,7 @@ def run_case(args, geometry, batch: int, kv_len: int, device) -> dict:
                  "max_abs_err_vs_float64": (out.double() - want).abs().max().item()}  # fmt: skip
         case["kernels"][name] = entry
         print(f"H={geometry[0]:2d}/{geometry[1]} B={batch:2d} KV={kv_len:5d} rule S={rule:2d} "
-              f"{name:14s} {entry['us_per_layer']:7.2f} us/layer  "
+              f"{name:18s} {entry['us_per_layer']:7.2f} us/layer  "
               f"diff {entry['max_abs_diff_vs_flashinfer']:.1e} "
               f"err64 {entry['max_abs_err_vs_float64']:.1e}", flush=True)  # fmt: skip
     return case

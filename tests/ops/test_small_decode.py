@@ -216,7 +216,7 @@ types = dict(opart_ptr="*fp32", lpart_ptr="*fp32", count_ptr="*i32", seq_lens_pt
              v_scale="fp32")
 for gqa, dim, kv in ((4, 128, "bf16"), (8, 64, "fp8e4nv")):
     const = dict(GQA=gqa, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_M=16, BLOCK_N=32, PAGE=16,
-                 PRECISION="tf32", INTERPRET=False)
+                 PRECISION="tf32", INTERPRET=False, G=gqa, SPLIT_CHUNK=4096 // (gqa * dim))
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     sig.update(q_ptr="*bf16", out_ptr="*bf16", kv_ptr="*" + kv)
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs={})

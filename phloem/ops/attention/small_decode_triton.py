@@ -38,29 +38,40 @@ _INDEX_PTRS = ["count_ptr", "seq_lens_ptr", "indptr_ptr", "pages_ptr"]
 
 @triton.jit
 def _merge_partials(
-    opart_ptr, lpart_ptr, base, rows, row_ok, offs_d, d_ok, num_splits,
-    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    opart_ptr, lpart_ptr, base, num_splits,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """The LSE-weighted sum of the `num_splits` partials of one (sequence, KV head), [BLOCK_M,
-    BLOCK_D] float32 (partial rows base + s * GQA + row). Loads bypass L1 (".cg"): other
-    programs wrote the partials during this launch."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        lse = tl.load(lpart_ptr + base + s * GQA + rows, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        m = tl.maximum(m, lse)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        prow = base + s * GQA + rows
-        lse = tl.load(lpart_ptr + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - m_use)  # 0 for an empty split (LSE -inf): its O is never read
-        o_mask = (row_ok & (w > 0))[:, None] & d_ok[None, :]
-        o = tl.load(opart_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask,
-                    other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += o * w[:, None]
-        den += w
+    """The LSE-weighted sum of the `num_splits` partials of one (sequence, KV head) (partial
+    row base + s * GQA + r), float32 [G, BLOCK_D] (G = GQA rounded up to a power of 2).
+
+    SPLIT_CHUNK splits at a time, as [chunk, G] LSE and [chunk, G, BLOCK_D] O tiles whose loads
+    do not wait for each other (every split wrote its O, zeros for an empty one, whose weight
+    is 0): a few memory round trips, not one per split. The running max is rescaled per chunk
+    (online softmax). Loads bypass L1 (".cg"): other programs wrote the partials in this launch.
+    """
+    r = tl.arange(0, G)
+    r_ok = r < GQA
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.full([G], float("-inf"), tl.float32)
+    den = tl.zeros([G], tl.float32)
+    acc = tl.zeros([G, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        s = s0 + tl.arange(0, SPLIT_CHUNK)
+        ok = (s < num_splits)[:, None] & r_ok[None, :]
+        prow = base + s[:, None] * GQA + r[None, :]  # [chunk, G]
+        lse = tl.load(lpart_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(opart_ptr + prow[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(lse - m_use[None, :])  # [chunk, G]; 0 for an empty split (LSE -inf)
+        den = den * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
+        m = m_new
     return acc / tl.where(den > 0, den, 1.0)[:, None]
 
 
@@ -106,7 +117,8 @@ def small_decode_kernel(
     s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, G: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
     # grid (B, H_kv, num_splits): program (b, kvh, split) reads split `split` of sequence b's
     # KV for the GQA query heads of KV head kvh (see the module docstring)
@@ -152,9 +164,12 @@ def small_decode_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
         if done == num_splits - 1:  # the last split of this pair to finish merges
-            o = _merge_partials(opart_ptr, lpart_ptr, base, rows, row_ok, offs_d, d_ok,
-                                num_splits, GQA, HEAD_DIM, BLOCK_M, BLOCK_D)  # fmt: skip
-            tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            merged = _merge_partials(opart_ptr, lpart_ptr, base, num_splits, GQA, HEAD_DIM, G,
+                                     BLOCK_D, SPLIT_CHUNK)  # fmt: skip
+            g = tl.arange(0, G)
+            g_dst = out_ptr + b.to(tl.int64) * s_ot + (kvh * GQA + g)[:, None] * s_oh
+            g_mask = (g < GQA)[:, None] & d_ok[None, :]
+            tl.store(g_dst + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask=g_mask)
             tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed")  # ready for the next launch
 
 
@@ -205,7 +220,10 @@ def small_decode_launch(
     if kv_cache.dtype != FP8_KV_DTYPE:
         k_scale = v_scale = 1.0
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    block_m = max(16, 1 << (gqa - 1).bit_length())
+    g = 1 << (gqa - 1).bit_length()
+    block_m = max(16, g)
+    # the merge's O tile [chunk, G, BLOCK_D] stays at <= 4,096 floats (32 a thread at 4 warps)
+    chunk = max(1, min(32, 4096 // (g * block_d)))
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     small_decode_kernel[(batch, num_kv_heads, num_splits)](
         query, kv_cache, out, opart, lpart, counters, seq_lens, page_indptr, page_indices,
@@ -214,6 +232,6 @@ def small_decode_launch(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1),
         GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE=block_size, PRECISION=precision, INTERPRET=_interpreting(),
+        PAGE=block_size, PRECISION=precision, INTERPRET=_interpreting(), G=g, SPLIT_CHUNK=chunk,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
