@@ -108,7 +108,8 @@ def test_launches_in_a_row_reuse_the_workspace(kernel):
 
 
 def test_kernel_reads_an_fp8_cache_with_scales(kernel):
-    """float8_e4m3fn K/V (read as stored * k_scale / v_scale) with float16 queries."""
+    """float8_e4m3fn K/V (read as stored * k_scale / v_scale) with float16 queries, the
+    kernel and the torch path."""
     query, kv, meta = make_step([13, 26], 2, 4, 16, 4, seed=5)
     kv8, q16 = kv.clamp(-448, 448).to(torch.float8_e4m3fn), (query * 2).half()
     plan = sd.SmallDecodePlan(2, 8, 2, 16, 8, device(), splits=3)
@@ -116,6 +117,9 @@ def test_kernel_reads_an_fp8_cache_with_scales(kernel):
     want = paged_attention_reference(q16.double(), kv8.double(), meta, 0.4, k_scale=0.5,
                                      v_scale=2.0)[:2]  # fmt: skip
     torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-3)
+    torch_path = sd.small_decode_torch(q16[:2], kv8, [13, 26], meta.block_tables_cpu, 3, 0.4,
+                                       16, k_scale=0.5, v_scale=2.0)  # fmt: skip
+    torch.testing.assert_close(torch_path.double(), want, rtol=0, atol=5e-3)
 
 
 def test_split_rule_and_ranges():

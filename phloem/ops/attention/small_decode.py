@@ -119,7 +119,8 @@ def small_decode_torch(
         ids = torch.tensor(table, dtype=torch.int64, device=kv_cache.device)[pos // block_size]
         kv = kv_cache[ids, :, pos % block_size].to(compute)  # [L, 2, H_kv, D]
         if kv_cache.dtype == FP8_KV_DTYPE:
-            kv = kv * torch.tensor([k_scale, v_scale], dtype=compute).view(1, 2, 1, 1)
+            scales = torch.tensor([k_scale, v_scale], dtype=compute, device=kv.device)
+            kv = kv * scales.view(2, 1, 1)  # K and V of each token
         k = kv[:, 0].repeat_interleave(group, dim=1)  # [L, H, D]
         v = kv[:, 1].repeat_interleave(group, dim=1)
         q = query[b].to(compute)  # [H, D]
