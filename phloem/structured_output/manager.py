@@ -123,6 +123,9 @@ class StructuredOutputManager:
             copy to the device then skips its staging copy, 16 MB a 1,024-row step at 128K
             tokens; a buffer is rewritten only after the step that read it was collected).
         max_cached: compiled constraints kept (least recently registered dropped first).
+        buffers: two int32 [rows, W] arrays to fill in turn instead of the manager's own (the
+            grammar process's shared memory, `grammar_process.py`): never grown, so a step
+            of more rows raises ValueError.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class StructuredOutputManager:
         num_compile_threads: int = 2,
         pin_memory: bool = False,
         max_cached: int = 4096,
+        buffers: tuple[np.ndarray, np.ndarray] | None = None,
     ):
         self.backend = backend
         self.width = bitmask_width(vocab_size)
@@ -153,6 +157,9 @@ class StructuredOutputManager:
         # step cost ~8 ms of page faults on the loop (np.full), plus ~1.3 ms to scatter the
         # filled rows into it (benchmarks/results/2026-11-26c-cpu-structured-masks)
         self._buffers: list[np.ndarray] = [np.empty((0, self.width), dtype=np.int32)] * 2
+        self._fixed = buffers is not None
+        if buffers is not None:
+            self._buffers = list(buffers)
         self._turn = 0
         self._pin_memory = pin_memory
 
@@ -286,6 +293,11 @@ class StructuredOutputManager:
             stats.ready_lag_s += now - registered
             stats.max_ready_lag_s = max(stats.max_ready_lag_s, now - registered)
 
+    def reset_max_ready_lag(self) -> None:
+        """Start `stats.max_ready_lag_s` over (benchmarks: the longest lag of one run)."""
+        with self._stats_lock:
+            self.stats.max_ready_lag_s = 0.0
+
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's matcher (unknown ids are ignored)."""
         self._sequences.pop(seq_id, None)
@@ -338,6 +350,8 @@ class StructuredOutputManager:
         self._turn ^= 1
         buffer = self._buffers[self._turn]
         if buffer.shape[0] < num_rows:
+            if self._fixed:
+                raise ValueError(f"{num_rows} bitmask rows, the buffers hold {buffer.shape[0]}")
             shape = (max(num_rows, 2 * buffer.shape[0]), self.width)
             if self._pin_memory:
                 import torch
