@@ -243,12 +243,21 @@ class StructuredOutputsConfig:
         backend: the grammar library: "llguidance" (compiles a schema in about a millisecond,
             masks on the fly) or "xgrammar" (precomputes token masks per grammar: ~0.4 s a
             schema); both accept the same constraints.
+        grammar_process: run the grammars (compiles, matchers, each step's advance and
+            bitmask fill) in a process of their own, the bitmask in shared memory, so the fill
+            never waits for the engine loop's GIL (`structured_output/grammar_process.py`);
+            PHLOEM_GRAMMAR_PROCESS=1 or 0 overrides it. Off until measured on a GPU.
     """
 
     backend: str = "llguidance"
+    grammar_process: bool = False
 
     def validate(self) -> None:
         _one_of("structured_outputs_backend", self.backend, STRUCTURED_OUTPUT_BACKENDS)
+        if not isinstance(self.grammar_process, bool):
+            raise ValueError(
+                f"structured_outputs_grammar_process must be a bool, got {self.grammar_process!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,11 @@ class EngineArgs:
         "grammar library of structured outputs (structured_outputs, response_format, guided_*)",
         choices=STRUCTURED_OUTPUT_BACKENDS,
     )
+    structured_outputs_grammar_process: bool = _arg(
+        StructuredOutputsConfig.grammar_process,
+        "run the grammars of structured outputs in a process of their own, the bitmask in "
+        "shared memory (PHLOEM_GRAMMAR_PROCESS=1 also turns it on)",
+    )
     speculative_config: dict | None = _arg(
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' '
@@ -348,7 +353,10 @@ class EngineArgs:
             ),
             seed=self.seed,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend),
+            structured_outputs=StructuredOutputsConfig(
+                backend=self.structured_outputs_backend,
+                grammar_process=self.structured_outputs_grammar_process,
+            ),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
         )
         config.validate()

@@ -81,7 +81,8 @@ class LLMEngine:
         self._num_steps = 0  # non-empty steps launched
         self._step_observers: list[StepObserver] = []
         self.structured = StructuredOutputs(self.scheduler, self.tokenizer, self.eos_token_id,
-            self.hf_config.vocab_size, config.structured_outputs.backend)  # fmt: skip
+            self.hf_config.vocab_size, config.structured_outputs.backend,
+            grammar_process=config.structured_outputs.grammar_process)  # fmt: skip
         self.drafter: Drafter | None = None  # speculative decoding (`spec_decode/drafter.py`)
         if config.speculative is not None:
             budget = self.scheduler_config.max_num_batched_tokens

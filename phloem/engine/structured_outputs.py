@@ -67,6 +67,11 @@ from typing import TYPE_CHECKING
 from phloem.core.request import Request, RequestStatus
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.sampling_params import SamplingParams
+from phloem.structured_output.grammar_process import (
+    GrammarProcessClient,
+    GrammarProcessSpec,
+    grammar_process_from_env,
+)
 from phloem.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -96,10 +101,12 @@ class LoopTimes:
             requests' grammars included).
         advance_s: `collected` and `advance` (the matchers accepting a step's tokens: on the
             loop, or the loop's hand-over and its wait for the fill thread's advance).
-        fill_s: the bitmask fills themselves (in the fill thread or on the loop).
+        fill_s: the bitmask fills themselves (in the fill thread or on the loop; with the
+            grammar process, its fills).
         fill_wait_s: the loop blocked in `bitmask` for a fill started in `advance`.
         fill_lag_s: from `collected` (or `advance`) handing the advance and fill (or a fill)
-            to the fill thread until the thread began.
+            to the fill thread until the thread began (with the grammar process: sending the
+            request until the process read it).
         num_bitmasks: the steps' bitmasks taken.
     """
 
@@ -116,7 +123,12 @@ class StructuredOutputs:
     vocab_size: the model's (for the grammar library's tokenizer info); backend: the grammar
     library (`StructuredOutputsConfig.backend`); num_compile_threads:
     threads compiling grammars and filling bitmasks (the library releases the GIL in both;
-    default `default_num_threads()`)."""
+    default `default_num_threads()`); grammar_process: the manager in a process of its own
+    (`StructuredOutputsConfig.grammar_process`; PHLOEM_GRAMMAR_PROCESS=1 or 0 overrides it:
+    `structured_output/grammar_process.py`).
+
+    Raises:
+        ValueError: PHLOEM_GRAMMAR_PROCESS is set to neither 0 nor 1."""
 
     def __init__(
         self,
@@ -126,12 +138,15 @@ class StructuredOutputs:
         vocab_size: int,
         backend: str = "llguidance",
         num_compile_threads: int | None = None,
+        grammar_process: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.backend = backend
         self._tokenizer_args = (tokenizer, vocab_size, eos_token_id)  # tokenizer_data's
         self.num_threads = num_compile_threads or default_num_threads()
-        self.manager: StructuredOutputManager | None = None
+        self.grammar_process = grammar_process_from_env(grammar_process)
+        self.manager: StructuredOutputManager | GrammarProcessClient | None = None
+        self.process: GrammarProcessClient | None = None  # the manager, when in a process
         self._next: SchedulerOutput | None = None  # marked, its bitmask not taken yet
         self.held: LaunchedStep | None = None  # launched, its sampling not enqueued yet
         # (step, its fill started by `advance`)
@@ -161,17 +176,38 @@ class StructuredOutputs:
         if constraint is None:
             return
         if self.manager is None:
-            from phloem.structured_output import make_backend, tokenizer_data
-
-            data = tokenizer_data(*self._tokenizer_args)
-            backend = make_backend(data, self.num_threads, self.backend)
-            import torch
-
-            self.manager = StructuredOutputManager(
-                backend, self._tokenizer_args[1], self.num_threads, torch.cuda.is_available()
-            )
+            self.manager = self._build_manager()
             self.scheduler.admission_gate = self._ready
         self.manager.register(seq_id, constraint)
+
+    def _build_manager(self) -> StructuredOutputManager | GrammarProcessClient:
+        """The manager over the grammar library and the model's tokenizer: in the engine's
+        process, or with `grammar_process` in a process of its own (in the engine's process,
+        with a warning, when /dev/shm has no room for its bitmask). Bitmask buffers
+        page-locked with a GPU."""
+        import torch
+
+        from phloem.structured_output import make_backend, tokenizer_data
+
+        data = tokenizer_data(*self._tokenizer_args)
+        pin = torch.cuda.is_available()
+        if self.grammar_process:
+            spec = GrammarProcessSpec(
+                self.backend, data.tokenizer.backend_tokenizer.to_str(), data.vocab_size,
+                data.stop_token_ids, self.num_threads, self.scheduler.config.max_num_seqs,
+            )  # fmt: skip
+            try:
+                self.process = GrammarProcessClient(spec, pin, self._count_fill)
+                return self.process
+            except ValueError as e:
+                logger.warning("%s: the grammars stay in the engine's process", e)
+        backend = make_backend(data, self.num_threads, self.backend)
+        return StructuredOutputManager(backend, data.vocab_size, self.num_threads, pin)
+
+    def _count_fill(self, lag_s: float, fill_s: float) -> None:
+        """A grammar process's fill read back: its lag and its own time [s] (`LoopTimes`)."""
+        self.times.fill_lag_s += lag_s
+        self.times.fill_s += fill_s
 
     def _ready(self, request: Request) -> bool:
         """The scheduler's admission gate: False while the request's grammar compiles, so it
@@ -245,16 +281,29 @@ class StructuredOutputs:
             return  # several tokens a row (speculative decoding): `advance`
         start = time.perf_counter()
         self._take_fill()  # none in flight here; a stale one is dropped
-        if self._filler is None:
-            self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
         ids, tokens = list(sampled_token_ids), list(sampled_token_ids.values())
-        begun, advanced = threading.Event(), concurrent.futures.Future()  # type: ignore[var-annotated]
-        job = (ids, tokens, list(marked.structured_seq_ids), begun, advanced)
-        self._fill = (marked, self._filler.submit(self._advance_then_fill, job, start))
+        fill_ids = list(marked.structured_seq_ids)
+        if self.process is not None:  # one message; nothing waits for the process to begin
+            advanced, filled = self.process.start_step(ids, tokens, fill_ids)
+        else:
+            advanced, filled = self._start_advance_then_fill(ids, tokens, fill_ids, start)
+        self._fill = (marked, filled)
         self._advanced = (ids, tokens, advanced)
         self.num_early_fills += 1
-        begun.wait()
         self.times.advance_s += time.perf_counter() - start
+
+    def _start_advance_then_fill(
+        self, ids: list[str], tokens: list[int], fill_ids: list[str], start: float
+    ) -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
+        """(the advance's future, the fill's) of `_advance_then_fill` on the fill thread,
+        once the thread has begun."""
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
+        begun, advanced = threading.Event(), concurrent.futures.Future()  # type: ignore[var-annotated]
+        job = (ids, tokens, fill_ids, begun, advanced)
+        filled = self._filler.submit(self._advance_then_fill, job, start)
+        begun.wait()
+        return advanced, filled
 
     def _advance_then_fill(self, job: tuple, submitted: float) -> tuple[GrammarBitmask, dict]:
         """On the fill thread: `manager.accept_rows(ids, tokens)` (its result or exception set
@@ -320,6 +369,8 @@ class StructuredOutputs:
         runs at a time) and, for a fill handed over at `submitted` (perf_counter seconds), the
         wait for its thread to `times.fill_lag_s`."""
         assert self.manager is not None
+        if self.process is not None:  # its fill's times come back with it (`_count_fill`)
+            return self.process.bitmask(seq_ids)
         start = time.perf_counter()
         if submitted is not None:
             self.times.fill_lag_s += start - submitted
@@ -342,9 +393,13 @@ class StructuredOutputs:
         ~3 ms a step with no less fill wait (one schema 0.76 / 0.83x with the wait, 0.89 /
         0.81x without; benchmarks/results/2026-11-26h-h200)."""
         assert self.manager is not None
+        ids = list(sched.structured_seq_ids)
+        if self.process is not None:  # a grammar process: its reply waited for in `bitmask`
+            self._fill = (sched, self.process.start_fill(ids))
+            self.num_early_fills += 1
+            return
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
-        ids = list(sched.structured_seq_ids)
         future = self._filler.submit(self._timed_fill, ids, time.perf_counter())
         self._fill = (sched, future)
         self.num_early_fills += 1
@@ -353,7 +408,7 @@ class StructuredOutputs:
         """The started fill (finished: waited for), or None; no fill is in flight after."""
         started, self._fill = self._fill, None
         if started is not None:
-            concurrent.futures.wait([started[1]])
+            started[1].exception()  # waits (a thread's future, or a grammar process's reply)
         return started
 
     # -- the held step: launched, sampled once its bitmask is filled ---------------------------

@@ -91,13 +91,15 @@ class _Reply:
 
     Attributes:
         kind: "advanced", "filled" or "stats". fill_ids: a fill's rows. sent_at: when the
-            request was sent [perf_counter s].
+            request was sent [perf_counter s]. rows: the indices of an advance's rows sent
+            (None: all), to which the child's row numbers are mapped back.
     """
 
-    __slots__ = ("kind", "fill_ids", "sent_at", "value", "error", "is_done", "_client")
+    __slots__ = ("kind", "fill_ids", "rows", "sent_at", "value", "error", "is_done", "_client")
 
     def __init__(self, client: GrammarProcessClient, kind: str, fill_ids=None) -> None:
         self._client, self.kind, self.fill_ids = client, kind, fill_ids
+        self.rows: list[int] | None = None  # an advance's rows sent, where not all were
         self.sent_at = time.perf_counter()
         self.value: object = None
         self.error: str | None = None
@@ -166,6 +168,7 @@ class GrammarProcessClient:
                                            self._registered)  # fmt: skip
         self._live: dict[str, None] = {}  # registered, not forgotten (insertion order)
         self._ready: set[str] = set()  # of those, matchers built (or failed)
+        self._sampled: set[str] = set()  # of those, in a fill: the child made their matchers
         self._ops: list[tuple] = []  # registrations and forgets not sent yet
         self._replies: deque[_Reply] = deque()  # sent requests, in the child's reply order
         self._polled_at = 0.0
@@ -186,6 +189,7 @@ class GrammarProcessClient:
         """Drop a finished sequence (unknown ids are ignored)."""
         if self._live.pop(seq_id, 0) is None:
             self._ready.discard(seq_id)
+            self._sampled.discard(seq_id)
             self._ops.append(("f", seq_id))
 
     def is_constrained(self, seq_id: str) -> bool:
@@ -243,9 +247,21 @@ class GrammarProcessClient:
                 f"{len(fill_ids)} bitmask rows, the grammar process holds {self.max_rows}"
             )
         advanced = None if ids is None else _Reply(self, "advanced")
+        if ids is not None:  # only rows with matchers (made by a fill) advance
+            sampled = self._sampled
+            rows = [k for k, seq_id in enumerate(ids) if seq_id in sampled]
+            if len(rows) < len(ids):
+                advanced.rows = rows  # type: ignore[union-attr]
+                ids, tokens = [ids[k] for k in rows], [tokens[k] for k in rows]  # type: ignore[index]
         filled = None if fill_ids is None else _Reply(self, "filled", list(fill_ids))
+        if fill_ids is not None:
+            self._sampled.update(s for s in fill_ids if s in self._live)
         replies = [r for r in (advanced, filled) if r is not None]
-        if self._send(("step", ids, tokens, fill_ids), replies):
+        if advanced is not None and not ids:  # nothing to advance: ends no row
+            advanced.value, advanced.is_done = {}, True
+            replies.remove(advanced)
+            ids = tokens = None
+        if replies and self._send(("step", ids, tokens, fill_ids), replies):
             self._replies.extend(replies)
         return advanced, filled
 
@@ -342,7 +358,10 @@ class GrammarProcessClient:
         if kind == "stats":
             reply.value = message[1]
         elif kind == "advanced":
-            reply.value, reply.error = message[1], message[2]
+            ended, reply.error = message[1], message[2]
+            if ended and reply.rows is not None:
+                ended = {reply.rows[j]: done for j, done in ended.items()}
+            reply.value = ended
         else:
             value, reply.error, (received, start, end) = message[1:]
             if value is not None:
