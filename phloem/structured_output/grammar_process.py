@@ -287,6 +287,11 @@ class GrammarProcessClient:
             self._stats = GrammarStats(**reply.result())
         return self._stats
 
+    @property
+    def pid(self) -> int | None:
+        """The grammar process's id."""
+        return self._process.pid
+
     def reset_max_ready_lag(self) -> None:
         self._send(("reset_lag",))
 
