@@ -15,8 +15,10 @@ stub scheduler and no model:
       of N+1 starts -> outputs: --outputs-ms of Python -> presample: --presample-ms of small
       torch ops -> bitmask(N+1): the wait is measured
 
-Per step: the loop's wait for the fill, the fill's own time, and how long after `advance`
-started it the fill's thread began (`fill_lag`, where the tree under test records it).
+Per step: the loop's wait for the fill, the fill's own time, how long after `advance`
+started it the fill's thread began (`fill_lag`, where the tree under test records it) and
+when it ended (`fill_done`: the hand-over to the filled bitmask). `--grammar-process`: the
+grammars in a process of their own (`structured_output/grammar_process.py`).
 `--trees A,B` runs each tree (a directory with `phloem/`, e.g. a `git archive` of the commit
 before a change) in its own process, alternating, `--rounds` times; the walk is recorded once
 (`--walk`, a .npy file) and replayed by every process.
@@ -34,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -54,6 +57,7 @@ class _Scheduler:
         self.requests = {r.request_id: r for r in requests}
         self.running, self.waiting = list(requests), []
         self.admission_gate = None
+        self.config = SimpleNamespace(max_num_seqs=len(requests))  # the grammar process's rows
         self.num_failed = self.num_finished = 0
 
     def fail_request(self, request: _Request, message: str) -> None:
@@ -85,10 +89,11 @@ def loop_work(outputs_ms: float, presample_ms: float, small) -> None:
 
 
 def _counters(times) -> tuple[float, ...]:
-    """(advance, fill, fill wait, fill lag) seconds so far of a `LoopTimes`; a tree from before
-    `fill_lag_s` existed counts no lag."""
-    lag = dataclasses.asdict(times).get("fill_lag_s", 0.0)
-    return times.advance_s, times.fill_s, times.fill_wait_s, lag
+    """(advance, fill, fill wait, fill lag, fill done) seconds so far of a `LoopTimes`; a tree
+    from before `fill_lag_s` or `fill_done_s` existed counts none."""
+    counts = dataclasses.asdict(times)
+    lag, done = counts.get("fill_lag_s", 0.0), counts.get("fill_done_s", 0.0)
+    return times.advance_s, times.fill_s, times.fill_wait_s, lag, done
 
 
 def _step(num: int, rows: list[str]):
@@ -114,8 +119,9 @@ def replay(args, walk: np.ndarray) -> dict:
     ids = [f"s{i}" for i in range(walk.shape[1])]
     requests = [_Request(i) for i in ids]
     scheduler = _Scheduler(requests)
+    process = {"grammar_process": True} if args.grammar_process else {}  # trees from 2026-11-27e
     hooks = StructuredOutputs(scheduler, data.tokenizer, data.stop_token_ids[0], data.vocab_size,
-                              num_compile_threads=args.fill_threads)  # fmt: skip
+                              num_compile_threads=args.fill_threads, **process)  # fmt: skip
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema(None, 200, 400)))
     for seq_id in ids:
         hooks.register(seq_id, params)
@@ -145,8 +151,9 @@ def replay(args, walk: np.ndarray) -> dict:
     assert not scheduler.num_failed, "the walk left the grammar"
     ms = 1e3 * np.array(steps)
     slow = ms[np.argsort(ms[:, 2])[-max(1, len(ms) // 4) :]]
-    names = ("step", "advance", "fill", "fill_wait", "fill_lag")
+    names = ("step", "advance", "fill", "fill_wait", "fill_lag", "fill_done")
     return {"rows": len(ids), "steps": len(ms), "fill_threads": args.fill_threads,
+            "grammar_process": args.grammar_process,
             "update_ms": args.update_ms, "outputs_ms": args.outputs_ms,
             "presample_ms": args.presample_ms,
             "mean_ms": dict(zip(names, ms.mean(axis=0).round(3).tolist())),
@@ -178,7 +185,7 @@ def run_trees(args) -> list[dict]:
     child_args = ["--rows", str(args.rows), "--steps", str(args.steps),
                   "--fill-threads", str(args.fill_threads), "--update-ms", str(args.update_ms),
                   "--outputs-ms", str(args.outputs_ms), "--presample-ms", str(args.presample_ms),
-                  "--walk", args.walk]  # fmt: skip
+                  "--walk", args.walk] + ["--grammar-process"] * args.grammar_process  # fmt: skip
     from phloem.bench.ab_trees import run_in_trees  # the parent's tree (a child's may lack it)
 
     return run_in_trees(str(Path(__file__).resolve()), child_args, args.trees, args.rounds)
@@ -194,6 +201,8 @@ def main() -> None:
     parser.add_argument("--outputs-ms", type=float, default=3.0, help="Python after advance")
     parser.add_argument("--presample-ms", type=float, default=19.0, help="torch calls after it")
     parser.add_argument("--walk", default=None, help=".npy of the walk (default: in /tmp)")
+    parser.add_argument("--grammar-process", action="store_true",
+                        help="the grammars in a process of their own (StructuredOutputs')")  # fmt: skip
     parser.add_argument("--trees", default=None, help="comma-separated trees to compare")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

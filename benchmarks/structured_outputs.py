@@ -21,7 +21,9 @@ waiting for the device, updating, the rest; see `step_times`); a constrained run
 structured-output work per constrained step (`loop_ms_per_bitmask`: marking rows, advancing
 the matchers, the fill and the loop's wait for it), and on a GPU the caching allocator's
 device frees and retries in the run (`cuda_allocator`: each one a device sync in a step).
-`--grammar-threads N` sets the grammar library's threads (default: all CPUs but two).
+`--grammar-threads N` sets the grammar library's threads (default: all CPUs but two);
+`--grammar-process` runs the grammars in a process of their own (`grammar_process` in the JSON
+says whether it ran: without room in /dev/shm the engine keeps them in its process and warns).
 
 CPU (the embedded model, 64 requests; goal one-schema >= 0.9x):
 
@@ -140,7 +142,7 @@ def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
     engine = llm.llm_engine
     structured = engine.structured
     if structured.manager is not None:
-        structured.manager.stats.max_ready_lag_s = 0.0  # this call's
+        structured.manager.reset_max_ready_lag()  # this call's
     before = _grammar_counters(structured)
     records: list = []
     observer = records.append
@@ -204,12 +206,14 @@ def _grammar_counters(structured) -> dict:
 def loop_ms_per_bitmask(added: dict) -> dict:
     """A run's `LoopTimes` in ms per constrained step: `mark`, `advance` (on the loop), `fill`
     (the fill's own time, mostly in its thread), `fill_wait` (the loop blocked on it),
-    `fill_lag` (the fill's thread starting after `advance` handed it over) and, of `fill`, the
+    `fill_lag` (the fill's thread, or the grammar process, starting after `advance` handed it
+    over), `fill_done` (from that hand-over to the fill's end) and, of `fill`, the
     library's own (`library_fill`, `GrammarStats.library_fill_s`), of `advance` the backend's
     batched call (`library_advance`, `GrammarStats.library_advance_s`; 0 for a tree from
     before it was counted)."""
     n = added.get("num_bitmasks", 0)
-    names = ("mark", "advance", "fill", "fill_wait", "fill_lag", "library_fill", "library_advance")
+    names = ("mark", "advance", "fill", "fill_wait", "fill_lag", "fill_done", "library_fill",
+             "library_advance")  # fmt: skip
     return {f"{k}_ms": 1e3 * added.get(f"{k}_s", 0.0) / n for k in names} if n else {}
 
 
@@ -229,7 +233,7 @@ def setup(args, tmp: str):
     """(LLM, prompts, (minItems, maxItems) of the schemas) for the model asked for."""
     n, rng = args.num_requests, random.Random(0)
     if args.model is None:  # the embedded model: real text prompts, real JSON
-        llm = LLM(structured_outputs_backend=args.backend)
+        llm = LLM(structured_outputs_backend=args.backend, **_grammar_process(args))
         words = ["Describe", "a", "record", "as", "JSON", "for", "the", "archive", "entry"]
         prompts = [" ".join(rng.choices(words, k=12)) + f" #{i}:" for i in range(n)]
         return llm, prompts, (1, 4)
@@ -239,11 +243,17 @@ def setup(args, tmp: str):
         overrides.update(vocab_size=v, eos_token_id=v - 1, bos_token_id=v - 2)
     path = byte_level_tokenizer_dir(args.model, Path(tmp) / "model", **overrides)
     engine = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    engine.update(_grammar_process(args))
     llm = LLM(str(path), load_format="dummy", structured_outputs_backend=args.backend, **engine)
     vocab = llm.llm_engine.hf_config.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(256, vocab) for _ in range(args.prompt_len)]}
                for _ in range(n)]  # fmt: skip
     return llm, prompts, (200, 400)
+
+
+def _grammar_process(args) -> dict:
+    """The engine argument of `--grammar-process` (none without it: the engine's default)."""
+    return {"structured_outputs_grammar_process": True} if args.grammar_process else {}
 
 
 def measure(llm, prompts, items, args) -> dict:
@@ -340,6 +350,9 @@ def main() -> None:
                         help="sys.setswitchinterval [s] for the run (default: Python's 0.005): "
                         "how long the fill thread may wait for the GIL while the loop runs "
                         "Python (2026-11-27d-h200)")  # fmt: skip
+    parser.add_argument("--grammar-process", action="store_true",
+                        help="the grammars in a process of their own "
+                        "(structured_outputs_grammar_process; 2026-11-27e-cpu-grammar-process)")  # fmt: skip
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
     if args.switch_interval is not None:
@@ -358,7 +371,8 @@ def main() -> None:
                         "max_num_seqs": args.max_num_seqs, "machine": platform.machine(),
                         **host_cpus(), "grammar_library_load_s": time.perf_counter() - start,
                         "grammar_threads": llm.llm_engine.structured.num_threads,
-                        "switch_interval_s": sys.getswitchinterval()}  # fmt: skip
+                        "switch_interval_s": sys.getswitchinterval(),
+                        "grammar_process": llm.llm_engine.structured.process is not None}  # fmt: skip
         if not args.small_warm_up:
             result["full_batch_warm_up_s"] = full_batch_warm_up(llm, prompts, items)
         result.update(measure(llm, prompts, items, args))

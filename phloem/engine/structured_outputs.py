@@ -107,6 +107,8 @@ class LoopTimes:
         fill_lag_s: from `collected` (or `advance`) handing the advance and fill (or a fill)
             to the fill thread until the thread began (with the grammar process: sending the
             request until the process read it).
+        fill_done_s: from that hand-over until the fill ended (in the thread or the grammar
+            process; the latency a step's `bitmask` may wait for).
         num_bitmasks: the steps' bitmasks taken.
     """
 
@@ -115,6 +117,7 @@ class LoopTimes:
     fill_s: float = 0.0
     fill_wait_s: float = 0.0
     fill_lag_s: float = 0.0
+    fill_done_s: float = 0.0
     num_bitmasks: int = 0
 
 
@@ -204,10 +207,11 @@ class StructuredOutputs:
         backend = make_backend(data, self.num_threads, self.backend)
         return StructuredOutputManager(backend, data.vocab_size, self.num_threads, pin)
 
-    def _count_fill(self, lag_s: float, fill_s: float) -> None:
+    def _count_fill(self, lag_s: float, fill_s: float, total_s: float) -> None:
         """A grammar process's fill read back: its lag and its own time [s] (`LoopTimes`)."""
         self.times.fill_lag_s += lag_s
         self.times.fill_s += fill_s
+        self.times.fill_done_s += total_s
 
     def _ready(self, request: Request) -> bool:
         """The scheduler's admission gate: False while the request's grammar compiles, so it
@@ -319,7 +323,10 @@ class StructuredOutputs:
             advanced.set_exception(e)
             raise
         advanced.set_result(ended)
-        return self._timed_fill(fill_ids)
+        try:
+            return self._timed_fill(fill_ids)
+        finally:
+            self.times.fill_done_s += time.perf_counter() - submitted
 
     def advance(self, updated: list[Request]) -> None:
         """Accept each updated constrained request's new token (or, after `collected`, wait for
@@ -367,7 +374,8 @@ class StructuredOutputs:
     ) -> tuple[GrammarBitmask, dict[str, str]]:
         """`manager.bitmask(seq_ids)`, its time added to `times.fill_s` (any thread: one fill
         runs at a time) and, for a fill handed over at `submitted` (perf_counter seconds), the
-        wait for its thread to `times.fill_lag_s`."""
+        wait for its thread to `times.fill_lag_s` and the hand-over to its end to
+        `times.fill_done_s`."""
         assert self.manager is not None
         if self.process is not None:  # its fill's times come back with it (`_count_fill`)
             return self.process.bitmask(seq_ids)
@@ -377,7 +385,10 @@ class StructuredOutputs:
         try:
             return self.manager.bitmask(seq_ids)
         finally:
-            self.times.fill_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.times.fill_s += end - start
+            if submitted is not None:
+                self.times.fill_done_s += end - submitted
 
     def _start_fill(self, sched: SchedulerOutput) -> None:
         """Fill the marked step's bitmask in a background thread (its rows' previous tokens are

@@ -138,8 +138,9 @@ class GrammarProcessClient:
     Args:
         spec: the child's backend and manager (`GrammarProcessSpec`).
         pin_memory: page-lock the shared bitmask (with a GPU; see the module docstring).
-        on_fill: called with (lag, fill) seconds for each fill read back: from the request's
-            send to the child's receipt, and the child's fill.
+        on_fill: called with (lag, fill, total) seconds for each fill read back: from the
+            request's send to the child's receipt, the child's fill, and from the send to the
+            fill's end.
 
     Raises:
         ValueError: /dev/shm has no room for the bitmask (`shared_memory_fits`).
@@ -149,7 +150,7 @@ class GrammarProcessClient:
         self,
         spec: GrammarProcessSpec,
         pin_memory: bool = False,
-        on_fill: Callable[[float, float], None] | None = None,
+        on_fill: Callable[[float, float, float], None] | None = None,
     ) -> None:
         self.width = bitmask_width(spec.vocab_size)
         num_bytes = 2 * spec.max_rows * self.width * 4
@@ -375,7 +376,7 @@ class GrammarProcessClient:
                 rows = self._views[turn][: len(reply.fill_ids)]
                 reply.value = (GrammarBitmask(reply.fill_ids, rows), failed)
             if self._on_fill is not None:
-                self._on_fill(received - reply.sent_at, end - start)
+                self._on_fill(received - reply.sent_at, end - start, end - reply.sent_at)
         reply.is_done = True
 
     def _died(self, reason: str | None) -> None:
