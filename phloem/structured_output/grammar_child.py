@@ -4,6 +4,7 @@ engine's requests over one pipe and filling the bitmask into shared memory.
 
     engine (parent)                            grammar process (this module)
     ("ops", [("r", seq, params) | ("f", seq)]) register / forget; no reply
+    ("buffers", shm name, rows)                  fill a larger segment from now on; no reply
     ("step", ids, tokens, fill_ids)          ─► accept_rows(ids, tokens) ─► ("advanced", ...)
                                                 bitmask(fill_ids) into shm ─► ("filled", ...)
     ("stats",)                                ─► ("stats", GrammarStats fields)
@@ -26,6 +27,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from phloem.structured_output.backend import bitmask_width
+
 _READY_POLL_S = 0.001  # how often matchers still being built are looked at [s]
 
 
@@ -40,7 +43,7 @@ class GrammarProcessSpec:
         vocab_size: the logits' width [tokens].
         stop_token_ids: the ids that end a sequence (EOS).
         num_threads: the library's threads (compiles, fills and advances).
-        max_rows: bitmask rows the shared memory holds (the engine's `max_num_seqs`).
+        max_rows: the most bitmask rows a step fills (the engine's `max_num_seqs`).
     """
 
     backend: str
@@ -59,68 +62,85 @@ def shared_views(buf, max_rows: int, width: int) -> tuple[np.ndarray, np.ndarray
     )
 
 
-def child_main(conn, spec: GrammarProcessSpec, shm_name: str) -> None:
+class _Segment:
+    """The shared memory the manager fills (attached by name), its two buffers' views."""
+
+    def __init__(self, name: str, rows: int, width: int) -> None:
+        self.shm = shared_memory.SharedMemory(name=name)
+        self.views = shared_views(self.shm.buf, rows, width)
+        self.first = self.views[0].ctypes.data  # a fill names the buffer it wrote
+
+    def close(self) -> None:
+        self.views = None  # type: ignore[assignment]
+        try:
+            self.shm.close()
+        except BufferError:  # a view still referenced: unmapped when it is collected
+            pass
+
+
+def child_main(conn, spec: GrammarProcessSpec, shm_name: str, rows: int) -> None:
     """The grammar process (`multiprocessing` spawn target): build the backend and manager
-    over the shared memory `shm_name`, then serve `conn` until "stop" or the parent is gone.
-    A backend that does not build is reported ("fatal") and the process exits. SIGINT is left
-    to the parent, which stops this process."""
+    over the shared memory `shm_name` (two buffers of `rows` rows), then serve `conn` until
+    "stop" or the parent is gone. A backend that does not build is reported ("fatal") and the
+    process exits. SIGINT is left to the parent, which stops this process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    shm = shared_memory.SharedMemory(name=shm_name)
-    manager = views = None
+    width = bitmask_width(spec.vocab_size)
+    segment = _Segment(shm_name, rows, width)
+    manager = None
     try:
         try:
-            manager, views = _build(spec, shm)
+            manager = _build(spec, segment.views)
         except Exception as e:  # noqa: BLE001 - reported to the parent, which fails its rows
             conn.send(("fatal", f"{type(e).__name__}: {e}"))
             return
-        _serve(conn, manager, views[0].ctypes.data)
+        segment = _serve(conn, manager, segment, width)
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
         if manager is not None:
             manager.shutdown()
-        manager = views = None  # type: ignore[assignment]
-        try:
-            shm.close()
-        except BufferError:  # a view still referenced; the mapping goes with the process
-            pass
+        manager = None
+        segment.close()
 
 
-def _build(spec: GrammarProcessSpec, shm):
-    """(the manager over the spec's backend, the shared memory's two buffers it fills)."""
+def _build(spec: GrammarProcessSpec, views: tuple[np.ndarray, np.ndarray]):
+    """The manager over the spec's backend, filling `views` in turn."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from phloem.structured_output import make_backend
-    from phloem.structured_output.backend import TokenizerData, bitmask_width
+    from phloem.structured_output.backend import TokenizerData
     from phloem.structured_output.manager import StructuredOutputManager
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(spec.tokenizer_json))
     data = TokenizerData(tokenizer, spec.vocab_size, spec.stop_token_ids)
     backend = make_backend(data, spec.num_threads, spec.backend)
-    views = shared_views(shm.buf, spec.max_rows, bitmask_width(spec.vocab_size))
-    manager = StructuredOutputManager(backend, spec.vocab_size, spec.num_threads, buffers=views)
-    return manager, views
+    return StructuredOutputManager(backend, spec.vocab_size, spec.num_threads, buffers=views)
 
 
-def _serve(conn, manager, first: int) -> None:
-    """Answer the parent's messages in order (module docstring) until "stop"; `first`: the
-    address of the first buffer (a fill names the buffer it wrote)."""
+def _serve(conn, manager, segment: _Segment, width: int) -> _Segment:
+    """Answer the parent's messages in order (module docstring) until "stop"; returns the
+    segment in use then."""
     pending: set[str] = set()  # registered, matcher not built yet
     while True:
         if conn.poll(_READY_POLL_S if pending else None):
             message = conn.recv()
             kind = message[0]
             if kind == "step":
-                _step(conn, manager, first, *message[1:])
+                _step(conn, manager, segment.first, *message[1:])
             elif kind == "ops":
                 _apply(manager, message[1], pending)
+            elif kind == "buffers":  # a larger segment: the old one is not filled again
+                new = _Segment(message[1], message[2], width)
+                manager.use_buffers(new.views)
+                segment.close()
+                segment = new
             elif kind == "stats":
                 conn.send(("stats", dataclasses.asdict(manager.stats)))
             elif kind == "reset_lag":
                 manager.reset_max_ready_lag()
             elif kind == "stop":
-                return
+                return segment
         if pending:
             ready = [seq_id for seq_id in pending if manager.is_ready(seq_id)]
             if ready:

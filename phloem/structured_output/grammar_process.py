@@ -17,11 +17,13 @@ took 24-29 ms but ended ~42 ms after its tokens were handed over (benchmarks/res
     outputs, schedule, prepare N+2 (Python)              │
     bitmask(N+1): wait for "filled" ◄────────────────────┘ a view of the shared buffer
 
-The bitmask is two int32 [max_rows, W] buffers in one `multiprocessing.shared_memory` segment,
+The bitmask is two int32 [rows, W] buffers in one `multiprocessing.shared_memory` segment,
 filled in turn as the manager's own two are (a buffer is rewritten only after the step that
 read it was collected); with a GPU the segment is page-locked (`cudaHostRegister`), so the
 worker's copy to the device (`ops.token_bitmask.bitmask_to_device`) reads it directly, as the
-in-process manager's pinned buffers. The parent keeps the registered ids (`constrained_ids`),
+in-process manager's pinned buffers. It starts at 256 rows and moves to a larger segment when a
+step has more rows (up to the engine's `max_num_seqs`; the old one is unlinked two fills later),
+so /dev/shm holds what the batch needs, not 2 x 2,048 rows (66 MB at 128K tokens). The parent keeps the registered ids (`constrained_ids`),
 batches registrations and forgets into one message before its next request, and learns which
 matchers are ready from the child's "ready" messages, read when it asks (`is_ready`) or waits.
 It reads the pipe only on the engine loop's thread, blocking reads releasing the GIL.
@@ -57,6 +59,7 @@ GRAMMAR_PROCESS_ENV = "PHLOEM_GRAMMAR_PROCESS"
 _LIVENESS_S = 0.5  # how often a wait looks at whether the child is alive [s]
 _REPLY_TIMEOUT_S = 120.0  # a reply not come by then: the child is taken as dead [s]
 _READY_POLL_S = 0.0005  # `is_ready` reads the pipe at most this often [s]
+_FIRST_ROWS = 256  # rows of the first segment (grown to a step's rows, up to `max_rows`)
 
 
 class GrammarProcessError(RuntimeError):
@@ -84,6 +87,40 @@ def shared_memory_fits(num_bytes: int, path: str = "/dev/shm") -> bool:
     except OSError:
         return True  # not Linux: the platform allocates it
     return stat.f_bavail * stat.f_frsize >= num_bytes
+
+
+class _Segment:
+    """A shared-memory segment of two int32 [rows, W] bitmask buffers, page-locked with `pin`.
+
+    Raises:
+        ValueError: /dev/shm has no room for it (`shared_memory_fits`).
+    """
+
+    def __init__(self, rows: int, width: int, pin: bool) -> None:
+        num_bytes = 2 * rows * width * 4
+        if not shared_memory_fits(num_bytes):
+            raise ValueError(f"/dev/shm has no room for the grammar bitmask ({num_bytes} bytes)")
+        self.shm = shared_memory.SharedMemory(create=True, size=num_bytes)
+        self.rows = rows
+        self.views: tuple[np.ndarray, np.ndarray] | None = shared_views(self.shm.buf, rows, width)
+        self.registered = _host_register(self.views[0], num_bytes) if pin else None
+
+    def release(self) -> None:
+        """Unpin, close and unlink (a view still referenced keeps its mapping until collected)."""
+        self.views = None
+        if self.registered is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = None
+        try:
+            self.shm.close()
+        except BufferError:
+            pass
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
 
 
 class _Reply:
@@ -141,9 +178,12 @@ class GrammarProcessClient:
         on_fill: called with (lag, fill, total) seconds for each fill read back: from the
             request's send to the child's receipt, the child's fill, and from the send to the
             fill's end.
+        first_rows: rows of the first shared-memory segment (grown to a step's rows, up to
+            `spec.max_rows`: 2 x 2,048 rows of a 128K vocabulary would be 66 MB, more than a
+            container's usual /dev/shm).
 
     Raises:
-        ValueError: /dev/shm has no room for the bitmask (`shared_memory_fits`).
+        ValueError: /dev/shm has no room for the first segment.
     """
 
     def __init__(
@@ -151,22 +191,23 @@ class GrammarProcessClient:
         spec: GrammarProcessSpec,
         pin_memory: bool = False,
         on_fill: Callable[[float, float, float], None] | None = None,
+        first_rows: int = _FIRST_ROWS,
     ) -> None:
         self.width = bitmask_width(spec.vocab_size)
-        num_bytes = 2 * spec.max_rows * self.width * 4
-        if not shared_memory_fits(num_bytes):
-            raise ValueError(f"/dev/shm has no room for the grammar bitmask ({num_bytes} bytes)")
-        self._shm = shared_memory.SharedMemory(create=True, size=num_bytes)
-        self._views = shared_views(self._shm.buf, spec.max_rows, self.width)
-        self._registered = _host_register(self._views[0], num_bytes) if pin_memory else None
+        self._pin = pin_memory
+        self._segment = _Segment(min(spec.max_rows, first_rows), self.width, pin_memory)
+        self._segments = [self._segment]  # not released yet (the finalizer's)
+        self._retired: list[tuple[int, _Segment]] = []  # (released after that many fills, it)
+        self._num_fills = 0
         ctx = multiprocessing.get_context("spawn")  # the parent has CUDA and threads: no fork
         self._conn, child = ctx.Pipe()
-        self._process = ctx.Process(target=child_main, args=(child, spec, self._shm.name),
-                                    name="phloem-grammar", daemon=True)  # fmt: skip
+        args = (child, spec, self._segment.shm.name, self._segment.rows)
+        self._process = ctx.Process(target=child_main, args=args, name="phloem-grammar",
+                                    daemon=True)  # fmt: skip
         self._process.start()
         child.close()
-        self._finalizer = weakref.finalize(self, _release, self._process, self._conn, self._shm,
-                                           self._registered)  # fmt: skip
+        self._finalizer = weakref.finalize(self, _release, self._process, self._conn,
+                                           self._segments)  # fmt: skip
         self._live: dict[str, None] = {}  # registered, not forgotten (insertion order)
         self._ready: set[str] = set()  # of those, matchers built (or failed)
         self._sampled: set[str] = set()  # of those, in a fill: the child made their matchers
@@ -243,10 +284,8 @@ class GrammarProcessClient:
         Raises:
             ValueError: more fill rows than the shared memory holds.
         """
-        if fill_ids is not None and len(fill_ids) > self.max_rows:
-            raise ValueError(
-                f"{len(fill_ids)} bitmask rows, the grammar process holds {self.max_rows}"
-            )
+        if fill_ids is not None and len(fill_ids) > self._segment.rows:
+            self._grow(len(fill_ids))
         advanced = None if ids is None else _Reply(self, "advanced")
         if ids is not None:  # only rows with matchers (made by a fill) advance
             sampled = self._sampled
@@ -288,6 +327,36 @@ class GrammarProcessClient:
             self._stats = GrammarStats(**reply.result())
         return self._stats
 
+    def _grow(self, num_rows: int) -> None:
+        """Move the fills to a segment of at least `num_rows` rows (twice the current one's, at
+        most `max_rows`); the old one is released once two fills came after it (the views it
+        gave are read until then: `GrammarBitmask`). No room in /dev/shm: the child is
+        `kill`ed (constrained rows fail, with the reason).
+
+        Raises:
+            ValueError: more rows than `max_rows`.
+        """
+        if num_rows > self.max_rows:
+            raise ValueError(f"{num_rows} bitmask rows, the grammar process holds {self.max_rows}")
+        rows = min(self.max_rows, max(num_rows, 2 * self._segment.rows))
+        try:
+            segment = _Segment(rows, self.width, self._pin)
+        except ValueError as e:
+            self.kill(f"could not grow its bitmask: {e}")
+            return
+        self._segments.append(segment)
+        self._retired.append((self._num_fills + 2, self._segment))
+        self._segment = segment
+        self._send(("buffers", segment.shm.name, rows))
+
+    def _filled(self) -> None:
+        """Count a fill read back (or settled); release the segments it retired."""
+        self._num_fills += 1
+        while self._retired and self._retired[0][0] <= self._num_fills:
+            segment = self._retired.pop(0)[1]
+            segment.release()
+            self._segments.remove(segment)
+
     @property
     def pid(self) -> int | None:
         """The grammar process's id."""
@@ -301,7 +370,6 @@ class GrammarProcessClient:
         if self.dead is None:
             self._send(("stop",))
             self.dead = "structured output: the grammar process was shut down"
-        self._views = None  # type: ignore[assignment]
         self._finalizer()
 
     # -- the pipe --------------------------------------------------------------------------------
@@ -373,8 +441,9 @@ class GrammarProcessClient:
             if value is not None:
                 turn, failed = value
                 self._last_turn = turn
-                rows = self._views[turn][: len(reply.fill_ids)]
+                rows = self._segment.views[turn][: len(reply.fill_ids)]  # type: ignore[index]
                 reply.value = (GrammarBitmask(reply.fill_ids, rows), failed)
+            self._filled()
             if self._on_fill is not None:
                 self._on_fill(received - reply.sent_at, end - start, end - reply.sent_at)
         reply.is_done = True
@@ -401,13 +470,15 @@ class GrammarProcessClient:
             reply.value = {f: getattr(self._stats, f) for f in self._stats.__dataclass_fields__}
         else:
             ids, message = reply.fill_ids, self.dead or "structured output: no grammar process"
-            if self._views is not None:
+            views = self._segment.views
+            if views is not None and len(ids) <= self._segment.rows:
                 self._last_turn ^= 1
-                rows = self._views[self._last_turn][: len(ids)]
+                rows = views[self._last_turn][: len(ids)]
                 rows[:] = -1
             else:
                 rows = np.full((len(ids), self.width), -1, dtype=np.int32)
             reply.value = (GrammarBitmask(ids, rows), dict.fromkeys(ids, message))
+            self._filled()
         reply.is_done = True
 
 
@@ -424,9 +495,9 @@ def _host_register(view: np.ndarray, num_bytes: int) -> int | None:
     return address
 
 
-def _release(process, conn, shm: shared_memory.SharedMemory, registered: int | None) -> None:
-    """Stop and join the child (terminated after 5 s), then unpin, close and unlink the
-    segment (`GrammarProcessClient.shutdown`, or at collection or exit)."""
+def _release(process, conn, segments: list[_Segment]) -> None:
+    """Stop and join the child (terminated after 5 s), then release every segment
+    (`GrammarProcessClient.shutdown`, or at collection or exit)."""
     try:
         conn.send(("stop",))
     except (OSError, ValueError):
@@ -436,15 +507,6 @@ def _release(process, conn, shm: shared_memory.SharedMemory, registered: int | N
         process.terminate()
         process.join(timeout=1.0)
     conn.close()
-    if registered is not None:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(registered)
-    try:
-        shm.close()
-    except BufferError:  # a bitmask view still referenced: unmapped when it is collected
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
+    for segment in segments:
+        segment.release()
+    segments.clear()

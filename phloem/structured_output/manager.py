@@ -157,9 +157,9 @@ class StructuredOutputManager:
         # step cost ~8 ms of page faults on the loop (np.full), plus ~1.3 ms to scatter the
         # filled rows into it (benchmarks/results/2026-11-26c-cpu-structured-masks)
         self._buffers: list[np.ndarray] = [np.empty((0, self.width), dtype=np.int32)] * 2
-        self._fixed = buffers is not None
+        self._fixed = False
         if buffers is not None:
-            self._buffers = list(buffers)
+            self.use_buffers(buffers)
         self._turn = 0
         self._pin_memory = pin_memory
 
@@ -292,6 +292,12 @@ class StructuredOutputManager:
             stats.matcher_s += matcher_s
             stats.ready_lag_s += now - registered
             stats.max_ready_lag_s = max(stats.max_ready_lag_s, now - registered)
+
+    def use_buffers(self, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        """Fill these two int32 [rows, W] arrays in turn from the next `bitmask` call on (the
+        grammar process's shared memory); never grown: a step of more rows raises ValueError."""
+        self._buffers = list(buffers)
+        self._fixed = True
 
     def reset_max_ready_lag(self) -> None:
         """Start `stats.max_ready_lag_s` over (benchmarks: the longest lag of one run)."""

@@ -97,7 +97,51 @@ def test_killed_process_fails_constrained_requests_only(process_llm):
         assert "grammar process" in (outs[request_id].error or ""), outs[request_id]
     free = outs[ids[2]]
     assert free.error is None and len(free.outputs[0].token_ids) == 30
-    name = client._shm.name
-    assert os.path.exists(f"/dev/shm/{name}")
+    names = [segment.shm.name for segment in client._segments]
+    assert names and all(os.path.exists(f"/dev/shm/{name}") for name in names)
     process_llm.close()
-    assert not os.path.exists(f"/dev/shm/{name}") and not client._process.is_alive()
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in names)
+    assert not client._process.is_alive()
+
+
+def test_bitmask_segment_grows_and_the_old_one_goes(embedded_tokenizer_dir):
+    """A step of more rows than the first segment moves the fills to a larger one; the old one
+    is unlinked two fills later, the last one at shutdown; the masks are the in-process
+    manager's."""
+    from transformers import AutoTokenizer
+
+    from phloem.structured_output import make_backend, tokenizer_data
+    from phloem.structured_output.grammar_child import GrammarProcessSpec
+    from phloem.structured_output.grammar_process import GrammarProcessClient
+    from phloem.structured_output.manager import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
+    data = tokenizer_data(tok, len(tok), tok.eos_token_id)
+    spec = GrammarProcessSpec("llguidance", tok.backend_tokenizer.to_str(), data.vocab_size,
+                              data.stop_token_ids, 1, max_rows=8)  # fmt: skip
+    client = GrammarProcessClient(spec, first_rows=2)
+    local = StructuredOutputManager(make_backend(data, 1), data.vocab_size)
+    ids = [f"s{i}" for i in range(5)]
+    for k, seq_id in enumerate(ids):
+        for manager in (client, local):
+            manager.register(seq_id, C(regex=r"[a-c]+x" if k % 2 else r"\d{2}"))
+    assert client.wait_ready(ids, timeout=30)
+    first = client._segment.shm.name
+    masks = [client.bitmask(ids[:2])[0].bitmask.copy()]
+    masks.append(client.bitmask(ids)[0].bitmask.copy())  # 5 rows: a segment of 5
+    assert client._segment.rows == 5 and os.path.exists(f"/dev/shm/{first}")
+    assert client.accept_rows(ids, [tok.convert_tokens_to_ids("a")] * 5) == {
+        0: None,
+        2: None,
+        4: None,
+    }
+    masks.append(client.bitmask(ids[1::2])[0].bitmask.copy())  # the second fill after: released
+    assert not os.path.exists(f"/dev/shm/{first}")
+    expected = [local.bitmask(ids[:2])[0].bitmask.copy(), local.bitmask(ids)[0].bitmask.copy()]
+    local.accept_rows(ids, [tok.convert_tokens_to_ids("a")] * 5)
+    expected.append(local.bitmask(ids[1::2])[0].bitmask)
+    assert all((a == b).all() for a, b in zip(masks, expected))
+    last = client._segment.shm.name
+    client.shutdown()
+    local.shutdown()
+    assert not os.path.exists(f"/dev/shm/{last}") and client.dead is not None
