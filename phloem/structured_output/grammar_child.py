@@ -23,11 +23,11 @@ import dataclasses
 import signal
 import time
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 
 import numpy as np
 
 from phloem.structured_output.backend import bitmask_width
+from phloem.structured_output.bitmask_segment import AttachedSegment
 
 _READY_POLL_S = 0.001  # how often matchers still being built are looked at [s]
 
@@ -54,30 +54,6 @@ class GrammarProcessSpec:
     max_rows: int
 
 
-def shared_views(buf, max_rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two int32 [max_rows, width] bitmask buffers laid one after the other in `buf`."""
-    size = max_rows * width * 4
-    return tuple(  # type: ignore[return-value]
-        np.ndarray((max_rows, width), dtype=np.int32, buffer=buf, offset=k * size) for k in range(2)
-    )
-
-
-class _Segment:
-    """The shared memory the manager fills (attached by name), its two buffers' views."""
-
-    def __init__(self, name: str, rows: int, width: int) -> None:
-        self.shm = shared_memory.SharedMemory(name=name)
-        self.views = shared_views(self.shm.buf, rows, width)
-        self.first = self.views[0].ctypes.data  # a fill names the buffer it wrote
-
-    def close(self) -> None:
-        self.views = None  # type: ignore[assignment]
-        try:
-            self.shm.close()
-        except BufferError:  # a view still referenced: unmapped when it is collected
-            pass
-
-
 def child_main(conn, spec: GrammarProcessSpec, shm_name: str, rows: int) -> None:
     """The grammar process (`multiprocessing` spawn target): build the backend and manager
     over the shared memory `shm_name` (two buffers of `rows` rows), then serve `conn` until
@@ -85,7 +61,7 @@ def child_main(conn, spec: GrammarProcessSpec, shm_name: str, rows: int) -> None
     process exits. SIGINT is left to the parent, which stops this process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     width = bitmask_width(spec.vocab_size)
-    segment = _Segment(shm_name, rows, width)
+    segment = AttachedSegment(shm_name, rows, width)
     manager = None
     try:
         try:
@@ -118,7 +94,7 @@ def _build(spec: GrammarProcessSpec, views: tuple[np.ndarray, np.ndarray]):
     return StructuredOutputManager(backend, spec.vocab_size, spec.num_threads, buffers=views)
 
 
-def _serve(conn, manager, segment: _Segment, width: int) -> _Segment:
+def _serve(conn, manager, segment: AttachedSegment, width: int) -> AttachedSegment:
     """Answer the parent's messages in order (module docstring) until "stop"; returns the
     segment in use then."""
     pending: set[str] = set()  # registered, matcher not built yet
@@ -131,7 +107,7 @@ def _serve(conn, manager, segment: _Segment, width: int) -> _Segment:
             elif kind == "ops":
                 _apply(manager, message[1], pending)
             elif kind == "buffers":  # a larger segment: the old one is not filled again
-                new = _Segment(message[1], message[2], width)
+                new = AttachedSegment(message[1], message[2], width)
                 manager.use_buffers(new.views)
                 segment.close()
                 segment = new

@@ -44,13 +44,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, KeysView
-from multiprocessing import shared_memory
 
 import numpy as np
 
 from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import bitmask_width
-from phloem.structured_output.grammar_child import GrammarProcessSpec, child_main, shared_views
+from phloem.structured_output.bitmask_segment import BitmaskSegment
+from phloem.structured_output.grammar_child import GrammarProcessSpec, child_main
 from phloem.structured_output.manager import GrammarBitmask, GrammarStats
 
 logger = logging.getLogger(__name__)
@@ -76,51 +76,6 @@ def grammar_process_from_env(default: bool) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{GRAMMAR_PROCESS_ENV} must be 0 or 1, got {value!r}")
     return default if not value else value == "1"
-
-
-def shared_memory_fits(num_bytes: int, path: str = "/dev/shm") -> bool:
-    """Whether `path` (where POSIX shared memory lives on Linux) has `num_bytes` free: a
-    segment larger than that is created, but writing past the free space kills the process
-    (SIGBUS; a container's /dev/shm is often 64 MB)."""
-    try:
-        stat = os.statvfs(path)
-    except OSError:
-        return True  # not Linux: the platform allocates it
-    return stat.f_bavail * stat.f_frsize >= num_bytes
-
-
-class _Segment:
-    """A shared-memory segment of two int32 [rows, W] bitmask buffers, page-locked with `pin`.
-
-    Raises:
-        ValueError: /dev/shm has no room for it (`shared_memory_fits`).
-    """
-
-    def __init__(self, rows: int, width: int, pin: bool) -> None:
-        num_bytes = 2 * rows * width * 4
-        if not shared_memory_fits(num_bytes):
-            raise ValueError(f"/dev/shm has no room for the grammar bitmask ({num_bytes} bytes)")
-        self.shm = shared_memory.SharedMemory(create=True, size=num_bytes)
-        self.rows = rows
-        self.views: tuple[np.ndarray, np.ndarray] | None = shared_views(self.shm.buf, rows, width)
-        self.registered = _host_register(self.views[0], num_bytes) if pin else None
-
-    def release(self) -> None:
-        """Unpin, close and unlink (a view still referenced keeps its mapping until collected)."""
-        self.views = None
-        if self.registered is not None:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.registered)
-            self.registered = None
-        try:
-            self.shm.close()
-        except BufferError:
-            pass
-        try:
-            self.shm.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class _Reply:
@@ -183,7 +138,8 @@ class GrammarProcessClient:
             container's usual /dev/shm).
 
     Raises:
-        ValueError: /dev/shm has no room for the first segment.
+        ValueError: /dev/shm has no room for the first segment, or this is a daemon process
+            (which cannot start one).
     """
 
     def __init__(
@@ -193,11 +149,13 @@ class GrammarProcessClient:
         on_fill: Callable[[float, float, float], None] | None = None,
         first_rows: int = _FIRST_ROWS,
     ) -> None:
+        if multiprocessing.current_process().daemon:
+            raise ValueError("a daemon process cannot start the grammar process")
         self.width = bitmask_width(spec.vocab_size)
         self._pin = pin_memory
-        self._segment = _Segment(min(spec.max_rows, first_rows), self.width, pin_memory)
+        self._segment = BitmaskSegment(min(spec.max_rows, first_rows), self.width, pin_memory)
         self._segments = [self._segment]  # not released yet (the finalizer's)
-        self._retired: list[tuple[int, _Segment]] = []  # (released after that many fills, it)
+        self._retired: list[tuple[int, BitmaskSegment]] = []  # (released after that many fills, it)
         self._num_fills = 0
         ctx = multiprocessing.get_context("spawn")  # the parent has CUDA and threads: no fork
         self._conn, child = ctx.Pipe()
@@ -340,7 +298,7 @@ class GrammarProcessClient:
             raise ValueError(f"{num_rows} bitmask rows, the grammar process holds {self.max_rows}")
         rows = min(self.max_rows, max(num_rows, 2 * self._segment.rows))
         try:
-            segment = _Segment(rows, self.width, self._pin)
+            segment = BitmaskSegment(rows, self.width, self._pin)
         except ValueError as e:
             self.kill(f"could not grow its bitmask: {e}")
             return
@@ -482,20 +440,7 @@ class GrammarProcessClient:
         reply.is_done = True
 
 
-def _host_register(view: np.ndarray, num_bytes: int) -> int | None:
-    """Page-lock `num_bytes` from `view`'s first byte for CUDA copies (`cudaHostRegister`);
-    its address, or None when CUDA refused (the worker's copy is then staged)."""
-    import torch
-
-    address = view.ctypes.data
-    error = torch.cuda.cudart().cudaHostRegister(address, num_bytes, 0)
-    if int(error) != 0:
-        logger.warning("cudaHostRegister of the grammar bitmask failed (%s)", error)
-        return None
-    return address
-
-
-def _release(process, conn, segments: list[_Segment]) -> None:
+def _release(process, conn, segments: list[BitmaskSegment]) -> None:
     """Stop and join the child (terminated after 5 s), then release every segment
     (`GrammarProcessClient.shutdown`, or at collection or exit)."""
     try:
