@@ -52,6 +52,11 @@ to compile waits in the queue, keeping its place, while the others run, and no s
 waits for a grammar.
 
 The grammar library (and its tokenizer info) is loaded with the first constrained request.
+
+With `grammar_process` (opt-in: `StructuredOutputsConfig.grammar_process`) the manager runs in
+a process of its own (`structured_output/grammar_process.py`): `collected` sends the advance and
+the fill as one message and returns, `advance` and `bitmask` wait on the pipe for the replies
+(the GIL released), and no fill thread runs here, so the fill never waits for the loop's GIL.
 """
 
 from __future__ import annotations
@@ -186,7 +191,7 @@ class StructuredOutputs:
     def _build_manager(self) -> StructuredOutputManager | GrammarProcessClient:
         """The manager over the grammar library and the model's tokenizer: in the engine's
         process, or with `grammar_process` in a process of its own (in the engine's process,
-        with a warning, when /dev/shm has no room for its bitmask). Bitmask buffers
+        with a warning, when that cannot start: `GrammarProcessClient`). Bitmask buffers
         page-locked with a GPU."""
         import torch
 
@@ -195,14 +200,14 @@ class StructuredOutputs:
         data = tokenizer_data(*self._tokenizer_args)
         pin = torch.cuda.is_available()
         if self.grammar_process:
-            spec = GrammarProcessSpec(
-                self.backend, data.tokenizer.backend_tokenizer.to_str(), data.vocab_size,
-                data.stop_token_ids, self.num_threads, self.scheduler.config.max_num_seqs,
-            )  # fmt: skip
-            try:
+            try:  # a fast tokenizer's JSON (what both libraries read)
+                spec = GrammarProcessSpec(
+                    self.backend, data.tokenizer.backend_tokenizer.to_str(), data.vocab_size,
+                    data.stop_token_ids, self.num_threads, self.scheduler.config.max_num_seqs,
+                )  # fmt: skip
                 self.process = GrammarProcessClient(spec, pin, self._count_fill)
                 return self.process
-            except ValueError as e:
+            except (AttributeError, ValueError) as e:  # not a fast tokenizer; no /dev/shm room
                 logger.warning("%s: the grammars stay in the engine's process", e)
         backend = make_backend(data, self.num_threads, self.backend)
         return StructuredOutputManager(backend, data.vocab_size, self.num_threads, pin)
