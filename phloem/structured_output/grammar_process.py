@@ -105,6 +105,9 @@ class _Reply:
         """
         deadline = self.sent_at + _REPLY_TIMEOUT_S
         while not self.is_done:
+            if self._client.dead is not None:  # (settled at its death; a safeguard)
+                self._client.settle(self)
+                break
             self._client.receive(deadline)
             if not self.is_done and time.perf_counter() >= deadline:
                 self._client.kill(f"did not answer in {_REPLY_TIMEOUT_S:.0f} s")
@@ -240,9 +243,9 @@ class GrammarProcessClient:
         memory, valid until the second fill after it).
 
         Raises:
-            ValueError: more fill rows than the shared memory holds.
+            ValueError: more fill rows than `max_rows`.
         """
-        if fill_ids is not None and len(fill_ids) > self._segment.rows:
+        if fill_ids is not None and len(fill_ids) > self._segment.rows and self.dead is None:
             self._grow(len(fill_ids))
         advanced = None if ids is None else _Reply(self, "advanced")
         if ids is not None:  # only rows with matchers (made by a fill) advance
@@ -363,6 +366,12 @@ class GrammarProcessClient:
         sent. With the child gone, `replies` (the message's) are settled at once instead."""
         if self.dead is None:
             try:
+                while self._conn.poll(0):  # what came first (ready lists): no pipe fills up
+                    self._handle(self._conn.recv())
+            except (EOFError, OSError):
+                self._died(None)
+        if self.dead is None:
+            try:
                 if self._ops:
                     ops, self._ops = self._ops, []
                     self._conn.send(("ops", ops))
@@ -373,7 +382,7 @@ class GrammarProcessClient:
                 self._died(None)
         self._ops.clear()
         for reply in replies or ():
-            self._settle(reply)
+            self.settle(reply)
         return False
 
     def _handle(self, message: tuple) -> None:
@@ -417,9 +426,9 @@ class GrammarProcessClient:
         logger.error("%s; constrained requests fail from now on", self.dead)
         self._ops.clear()
         while self._replies:
-            self._settle(self._replies.popleft())
+            self.settle(self._replies.popleft())
 
-    def _settle(self, reply: _Reply) -> None:
+    def settle(self, reply: _Reply) -> None:
         """Resolve a reply the dead child will not send: an advance ends no row, a fill allows
         every token and fails every row (`dead`)."""
         if reply.kind == "advanced":
