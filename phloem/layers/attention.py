@@ -29,10 +29,12 @@ from torch import nn
 
 from phloem.forward_context import get_forward_context
 from phloem.layers.linear import CheckpointSlice, Loaded
+from phloem.layers.quantization.base import skinny_rope_module
 from phloem.ops.kv_store import FP8_KV_DTYPE, check_kv_scale, write_kv, write_kv_slots
 
 if TYPE_CHECKING:
     from phloem.layers.rotary import RotaryEmbedding
+    from phloem.ops.skinny_rope import RopeKv
 
 # Checkpoint KV-scale names (suffix after "<layer>.self_attn") -> which of the layer's scales.
 _KV_SCALE_SUFFIXES = {
@@ -163,6 +165,22 @@ class Attention(nn.Module):
         else:
             write_kv(kv_cache, k, v, slot_mapping, ks, vs)
         return q
+
+    def rope_kv_args(self, positions: torch.Tensor, rotary_emb: RotaryEmbedding) -> RopeKv | None:
+        """What a QKV projection that rotates q and k and writes this layer's K/V itself needs
+        (`phloem.ops.skinny_rope.RopeKv`: the step's positions and slots from the forward
+        context, the cos/sin table, this layer's cache and scales), or None where that fusion
+        is off (PHLOEM_FUSED_QKV_ROPE unset or 0, or no skinny GEMM: `skinny_rope_module`).
+        Reads host metadata only (no sync: CUDA-graph safe)."""
+        fused = skinny_rope_module()
+        if fused is None:
+            return None
+        ctx = get_forward_context()
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        ks, vs = self._kv_scales(kv_cache)
+        return fused.RopeKv(positions, rotary_emb.cos, rotary_emb.sin, kv_cache,
+                            ctx.attn_metadata.slot_mapping, ks, vs, self.num_heads,
+                            self.num_kv_heads, self.head_dim)  # fmt: skip
 
     def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The backend call: attention of q [T, num_heads, head_dim] (rotated, its K/V already

@@ -39,6 +39,7 @@ from phloem.layers.quantization.fp8_math import Fp8Activation
 
 if TYPE_CHECKING:
     from phloem.layers.norm import RMSNorm
+    from phloem.ops.skinny_rope import RopeKv
 
 WeightShardId = str | int | None
 CheckpointParts = list[tuple[WeightShardId, tuple[int, ...]]]
@@ -426,3 +427,31 @@ class QKVLinear(ColumnParallelLinear):
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, q_size + 2*kv_size] -> views q [T, q_size], k [T, kv_size], v [T, kv_size]."""
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def forward_rope_kv(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, rope: RopeKv
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, h): the projection of norm(h) (h = x + residual, or x without one; `norm` the
+        decoder layer's input RMSNorm) with RoPE on its q and k heads and k and v written into
+        `rope.kv_cache`, where `quant_method.takes_qkv_rope_kv` takes the call (decode-sized
+        calls of the skinny GEMM, PHLOEM_FUSED_QKV_ROPE=1: `phloem.ops.skinny_rope`); the norm
+        fused too where `forward_rms_norm` would fuse it, else run apart first. q: rotated,
+        [T, num_heads, head_dim]. None, with nothing run, where the call is not taken (the
+        caller runs `forward_rms_norm`, then RoPE and the KV write). The qkv shard is
+        column-parallel: its heads and its input are whole on this rank under TP.
+        """
+        method = self.quant_method
+        if not method.takes_qkv_rope_kv(self, x, rope):
+            return None
+        if not norm.reduces_input:
+            fused = method.apply_qkv_rope_kv(self, x, self.bias, rope, (residual, norm.weight,
+                                                                       norm.eps))  # fmt: skip
+            if fused is not None:
+                return fused
+        if residual is None:
+            normed, residual = norm(x), x
+        else:
+            normed, residual = norm(x, residual)
+        out = method.apply_qkv_rope_kv(self, normed, self.bias, rope, None)
+        assert out is not None, "takes_qkv_rope_kv said the kernel takes these rows"
+        return out[0], residual

@@ -132,6 +132,25 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim))
         return self.attn.store_kv(q, k, v, positions, self.rotary_emb)
 
+    def pre_attention_fused(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rotated q [T, num_heads, head_dim], residual stream) with RoPE and the KV write run
+        as the QKV GEMM's epilogue (`QKVLinear.forward_rope_kv`; `norm` the input norm, fused
+        too where it fuses), or None, with nothing run, where that path does not take the step
+        (PHLOEM_FUSED_QKV_ROPE off, prefill-sized steps, q/k norms: the caller runs the
+        projection, then `pre_attention_qkv`)."""
+        if self.q_norm is not None or self.k_norm is not None:
+            return None
+        rope = self.attn.rope_kv_args(positions, self.rotary_emb)
+        if rope is None:
+            return None
+        return self.qkv_proj.forward_rope_kv(hidden, residual, norm, rope)
+
     def post_attention(self, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj of the attention output [T, num_heads, head_dim] -> [T, hidden_size] (its
         tensor-parallel all-reduce included)."""
@@ -195,6 +214,10 @@ class LlamaDecoderLayer(nn.Module):
         """Input norm (with the residual add when `residual` is given) and the attention's part
         before the backend call (`LlamaAttention.pre_attention`: writes this layer's K/V).
         Returns (rotated q [T, num_heads, head_dim], residual stream [T, hidden_size])."""
+        fused = self.self_attn.pre_attention_fused(positions, hidden, residual,
+                                                   self.input_layernorm)  # fmt: skip
+        if fused is not None:
+            return fused
         qkv_proj = self.self_attn.qkv_proj  # the norm fused into its GEMM where it takes it
         qkv, residual = qkv_proj.forward_rms_norm(hidden, residual, self.input_layernorm)
         return self.self_attn.pre_attention_qkv(positions, qkv), residual

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from phloem.layers.linear import LinearBase
     from phloem.layers.quantization.fp8_math import Fp8Activation
+    from phloem.ops.skinny_rope import RopeKv
 
 
 class LinearMethod(ABC):
@@ -77,6 +78,28 @@ class LinearMethod(ABC):
         Default: None."""
         return None
 
+    def takes_qkv_rope_kv(self, layer: LinearBase, x: torch.Tensor, rope: RopeKv) -> bool:
+        """Whether `apply_qkv_rope_kv(layer, x, bias, rope, None)` runs a fused kernel for this
+        call (a QKV projection's, x its input). Default: False."""
+        return False
+
+    def apply_qkv_rope_kv(
+        self,
+        layer: LinearBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        rope: RopeKv,
+        norm: tuple[torch.Tensor | None, torch.Tensor, float] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, h): the QKV projection of x (of RMSNorm(h) with `norm` = (residual or None,
+        norm_weight, eps), h = x + residual or x; else of x itself, h = x) with RoPE applied to
+        its q and k heads and k and v written into `rope.kv_cache` at `rope.slot_mapping`, in
+        one kernel (`phloem.ops.skinny_rope`); q rotated, [T, num_heads, head_dim]. None where
+        the method has no such kernel for this call (the caller runs the norm, `apply` and the
+        RoPE + KV write apart); never None without `norm` where `takes_qkv_rope_kv` said yes.
+        Default: None."""
+        return None
+
     def accepts_fp8_input(self, layer: LinearBase) -> bool:
         """Whether `apply` takes its input already quantized to e4m3 per token, dynamically
         (max |x| / 448 over the token's whole row), as an `Fp8Activation`: then the layer that
@@ -93,6 +116,7 @@ SKINNY_GEMM_ENV = "PHLOEM_SKINNY_GEMM"
 SKINNY_GEMM_CONFIGS_ENV = "PHLOEM_SKINNY_GEMM_CONFIGS"
 FUSED_SILU_DOWN_ENV = "PHLOEM_FUSED_SILU_DOWN"
 FUSED_RMSNORM_ENV = "PHLOEM_FUSED_RMSNORM"
+FUSED_QKV_ROPE_ENV = "PHLOEM_FUSED_QKV_ROPE"
 
 
 @functools.cache
@@ -172,9 +196,27 @@ def skinny_norm_module():
     return skinny_norm
 
 
-def _switched_on(env: str) -> bool:
-    """The on/off switch `env` ("1", the default, or "0"); ValueError naming it otherwise."""
-    value = os.environ.get(env, "1")
+@functools.cache
+def skinny_rope_module():
+    """`phloem.ops.skinny_rope` (RoPE + the KV write fused into the QKV projection's skinny
+    GEMM), or None when PHLOEM_FUSED_QKV_ROPE is "0" (the default until a GPU measures it; "1":
+    on) or `skinny_gemm_module()` is None; read once per process, like PHLOEM_SKINNY_GEMM.
+
+    Raises:
+        ValueError: naming PHLOEM_FUSED_QKV_ROPE for a value other than 0 or 1; those of
+            `skinny_gemm_module`.
+    """
+    if not _switched_on(FUSED_QKV_ROPE_ENV, "0") or skinny_gemm_module() is None:
+        return None
+    from phloem.ops import skinny_rope
+
+    return skinny_rope
+
+
+def _switched_on(env: str, default: str = "1") -> bool:
+    """The on/off switch `env` ("1" or "0", `default` when unset); ValueError naming it
+    otherwise."""
+    value = os.environ.get(env, default)
     if value not in ("0", "1"):
         raise ValueError(f"{env} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -246,6 +288,44 @@ class UnquantizedLinearMethod(LinearMethod):
         if fused is None or not fused.takes(x, residual, norm_weight, layer.weight, measured):
             return None
         return fused.rms_norm_linear(x, residual, norm_weight, eps, layer.weight, bias)
+
+    def takes_qkv_rope_kv(self, layer: LinearBase, x: torch.Tensor, rope: RopeKv) -> bool:
+        """Whether the skinny GEMM's RoPE + KV-write-fused launch takes x (where `apply` would
+        send x to the skinny GEMM: the same rows, shapes and flags; `skinny_rope.takes`)."""
+        mode = skinny_gemm_mode()
+        if mode == "0" or not (x.is_cuda or self.triton_interpret):
+            return False
+        fused = skinny_rope_module()
+        measured = mode == "auto"
+        return fused is not None and fused.takes(x, layer.weight, rope, False, measured)
+
+    def apply_qkv_rope_kv(
+        self,
+        layer: LinearBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        rope: RopeKv,
+        norm: tuple[torch.Tensor | None, torch.Tensor, float] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RoPE + KV-write-fused launch (with `norm`, the residual add + RMSNorm fused too,
+        where `apply_rms_norm` would fuse it), else None."""
+        if not self.takes_qkv_rope_kv(layer, x, rope):
+            return None
+        fused = skinny_rope_module()
+        if norm is None:
+            return fused.qkv_rope_kv(x, layer.weight, bias, rope), x
+        residual, norm_weight, eps = norm
+        normed, measured = skinny_norm_module(), skinny_gemm_mode() == "auto"
+        if normed is None or not (
+            fused.takes(x, layer.weight, rope, True, measured)
+            and normed.takes(x, residual, norm_weight, layer.weight, measured)
+        ):
+            return None
+        rows_x = x.contiguous()
+        res = None if residual is None else residual.contiguous()
+        res_out = rows_x if res is None else torch.empty_like(rows_x)
+        args = fused.sk.NormArgs(res, norm_weight, float(eps), res_out)
+        return fused.qkv_rope_kv(rows_x, layer.weight, bias, rope, args), res_out
 
 
 class QuantizationConfig(ABC):
