@@ -182,3 +182,35 @@ def _launch(x, weight, bias, rope: RopeKv, norm, config: sk.SkinnyConfig, q) -> 
         _rope_dot_kernel[grid](*args, INTERPRET=sk.INTERPRETED, **consts)
     else:
         _rope_fma_kernel[grid](*args, ROWS=sk.rows_bucket(rows), **consts)
+
+
+def compile_variants(
+    num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, block_size: int,
+    dtype: torch.dtype, cache_dtype: torch.dtype, kv_layout: str, measured_only: bool = False,
+) -> None:  # fmt: skip
+    """Call `qkv_rope_kv` on CPU tensors as a decode step's layers would at 1, 2, 4, 8 and 16
+    rows (where the skinny GEMM takes the qkv shape [(H + 2 H_kv) D, hidden], `measured_only`
+    as in `skinny_gemm.takes`): with the norm fused (with a residual, and without one for the
+    first layer) where `skinny_norm.fuses` the rows, else without it; for
+    `phloem.worker.triton_prebuild`'s compile-only driver (see
+    `skinny_gemm.compile_variants`). Under a real driver it would launch on CPU memory: call
+    it only there."""
+    from phloem.ops import skinny_norm
+    from phloem.ops.kv_store import allocate_kv_cache
+
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    weight, norm_weight = torch.empty(n, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype)
+    table = torch.zeros(2, head_dim // 2, dtype=torch.float32)
+    cache = allocate_kv_cache(1, block_size, num_kv_heads, head_dim, cache_dtype, "cpu", kv_layout)
+    for rows in (1, 2, 4, 8, 16):
+        norm = skinny_norm.fuses(rows, n, hidden)
+        config = config_for(rows, n, hidden, norm)
+        if not (sk.runs_shape(rows, n, hidden, measured_only) and config_fits(config, rows, norm)):
+            continue
+        x = torch.empty(rows, hidden, dtype=dtype)
+        index = torch.zeros(rows, dtype=torch.int64)
+        rope = RopeKv(index, table, table, cache, index, 1.0, 1.0, num_heads, num_kv_heads,
+                      head_dim)  # fmt: skip
+        for residual in (torch.empty_like(x), None) if norm else (None,):
+            args = sk.NormArgs(residual, norm_weight, 1e-6, torch.empty_like(x)) if norm else None
+            qkv_rope_kv(x, weight, None, rope, args)

@@ -71,6 +71,8 @@ class TritonShapes:
         skinny_gemm: which dense projections' decode-sized calls run the skinny-GEMM kernel
             (`layers.quantization.base.skinny_gemm_mode`): "0" none, "auto" the shapes its
             table measured faster than cuBLAS, "1" all.
+        fused_qkv_rope: the qkv projection's decode-sized calls run RoPE and the KV write in
+            its skinny GEMM (PHLOEM_FUSED_QKV_ROPE=1, `phloem.ops.skinny_rope`).
     """
 
     num_heads: int
@@ -88,6 +90,7 @@ class TritonShapes:
     shared_prefix: bool = True
     cuda_graphs: bool = True
     skinny_gemm: str = "0"
+    fused_qkv_rope: bool = False
 
     def __post_init__(self) -> None:
         if self.skinny_gemm not in ("0", "auto", "1"):
@@ -147,7 +150,7 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
     for width in widths.get(s.fp8_quant, []):
         hooks.append(("fp8_quant", partial(fp8_quant.compile_variants, width, dtype)))
     if s.skinny_gemm != "0":  # the dense projections' decode-sized calls
-        hooks.extend(_skinny_hook(s, dtype))
+        hooks.extend(_skinny_hook(s, dtype, kv_dtype))
     hooks.extend(comm_triton_hooks(s.hidden_size, s.tp_size, dtype))  # PHLOEM_TP_ALLREDUCE
     # the sampler's grammar mask (structured outputs): any engine may get a constrained request
     hooks.append(("token_bitmask", partial(token_bitmask_triton.compile_variants, dtype)))
@@ -290,15 +293,22 @@ def _log_summary(summary: dict[str, Any], seconds: float) -> None:
     )  # fmt: skip
 
 
-def _skinny_hook(s: TritonShapes, dtype) -> list[tuple[str, Any]]:
-    """The skinny-GEMM hook for one rank's qkv, o, gate_up and down projections (no bias)."""
+def _skinny_hook(s: TritonShapes, dtype, kv_dtype) -> list[tuple[str, Any]]:
+    """The skinny-GEMM hook for one rank's qkv, o, gate_up and down projections (no bias),
+    and with `fused_qkv_rope` the qkv projection's RoPE + KV-write-fused launches."""
     from phloem.ops import skinny_gemm as skinny
+    from phloem.ops import skinny_rope
 
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     shapes = [(q + 2 * kv, s.hidden_size), (s.hidden_size, q),
               (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]  # fmt: skip
     measured = s.skinny_gemm == "auto"
-    return [("skinny_gemm", partial(skinny.compile_variants, shapes, dtype, measured))]
+    hooks = [("skinny_gemm", partial(skinny.compile_variants, shapes, dtype, measured))]
+    if s.fused_qkv_rope and s.rotary_dim == s.head_dim:
+        hooks.append(("skinny_rope", partial(skinny_rope.compile_variants, s.num_heads,
+                      s.num_kv_heads, s.head_dim, s.hidden_size, s.block_size, dtype, kv_dtype,
+                      s.kv_layout, measured)))  # fmt: skip
+    return hooks
 
 
 def shapes_for_engine(
@@ -317,7 +327,7 @@ def shapes_for_engine(
     Raises:
         ValueError: a quantization the checkpoint contradicts (`resolve_quantization`).
     """
-    from phloem.layers.quantization.base import skinny_gemm_mode
+    from phloem.layers.quantization.base import FUSED_QKV_ROPE_ENV, skinny_gemm_mode
     from phloem.layers.quantization.formats import Fp8Config, resolve_quantization
     from phloem.layers.rotary import rope_parameters_from_hf
     from phloem.ops.attention import FLASHINFER_HEAD_DIMS
@@ -358,6 +368,7 @@ def shapes_for_engine(
         skinny_gemm=skinny_gemm_mode()
         if quant is None and dtype in ("bfloat16", "float16")
         else "0",
+        fused_qkv_rope=os.environ.get(FUSED_QKV_ROPE_ENV) == "1",
     )
 
 

@@ -257,3 +257,62 @@ def test_decoder_layer_pre_attention_with_and_without_the_fusion(sr, flags, monk
         calls.clear()
         for a, b in zip(got, want):
             assert torch.equal(a, b), rows
+
+
+COMPILE_FOR_HOPPER = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from phloem.ops import skinny_rope_kernels as rk
+from phloem.worker.triton_prebuild import TritonShapes, launch_all
+from phloem.worker.triton_variants import cuda_target, record_variants
+
+types = dict(pos_ptr="*i64", slot_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", M="i32",
+             N="i32", K="i32", s_xm="i32", s_wn="i32", eps="fp32", k_scale="fp32",
+             v_scale="fp32", **{f"s_{n}": "i32" for n in ("cos", "cb", "ckv", "cs", "ch")})
+built = []
+for fn, rows, block_n, norm, cache in ((rk._rope_fma_kernel, 1, 8, True, "*bf16"),
+                                       (rk._rope_fma_kernel, 4, 8, False, "*fp8e4nv"),
+                                       (rk._rope_dot_kernel, 16, 32, False, "*bf16"),
+                                       (rk._rope_dot_kernel, 4, 16, True, "*fp8e4nv")):
+    const = dict(HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=256, EVEN_K=True, NORM=norm,
+                 HAS_RES=norm, NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=16,
+                 CLAMP=cache != "*bf16", LIMIT=448.0,
+                 **(dict(INTERPRET=False) if fn is rk._rope_dot_kernel else dict(ROWS=rows)))
+    sig = {n: "constexpr" if n in const else types.get(n, cache if n == "cache_ptr" else "*bf16")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and sig[n] in ("*bf16", "i32") and n != "M"}
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    assert ("mma" in ptx) == (fn is rk._rope_dot_kernel), "tl.dot only on the tensor cores"
+    assert ("rsqrt.approx" in ptx) == norm, "norm: each row's 1 / rms"
+    assert ("e4m3" in ptx) == (cache != "*bf16"), "an FP8 cache converts to e4m3"
+    assert "atom" not in ptx, "one split of K: no atomics"
+    built.append(f"{fn.fn.__name__} rows={rows} norm={norm} cache={cache}")
+print("compiled:", "; ".join(built))
+llama = dict(num_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=128, hidden_size=4096,
+             intermediate_size=14336, shared_prefix=False, skinny_gemm="auto")
+for fused in (False, True):
+    variants = record_variants(lambda: launch_all(TritonShapes(**llama, fused_qkv_rope=fused)),
+                               cuda_target((9, 0)))
+    print(fused, "", *sorted(v.describe() for v in variants if "_rope_" in v.describe()
+                             and "_rope_kv_kernel" not in v.describe()), sep="|")
+"""
+
+
+def test_kernels_compile_for_hopper_and_the_prebuild_records_them(compile_for_hopper):
+    """The GPU compiler takes both tile products with the epilogue (bf16 and FP8 caches, with
+    and without the norm; no split-K atomics); the engine's prebuild records the fused
+    variants of Llama-3.1-8B's qkv (with the measured tables: the norm fused at 1 row, with
+    and without a residual; 2-16 rows without) only with PHLOEM_FUSED_QKV_ROPE=1."""
+    out = compile_for_hopper(COMPILE_FOR_HOPPER)
+    assert out.count("rows=") == 4, out
+    lines = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
+    assert lines["False"] == "", lines
+    fused = set(lines["True"].split("|")) - {""}
+    normed = [v for v in fused if "NORM=True" in v]
+    assert len(normed) == 2 and any("HAS_RES=False" in v for v in normed), fused
+    assert any("_rope_dot_kernel" in v for v in fused) and len(fused) >= 4, fused
