@@ -147,12 +147,14 @@ def skinny_flag(monkeypatch):
         quant_base.skinny_gemm_module.cache_clear()
         quant_base.skinny_gated_module.cache_clear()
         quant_base.skinny_norm_module.cache_clear()
+        quant_base.skinny_rope_module.cache_clear()
 
     yield set_flag
     quant_base.skinny_gemm_mode.cache_clear()
     quant_base.skinny_gemm_module.cache_clear()
     quant_base.skinny_gated_module.cache_clear()
     quant_base.skinny_norm_module.cache_clear()
+    quant_base.skinny_rope_module.cache_clear()
 
 
 def test_flag_defaults_to_the_measured_shapes_and_is_validated(sk, skinny_flag):
@@ -223,8 +225,9 @@ def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_fa
                                            embedded_tokenizer_dir, monkeypatch):  # fmt: skip
     """A tiny fp16 Llama, decode batches of 6 down to 1 rows (both tile products): the flag's
     greedy tokens are F.linear's, and its decode steps went through the kernel (the MLPs' down
-    projections with SiLU-and-mul fused, `ops.skinny_gated`; qkv and gate_up with the norm
-    before them, `ops.skinny_norm`). fp16, not bf16:
+    projections with SiLU-and-mul fused, `ops.skinny_gated`; gate_up with the norm before it,
+    `ops.skinny_norm`; with PHLOEM_FUSED_QKV_ROPE=1, qkv with its norm, RoPE and the KV write,
+    `ops.skinny_rope`, the first layer's norm without a residual too). fp16, not bf16:
     Triton's interpreter truncates float32 to bf16 (the GPU rounds to nearest), enough to flip
     one of this model's 27 greedy tokens; it rounds fp16 as the GPU does."""
     from phloem import LLM, SamplingParams
@@ -242,24 +245,29 @@ def test_flag_gives_the_same_greedy_tokens(sk, skinny_flag, counted, tmp_path_fa
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    from phloem.ops import skinny_gated, skinny_norm
+    from phloem.ops import skinny_gated, skinny_norm, skinny_rope
 
     monkeypatch.setattr(skinny_gated, "MAX_SILU_PER_WEIGHT", 16.0)  # every decode row fuses
-    fused, normed = [], []
+    fused, normed, roped = [], [], []
     real, real_norm = skinny_gated.silu_and_mul_linear, skinny_norm.rms_norm_linear
+    real_rope = skinny_rope.qkv_rope_kv
     monkeypatch.setattr(skinny_gated, "silu_and_mul_linear",
                         lambda *a: fused.append(a[0].shape[0]) or real(*a))  # fmt: skip
     monkeypatch.setattr(skinny_norm, "rms_norm_linear",
                         lambda *a: normed.append(a[1] is None) or real_norm(*a))  # fmt: skip
+    monkeypatch.setattr(skinny_rope, "qkv_rope_kv", lambda *a: roped.append(
+        None if len(a) < 5 or a[4] is None else a[4].residual is None) or real_rope(*a))  # fmt: skip
     skinny_flag("0")
     plain = run()
-    assert not counted and not fused and not normed
+    assert not counted and not fused and not normed and not roped
+    monkeypatch.setenv(quant_base.FUSED_QKV_ROPE_ENV, "1")
     skinny_flag("1")
     assert run() == plain
     rows = {shape[0] for shape in counted}  # CPU: 6..1; CUDA: the graphs' batch sizes
     assert 1 in rows and max(rows) >= sk.DOT_MIN_ROWS, rows  # both tile products
     assert 1 in fused and max(fused) >= sk.DOT_MIN_ROWS, fused
-    assert True in normed and False in normed  # the first layer's norm (no residual) too
+    assert normed and not any(normed)  # gate_up's norms (qkv's: in skinny_rope)
+    assert True in roped and False in roped  # the first layer's norm (no residual) too
 
 
 COMPILE_FOR_HOPPER = r"""
