@@ -21,7 +21,8 @@ times, each in a CUDA graph over enough copies of W to stream from HBM
 
 and prints us per layer and fused / apart (< 1: the fusion wins; the gap a graph leaves
 between two kernels is not in it: the end-to-end A/B is `phloem bench throughput` with
-PHLOEM_FUSED_QKV_ROPE=0/1). Every fused q and cache row is checked against apart's within bf16
+PHLOEM_FUSED_QKV_ROPE=0/1), and the `skinny_rope.CONFIGS` entries to paste (None where apart
+was faster). Every fused q and cache row is checked against apart's within bf16
 rounding (an assertion). The Triton variants are compiled first, in parallel processes.
 
     python benchmarks/qkv_rope_fusion.py --device cuda [--rows 1 4 16] [--no-grid]
@@ -44,7 +45,11 @@ from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.skinny_gemm import candidate_configs, per_gemm_us  # noqa: E402
+from benchmarks.skinny_gemm import (  # noqa: E402
+    candidate_configs,
+    per_gemm_us,
+    print_config_entries,
+)
 from phloem.ops import skinny_gemm as sk  # noqa: E402
 from phloem.ops import skinny_norm, skinny_rope  # noqa: E402
 from phloem.ops.rope_kv import rope_and_write_kv  # noqa: E402
@@ -191,7 +196,7 @@ def time_case(rows: int, heads: int, kv_heads: int, weights: list, args) -> dict
         except OutOfResources:  # a grid config whose staged tiles overflow shared memory
             continue
         timed.append((per_gemm_us(lambda w, c=config: fused(w, c), weights, args.iters), config))
-    default = skinny_rope.config_for(rows, n, HIDDEN, norm_fuses(rows, n))
+    default = configs(rows, n, False)[0]
     case["fused"] = timed[0][0] if timed[0][1] == default else float("nan")  # nan: overflowed
     case["fused-best"], best = min(timed, key=lambda t: t[0])
     case["best_config"] = vars(best)
@@ -212,6 +217,22 @@ def report(name: str, n: int, cases: list[dict]) -> None:
             f"{c['fused-best']:7.1f} {c['fused-best'] / c['apart']:6.3f}  n{b['block_n']} "
             f"k{b['block_k']} w{b['num_warps']} st{b['num_stages']} tc={b['tensor_cores']}"
         )
+
+
+def report_configs(results: list[dict]) -> None:
+    """The `skinny_rope.CONFIGS` entries the run measured (paste into it; only the rows
+    buckets the run timed): the best fused config where it beat apart, else None."""
+    print("\nskinny_rope.CONFIGS = {  # None: the kernels apart were faster")
+    print_config_entries(
+        (
+            f"({sk.rows_bucket(c['rows'])}, {s['n']}, {s['k']}, {c['norm'] == 'fused'})",
+            c["best_config"] if c["fused-best"] < c["apart"] else None,
+            f"apart {c['apart']:.1f} us, fused {c['fused-best']:.1f} us",
+        )
+        for s in results
+        for c in s["cases"]
+    )
+    print("}")
 
 
 def parse_args(argv=None):
@@ -255,6 +276,7 @@ def main(argv=None) -> None:
         del weights
         report(name, n, cases)
         results.append({"name": name, "n": n, "k": HIDDEN, "cases": cases})
+    report_configs(results)
     print(f"\n{torch.cuda.get_device_name()}: {time.perf_counter() - start:.0f} s in all")
     if args.json:
         with open(args.json, "w") as f:

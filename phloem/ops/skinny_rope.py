@@ -33,6 +33,11 @@ import triton
 from phloem.ops import skinny_gemm as sk
 from phloem.ops.kv_store import FP8_KV_DTYPE, FP8_MAX
 
+# (rows bucket, N, K, norm fused) -> the fused kernel's config, or None: keep the kernels apart.
+# Empty until benchmarks/qkv_rope_fusion.py measures it on a GPU (it prints the entries); without
+# an entry a launch takes the config of the GEMM it replaces (`config_for`).
+CONFIGS: dict[tuple[int, int, int, bool], sk.SkinnyConfig | None] = {}
+
 
 class RopeKv(NamedTuple):
     """What the epilogue needs: the step's positions and slots, the model's RoPE table, the
@@ -97,6 +102,8 @@ def takes(
 
         if not skinny_norm.fuses(rows, n, k):
             return False
+    if CONFIGS.get((sk.rows_bucket(rows), n, k, norm), 0) is None:
+        return False  # measured: apart is faster
     return config_fits(config_for(rows, n, k, norm), rows, norm)
 
 
@@ -147,8 +154,11 @@ def rope_shapes(rope: RopeKv) -> str:
 
 
 def config_for(rows: int, n: int, k: int, norm: bool) -> sk.SkinnyConfig:
-    """The config of a fused launch: the norm-fused kernel's (`skinny_norm.config_for`) with
-    `norm`, else the plain GEMM's (`skinny_gemm.config_for`)."""
+    """The config of a fused launch: `CONFIGS`' entry, else the norm-fused kernel's
+    (`skinny_norm.config_for`) with `norm`, else the plain GEMM's (`skinny_gemm.config_for`)."""
+    measured = CONFIGS.get((sk.rows_bucket(rows), n, k, norm))
+    if measured is not None:
+        return measured
     if norm:
         from phloem.ops import skinny_norm
 

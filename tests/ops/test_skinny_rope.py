@@ -102,6 +102,7 @@ CASES = [  # (rows, heads, kv_heads, head_dim, dtype, cache, layout, tensor core
     (5, 2, 1, 128, torch.bfloat16, "same", "HND", None, False),  # tensor cores (5+ rows)
     (16, 4, 2, 64, torch.float16, "same", "NHD", True, True),  # 16 rows, norm on tl.dot
     (2, 4, 2, 64, torch.bfloat16, "fp8", "NHD", True, False),  # tl.dot at 2 rows, FP8
+    (4, 4, 2, 16, torch.bfloat16, "same", "NHD", False, False),  # a tile spans q, k, v heads
 ]
 
 
@@ -116,7 +117,7 @@ def test_fused_equals_the_unfused_pair(sr, rows, heads, kv_heads, d, dtype, cach
     cache_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
     x, w, b, r, nw, rope = step(sr, rows, heads, kv_heads, d, 32, dtype, cache_dtype, layout,
                                 seed=rows + d)  # fmt: skip
-    config = sr.sk.SkinnyConfig(block_n=16, block_k=16, tensor_cores=tc)
+    config = sr.sk.SkinnyConfig(block_n=32, block_k=16, tensor_cores=tc)
     res_a, res_b = torch.empty_like(x), torch.empty_like(x)
     norm_a = sr.sk.NormArgs(r, nw, 1e-5, res_a) if norm else None
     norm_b = sr.sk.NormArgs(r, nw, 1e-5, res_b) if norm else None
@@ -159,8 +160,8 @@ def test_fused_matches_float64_through_the_gemm(sr):
 
 def test_what_the_epilogue_does_not_take_falls_back(sr, monkeypatch):
     """`takes` says no (the layer then runs the two kernels) for partial rotary, a config that
-    splits K, a cache of another dtype, 17 rows, a norm the norm-fused kernel would not fuse;
-    `qkv_rope_kv` raises for them."""
+    splits K, a cache of another dtype, 17 rows, a norm the norm-fused kernel would not fuse,
+    a `CONFIGS` entry of None; `qkv_rope_kv` raises for the first three."""
     x, w, b, _, nw, rope = step(sr, 2, 4, 2, 16, 32, torch.float16, torch.float16, "NHD", 3)
     assert sr.takes(x, w, rope, False) and sr.takes(x, w, rope, True)
     half = rope._replace(cos=rope.cos[:, :4], sin=rope.sin[:, :4])  # rotary_dim 8 of 16
@@ -181,6 +182,11 @@ def test_what_the_epilogue_does_not_take_falls_back(sr, monkeypatch):
 
     monkeypatch.setitem(skinny_norm.CONFIGS, (2, w.shape[0], 32), None)  # norm apart
     assert sr.takes(x, w, rope, False) and not sr.takes(x, w, rope, True)
+    monkeypatch.setitem(sr.CONFIGS, (2, w.shape[0], 32, False), None)  # measured: apart
+    assert not sr.takes(x, w, rope, False)
+    best = sr.sk.SkinnyConfig(block_n=4, block_k=16)
+    monkeypatch.setitem(sr.CONFIGS, (2, w.shape[0], 32, False), best)
+    assert sr.takes(x, w, rope, False) and sr.config_for(2, w.shape[0], 32, False) is best
     x17 = torch.zeros(17, 32, dtype=x.dtype, device=x.device)
     rope17 = rope._replace(positions=rope.positions.repeat(9)[:17],
                            slot_mapping=rope.slot_mapping.repeat(9)[:17])  # fmt: skip
