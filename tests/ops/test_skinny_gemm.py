@@ -393,9 +393,10 @@ def test_benchmark_grid_is_valid(sk):
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="TP = 2 on CUDA needs two GPUs")  # fmt: skip
 def test_flag_under_tensor_parallelism(sk, skinny_flag, counted, tmp_path_factory,
-                                       embedded_tokenizer_dir):  # fmt: skip
-    """TP = 2 on the CPU (gloo, a spawned rank that inherits the flag): column- and row-parallel
-    shards through the kernel give F.linear's greedy tokens (fp16, as above)."""
+                                       embedded_tokenizer_dir, monkeypatch):  # fmt: skip
+    """TP = 2 on the CPU (gloo, a spawned rank that inherits the flags): column- and row-parallel
+    shards through the kernel give F.linear's greedy tokens (fp16, as above), qkv's shard with
+    RoPE and the KV write fused (PHLOEM_FUSED_QKV_ROPE=1: its heads are local)."""
     import gc
 
     from phloem import LLM, SamplingParams
@@ -415,9 +416,15 @@ def test_flag_under_tensor_parallelism(sk, skinny_flag, counted, tmp_path_factor
         gc.collect()
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    from phloem.ops import skinny_rope
+
+    roped, real_rope = [], skinny_rope.qkv_rope_kv
+    monkeypatch.setattr(skinny_rope, "qkv_rope_kv", lambda *a: roped.append(1) or real_rope(*a))
     skinny_flag("0")
     plain = run()
+    monkeypatch.setenv(quant_base.FUSED_QKV_ROPE_ENV, "1")
     skinny_flag("1")
     assert run() == plain
+    assert roped  # rank 0's qkv shard, decode steps
     rows = {shape[0] for shape in counted}  # rank 0's: CPU: the prefill (15 tokens), decodes
     assert rows and (3 in rows or torch.cuda.is_available()), rows
