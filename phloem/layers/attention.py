@@ -6,6 +6,8 @@ rotates q and k itself, on CUDA with the fused RoPE + KV-write Triton kernel
 (`phloem.ops.rope_kv`, imported lazily; it skips negative slots on the device), elsewhere with the
 module and a KV write: sync-free `write_kv_slots` when the context says every slot is valid
 (`ForwardContext.valid_slots`, the model runner's steps), else `write_kv`, which skips -1 slots.
+With PHLOEM_FUSED_QKV_ROPE=1 a decode step's QKV projection may do both itself
+(`phloem.ops.skinny_rope`, given `rope_kv_args`); `store_kv` is then not called.
 
 FP8 KV cache scales: each layer has one `k_scale` and one `v_scale` (fp32 per tensor, Python
 floats: constants of a CUDA-graph capture). An FP8 cache stores k / k_scale and v / v_scale in
