@@ -27,12 +27,22 @@ from phloem.ops.kv_store import FP8_KV_DTYPE, FP8_MAX
 
 
 @triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """The neox rotation of float32 halves: (x1 cos - x2 sin, x2 cos + x1 sin), the one
+    expression of it in phloem's kernels (this module's and `phloem.ops.skinny_rope`'s), with
+    the contraction written out (x1 cos and x1 sin exact inside an FMA, the other product
+    rounded): what sm_90 compiled `x1 * cos - x2 * sin, x2 * cos + x1 * sin` to (Triton 3.9),
+    so two kernels round alike whatever the compiler's FP-fusion default."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x1, sin, x2 * cos)
+
+
+@triton.jit
 def _rotated_halves(src, offs, mask, cos, sin, HALF: tl.constexpr):
     """RoPE of the first 2 * HALF dims of a [heads, ...] tile at `src`: the two rotated halves,
-    float32 [heads, BLOCK_HALF] each (neox layout: x1 cos - x2 sin, x2 cos + x1 sin)."""
+    float32 [heads, BLOCK_HALF] each (neox layout: `rotate_pair`)."""
     x1 = tl.load(src + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return rotate_pair(x1, x2, cos, sin)
 
 
 @triton.jit

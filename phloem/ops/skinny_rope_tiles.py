@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from phloem.ops.rope_kv import rotate_pair
+
 
 @triton.jit
 def paired_cols(pid_n, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -53,15 +55,16 @@ def rope_kv_store(
     q heads (head < NUM_HEADS) rotate into q_ptr ([M, NUM_HEADS, HEAD_DIM] contiguous), k heads
     rotate and v heads pass through into the cache ([blocks, 2, PAGE, kv heads, HEAD_DIM] by the
     strides s_cb, s_ckv, s_cs, s_ch) at slot (none for slot < 0). The arithmetic is
-    `rope_kv._rope_kv_kernel`'s: x1 cos - x2 sin, x2 cos + x1 sin in fp32 from the fp32 table."""
+    `rope_kv._rope_kv_kernel`'s (`rope_kv.rotate_pair`, fp32, from the fp32 table)."""
     half_d = HEAD_DIM // 2
     head = pair // half_d
     i = pair % half_d
     rotated = head < NUM_HEADS + NUM_KV_HEADS
     cos = tl.load(cos_ptr + pos * s_cos + i, mask=ok & rotated, other=1.0)
     sin = tl.load(sin_ptr + pos * s_cos + i, mask=ok & rotated, other=0.0)
-    y1 = tl.where(rotated, x1 * cos - x2 * sin, x1)
-    y2 = tl.where(rotated, x2 * cos + x1 * sin, x2)
+    r1, r2 = rotate_pair(x1, x2, cos, sin)
+    y1 = tl.where(rotated, r1, x1)
+    y2 = tl.where(rotated, r2, x2)
     is_q = head < NUM_HEADS
     q_dst = q_ptr + m * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + i
     q_ty = q_ptr.dtype.element_ty

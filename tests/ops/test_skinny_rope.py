@@ -232,10 +232,14 @@ def decoder_layer(dtype: torch.dtype):
 def test_decoder_layer_pre_attention_with_and_without_the_fusion(sr, flags, monkeypatch):
     """A decoder layer's pre-attention (fp16; with a residual, and without one as the first
     layer has): PHLOEM_FUSED_QKV_ROPE=1 gives the rotated q, the residual stream and the
-    cache bytes of the unfused path (norm-fused GEMM, then RoPE and the KV write) bit for bit
-    at 1 and 5 rows, in one launch a layer (none at 17 rows, nor with the flag off)."""
+    cache bytes of the unfused path as a GPU runs it (norm-fused GEMM, then `rope_kv`'s
+    kernel, interpreted here) bit for bit at 1 and 5 rows, in one launch a layer (none at 17
+    rows, nor with the flag off)."""
     from phloem.forward_context import ForwardContext, forward_context
+    from phloem.layers import attention
+    from phloem.ops.rope_kv import rope_and_write_kv
 
+    monkeypatch.setattr(attention, "_rope_kv_kernel", lambda q: rope_and_write_kv)
     layer = decoder_layer(torch.float16)
     calls = []
     real = sr.qkv_rope_kv
