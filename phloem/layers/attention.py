@@ -6,7 +6,7 @@ rotates q and k itself, on CUDA with the fused RoPE + KV-write Triton kernel
 (`phloem.ops.rope_kv`, imported lazily; it skips negative slots on the device), elsewhere with the
 module and a KV write: sync-free `write_kv_slots` when the context says every slot is valid
 (`ForwardContext.valid_slots`, the model runner's steps), else `write_kv`, which skips -1 slots.
-With PHLOEM_FUSED_QKV_ROPE=1 a decode step's QKV projection may do both itself
+With PHLOEM_FUSED_QKV_ROPE on (the default) a decode step's QKV projection may do both itself
 (`phloem.ops.skinny_rope`, given `rope_kv_args`); `store_kv` is then not called.
 
 FP8 KV cache scales: each layer has one `k_scale` and one `v_scale` (fp32 per tensor, Python
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         """What a QKV projection that rotates q and k and writes this layer's K/V itself needs
         (`phloem.ops.skinny_rope.RopeKv`: the step's positions and slots from the forward
         context, the cos/sin table, this layer's cache and scales), or None where that fusion
-        is off (PHLOEM_FUSED_QKV_ROPE unset or 0, or no skinny GEMM: `skinny_rope_module`).
+        is off (PHLOEM_FUSED_QKV_ROPE=0, or no skinny GEMM: `skinny_rope_module`).
         Reads host metadata only (no sync: CUDA-graph safe)."""
         fused = skinny_rope_module()
         if fused is None:

@@ -434,7 +434,7 @@ class QKVLinear(ColumnParallelLinear):
         """(q, h): the projection of norm(h) (h = x + residual, or x without one; `norm` the
         decoder layer's input RMSNorm) with RoPE on its q and k heads and k and v written into
         `rope.kv_cache`, where `quant_method.takes_qkv_rope_kv` takes the call (decode-sized
-        calls of the skinny GEMM, PHLOEM_FUSED_QKV_ROPE=1: `phloem.ops.skinny_rope`); the norm
+        calls of the skinny GEMM unless PHLOEM_FUSED_QKV_ROPE=0: `phloem.ops.skinny_rope`); the norm
         fused too where `forward_rms_norm` would fuse it, else run apart first. q: rotated,
         [T, num_heads, head_dim]. None, with nothing run, where the call is not taken (the
         caller runs `forward_rms_norm`, then RoPE and the KV write). The qkv shard is

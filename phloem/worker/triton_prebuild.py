@@ -72,7 +72,7 @@ class TritonShapes:
             (`layers.quantization.base.skinny_gemm_mode`): "0" none, "auto" the shapes its
             table measured faster than cuBLAS, "1" all.
         fused_qkv_rope: the qkv projection's decode-sized calls run RoPE and the KV write in
-            its skinny GEMM (PHLOEM_FUSED_QKV_ROPE=1, `phloem.ops.skinny_rope`).
+            its skinny GEMM (PHLOEM_FUSED_QKV_ROPE, default 1; `phloem.ops.skinny_rope`).
     """
 
     num_heads: int
@@ -345,6 +345,7 @@ def shapes_for_engine(
         flashinfer = importable("flashinfer")
     flashinfer = flashinfer and head_dim in FLASHINFER_HEAD_DIMS
     shared = backend == "shared_prefix" or (backend == "auto" and flashinfer)
+    skinny = skinny_gemm_mode() if quant is None and dtype in ("bfloat16", "float16") else "0"
     num_heads, num_kv_heads = heads // tp_size, max(1, kv_heads // tp_size)
     rope = rope_parameters_from_hf(hf_config)
     return TritonShapes(
@@ -365,10 +366,8 @@ def shapes_for_engine(
         cuda_graphs=not model_config.enforce_eager
         and flashinfer
         and num_heads // num_kv_heads <= 16,
-        skinny_gemm=skinny_gemm_mode()
-        if quant is None and dtype in ("bfloat16", "float16")
-        else "0",
-        fused_qkv_rope=os.environ.get(FUSED_QKV_ROPE_ENV) == "1",
+        skinny_gemm=skinny,
+        fused_qkv_rope=skinny != "0" and os.environ.get(FUSED_QKV_ROPE_ENV, "1") == "1",
     )
 
 

@@ -201,8 +201,10 @@ def flags(fusion_flags):
     return fusion_flags(quant_base.FUSED_QKV_ROPE_ENV, quant_base.skinny_rope_module)
 
 
-def test_flag_is_off_by_default_and_validated(sr, flags):
+def test_flag_is_on_by_default_and_validated(sr, flags):
     flags(None, None)
+    assert quant_base.skinny_rope_module() is sr
+    flags(None, "0")
     assert quant_base.skinny_rope_module() is None
     flags(None, "1")
     assert quant_base.skinny_rope_module() is sr

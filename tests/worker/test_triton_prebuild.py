@@ -40,11 +40,13 @@ def _shapes(name: str, tp: int = 1, **settings) -> TritonShapes:
 
 
 def test_shapes_of_an_engine():
-    assert _shapes("llama-3.1-8b") == TritonShapes(**LLAMA_8B, skinny_gemm="auto")
+    assert _shapes("llama-3.1-8b") == TritonShapes(
+        **LLAMA_8B, skinny_gemm="auto", fused_qkv_rope=True
+    )
     tp2 = _shapes("llama-3.1-8b", tp=2, kv_cache_dtype="fp8", quantization="fp8")
     assert (tp2.num_heads, tp2.num_kv_heads, tp2.intermediate_size) == (16, 4, 7168)
     assert (tp2.kv_dtype, tp2.fp8_quant, tp2.tp_size) == ("float8_e4m3fn", "fused", 2)
-    assert tp2.skinny_gemm == "0"  # FP8 layers: no dense projection
+    assert (tp2.skinny_gemm, tp2.fused_qkv_rope) == ("0", False)  # FP8 layers: no dense one
     eager = _shapes("qwen3-8b", enforce_eager=True)
     assert (eager.head_dim, eager.num_heads, eager.cuda_graphs, eager.shared_prefix) == (
         128, 32, False, True

@@ -199,14 +199,15 @@ def skinny_norm_module():
 @functools.cache
 def skinny_rope_module():
     """`phloem.ops.skinny_rope` (RoPE + the KV write fused into the QKV projection's skinny
-    GEMM), or None when PHLOEM_FUSED_QKV_ROPE is "0" (the default until a GPU measures it; "1":
-    on) or `skinny_gemm_module()` is None; read once per process, like PHLOEM_SKINNY_GEMM.
+    GEMM), or None when PHLOEM_FUSED_QKV_ROPE is "0" (default "1": on, measured faster at 1-16
+    rows on an H200, benchmarks/results/2026-11-27e-h200) or `skinny_gemm_module()` is None;
+    read once per process, like PHLOEM_SKINNY_GEMM.
 
     Raises:
         ValueError: naming PHLOEM_FUSED_QKV_ROPE for a value other than 0 or 1; those of
             `skinny_gemm_module`.
     """
-    if not _switched_on(FUSED_QKV_ROPE_ENV, "0") or skinny_gemm_module() is None:
+    if not _switched_on(FUSED_QKV_ROPE_ENV) or skinny_gemm_module() is None:
         return None
     from phloem.ops import skinny_rope
 
