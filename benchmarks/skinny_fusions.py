@@ -38,7 +38,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ from benchmarks.skinny_gemm import (  # noqa: E402
     per_gemm_us,
     print_config_entries,
 )
+from phloem.bench.triton_compile import compile_in_child, compile_recorded  # noqa: E402
 from phloem.ops import skinny_gated, skinny_norm  # noqa: E402
 from phloem.ops import skinny_gemm as sk  # noqa: E402
 from phloem.ops.activation import silu_and_mul  # noqa: E402
@@ -128,29 +128,15 @@ def launches(request: dict) -> None:
 
 def compile_variants(args) -> None:
     """Compile every variant the run launches, `args.jobs` processes at a time, into Triton's
-    cache (a child process: recording takes over its Triton driver)."""
+    cache (`phloem.bench.triton_compile`: a child process of this script)."""
     request = {"arch": list(torch.cuda.get_device_capability()), "rows": args.rows,
                "fusions": args.fusions, "grid": args.grid, "jobs": args.jobs}  # fmt: skip
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--compile-only"], text=True,
-                          input=json.dumps(request), capture_output=True)  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(f"compiling the variants failed:\n{done.stderr[-4000:]}")
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"compiled {summary['variants']} variants ({summary['errors']} errors) in "
-          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    compile_in_child(__file__, request)
 
 
 def compile_only(request: dict) -> dict:
     """The child of `compile_variants`: record `launches`, then compile them."""
-    from phloem.worker.triton_variants import compile_all, cuda_target, record_variants
-
-    variants = record_variants(lambda: launches(request), cuda_target(tuple(request["arch"])))
-    reports = compile_all(variants, request["jobs"])
-    errors = [r for r in reports if "error" in r]
-    for r in errors[:5]:
-        print(r, file=sys.stderr)
-    return {"variants": len(variants), "errors": len(errors)}
+    return compile_recorded(lambda: launches(request), request)
 
 
 def time_case(fusion: str, rows: int, n: int, k: int, weights: list[torch.Tensor], args) -> dict:

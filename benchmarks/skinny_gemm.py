@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from phloem.bench.graph_timing import graph_replay_seconds
+from phloem.bench.triton_compile import compile_in_child, compile_recorded
 from phloem.ops.skinny_gemm import (
     DOT_MIN_ROWS,
     SkinnyConfig,
@@ -88,23 +88,14 @@ def candidate_configs(rows: int, n: int, k: int) -> list[SkinnyConfig]:
 
 def compile_all_variants(rows_list: list[int], jobs: int) -> None:
     """Compile every variant the run launches, `jobs` processes at a time, into Triton's cache
-    (a child process: recording takes over its Triton driver)."""
+    (`phloem.bench.triton_compile`: a child process of this script)."""
     arch = torch.cuda.get_device_capability()
-    request = json.dumps({"arch": list(arch), "rows": rows_list, "jobs": jobs})
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--compile-only"], input=request, text=True,
-                          capture_output=True)  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(f"compiling the variants failed:\n{done.stderr[-4000:]}")
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"compiled {summary['variants']} variants ({summary['errors']} errors) with {jobs} "
-          f"processes in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    compile_in_child(__file__, {"arch": list(arch), "rows": rows_list, "jobs": jobs})
 
 
 def compile_only(request: dict) -> dict:
     """The child of `compile_all_variants`: record the launches of every (rows, shape, config)
     on CPU tensors laid out as the GPU run's (same specialization), then compile them."""
-    from phloem.worker.triton_variants import compile_all, cuda_target, record_variants
 
     def launch() -> None:
         for rows in request["rows"]:
@@ -114,12 +105,7 @@ def compile_only(request: dict) -> dict:
                 for config in candidate_configs(rows, n, k):
                     skinny_linear(x, w, None, config)
 
-    variants = record_variants(launch, cuda_target(tuple(request["arch"])))
-    reports = compile_all(variants, request["jobs"])
-    errors = [r for r in reports if "error" in r]
-    for r in errors[:5]:
-        print(r, file=sys.stderr)
-    return {"variants": len(variants), "errors": len(errors)}
+    return compile_recorded(launch, request)
 
 
 def per_gemm_us(fn_of_weight, weights: list[torch.Tensor], iters: int) -> float:
