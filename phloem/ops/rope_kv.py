@@ -46,7 +46,7 @@ def _rotated_halves(src, offs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _store_cache(dst, x, mask, scale, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
+def store_cache(dst, x, mask, scale, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
     """Store float32 `x` in the cache's dtype; an FP8 cache stores x / scale clamped to +-LIMIT
     (as `write_kv` does: an IEEE-rounded division, so both store the same bytes)."""
     if CLAMP:
@@ -104,16 +104,16 @@ def _rope_kv_kernel(
         k1, k2 = _rotated_halves(k_src, offs, km, cos, sin, HALF)
         v1 = tl.load(v_src + offs[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_src + HALF + offs[None, :], mask=km, other=0.0).to(tl.float32)
-        _store_cache(k_dst + offs[None, :], k1, km, k_scale, CLAMP, LIMIT)
-        _store_cache(k_dst + HALF + offs[None, :], k2, km, k_scale, CLAMP, LIMIT)
-        _store_cache(v_dst + offs[None, :], v1, km, v_scale, CLAMP, LIMIT)
-        _store_cache(v_dst + HALF + offs[None, :], v2, km, v_scale, CLAMP, LIMIT)
+        store_cache(k_dst + offs[None, :], k1, km, k_scale, CLAMP, LIMIT)
+        store_cache(k_dst + HALF + offs[None, :], k2, km, k_scale, CLAMP, LIMIT)
+        store_cache(v_dst + offs[None, :], v1, km, v_scale, CLAMP, LIMIT)
+        store_cache(v_dst + HALF + offs[None, :], v2, km, v_scale, CLAMP, LIMIT)
         if HAS_REST:
             rm = kv_ok[:, None] & r_ok[None, :]
             kr = tl.load(k_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
             vr = tl.load(v_src + rest[None, :], mask=rm, other=0.0).to(tl.float32)
-            _store_cache(k_dst + rest[None, :], kr, rm, k_scale, CLAMP, LIMIT)
-            _store_cache(v_dst + rest[None, :], vr, rm, v_scale, CLAMP, LIMIT)
+            store_cache(k_dst + rest[None, :], kr, rm, k_scale, CLAMP, LIMIT)
+            store_cache(v_dst + rest[None, :], vr, rm, v_scale, CLAMP, LIMIT)
 
 
 def rope_and_write_kv(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from phloem.ops.rope_kv import rotate_pair
+from phloem.ops.rope_kv import rotate_pair, store_cache
 
 
 @triton.jit
@@ -29,16 +29,6 @@ def paired_cols(pid_n, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 def pair_index(pid_n, BLOCK_N: tl.constexpr):
     """The pairs of program pid_n in tile order, [BLOCK_N / 2] int32 (see `paired_cols`)."""
     return pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-
-
-@triton.jit
-def _store_cache(dst, x, ok, scale, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
-    """Store fp32 x in the cache's dtype (FP8: x / scale, IEEE-rounded, clamped to +-LIMIT), as
-    `phloem.ops.rope_kv` stores it."""
-    if CLAMP:
-        x = tl.math.div_rn(x, scale)
-        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
-    tl.store(dst, x.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -76,5 +66,5 @@ def rope_kv_store(
               + tl.where(is_k, 0, s_ckv))  # fmt: skip
     kv_ok = ok & (head >= NUM_HEADS) & (slot >= 0)
     scale = tl.where(is_k, k_scale, v_scale)
-    _store_cache(kv_dst, y1, kv_ok, scale, CLAMP, LIMIT)
-    _store_cache(kv_dst + half_d, y2, kv_ok, scale, CLAMP, LIMIT)
+    store_cache(kv_dst, y1, kv_ok, scale, CLAMP, LIMIT)
+    store_cache(kv_dst + half_d, y2, kv_ok, scale, CLAMP, LIMIT)
