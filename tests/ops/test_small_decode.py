@@ -62,30 +62,32 @@ def launch(kernel, plan: sd.SmallDecodePlan, query, kv, meta, scale, **options):
     return out.cpu()
 
 
-CASES = [  # (lens, H_kv, GQA, D, block size, splits, block_n, layout)
-    ([1], 2, 1, 16, 4, 4, 16, "NHD"),  # one token, more splits than tiles
-    ([5, 1, 37, 16], 2, 4, 16, 4, 3, 16, "NHD"),  # lengths off the block size
-    ([40, 9], 1, 8, 32, 16, 8, 16, "HND"),  # GQA 8, head-major cache, 8 splits of 3 tiles
-    ([70], 2, 4, 64, 16, 2, 32, "NHD"),  # head_dim 64, a ragged last split
-    ([3, 21], 2, 1, 16, 8, 1, 16, "NHD"),  # one split: no workspace, no merge
+CASES = [  # (lens, H_kv, GQA, D, block size, S_max, split tokens, block_n, layout)
+    ([1], 2, 1, 16, 4, 4, 4, 16, "NHD"),  # one token: 1 split of 4 (no merge)
+    ([5, 1, 37, 16], 2, 4, 16, 4, 3, 16, 16, "NHD"),  # off the block size; 1, 1, 3, 1 splits
+    ([40, 9], 1, 8, 32, 16, 8, 8, 16, "HND"),  # GQA 8, head-major cache; 3 (one a tile), 1
+    ([70], 2, 4, 64, 16, 2, 32, 32, "NHD"),  # head_dim 64, S_max 2 of 3 tiles: a ragged split
+    ([3, 21], 2, 1, 16, 8, 1, 4, 16, "NHD"),  # S_max 1: no workspace, no merge
+    ([1, 20, 45, 100], 1, 4, 16, 8, 4, 16, 16, "NHD"),  # 1, 2, 3 and S_max = 4 splits
 ]
 
 
-@pytest.mark.parametrize("lens,kv_heads,gqa,head_dim,bs,splits,block_n,layout", CASES)
+@pytest.mark.parametrize("lens,kv_heads,gqa,head_dim,bs,splits,tokens,block_n,layout", CASES)
 def test_kernel_and_torch_path_match_float64(kernel, lens, kv_heads, gqa, head_dim, bs, splits,
-                                             block_n, layout):  # fmt: skip
+                                             tokens, block_n, layout):  # fmt: skip
     query, kv, meta = make_step(lens, kv_heads, gqa, head_dim, bs, seed=len(lens) * 7 + gqa,
                                 layout=layout)  # fmt: skip
     scale = head_dim**-0.5
     want = paged_attention_reference(query.double(), kv.double(), meta, scale)[: len(lens)]
-    plan = sd.SmallDecodePlan(4, gqa * kv_heads, kv_heads, head_dim, 16, device(), splits)
+    plan = sd.SmallDecodePlan(4, gqa * kv_heads, kv_heads, head_dim, 16, device(), splits,
+                              split_tokens=tokens)  # fmt: skip
     plan.opart.fill_(float("nan"))
     plan.lpart.fill_(float("nan"))
     got = launch(kernel, plan, query, kv, meta, scale, block_n=block_n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert not plan.counters.any()  # every merging program set its counter back to 0
     torch_path = sd.small_decode_torch(query[: len(lens)], kv, lens, meta.block_tables_cpu,
-                                       splits, scale, block_n)  # fmt: skip
+                                       splits, scale, block_n, split_tokens=tokens)  # fmt: skip
     torch.testing.assert_close(torch_path.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -94,7 +96,10 @@ def test_launches_in_a_row_reuse_the_workspace(kernel):
     by each launch's merging programs): each matches float64 within its dtype's rounding.
     (Under the interpreter the kernel computes bf16 in fp32: Triton 3.9's interpreted bf16
     `tl.dot` returns garbage; the GPU benchmark's checks cover bf16 compiled.)"""
-    plan = sd.SmallDecodePlan(3, 8, 2, 16, 8, device(), splits=4)
+    plan = sd.SmallDecodePlan(3, 8, 2, 16, 8, device(), splits=4, split_tokens=8)
+    plan.opart.fill_(float("nan"))
+    plan.lpart.fill_(float("nan"))
+    # splits used: 2, 1, 2 / 1 / 1, 2
     steps = (([17, 2, 30], torch.float16, 2e-3), ([1], torch.bfloat16, 2e-2),
              ([9, 31], torch.bfloat16, 2e-2))  # fmt: skip
     for seed, (lens, dtype, atol) in enumerate(steps):
@@ -112,24 +117,32 @@ def test_kernel_reads_an_fp8_cache_with_scales(kernel):
     kernel and the torch path."""
     query, kv, meta = make_step([13, 26], 2, 4, 16, 4, seed=5)
     kv8, q16 = kv.clamp(-448, 448).to(torch.float8_e4m3fn), (query * 2).half()
-    plan = sd.SmallDecodePlan(2, 8, 2, 16, 8, device(), splits=3)
+    plan = sd.SmallDecodePlan(2, 8, 2, 16, 8, device(), splits=3, split_tokens=8)
     got = launch(kernel, plan, q16, kv8, meta, 0.4, k_scale=0.5, v_scale=2.0, block_n=16)
     want = paged_attention_reference(q16.double(), kv8.double(), meta, 0.4, k_scale=0.5,
                                      v_scale=2.0)[:2]  # fmt: skip
     torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-3)
     torch_path = sd.small_decode_torch(q16[:2], kv8, [13, 26], meta.block_tables_cpu, 3, 0.4,
-                                       16, k_scale=0.5, v_scale=2.0)  # fmt: skip
+                                       16, k_scale=0.5, v_scale=2.0, split_tokens=8)  # fmt: skip
     torch.testing.assert_close(torch_path.double(), want, rtol=0, atol=5e-3)
 
 
 def test_split_rule_and_ranges():
-    """About one wave of SMs (132 on an H200): Llama-3.1-8B's 8 KV heads get 16 splits at
-    batch 1, 4 at batch 4, 1 at batch 16; its TP = 2 shard (4 KV heads) 32, 8 and 2. Split
-    ranges are whole tiles, the last busy one ragged, the rest empty."""
-    assert [sd.num_splits(b, 8, 132) for b in (1, 4, 16, 32)] == [16, 4, 1, 1]
-    assert [sd.num_splits(b, 4, 132) for b in (1, 4, 16)] == [32, 8, 2]
-    assert sd.split_ranges(70, 4, 16) == [(0, 32), (32, 64), (64, 70), (96, 70)]
-    assert sd.split_ranges(1, 3, 32) == [(0, 1), (32, 1), (64, 1)]
+    """S_max (the grid) is about WAVES waves of SMs (132 on an H200) over B x H_kv programs:
+    Llama-3.1-8B's 8 KV heads 32 / 16 / 4 at batch 1 / 4 / 16, its TP = 2 shard (4 KV heads)
+    32 / 32 / 8; capped by what the longest sequence can use. A sequence uses one split per
+    `split_tokens` tokens, at most S_max and its tile count; its ranges are balanced whole
+    tiles, none empty."""
+    assert [sd.max_splits(b, 8, 132) for b in (1, 4, 16, 32, 128)] == [32, 16, 4, 2, 1]
+    assert [sd.max_splits(b, 4, 132) for b in (1, 4, 16)] == [32, 32, 8]
+    assert sd.max_splits(1, 8, 132, max_seq_len=300, split_tokens=64) == 5
+    assert [sd.splits_used(n, 4, 64, 32) for n in (1, 64, 65, 200, 4096)] == [1, 1, 2, 4, 4]
+    assert sd.splits_used(70, 8, 4, 32) == 3  # never more splits than tiles
+    assert sd.split_ranges(70, 3, 16) == [(0, 16), (16, 48), (48, 70)]
+    assert sd.split_ranges(100, 4, 16) == [(0, 16), (16, 48), (48, 80), (80, 100)]
+    assert sd.split_ranges(1, 1, 32) == [(0, 1)]
+    with pytest.raises(ValueError, match="split_tokens"):
+        sd.SmallDecodePlan(1, 2, 1, 16, 4, "cpu", split_tokens=-1)
 
 
 def test_switch_parsing():
@@ -178,8 +191,8 @@ def test_backend_takes_small_decode_steps_only(monkeypatch):
 def test_switch_gives_the_same_greedy_tokens(tmp_path_factory, embedded_tokenizer_dir,
                                              monkeypatch):  # fmt: skip
     """A tiny float32 Llama (GQA 2), decode batches of 4 down to 1: with the switch on its
-    decode steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS gives 4 splits at
-    batch 1; the kernel on a GPU, eagerly: FlashInfer has no head_dim 16) and the greedy tokens
+    decode steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS and
+    CPU_SPLIT_TOKENS give up to 16 splits of 4 tokens at batch 1; the kernel on a GPU, eagerly: FlashInfer has no head_dim 16) and the greedy tokens
     are the plain backend's."""
     from phloem import LLM, SamplingParams
     from tests.engine.tiny_models import VOCAB, tiny_model_dir

@@ -3,12 +3,13 @@
 At batch 1-16 and a few hundred KV tokens, a decode step's attention is launch and fixed
 latency, not bytes: FlashInfer's q_len-1 attention plus its split-KV merge took 9.5 + 2.4 us a
 layer of Llama-3.1-8B on an H200 (benchmarks/results/2026-11-26d-h200-serving). Here one Triton
-launch (`small_decode_triton.py`) splits each sequence's KV over `num_splits` programs per
-(sequence, KV head) as Flash-Decoding does (Dao et al. 2023) and merges the partials in the
-same launch (the last program of a pair to finish merges; an int32 counter per pair, reset by
+launch (`small_decode_triton.py`) splits each sequence's KV over up to S_max programs per
+(sequence, KV head) as Flash-Decoding does (Dao et al. 2023), as many as its length needs (one
+per ~`split_tokens` tokens), and merges the partials in the same launch (the last program of a pair to finish merges; an int32 counter per pair, reset by
 that program, so CUDA-graph replays start from 0).
 
-This module owns what is not the kernel: the split rule (`num_splits`), the device workspace
+This module owns what is not the kernel: the split rule (`max_splits`: the grid's S_max per
+batch bucket; `splits_used`: a sequence's splits, also computed on the device), the workspace
 and fixed-address index buffers (`SmallDecodePlan`), the same split-and-merge math in torch
 (`small_decode_torch`: the CPU path, without Triton), the switch (`small_decode_max_batch`,
 PHLOEM_SMALL_DECODE_ATTENTION / PHLOEM_SMALL_DECODE_MAX_BATCH) and the backend that runs
@@ -41,8 +42,11 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "PHLOEM_SMALL_DECODE_ATTENTION"  # "1": on; "0" / unset: off
 ENV_MAX_BATCH = "PHLOEM_SMALL_DECODE_MAX_BATCH"  # largest decode step it takes (default 16)
 DEFAULT_MAX_BATCH = 16
-MAX_SPLITS = 32
+MAX_SPLITS = 32  # the merge reads <= 32 partials (a few chunked round trips)
+WAVES = 4  # S_max: about this many waves of SMs when every sequence is long
+DEFAULT_SPLIT_TOKENS = 64  # the target KV tokens a split: a sequence's splits grow with L
 CPU_TARGET_PROGRAMS = 8  # without SMs: enough splits that CPU runs exercise the merge
+CPU_SPLIT_TOKENS = 4  # and short splits, so that short CPU sequences use several
 
 
 def small_decode_max_batch(environ: Mapping[str, str] | None = None) -> int:
@@ -64,12 +68,33 @@ def small_decode_max_batch(environ: Mapping[str, str] | None = None) -> int:
     return int(raw) if switch == "1" else 0
 
 
-def num_splits(batch: int, num_kv_heads: int, target_programs: int) -> int:
-    """KV splits per (sequence, KV head) for a decode step of `batch` sequences: about one wave
-    of `target_programs` programs (the SM count), floor(target / (batch * H_kv)), within
-    [1, MAX_SPLITS]. Fixed per batch size (a CUDA graph's grid), never by the KV lengths:
-    splits a short sequence cannot fill get no tiles (`small_decode_triton`)."""
-    return max(1, min(MAX_SPLITS, target_programs // max(1, batch * num_kv_heads)))
+def max_splits(
+    batch: int,
+    num_kv_heads: int,
+    target_programs: int,
+    max_seq_len: int | None = None,
+    split_tokens: int = DEFAULT_SPLIT_TOKENS,
+    waves: float = WAVES,
+) -> int:
+    """S_max, the grid's KV splits per (sequence, KV head) for a decode step of `batch`
+    sequences (a CUDA graph's grid: fixed per batch bucket, never by the lengths): about
+    `waves` waves of `target_programs` programs (the SM count) when every split is busy,
+    floor(waves * target / (batch * H_kv)), within [1, MAX_SPLITS] and at most the splits the
+    longest sequence can use, ceil(max_seq_len / split_tokens). Llama-3.1-8B (8 KV heads) on
+    132 SMs: 32 / 32 / 16 / 8 / 4 at batch 1 / 2 / 4 / 8 / 16. Each sequence uses
+    `splits_used` of them; the rest of its programs exit at once."""
+    s = int(waves * target_programs) // max(1, batch * num_kv_heads)
+    if max_seq_len is not None:
+        s = min(s, -(-max_seq_len // split_tokens))
+    return max(1, min(MAX_SPLITS, s))
+
+
+def splits_used(seq_len: int, s_max: int, split_tokens: int, block_n: int) -> int:
+    """The splits a sequence of `seq_len` KV tokens uses (the kernel's rule): one per
+    `split_tokens` tokens, clamp(ceil(L / split_tokens), 1, min(s_max, ceil(L / block_n)))
+    (never more splits than BLOCK_N tiles, so none is empty)."""
+    tiles = -(-seq_len // block_n)
+    return max(1, min(-(-seq_len // split_tokens), s_max, tiles))
 
 
 def target_programs(device: torch.device) -> int:
@@ -79,13 +104,20 @@ def target_programs(device: torch.device) -> int:
     return CPU_TARGET_PROGRAMS
 
 
-def split_ranges(seq_len: int, splits: int, block_n: int) -> list[tuple[int, int]]:
-    """The kernel's KV range [begin, end) of each split of a sequence of `seq_len` tokens:
-    ceil(ceil(L / block_n) / splits) whole tiles each, the last busy one ragged, the rest empty
-    (begin >= end)."""
+def default_split_tokens(device: torch.device) -> int:
+    """`DEFAULT_SPLIT_TOKENS` on a CUDA device; `CPU_SPLIT_TOKENS` elsewhere."""
+    return DEFAULT_SPLIT_TOKENS if device.type == "cuda" else CPU_SPLIT_TOKENS
+
+
+def split_ranges(seq_len: int, used: int, block_n: int) -> list[tuple[int, int]]:
+    """The kernel's KV range [begin, end) of each of the `used` splits of a sequence of
+    `seq_len` tokens: whole BLOCK_N tiles, split s taking tiles [s * T // used, (s + 1) * T //
+    used) of T = ceil(L / block_n) (balanced; none empty while used <= T), the last ragged."""
     tiles = -(-seq_len // block_n)
-    per_split = -(-tiles // splits) * block_n
-    return [(s * per_split, min((s + 1) * per_split, seq_len)) for s in range(splits)]
+    return [
+        ((s * tiles // used) * block_n, min(((s + 1) * tiles // used) * block_n, seq_len))
+        for s in range(used)
+    ]
 
 
 def small_decode_torch(
@@ -98,15 +130,17 @@ def small_decode_torch(
     block_n: int = 32,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    split_tokens: int = DEFAULT_SPLIT_TOKENS,
 ) -> torch.Tensor:
-    """The kernel's math in torch (the CPU path): per sequence and split, the partial softmax
-    (O, LSE) of the split's KV range, then the LSE-weighted merge (Flash-Decoding).
+    """The kernel's math in torch (the CPU path): per sequence and used split, the partial
+    softmax (O, LSE) of the split's KV range, then the LSE-weighted merge (Flash-Decoding).
 
     Args:
         query: [B, H, D]; kv_cache: [num_blocks, 2, block_size, H_kv, D] (any layout; an FP8
             cache is read as stored * k_scale / v_scale); seq_lens: [B] KV tokens (>= 1);
             block_tables: [B] block ids (at least ceil(L_b / block_size) each).
-        splits, block_n: as the kernel's (`split_ranges`).
+        splits, split_tokens, block_n: S_max and the kernel's rule (`splits_used`,
+            `split_ranges`).
     Returns:
         [B, H, D] in query's dtype, computed in float32 (float64 for float64 queries).
     """
@@ -125,9 +159,8 @@ def small_decode_torch(
         v = kv[:, 1].repeat_interleave(group, dim=1)
         q = query[b].to(compute)  # [H, D]
         parts, lses = [], []
-        for begin, end in split_ranges(seq_len, splits, block_n):
-            if begin >= end:
-                continue  # an empty split: LSE -inf, weight 0 in the merge
+        used = splits_used(seq_len, splits, split_tokens, block_n)
+        for begin, end in split_ranges(seq_len, used, block_n):
             s = torch.einsum("hd,lhd->hl", q, k[begin:end]) * scale
             lse = torch.logsumexp(s, dim=-1)  # [H]
             parts.append(torch.einsum("hl,lhd->hd", torch.exp(s - lse[:, None]), v[begin:end]))
@@ -145,10 +178,15 @@ class SmallDecodePlan:
         max_batch: the largest decode step; num_heads, num_kv_heads, head_dim: the geometry.
         max_blocks_per_seq: the longest block table of a sequence (sizes the page-id region).
         device: where the buffers live.
-        splits: KV splits for every batch size (None: `num_splits` per batch size).
+        splits: S_max for every batch size (None: `max_splits` per batch size).
+        split_tokens: the target KV tokens a split (`splits_used`; >= 1; None:
+            `default_split_tokens`).
+        max_seq_len: the longest sequence, if known (caps S_max at what it can use).
     Memory: int32 (2 + max_blocks_per_seq) * max_batch, int32 max_batch * H_kv counters, and
-        float32 (D + 1) * H * max over B <= max_batch of B * splits(B) (<= max(SMs * GQA,
-        max_batch * H) partial rows: ~0.3 MiB for Llama-3.1-8B on an H200).
+        float32 (D + 1) * H * max over B <= max_batch of B * S_max(B) (<= max(WAVES * SMs *
+        GQA, 32 * H, max_batch * H) partial rows: ~1.1 MiB for Llama-3.1-8B on an H200).
+    Raises:
+        ValueError: for split_tokens < 1.
     """
 
     def __init__(
@@ -160,11 +198,16 @@ class SmallDecodePlan:
         max_blocks_per_seq: int,
         device: torch.device | str,
         splits: int | None = None,
+        split_tokens: int | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         self.device = torch.device(device)
+        split_tokens = split_tokens or default_split_tokens(self.device)
+        if split_tokens < 1:
+            raise ValueError(f"small decode: split_tokens {split_tokens} (must be >= 1)")
         self.max_batch, self.max_blocks_per_seq = max_batch, max_blocks_per_seq
         self.num_kv_heads = num_kv_heads
-        self.fixed_splits = splits
+        self.fixed_splits, self.split_tokens, self.max_seq_len = splits, split_tokens, max_seq_len
         self.programs = target_programs(self.device)
         rows = max(b * num_heads * self.splits(b) for b in range(1, max_batch + 1))
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
@@ -177,10 +220,11 @@ class SmallDecodePlan:
         self.page_ids = self.index[2 * max_batch :]
 
     def splits(self, batch: int) -> int:
-        """KV splits of a step of `batch` sequences (`num_splits`, or the fixed count)."""
+        """S_max of a step of `batch` sequences (`max_splits`, or the fixed count)."""
         if self.fixed_splits is not None:
             return self.fixed_splits
-        return num_splits(batch, self.num_kv_heads, self.programs)
+        return max_splits(batch, self.num_kv_heads, self.programs, self.max_seq_len,
+                          self.split_tokens)  # fmt: skip
 
     def upload(self, meta: AttentionMetadata) -> None:
         """Write a decode step's lengths and page ids into the buffers (one non-blocking copy
@@ -228,8 +272,8 @@ class SmallDecodePlan:
 
         small_decode_launch(
             query, kv_cache, out, self.seq_lens, self.page_indptr, self.page_ids, self.opart,
-            self.lpart, self.counters, self.splits(query.shape[0]), scale, k_scale=k_scale,
-            v_scale=v_scale, **options,
+            self.lpart, self.counters, self.splits(query.shape[0]), self.split_tokens, scale,
+            k_scale=k_scale, v_scale=v_scale, **options,
         )  # fmt: skip
 
 
@@ -258,7 +302,9 @@ class SmallDecodeAttention(AttentionBackend):
         max_num_blocks_per_seq: the longest block table (sizes the page-id buffer).
         impl: "triton" (the kernel; interpreted on a CPU under TRITON_INTERPRET=1), "torch"
             (`small_decode_torch`) or "auto" (Triton for CUDA queries, else torch).
-        splits: KV splits at every batch size (None: `num_splits`, about one wave of SMs).
+        splits: S_max at every batch size (None: `max_splits`, about WAVES waves of SMs).
+        split_tokens: the target KV tokens a split (`splits_used`; None: the device's default).
+        max_seq_len: the longest sequence, if known (caps S_max).
         kernel_options: block_n, num_warps, num_stages of the launch.
     Raises:
         ValueError: for an unknown impl or max_batch < 1.
@@ -275,6 +321,8 @@ class SmallDecodeAttention(AttentionBackend):
         max_num_blocks_per_seq: int = 8192,
         impl: str = "auto",
         splits: int | None = None,
+        split_tokens: int | None = None,
+        max_seq_len: int | None = None,
         **kernel_options: Any,
     ) -> None:
         if impl not in ("auto", "triton", "torch") or max_batch < 1:
@@ -286,9 +334,9 @@ class SmallDecodeAttention(AttentionBackend):
         self.supports_verify_graphs = fallback.supports_verify_graphs
         self.max_batch, self.impl = max_batch, impl
         self.kernel_options = kernel_options
-        self.plan = SmallDecodePlan(
-            max_batch, num_heads, num_kv_heads, head_dim, max_num_blocks_per_seq, device, splits
-        )
+        self.plan = SmallDecodePlan(max_batch, num_heads, num_kv_heads, head_dim,
+                                    max_num_blocks_per_seq, device, splits, split_tokens,
+                                    max_seq_len)  # fmt: skip
         self._meta: AttentionMetadata | None = None
         self._small = False  # the current step runs here
         self.num_steps = 0
@@ -361,7 +409,8 @@ class SmallDecodeAttention(AttentionBackend):
             block_n = self.kernel_options.get("block_n", 32)
             dst.copy_(small_decode_torch(q, kv_cache, meta.seq_lens_cpu, meta.block_tables_cpu
                                          or meta.block_tables.tolist(), self.plan.splits(batch),
-                                         scale, block_n, k_scale, v_scale))  # fmt: skip
+                                         scale, block_n, k_scale, v_scale,
+                                         self.plan.split_tokens))  # fmt: skip
         return out
 
     def _resolve_impl(self, query: torch.Tensor) -> str:
@@ -451,4 +500,5 @@ def wrap_small_decode(
     return SmallDecodeAttention(
         plain, geometry["num_heads"], geometry["num_kv_heads"], geometry["head_dim"], device,
         max_batch, geometry.get("max_num_blocks_per_seq") or 8192,
+        max_seq_len=geometry.get("max_model_len"),
     )  # fmt: skip

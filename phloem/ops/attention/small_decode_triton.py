@@ -3,16 +3,18 @@ imported lazily by `small_decode.py` (which holds the workspace, the torch path 
 
 Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference"):
 at q_len 1 and a small batch, one program per (sequence, KV head) leaves most SMs idle, so the KV
-of each sequence is cut into `num_splits` ranges, each program computes a partial softmax (O, LSE)
-of its range, and the partials are merged LSE-weighted. Here the merge runs inside the same
-launch: each program writes its partial to a float32 workspace, bumps the (sequence, KV head)'s
-int32 counter, and the program that finds itself last (counter == splits - 1) merges all of them,
+of each sequence is cut into ranges, each program computes a partial softmax (O, LSE) of its
+range, and the partials are merged LSE-weighted. Here the merge runs inside the same launch:
+each program writes its partial to a float32 workspace, bumps the (sequence, KV head)'s int32
+counter, and the program that finds itself last (counter == used - 1) merges the used splits,
 writes the output and sets the counter back to 0 (so the next launch, a CUDA-graph replay too,
-starts from 0). No host work depends on the step: the grid is (B, H_kv, splits), fixed per
-batch size, and each split's token range is computed on the device from the sequence length:
+starts from 0). No host work depends on the step: the grid is (B, H_kv, S_max), fixed per batch
+bucket, and each sequence's number of splits and their token ranges are computed on the device
+from its length L (so a long sequence gets more splits than a short one in the same step):
 
-    seq_len L, tiles T = ceil(L / BLOCK_N), each split takes ceil(T / splits) whole tiles:
-    |-- split 0 --|-- split 1 --| ... |-- last busy split (ragged) --|  (empty splits: LSE -inf)
+    tiles T = ceil(L / BLOCK_N), used u = clamp(ceil(L / split_tokens), 1, min(S_max, T)),
+    split s < u takes tiles [s * T // u, (s + 1) * T // u) (balanced, none empty):
+    |-- split 0 --|-- split 1 --| ... |-- split u-1 (ragged end) --|  programs s >= u: exit
 
 A program handles the GQA query heads of one KV head together (rows of a BLOCK_M >= 16 tile for
 `tl.dot`), so every KV byte is read once; the inner step is the shared-prefix kernel's `kv_step`
@@ -37,18 +39,39 @@ _INDEX_PTRS = ["count_ptr", "seq_lens_ptr", "indptr_ptr", "pages_ptr"]
 
 
 @triton.jit
+def _merge_chunk(opart_ptr, lpart_ptr, base, s0, num_splits, m, den, acc, r, r_ok, d, d_ok,
+                 GQA: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):  # fmt: skip
+    """Splits [s0, s0 + SPLIT_CHUNK) (those < num_splits) into the merge's online softmax."""
+    s = s0 + tl.arange(0, SPLIT_CHUNK)
+    ok = (s < num_splits)[:, None] & r_ok[None, :]
+    prow = base + s[:, None] * GQA + r[None, :]  # [chunk, G]
+    lse = tl.load(lpart_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(opart_ptr + prow[:, :, None] * HEAD_DIM + d[None, None, :],
+                mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
+                cache_modifier=".cg")  # fmt: skip
+    m_new = tl.maximum(m, tl.max(lse, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+    alpha = tl.exp2(m - m_use)
+    w = tl.exp2(lse - m_use[None, :])  # [chunk, G]; 0 past num_splits (LSE -inf)
+    den = den * alpha + tl.sum(w, axis=0)
+    acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
+    return m_new, den, acc
+
+
+@triton.jit
 def _merge_partials(
     opart_ptr, lpart_ptr, base, num_splits,
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """The LSE-weighted sum of the `num_splits` partials of one (sequence, KV head) (partial
-    row base + s * GQA + r), float32 [G, BLOCK_D] (G = GQA rounded up to a power of 2).
+    """The LSE-weighted sum of the `num_splits` (the used splits') partials of one (sequence,
+    KV head) (partial row base + s * GQA + r), float32 [G, BLOCK_D] (G = GQA rounded up to a
+    power of 2).
 
     SPLIT_CHUNK splits at a time, as [chunk, G] LSE and [chunk, G, BLOCK_D] O tiles whose loads
-    do not wait for each other (every split wrote its O, zeros for an empty one, whose weight
-    is 0): a few memory round trips, not one per split. The running max is rescaled per chunk
-    (online softmax). Loads bypass L1 (".cg"): other programs wrote the partials in this launch.
+    do not wait for each other: a few memory round trips, not one per split. The running max
+    is rescaled per chunk (online softmax). Loads bypass L1 (".cg"): other programs wrote the
+    partials in this launch.
     """
     r = tl.arange(0, G)
     r_ok = r < GQA
@@ -57,21 +80,16 @@ def _merge_partials(
     m = tl.full([G], float("-inf"), tl.float32)
     den = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_CHUNK):
-        s = s0 + tl.arange(0, SPLIT_CHUNK)
-        ok = (s < num_splits)[:, None] & r_ok[None, :]
-        prow = base + s[:, None] * GQA + r[None, :]  # [chunk, G]
-        lse = tl.load(lpart_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(opart_ptr + prow[:, :, None] * HEAD_DIM + d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use[None, :])  # [chunk, G]; 0 for an empty split (LSE -inf)
-        den = den * alpha + tl.sum(w, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], axis=0)
-        m = m_new
+    if INTERPRET:  # (the interpreter cannot take computed scalars as range() bounds)
+        s0 = 0
+        while s0 < num_splits:
+            m, den, acc = _merge_chunk(opart_ptr, lpart_ptr, base, s0, num_splits, m, den, acc,
+                                       r, r_ok, d, d_ok, GQA, HEAD_DIM, SPLIT_CHUNK)  # fmt: skip
+            s0 += SPLIT_CHUNK
+    else:
+        for s0 in range(0, num_splits, SPLIT_CHUNK):
+            m, den, acc = _merge_chunk(opart_ptr, lpart_ptr, base, s0, num_splits, m, den, acc,
+                                       r, r_ok, d, d_ok, GQA, HEAD_DIM, SPLIT_CHUNK)  # fmt: skip
     return acc / tl.where(den > 0, den, 1.0)[:, None]
 
 
@@ -107,55 +125,25 @@ def _split_softmax(
     return m_i, l_i, acc
 
 
-# num_splits is not specialized (not on 1, not on multiples of 16): one compiled kernel serves
-# every batch bucket's split count; a single split takes the store branch at run time.
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=_INDEX_PTRS)
-def small_decode_kernel(
-    q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, count_ptr,
-    seq_lens_ptr, indptr_ptr, pages_ptr,
-    scale_log2, k_scale, v_scale, num_splits,
-    s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh,
-    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, G: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
+@triton.jit
+def _store_split(
+    o, has, m_i, l_use, out_ptr, opart_ptr, lpart_ptr, count_ptr, b, kvh, split, used,
+    s_ot, s_oh, rows, row_ok, offs_d, d_ok,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    # grid (B, H_kv, num_splits): program (b, kvh, split) reads split `split` of sequence b's
-    # KV for the GQA query heads of KV head kvh (see the module docstring)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits) * BLOCK_N
-    kv_begin = split * per_split
-    kv_end = tl.minimum(kv_begin + per_split, seq_len)
-    blk_off = tl.load(indptr_ptr + b)
-
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GQA
-    head = kvh * GQA + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    """Split `split` of `used` of sequence b, KV head kvh: its output (one split), or its
+    partial into the workspace (pair rows pair * S_max * GQA + split * GQA + r) and the
+    counter's handshake; the last of the used splits to arrive merges them and resets it."""
     q_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
-                mask=q_mask, other=0.0)  # fmt: skip
-    if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9): K, V follow q
-        q = q.to(tl.float32)
-    m_i, l_i, acc = _split_softmax(
-        q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh, scale_log2 * k_scale,
-        s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D, BLOCK_N, PAGE, PRECISION,
-        INTERPRET,
-    )  # fmt: skip
-    has = l_i > 0
-    l_use = tl.where(has, l_i, 1.0)
-    o = acc * (v_scale / l_use)[:, None]  # an FP8 cache's V scale (1.0 otherwise)
-    out_dst = out_ptr + b.to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :]
-    if num_splits == 1:
+    head = kvh * GQA + rows
+    if used == 1:
+        out_dst = out_ptr + b.to(tl.int64) * s_ot + head[:, None] * s_oh + offs_d[None, :]
         tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         lse = tl.where(has, m_i + tl.log2(l_use), float("-inf"))  # log2 units
         pair = b * tl.num_programs(1) + kvh
-        base = pair.to(tl.int64) * num_splits * GQA
+        base = pair.to(tl.int64) * tl.num_programs(2) * GQA
         prow = base + split * GQA + rows
         tl.store(opart_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=q_mask)
         tl.store(lpart_ptr + prow, lse, mask=row_ok)
@@ -163,14 +151,62 @@ def small_decode_kernel(
         # a CTA barrier, then one thread's gpu-scope atomic)
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
-        if done == num_splits - 1:  # the last split of this pair to finish merges
-            merged = _merge_partials(opart_ptr, lpart_ptr, base, num_splits, GQA, HEAD_DIM, G,
-                                     BLOCK_D, SPLIT_CHUNK)  # fmt: skip
+        if done == used - 1:  # the last used split of this pair to finish merges
+            merged = _merge_partials(opart_ptr, lpart_ptr, base, used, GQA, HEAD_DIM, G,
+                                     BLOCK_D, SPLIT_CHUNK, INTERPRET)  # fmt: skip
             g = tl.arange(0, G)
             g_dst = out_ptr + b.to(tl.int64) * s_ot + (kvh * GQA + g)[:, None] * s_oh
             g_mask = (g < GQA)[:, None] & d_ok[None, :]
             tl.store(g_dst + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask=g_mask)
             tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed")  # ready for the next launch
+
+
+# split_tokens is not specialized (not on 1, not on multiples of 16): one compiled kernel serves
+# every batch bucket; the grid's third dimension is the bucket's S_max.
+@triton.jit(do_not_specialize=["split_tokens"], do_not_specialize_on_alignment=_INDEX_PTRS)
+def small_decode_kernel(
+    q_ptr, kv_ptr, out_ptr, opart_ptr, lpart_ptr, count_ptr,
+    seq_lens_ptr, indptr_ptr, pages_ptr,
+    scale_log2, k_scale, v_scale, split_tokens,
+    s_qt, s_qh, s_kb, s_kkv, s_ks, s_kh, s_ot, s_oh,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, G: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):  # fmt: skip
+    # grid (B, H_kv, S_max): program (b, kvh, split) reads split `split` of the `used` splits of
+    # sequence b's KV for the GQA query heads of KV head kvh; splits >= used exit at once
+    # (no partial, no counter: the merge waits for and reads only the used ones)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    used = tl.minimum(tl.cdiv(seq_len, split_tokens), tl.minimum(tl.num_programs(2), tiles))
+    used = tl.maximum(used, 1)
+    if split < used:
+        kv_begin = (split * tiles // used) * BLOCK_N  # whole tiles, balanced: none empty
+        kv_end = tl.minimum(((split + 1) * tiles // used) * BLOCK_N, seq_len)
+        blk_off = tl.load(indptr_ptr + b)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < GQA
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + b.to(tl.int64) * s_qt + (kvh * GQA + rows)[:, None] * s_qh
+                    + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9)
+            q = q.to(tl.float32)
+        m_i, l_i, acc = _split_softmax(
+            q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh,
+            scale_log2 * k_scale, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D,
+            BLOCK_N, PAGE, PRECISION, INTERPRET,
+        )  # fmt: skip
+        has = l_i > 0
+        l_use = tl.where(has, l_i, 1.0)
+        o = acc * (v_scale / l_use)[:, None]  # an FP8 cache's V scale (1.0 otherwise)
+        _store_split(o, has, m_i, l_use, out_ptr, opart_ptr, lpart_ptr, count_ptr, b, kvh,
+                     split, used, s_ot, s_oh, rows, row_ok, offs_d, d_ok, GQA, HEAD_DIM, G,
+                     BLOCK_D, SPLIT_CHUNK, INTERPRET)  # fmt: skip
 
 
 def _interpreting() -> bool:
@@ -187,7 +223,8 @@ def small_decode_launch(
     opart: torch.Tensor,
     lpart: torch.Tensor,
     counters: torch.Tensor,
-    num_splits: int,
+    max_splits: int,
+    split_tokens: int,
     scale: float,
     block_n: int = 32,
     num_warps: int = 4,
@@ -195,7 +232,7 @@ def small_decode_launch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """One launch of `small_decode_kernel` over grid (B, H_kv, num_splits); writes `out`.
+    """One launch of `small_decode_kernel` over grid (B, H_kv, max_splits); writes `out`.
 
     Args:
         query: [B, H, D] (one decode token per sequence; last dim contiguous), bf16/fp16/fp32.
@@ -205,18 +242,22 @@ def small_decode_launch(
         seq_lens: int32 [>= B] KV tokens of each sequence (>= 1); page_indptr: int32 [>= B]
             offset of sequence b's page ids in `page_indices` (int32), ceil(L_b / block_size)
             of them.
-        opart / lpart: float32 workspace of >= B * H * num_splits * D and B * H * num_splits
+        opart / lpart: float32 workspace of >= B * H * max_splits * D and B * H * max_splits
             elements (contiguous); counters: int32 [>= B * H_kv], all 0 (left all 0).
-        num_splits: KV splits per (sequence, KV head) (1: no workspace, no merge).
+        max_splits: S_max, the grid's KV splits per (sequence, KV head); split_tokens: the
+            target KV tokens a split (>= 1): sequence b uses clamp(ceil(L_b / split_tokens), 1,
+            min(S_max, ceil(L_b / block_n))) splits (`small_decode.splits_used`; one: no
+            workspace, no merge), the rest of its programs exit at once.
         scale: softmax scale; block_n: KV tokens per inner step (power of 2, >= 16).
     Raises:
-        ValueError: for a float64 query or a GQA group above 128 rows.
+        ValueError: for a float64 query, a GQA group above 128 rows or split_tokens < 1.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     gqa = num_heads // num_kv_heads
-    if query.dtype == torch.float64 or gqa > 128:
-        raise ValueError(f"small decode kernel: {query.dtype}, GQA {gqa} (use the torch path)")
+    if query.dtype == torch.float64 or gqa > 128 or split_tokens < 1:
+        raise ValueError(f"small decode kernel: {query.dtype}, GQA {gqa}, split_tokens "
+                         f"{split_tokens} (use the torch path)")  # fmt: skip
     if kv_cache.dtype != FP8_KV_DTYPE:
         k_scale = v_scale = 1.0
     block_d = max(16, 1 << (head_dim - 1).bit_length())
@@ -225,9 +266,9 @@ def small_decode_launch(
     # the merge's O tile [chunk, G, BLOCK_D] stays at <= 4,096 floats (32 a thread at 4 warps)
     chunk = max(1, min(32, 4096 // (g * block_d)))
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    small_decode_kernel[(batch, num_kv_heads, num_splits)](
+    small_decode_kernel[(batch, num_kv_heads, max_splits)](
         query, kv_cache, out, opart, lpart, counters, seq_lens, page_indptr, page_indices,
-        scale * _LOG2E, k_scale, v_scale, num_splits,
+        scale * _LOG2E, k_scale, v_scale, split_tokens,
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         out.stride(0), out.stride(1),
