@@ -9,8 +9,13 @@ x geometry (Llama-3.1-8B's 32 query / 8 KV heads of 128, and its TP = 2 shard, 1
   flashinfer      phloem's FlashInfer backend as its decode graphs run it (`prepare_replay`:
                   fa2 prefill kernel at q_len 1 in a CUDA-graph wrapper, plus its merge)
   small/bn{N}/w{W}  `small_decode.SmallDecodeAttention` (the kernel of `small_decode_triton.py`,
-                  BLOCK_N = N, W warps, splits by `num_splits`), planned the same way
-  small/bn{N}/w{W}/s{S}  the same with S KV splits at every batch (--splits S)
+                  BLOCK_N = N, W warps; the grid's S_max by `max_splits`, each sequence using
+                  `splits_used`: one split per DEFAULT_SPLIT_TOKENS tokens), planned the same way
+  .../s{S}        the grid's S_max fixed at S at every batch (--splits S)
+  .../t{T}        T target tokens a split instead of the default (--split-tokens T; 1: every
+                  sequence uses min(S_max, tiles) splits)
+  .../old         the rule before 2026-11-27e (one wave: S_max = floor(SMs / (B x H_kv)), every
+                  sequence using all its tiles' worth of them: split tokens 1), the baseline
 
 Each runs --layers forward calls (one KV cache per layer, the same block table: the engine's
 layout; pages shuffled) captured in one CUDA graph, timed over --iters replays; us/layer = mean
@@ -37,7 +42,13 @@ import torch
 from phloem.bench.graph_timing import graph_replay_seconds
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
-from phloem.ops.attention.small_decode import SmallDecodeAttention, num_splits, target_programs
+from phloem.ops.attention.small_decode import (
+    MAX_SPLITS,
+    SmallDecodeAttention,
+    max_splits,
+    splits_used,
+    target_programs,
+)
 
 
 def parse_args(argv=None):
@@ -52,7 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     p.add_argument("--splits", type=int, nargs="+", default=[0],
-                   help="KV splits to time (0: the rule, `small_decode.num_splits`)")  # fmt: skip
+                   help="the grid's S_max to time (0: the rule, `small_decode.max_splits`)")  # fmt: skip
+    p.add_argument("--split-tokens", type=int, nargs="+", default=[0, 32, 128],
+                   help="target KV tokens a split (0: small_decode.DEFAULT_SPLIT_TOKENS)")  # fmt: skip
+    p.add_argument("--no-old", action="store_true", help="skip the one-wave baseline")
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--layers", type=int, default=32)
@@ -91,15 +105,48 @@ def flashinfer_backend(geometry, batch: int, max_pages: int, device):
                                max_num_blocks_per_seq=max_pages, max_num_seqs=batch)  # fmt: skip
 
 
-def small_backend(geometry, batch, max_pages, device, args, block_n, splits=0, warps=None):
+def small_backend(geometry, batch, max_pages, device, args, block_n, splits=0, warps=None,
+                  tokens=0):  # fmt: skip
     """Our backend over a reference fallback (unused: every step here is a small decode);
-    `splits` 0: the rule; `warps` None: the first --num-warps."""
+    `splits` 0: the rule's S_max; `warps` None: the first --num-warps; `tokens` 0: the
+    default target tokens a split."""
     num_heads, num_kv_heads, head_dim = geometry
     return SmallDecodeAttention(
         ReferenceAttention(), num_heads, num_kv_heads, head_dim, device, max_batch=batch,
         max_num_blocks_per_seq=max_pages, impl="triton", splits=splits or None,
-        block_n=block_n, num_warps=warps or args.num_warps[0], num_stages=args.num_stages,
+        split_tokens=tokens or None, block_n=block_n, num_warps=warps or args.num_warps[0],
+        num_stages=args.num_stages,
     )  # fmt: skip
+
+
+def old_splits(batch: int, num_kv_heads: int, device) -> int:
+    """The one-wave rule before 2026-11-27e: floor(SMs / (B x H_kv)) in [1, MAX_SPLITS]."""
+    return max(1, min(MAX_SPLITS, target_programs(device) // (batch * num_kv_heads)))
+
+
+def kernel_runs(args, geometry, batch, max_pages, device) -> list:
+    """(name, backend factory) of each of our variants of a case (the module docstring)."""
+    runs = []
+    for bn, s, t, w in itertools.product(args.block_n, args.splits, args.split_tokens,
+                                         args.num_warps):  # fmt: skip
+        name = f"small/bn{bn}/w{w}" + (f"/s{s}" if s else "") + (f"/t{t}" if t else "")
+        runs.append((name, lambda bn=bn, s=s, t=t, w=w: small_backend(
+            geometry, batch, max_pages, device, args, bn, s, w, t)))  # fmt: skip
+        if not args.no_old and s == 0 and t == 0:
+            old = old_splits(batch, geometry[1], device)
+            runs.append((name + "/old", lambda bn=bn, w=w, old=old: small_backend(
+                geometry, batch, max_pages, device, args, bn, old, w, 1)))  # fmt: skip
+    return runs
+
+
+def split_counts(backend, batch: int, kv_len: int) -> dict:
+    """Ours: the grid's S_max and the splits a sequence of kv_len tokens uses; FlashInfer: 0."""
+    if not isinstance(backend, SmallDecodeAttention):
+        return {"s_max": 0, "splits_used": 0}
+    s_max = backend.plan.splits(batch)
+    used = splits_used(kv_len, s_max, backend.plan.split_tokens,
+                       backend.kernel_options["block_n"])  # fmt: skip
+    return {"s_max": s_max, "splits_used": used}
 
 
 def time_layers(backend, query, caches, meta, iters: int) -> tuple[float, torch.Tensor]:
@@ -123,29 +170,28 @@ def run_case(args, geometry, batch: int, kv_len: int, device) -> dict:
     max_pages = -(-kv_len // args.block_size)
     want = paged_attention_reference(query.double(), caches[0].double(), meta,
                                      query.shape[-1] ** -0.5)  # fmt: skip
-    rule = num_splits(batch, geometry[1], target_programs(device))
-    case = {"geometry": list(geometry), "batch": batch, "kv": kv_len, "rule_splits": rule,
+    rule = max_splits(batch, geometry[1], target_programs(device))
+    case = {"geometry": list(geometry), "batch": batch, "kv": kv_len, "rule_s_max": rule,
             "kernels": {}}  # fmt: skip
     runs = [("flashinfer", lambda: flashinfer_backend(geometry, batch, max_pages, device))]
-    for bn, s, w in itertools.product(args.block_n, args.splits, args.num_warps):
-        name = f"small/bn{bn}/w{w}" + (f"/s{s}" if s else "")
-        runs.append((name, lambda bn=bn, s=s, w=w: small_backend(
-            geometry, batch, max_pages, device, args, bn, s, w)))  # fmt: skip
+    runs += kernel_runs(args, geometry, batch, max_pages, device)
     base = None
     for name, make in runs:
         try:
-            seconds, out = time_layers(make(), query, caches, meta, args.iters)
+            backend = make()
+            seconds, out = time_layers(backend, query, caches, meta, args.iters)
         except Exception as e:  # noqa: BLE001 - a kernel that fails is reported, not fatal
             case["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             traceback.print_exc()
             continue
         base = out if base is None else base
-        entry = {"us_per_layer": seconds * 1e6,
+        entry = {"us_per_layer": seconds * 1e6, **split_counts(backend, batch, kv_len),
                  "max_abs_diff_vs_flashinfer": (out.float() - base.float()).abs().max().item(),
                  "max_abs_err_vs_float64": (out.double() - want).abs().max().item()}  # fmt: skip
         case["kernels"][name] = entry
-        print(f"H={geometry[0]:2d}/{geometry[1]} B={batch:2d} KV={kv_len:5d} rule S={rule:2d} "
-              f"{name:18s} {entry['us_per_layer']:7.2f} us/layer  "
+        print(f"H={geometry[0]:2d}/{geometry[1]} B={batch:2d} KV={kv_len:5d} rule S_max={rule:2d} "
+              f"{name:22s} S={entry['s_max']:2d} used={entry['splits_used']:2d} "
+              f"{entry['us_per_layer']:7.2f} us/layer  "
               f"diff {entry['max_abs_diff_vs_flashinfer']:.1e} "
               f"err64 {entry['max_abs_err_vs_float64']:.1e}", flush=True)  # fmt: skip
     return case
@@ -159,8 +205,8 @@ def checks(args, device) -> list[dict]:
     steps = [[1], [4095, 1, 130], [random.Random(s).randint(1, 700) for s in range(16)]]
     for kv_dtype, k_scale, v_scale in ((torch.bfloat16, 1.0, 1.0),
                                        (torch.float8_e4m3fn, 0.5, 2.0)):  # fmt: skip
-        for bn in args.block_n:
-            backend = small_backend(geometry, 16, 256, device, args, bn)
+        for bn, tokens in itertools.product(args.block_n, (0, 16)):
+            backend = small_backend(geometry, 16, 256, device, args, bn, tokens=tokens)
             for seed, lens in enumerate(steps):
                 query, (kv,), meta = make_step(lens, geometry, args.block_size, device, seed,
                                                kv_dtype=kv_dtype)  # fmt: skip
@@ -172,8 +218,10 @@ def checks(args, device) -> list[dict]:
                 err = (got.double() - want).abs().max().item()
                 ok = err <= 2e-2 and not backend.plan.counters.any().item()
                 results.append({"lens": lens[:4], "batch": len(lens), "block_n": bn,
+                                "split_tokens": backend.plan.split_tokens,
                                 "kv_dtype": str(kv_dtype), "max_abs_err": err, "ok": ok})  # fmt: skip
-                print(f"check B={len(lens):2d} bn={bn} {kv_dtype}: err {err:.1e} "
+                print(f"check B={len(lens):2d} bn={bn} t={backend.plan.split_tokens} "
+                      f"{kv_dtype}: err {err:.1e} "
                       f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return results
 
@@ -195,8 +243,8 @@ def graph_checks(args, device) -> list[dict]:
         metas.append(AttentionMetadata.from_host([1] * 4, lens, tables, bs, device=device,
                                                  padded_tables=True))  # fmt: skip
     results = []
-    for bn in args.block_n:
-        backend = small_backend(geometry, 4, 256, device, args, bn)
+    for bn, tokens in itertools.product(args.block_n, (0, 16)):
+        backend = small_backend(geometry, 4, 256, device, args, bn, tokens=tokens)
         backend.prepare_replay(metas[0])
         backend.forward(query, kv, metas[0], 0.088, out=out)  # compiles
         torch.cuda.synchronize(device)
@@ -211,8 +259,8 @@ def graph_checks(args, device) -> list[dict]:
             err = (out.double() - want).abs().max().item()
             ok = err <= 2e-2 and not backend.plan.counters.any().item()
             results.append({"graph_replay_lens": meta.seq_lens_cpu, "block_n": bn,
-                            "max_abs_err": err, "ok": ok})  # fmt: skip
-            print(f"graph replay {meta.seq_lens_cpu} bn={bn}: err {err:.1e} "
+                            "split_tokens": tokens, "max_abs_err": err, "ok": ok})  # fmt: skip
+            print(f"graph replay {meta.seq_lens_cpu} bn={bn} t={tokens}: err {err:.1e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return results
 
