@@ -500,5 +500,4 @@ def wrap_small_decode(
     return SmallDecodeAttention(
         plain, geometry["num_heads"], geometry["num_kv_heads"], geometry["head_dim"], device,
         max_batch, geometry.get("max_num_blocks_per_seq") or 8192,
-        max_seq_len=geometry.get("max_model_len"),
     )  # fmt: skip
