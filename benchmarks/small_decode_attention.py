@@ -14,6 +14,7 @@ x geometry (Llama-3.1-8B's 32 query / 8 KV heads of 128, and its TP = 2 shard, 1
   .../s{S}        the grid's S_max fixed at S at every batch (--splits S)
   .../t{T}        T target tokens a split instead of the default (--split-tokens T; 1: every
                   sequence uses min(S_max, tiles) splits)
+  .../pf          the register-pipelined inner loop (`prefetch=True`; --prefetch 0 1)
   .../old         the rule before 2026-11-27e (one wave: S_max = floor(SMs / (B x H_kv)), every
                   sequence using all its tiles' worth of them: split tokens 1), the baseline
 
@@ -66,6 +67,8 @@ def parse_args(argv=None):
                    help="the grid's S_max to time (0: the rule, `small_decode.max_splits`)")  # fmt: skip
     p.add_argument("--split-tokens", type=int, nargs="+", default=[0, 32, 128],
                    help="target KV tokens a split (0: small_decode.DEFAULT_SPLIT_TOKENS)")  # fmt: skip
+    p.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
+                   help="0: the plain inner loop, 1: the register-pipelined one")  # fmt: skip
     p.add_argument("--no-old", action="store_true", help="skip the one-wave baseline")
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--num-stages", type=int, default=2)
@@ -106,16 +109,16 @@ def flashinfer_backend(geometry, batch: int, max_pages: int, device):
 
 
 def small_backend(geometry, batch, max_pages, device, args, block_n, splits=0, warps=None,
-                  tokens=0):  # fmt: skip
+                  tokens=0, prefetch=0):  # fmt: skip
     """Our backend over a reference fallback (unused: every step here is a small decode);
     `splits` 0: the rule's S_max; `warps` None: the first --num-warps; `tokens` 0: the
-    default target tokens a split."""
+    default target tokens a split; `prefetch` 1: the register-pipelined inner loop."""
     num_heads, num_kv_heads, head_dim = geometry
     return SmallDecodeAttention(
         ReferenceAttention(), num_heads, num_kv_heads, head_dim, device, max_batch=batch,
         max_num_blocks_per_seq=max_pages, impl="triton", splits=splits or None,
         split_tokens=tokens or None, block_n=block_n, num_warps=warps or args.num_warps[0],
-        num_stages=args.num_stages,
+        num_stages=args.num_stages, prefetch=bool(prefetch),
     )  # fmt: skip
 
 
@@ -127,12 +130,13 @@ def old_splits(batch: int, num_kv_heads: int, device) -> int:
 def kernel_runs(args, geometry, batch, max_pages, device) -> list:
     """(name, backend factory) of each of our variants of a case (the module docstring)."""
     runs = []
-    for bn, s, t, w in itertools.product(args.block_n, args.splits, args.split_tokens,
-                                         args.num_warps):  # fmt: skip
-        name = f"small/bn{bn}/w{w}" + (f"/s{s}" if s else "") + (f"/t{t}" if t else "")
-        runs.append((name, lambda bn=bn, s=s, t=t, w=w: small_backend(
-            geometry, batch, max_pages, device, args, bn, s, w, t)))  # fmt: skip
-        if not args.no_old and s == 0 and t == 0:
+    for bn, s, t, w, pf in itertools.product(args.block_n, args.splits, args.split_tokens,
+                                             args.num_warps, args.prefetch):  # fmt: skip
+        name = (f"small/bn{bn}/w{w}" + (f"/s{s}" if s else "") + (f"/t{t}" if t else "")
+                + ("/pf" if pf else ""))  # fmt: skip
+        runs.append((name, lambda bn=bn, s=s, t=t, w=w, pf=pf: small_backend(
+            geometry, batch, max_pages, device, args, bn, s, w, t, pf)))  # fmt: skip
+        if not args.no_old and s == 0 and t == 0 and pf == 0:
             old = old_splits(batch, geometry[1], device)
             runs.append((name + "/old", lambda bn=bn, w=w, old=old: small_backend(
                 geometry, batch, max_pages, device, args, bn, old, w, 1)))  # fmt: skip
@@ -205,8 +209,9 @@ def checks(args, device) -> list[dict]:
     steps = [[1], [4095, 1, 130], [random.Random(s).randint(1, 700) for s in range(16)]]
     for kv_dtype, k_scale, v_scale in ((torch.bfloat16, 1.0, 1.0),
                                        (torch.float8_e4m3fn, 0.5, 2.0)):  # fmt: skip
-        for bn, tokens in itertools.product(args.block_n, (0, 16)):
-            backend = small_backend(geometry, 16, 256, device, args, bn, tokens=tokens)
+        for bn, tokens, pf in itertools.product(args.block_n, (0, 16), args.prefetch):
+            backend = small_backend(geometry, 16, 256, device, args, bn, tokens=tokens,
+                                    prefetch=pf)  # fmt: skip
             for seed, lens in enumerate(steps):
                 query, (kv,), meta = make_step(lens, geometry, args.block_size, device, seed,
                                                kv_dtype=kv_dtype)  # fmt: skip
@@ -218,9 +223,9 @@ def checks(args, device) -> list[dict]:
                 err = (got.double() - want).abs().max().item()
                 ok = err <= 2e-2 and not backend.plan.counters.any().item()
                 results.append({"lens": lens[:4], "batch": len(lens), "block_n": bn,
-                                "split_tokens": backend.plan.split_tokens,
+                                "split_tokens": backend.plan.split_tokens, "prefetch": pf,
                                 "kv_dtype": str(kv_dtype), "max_abs_err": err, "ok": ok})  # fmt: skip
-                print(f"check B={len(lens):2d} bn={bn} t={backend.plan.split_tokens} "
+                print(f"check B={len(lens):2d} bn={bn} t={backend.plan.split_tokens} pf={pf} "
                       f"{kv_dtype}: err {err:.1e} "
                       f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return results
@@ -243,8 +248,8 @@ def graph_checks(args, device) -> list[dict]:
         metas.append(AttentionMetadata.from_host([1] * 4, lens, tables, bs, device=device,
                                                  padded_tables=True))  # fmt: skip
     results = []
-    for bn, tokens in itertools.product(args.block_n, (0, 16)):
-        backend = small_backend(geometry, 4, 256, device, args, bn, tokens=tokens)
+    for bn, tokens, pf in itertools.product(args.block_n, (0, 16), args.prefetch):
+        backend = small_backend(geometry, 4, 256, device, args, bn, tokens=tokens, prefetch=pf)
         backend.prepare_replay(metas[0])
         backend.forward(query, kv, metas[0], 0.088, out=out)  # compiles
         torch.cuda.synchronize(device)
@@ -259,8 +264,9 @@ def graph_checks(args, device) -> list[dict]:
             err = (out.double() - want).abs().max().item()
             ok = err <= 2e-2 and not backend.plan.counters.any().item()
             results.append({"graph_replay_lens": meta.seq_lens_cpu, "block_n": bn,
-                            "split_tokens": tokens, "max_abs_err": err, "ok": ok})  # fmt: skip
-            print(f"graph replay {meta.seq_lens_cpu} bn={bn} t={tokens}: err {err:.1e} "
+                            "split_tokens": tokens, "prefetch": pf, "max_abs_err": err,
+                            "ok": ok})  # fmt: skip
+            print(f"graph replay {meta.seq_lens_cpu} bn={bn} t={tokens} pf={pf}: err {err:.1e} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return results
 

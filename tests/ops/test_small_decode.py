@@ -67,8 +67,8 @@ CASES = [  # (lens, H_kv, GQA, D, block size, S_max, split tokens, block_n, layo
     ([5, 1, 37, 16], 2, 4, 16, 4, 3, 16, 16, "NHD"),  # off the block size; 1, 1, 3, 1 splits
     ([40, 9], 1, 8, 32, 16, 8, 8, 16, "HND"),  # GQA 8, head-major cache; 3 (one a tile), 1
     ([70], 2, 4, 64, 16, 2, 32, 32, "NHD"),  # head_dim 64, S_max 2 of 3 tiles: a ragged split
-    ([3, 21], 2, 1, 16, 8, 1, 4, 16, "NHD"),  # S_max 1: no workspace, no merge
-    ([1, 20, 45, 100], 1, 4, 16, 8, 4, 16, 16, "NHD"),  # 1, 2, 3 and S_max = 4 splits
+    ([3, 61], 2, 1, 16, 8, 1, 4, 16, "NHD"),  # S_max 1: no merge; 4 tiles in a row
+    ([1, 20, 45, 200], 1, 4, 16, 8, 4, 16, 16, "NHD"),  # 1, 2, 3, S_max = 4 splits (3-4 tiles)
 ]
 
 
@@ -83,9 +83,10 @@ def test_kernel_and_torch_path_match_float64(kernel, lens, kv_heads, gqa, head_d
                               split_tokens=tokens)  # fmt: skip
     plan.opart.fill_(float("nan"))
     plan.lpart.fill_(float("nan"))
-    got = launch(kernel, plan, query, kv, meta, scale, block_n=block_n)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    assert not plan.counters.any()  # every merging program set its counter back to 0
+    for prefetch in (False, True):  # the plain and the register-pipelined inner loop
+        got = launch(kernel, plan, query, kv, meta, scale, block_n=block_n, prefetch=prefetch)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert not plan.counters.any()  # every merging program set its counter back to 0
     torch_path = sd.small_decode_torch(query[: len(lens)], kv, lens, meta.block_tables_cpu,
                                        splits, scale, block_n, split_tokens=tokens)  # fmt: skip
     torch.testing.assert_close(torch_path.double(), want, rtol=1e-5, atol=1e-5)
@@ -118,10 +119,12 @@ def test_kernel_reads_an_fp8_cache_with_scales(kernel):
     query, kv, meta = make_step([13, 26], 2, 4, 16, 4, seed=5)
     kv8, q16 = kv.clamp(-448, 448).to(torch.float8_e4m3fn), (query * 2).half()
     plan = sd.SmallDecodePlan(2, 8, 2, 16, 8, device(), splits=3, split_tokens=8)
-    got = launch(kernel, plan, q16, kv8, meta, 0.4, k_scale=0.5, v_scale=2.0, block_n=16)
     want = paged_attention_reference(q16.double(), kv8.double(), meta, 0.4, k_scale=0.5,
                                      v_scale=2.0)[:2]  # fmt: skip
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-3)
+    for prefetch in (False, True):
+        got = launch(kernel, plan, q16, kv8, meta, 0.4, k_scale=0.5, v_scale=2.0, block_n=16,
+                     prefetch=prefetch)  # fmt: skip
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-3)
     torch_path = sd.small_decode_torch(q16[:2], kv8, [13, 26], meta.block_tables_cpu, 3, 0.4,
                                        16, k_scale=0.5, v_scale=2.0, split_tokens=8)  # fmt: skip
     torch.testing.assert_close(torch_path.double(), want, rtol=0, atol=5e-3)
@@ -231,9 +234,11 @@ fn = sdt.small_decode_kernel
 types = dict(opart_ptr="*fp32", lpart_ptr="*fp32", count_ptr="*i32", seq_lens_ptr="*i32",
              indptr_ptr="*i32", pages_ptr="*i32", scale_log2="fp32", k_scale="fp32",
              v_scale="fp32")
-for gqa, dim, kv in ((4, 128, "bf16"), (8, 64, "fp8e4nv")):
+for gqa, dim, kv, prefetch in ((4, 128, "bf16", False), (8, 64, "fp8e4nv", False),
+                               (4, 128, "bf16", True)):
     const = dict(GQA=gqa, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_M=16, BLOCK_N=32, PAGE=16,
-                 PRECISION="tf32", INTERPRET=False, G=gqa, SPLIT_CHUNK=4096 // (gqa * dim))
+                 PRECISION="tf32", INTERPRET=False, G=gqa, SPLIT_CHUNK=4096 // (gqa * dim),
+                 PREFETCH=prefetch)
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     sig.update(q_ptr="*bf16", out_ptr="*bf16", kv_ptr="*" + kv)
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs={})
@@ -246,13 +251,14 @@ for gqa, dim, kv in ((4, 128, "bf16"), (8, 64, "fp8e4nv")):
     head = ptx[: ptx.index("atom.global.gpu.acq_rel")]
     assert head.rfind("bar.sync") > head.rfind("st.global"), "barrier after the partials"
     assert "ld.global.cg" in ptx, "the merge reads the partials past L1"
-    print("compiled", gqa, dim, kv)
+    print("compiled", gqa, dim, kv, prefetch)
 """
 
 
 def test_kernel_compiles_for_hopper(compile_for_hopper):
     """The GPU compiler (which rejects what the interpreter accepts) takes the kernel for
-    Llama-3.1-8B (bf16, GQA 4, head_dim 128) and for an FP8 cache (GQA 8, head_dim 64):
+    Llama-3.1-8B (bf16, GQA 4, head_dim 128; plain and prefetching inner loops) and for an FP8
+    cache (GQA 8, head_dim 64):
     tensor-core products; the partial stores, a CTA barrier, then the counter's acq_rel atomic
     (CUTLASS's semaphore order), and L1-bypassing loads in the merge."""
-    assert compile_for_hopper(COMPILE_FOR_HOPPER).count("compiled") == 2
+    assert compile_for_hopper(COMPILE_FOR_HOPPER).count("compiled") == 3

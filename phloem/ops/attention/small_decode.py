@@ -45,8 +45,7 @@ DEFAULT_MAX_BATCH = 16
 MAX_SPLITS = 32  # the merge reads <= 32 partials (a few chunked round trips)
 WAVES = 4  # S_max: about this many waves of SMs when every sequence is long
 DEFAULT_SPLIT_TOKENS = 64  # the target KV tokens a split: a sequence's splits grow with L
-CPU_TARGET_PROGRAMS = 8  # without SMs: enough splits that CPU runs exercise the merge
-CPU_SPLIT_TOKENS = 4  # and short splits, so that short CPU sequences use several
+CPU_TARGET_PROGRAMS, CPU_SPLIT_TOKENS = 8, 4  # off a GPU: CPU runs of short sequences merge
 
 
 def small_decode_max_batch(environ: Mapping[str, str] | None = None) -> int:
@@ -76,13 +75,11 @@ def max_splits(
     split_tokens: int = DEFAULT_SPLIT_TOKENS,
     waves: float = WAVES,
 ) -> int:
-    """S_max, the grid's KV splits per (sequence, KV head) for a decode step of `batch`
-    sequences (a CUDA graph's grid: fixed per batch bucket, never by the lengths): about
-    `waves` waves of `target_programs` programs (the SM count) when every split is busy,
-    floor(waves * target / (batch * H_kv)), within [1, MAX_SPLITS] and at most the splits the
-    longest sequence can use, ceil(max_seq_len / split_tokens). Llama-3.1-8B (8 KV heads) on
-    132 SMs: 32 / 32 / 16 / 8 / 4 at batch 1 / 2 / 4 / 8 / 16. Each sequence uses
-    `splits_used` of them; the rest of its programs exit at once."""
+    """S_max, the grid's KV splits per (sequence, KV head) at `batch` sequences (fixed per
+    batch bucket, as a CUDA graph's grid is): `waves` waves of `target_programs` (SMs) when
+    every split is busy, floor(waves * target / (batch * H_kv)) in [1, MAX_SPLITS], at most
+    ceil(max_seq_len / split_tokens). 8B (8 KV heads), 132 SMs: 32 / 16 / 4 at batch 1 / 4 /
+    16. A sequence uses `splits_used` of them; its other programs exit at once."""
     s = int(waves * target_programs) // max(1, batch * num_kv_heads)
     if max_seq_len is not None:
         s = min(s, -(-max_seq_len // split_tokens))
@@ -113,11 +110,8 @@ def split_ranges(seq_len: int, used: int, block_n: int) -> list[tuple[int, int]]
     """The kernel's KV range [begin, end) of each of the `used` splits of a sequence of
     `seq_len` tokens: whole BLOCK_N tiles, split s taking tiles [s * T // used, (s + 1) * T //
     used) of T = ceil(L / block_n) (balanced; none empty while used <= T), the last ragged."""
-    tiles = -(-seq_len // block_n)
-    return [
-        ((s * tiles // used) * block_n, min(((s + 1) * tiles // used) * block_n, seq_len))
-        for s in range(used)
-    ]
+    edges = [(s * -(-seq_len // block_n) // used) * block_n for s in range(used + 1)]
+    return [(edges[s], min(edges[s + 1], seq_len)) for s in range(used)]
 
 
 def small_decode_torch(

@@ -126,6 +126,84 @@ def _split_softmax(
 
 
 @triton.jit
+def _load_ids(start, kv_end, pages_ptr, blk_off, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """The block id of each KV index of tile [start, start + BLOCK_N) (0 past kv_end: masked)."""
+    j = start + tl.arange(0, BLOCK_N)
+    return tl.load(pages_ptr + blk_off + j // PAGE, mask=j < kv_end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(start, kv_end, bid, kv_ptr, kvh, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok,
+               BLOCK_N: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
+    """K and V [BLOCK_N, BLOCK_D] of tile [start, start + BLOCK_N) as stored (zeros past
+    kv_end: a tile wholly past it reads no memory)."""
+    j = start + tl.arange(0, BLOCK_N)
+    kv_off = bid * s_kb + (j % PAGE) * s_ks + kvh * s_kh
+    mask = (j < kv_end)[:, None] & d_ok[None, :]
+    k = tl.load(kv_ptr + kv_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(kv_ptr + s_kkv + kv_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _prefetch_iter(
+    q, m_i, l_i, acc, k, v, ids_n, start, kv_end, kv_ptr, pages_ptr, blk_off, kvh, s_mul,
+    s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of `_split_softmax_prefetch`: issue the next tile's K / V loads (its block ids
+    `ids_n` loaded an iteration ago) and the block ids of the tile after it, then fold this
+    tile's K / V (loaded an iteration ago) into the online softmax (`kv_step`'s math, every
+    index visible: a decode query is the last position)."""
+    k_n, v_n = _load_tile(start + BLOCK_N, kv_end, ids_n, kv_ptr, kvh, s_kb, s_kkv, s_ks, s_kh,
+                          offs_d, d_ok, BLOCK_N, PAGE)  # fmt: skip
+    ids_nn = _load_ids(start + 2 * BLOCK_N, kv_end, pages_ptr, blk_off, BLOCK_N, PAGE)
+    j = start + tl.arange(0, BLOCK_N)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * s_mul  # [M, N]
+    s = tl.where((j < kv_end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the tile holds >= 1 index
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc, k_n, v_n, ids_nn
+
+
+@triton.jit
+def _split_softmax_prefetch(
+    q, kv_begin, kv_end, kv_ptr, pages_ptr, blk_off, kvh, s_mul,
+    s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """`_split_softmax` software-pipelined in registers (PREFETCH=1): tile i + 1's K / V and
+    tile i + 2's block ids are in flight while tile i is computed, so a tile costs about one
+    memory latency or its math, not a block-id load, then a K / V load, then the math."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    ids = _load_ids(kv_begin, kv_end, pages_ptr, blk_off, BLOCK_N, PAGE)
+    k, v = _load_tile(kv_begin, kv_end, ids, kv_ptr, kvh, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok,
+                      BLOCK_N, PAGE)  # fmt: skip
+    ids = _load_ids(kv_begin + BLOCK_N, kv_end, pages_ptr, blk_off, BLOCK_N, PAGE)
+    if INTERPRET:
+        start = kv_begin
+        while start < kv_end:
+            m_i, l_i, acc, k, v, ids = _prefetch_iter(
+                q, m_i, l_i, acc, k, v, ids, start, kv_end, kv_ptr, pages_ptr, blk_off, kvh,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in range(kv_begin, kv_end, BLOCK_N):
+            m_i, l_i, acc, k, v, ids = _prefetch_iter(
+                q, m_i, l_i, acc, k, v, ids, start, kv_end, kv_ptr, pages_ptr, blk_off, kvh,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_N, PAGE, PRECISION,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _store_split(
     o, has, m_i, l_use, out_ptr, opart_ptr, lpart_ptr, count_ptr, b, kvh, split, used,
     s_ot, s_oh, rows, row_ok, offs_d, d_ok,
@@ -172,7 +250,7 @@ def small_decode_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, G: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # grid (B, H_kv, S_max): program (b, kvh, split) reads split `split` of the `used` splits of
     # sequence b's KV for the GQA query heads of KV head kvh; splits >= used exit at once
@@ -196,11 +274,18 @@ def small_decode_kernel(
                     + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
         if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9)
             q = q.to(tl.float32)
-        m_i, l_i, acc = _split_softmax(
-            q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh,
-            scale_log2 * k_scale, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D,
-            BLOCK_N, PAGE, PRECISION, INTERPRET,
-        )  # fmt: skip
+        if PREFETCH:
+            m_i, l_i, acc = _split_softmax_prefetch(
+                q, kv_begin, kv_end, kv_ptr, pages_ptr, blk_off, kvh, scale_log2 * k_scale,
+                s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D, BLOCK_N, PAGE,
+                PRECISION, INTERPRET,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc = _split_softmax(
+                q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh,
+                scale_log2 * k_scale, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D,
+                BLOCK_N, PAGE, PRECISION, INTERPRET,
+            )  # fmt: skip
         has = l_i > 0
         l_use = tl.where(has, l_i, 1.0)
         o = acc * (v_scale / l_use)[:, None]  # an FP8 cache's V scale (1.0 otherwise)
@@ -231,6 +316,7 @@ def small_decode_launch(
     num_stages: int = 2,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    prefetch: bool = False,
 ) -> None:
     """One launch of `small_decode_kernel` over grid (B, H_kv, max_splits); writes `out`.
 
@@ -240,15 +326,13 @@ def small_decode_launch(
             contiguous); query's dtype or float8_e4m3fn (read as stored * k_scale / v_scale).
         out: [B, H, D] in query's dtype (written; last dim contiguous).
         seq_lens: int32 [>= B] KV tokens of each sequence (>= 1); page_indptr: int32 [>= B]
-            offset of sequence b's page ids in `page_indices` (int32), ceil(L_b / block_size)
-            of them.
+            offset of sequence b's ceil(L_b / block_size) page ids in `page_indices` (int32).
         opart / lpart: float32 workspace of >= B * H * max_splits * D and B * H * max_splits
             elements (contiguous); counters: int32 [>= B * H_kv], all 0 (left all 0).
-        max_splits: S_max, the grid's KV splits per (sequence, KV head); split_tokens: the
-            target KV tokens a split (>= 1): sequence b uses clamp(ceil(L_b / split_tokens), 1,
-            min(S_max, ceil(L_b / block_n))) splits (`small_decode.splits_used`; one: no
-            workspace, no merge), the rest of its programs exit at once.
+        max_splits: S_max, the grid's splits per (sequence, KV head); split_tokens: target KV
+            tokens a split (>= 1; `small_decode.splits_used`: one split, no merge).
         scale: softmax scale; block_n: KV tokens per inner step (power of 2, >= 16).
+        prefetch: the register-pipelined inner loop (`_split_softmax_prefetch`; A/B option).
     Raises:
         ValueError: for a float64 query, a GQA group above 128 rows or split_tokens < 1.
     """
@@ -274,5 +358,5 @@ def small_decode_launch(
         out.stride(0), out.stride(1),
         GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=block_size, PRECISION=precision, INTERPRET=_interpreting(), G=g, SPLIT_CHUNK=chunk,
-        num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
