@@ -60,11 +60,15 @@ class Executor(abc.ABC):
         bans, penalties, temperature, the per-row tensors), while the engine's threads fill the
         bitmask; before `sample`, which otherwise does it."""
 
+    # True: `sample` takes `wait` (the worker in this process: `engine/device_wait.py`)
+    device_wait = False
+
     @abc.abstractmethod
-    def sample(self, launched: Any, grammar: GrammarBitmask) -> None:
+    def sample(self, launched: Any, grammar: GrammarBitmask, wait=None) -> None:
         """Enqueue the sampling of a launched step with constrained samples
         (`SchedulerOutput.structured_seq_ids`) under its grammar bitmask; before `collect` and
-        before the next `launch`."""
+        before the next `launch`. `wait` (only where `device_wait`): enqueued before the
+        bitmask's copy (`ModelRunner.sample`)."""
 
     @abc.abstractmethod
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
@@ -94,8 +98,10 @@ class UniProcExecutor(Executor):
     def presample(self, launched) -> None:
         self.worker.model_runner.presample(launched)
 
-    def sample(self, launched, grammar: GrammarBitmask) -> None:
-        self.worker.model_runner.sample(launched, grammar)
+    device_wait = True
+
+    def sample(self, launched, grammar: GrammarBitmask, wait=None) -> None:
+        self.worker.model_runner.sample(launched, grammar, wait)
 
     def needs_token_history(self, scheduler_output: SchedulerOutput) -> bool:
         return self.worker.model_runner.needs_token_history(scheduler_output)

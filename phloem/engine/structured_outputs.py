@@ -57,6 +57,9 @@ With `grammar_process` (opt-in: `StructuredOutputsConfig.grammar_process`) the m
 a process of its own (`structured_output/grammar_process.py`): `collected` sends the advance and
 the fill as one message and returns, `advance` and `bitmask` wait on the pipe for the replies
 (the GIL released), and no fill thread runs here, so the fill never waits for the loop's GIL.
+
+With PHLOEM_CONSTRAINED_DEVICE_WAIT=1 (opt-in, CUDA) `sample_held` enqueues the held step's
+sampling behind a device-side wait for its fill and does not wait (`engine/device_wait.py`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from typing import TYPE_CHECKING
 
 from phloem.core.request import Request, RequestStatus
 from phloem.core.scheduler import Scheduler, SchedulerOutput
+from phloem.engine.device_wait import DeviceWait, device_wait_mode
 from phloem.sampling_params import SamplingParams
 from phloem.structured_output.grammar_process import (
     GrammarProcessClient,
@@ -136,7 +140,7 @@ class StructuredOutputs:
     `structured_output/grammar_process.py`).
 
     Raises:
-        ValueError: PHLOEM_GRAMMAR_PROCESS is set to neither 0 nor 1."""
+        ValueError: PHLOEM_GRAMMAR_PROCESS or PHLOEM_CONSTRAINED_DEVICE_WAIT set wrong."""
 
     def __init__(
         self,
@@ -165,6 +169,8 @@ class StructuredOutputs:
         self.num_early_fills = 0  # bitmasks whose fill started in `advance`
         self.num_held = 0  # times a waiting request was passed over, its grammar not ready
         self.times = LoopTimes()
+        mode = device_wait_mode()  # the held step sampled behind a device wait for its fill
+        self.device_wait = DeviceWait(mode == "device") if mode else None
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when the request's constraint cannot run on this
@@ -268,11 +274,14 @@ class StructuredOutputs:
         else:
             grammar, failed = self._timed_fill(sched.structured_seq_ids)
         self.times.num_bitmasks += 1
-        for seq_id, message in failed.items():
+        self._fail_rows(failed)
+        return grammar
+
+    def _fail_rows(self, failed: dict[str, str]) -> None:
+        for seq_id, message in failed.items():  # {seq id: why its row cannot be constrained}
             request = self.scheduler.requests.get(seq_id)
             if request is not None and not request.is_finished:
                 self.scheduler.fail_request(request, message)
-        return grammar
 
     def collected(self, sched: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
         """A launched step's tokens are in ({seq id: token id}, `Executor.collect`), before the
@@ -282,7 +291,10 @@ class StructuredOutputs:
         until the thread has begun. Otherwise nothing (`advance` does it all).
 
         Every sampled row with a matcher advances, also a request the update will skip
-        (aborted, stopped or failed meanwhile: finished, its matcher unused after)."""
+        (aborted, stopped or failed meanwhile: finished, its matcher unused after). First, a
+        step sampled behind a device wait gets its fill's host results (`DeviceWait.settle`)."""
+        if self.device_wait is not None:  # rows its fill could not constrain fail here
+            self._fail_rows(self.device_wait.settle(sched) or {})
         manager, marked = self.manager, self._next
         if manager is None or marked is None or not manager.num_live:
             return
@@ -295,21 +307,23 @@ class StructuredOutputs:
         if self.process is not None:  # one message; nothing waits for the process to begin
             advanced, filled = self.process.start_step(ids, tokens, fill_ids)
         else:
-            advanced, filled = self._start_advance_then_fill(ids, tokens, fill_ids, start)
+            out = None if self.device_wait is None else self.device_wait.reserve(
+                marked, len(fill_ids), manager.width)  # fmt: skip
+            advanced, filled = self._start_advance_then_fill(ids, tokens, fill_ids, start, out)
         self._fill = (marked, filled)
         self._advanced = (ids, tokens, advanced)
         self.num_early_fills += 1
         self.times.advance_s += time.perf_counter() - start
 
     def _start_advance_then_fill(
-        self, ids: list[str], tokens: list[int], fill_ids: list[str], start: float
+        self, ids: list[str], tokens: list[int], fill_ids: list[str], start: float, out=None
     ) -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
         """(the advance's future, the fill's) of `_advance_then_fill` on the fill thread,
-        once the thread has begun."""
+        once the thread has begun; the fill writes into `out` if given."""
         if self._filler is None:
             self._filler = concurrent.futures.ThreadPoolExecutor(1, "phloem-grammar-fill")
         begun, advanced = threading.Event(), concurrent.futures.Future()  # type: ignore[var-annotated]
-        job = (ids, tokens, fill_ids, begun, advanced)
+        job = (ids, tokens, fill_ids, begun, advanced, out)
         filled = self._filler.submit(self._advance_then_fill, job, start)
         begun.wait()
         return advanced, filled
@@ -318,7 +332,7 @@ class StructuredOutputs:
         """On the fill thread: `manager.accept_rows(ids, tokens)` (its result or exception set
         on the `advanced` future), then `manager.bitmask(fill_ids)` (returned). `begun` is set
         first (the loop waits for it in `collected`)."""
-        ids, tokens, fill_ids, begun, advanced = job
+        ids, tokens, fill_ids, begun, advanced, out = job
         assert self.manager is not None
         self.times.fill_lag_s += time.perf_counter() - submitted
         begun.set()
@@ -329,7 +343,7 @@ class StructuredOutputs:
             raise
         advanced.set_result(ended)
         try:
-            return self._timed_fill(fill_ids)
+            return self._timed_fill(fill_ids, out=out)
         finally:
             self.times.fill_done_s += time.perf_counter() - submitted
 
@@ -375,12 +389,12 @@ class StructuredOutputs:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _timed_fill(
-        self, seq_ids: list[str], submitted: float | None = None
+        self, seq_ids: list[str], submitted: float | None = None, out=None
     ) -> tuple[GrammarBitmask, dict[str, str]]:
         """`manager.bitmask(seq_ids)`, its time added to `times.fill_s` (any thread: one fill
         runs at a time) and, for a fill handed over at `submitted` (perf_counter seconds), the
         wait for its thread to `times.fill_lag_s` and the hand-over to its end to
-        `times.fill_done_s`."""
+        `times.fill_done_s`; written into `out` if given (`DeviceWait.reserve`)."""
         assert self.manager is not None
         if self.process is not None:  # its fill's times come back with it (`_count_fill`)
             return self.process.bitmask(seq_ids)
@@ -388,7 +402,7 @@ class StructuredOutputs:
         if submitted is not None:
             self.times.fill_lag_s += start - submitted
         try:
-            return self.manager.bitmask(seq_ids)
+            return self.manager.bitmask(seq_ids, out)  # type: ignore[call-arg]
         finally:
             end = time.perf_counter()
             self.times.fill_s += end - start
@@ -444,10 +458,17 @@ class StructuredOutputs:
     def sample_held(self, executor: Executor) -> None:
         """Enqueue the held step's sampling under its bitmask (waiting for its fill); a no-op
         when no step is held. Before the next step's launch and before the held step's
-        collection; rows that cannot be constrained fail alone (`bitmask`)."""
+        collection; rows that cannot be constrained fail alone (`bitmask`). With the device
+        wait, enqueued behind its fill without waiting (`DeviceWait.start`)."""
         launched, self.held = self.held, None
-        if launched is not None:
-            executor.sample(launched.handle, self.bitmask(launched.scheduler_output))
+        if launched is None:
+            return
+        sched, started, waits = launched.scheduler_output, self._fill, self.device_wait
+        if waits and executor.device_wait and started and started[0] is waits.has_buffer(sched):
+            self._fill, self._next = None, None if self._next is sched else self._next
+            self.times.num_bitmasks += 1  # its fill writes a buffer of `waits`: sampled behind it
+            return waits.start(executor, launched, sched.structured_seq_ids, started[1])
+        executor.sample(launched.handle, self.bitmask(sched))
 
     def sample_if_idle(self, executor: Executor) -> None:
         """`sample_held` when no request is left unfinished (all finished, failed, aborted or
@@ -465,9 +486,13 @@ class StructuredOutputs:
         `step()`, whose state is unknown, so no device work. The worker drops the aborted
         sequences' states at the next step (their finished ids)."""
         self.held = self._next = self._advanced = None
+        if self.device_wait is not None:  # before the wait for the fill: nothing waits on it
+            self.device_wait.release()
         self._take_fill()
 
     def close(self) -> None:
+        if self.device_wait is not None:
+            self.device_wait.release()
         self._take_fill()
         if self._filler is not None:
             self._filler.shutdown(wait=True)

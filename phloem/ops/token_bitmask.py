@@ -103,7 +103,7 @@ def apply_token_bitmask_(
 
 
 def bitmask_to_device(
-    bitmask: np.ndarray, row_indices: np.ndarray, device: torch.device
+    bitmask: np.ndarray, row_indices: np.ndarray, device: torch.device, before_copy=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(bitmask, row_indices) as tensors on `device`, for `apply_token_bitmask_`.
 
@@ -115,10 +115,18 @@ def bitmask_to_device(
     from pinned memory (`StructuredOutputManager(pin_memory=True)`), else staged
     (`staging.to_device`). Elsewhere: `to_device`.
 
+    With `before_copy` (a callable, `engine/device_wait.py`) it is called first, on the copy
+    stream: work it enqueues there (a wait for the host to finish writing `bitmask`) comes
+    before the copy, which then reads `bitmask` in place, so `bitmask` must be page-locked
+    (ValueError otherwise: a staged copy would read the rows before they are written).
+    Elsewhere it is called before the copy, which may block.
+
     Args:
         bitmask: int32 [R, W]. row_indices: int64 [R].
     """
     if device.type != "cuda":
+        if before_copy is not None:
+            before_copy()
         return to_device(bitmask, device), to_device(row_indices, device)
     device = torch.device(
         "cuda", torch.cuda.current_device() if device.index is None else device.index
@@ -128,7 +136,15 @@ def bitmask_to_device(
         stream = _copy_streams[device] = torch.cuda.Stream(device)
     current = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        tensors = to_device(bitmask, device), to_device(row_indices, device)
+        indices = to_device(row_indices, device)  # staged now: made by the caller already
+        if before_copy is None:
+            tensors = to_device(bitmask, device), indices
+        else:
+            host = torch.from_numpy(bitmask)
+            if not host.is_pinned():
+                raise ValueError("a bitmask copied behind a wait must be page-locked")
+            before_copy()
+            tensors = host.to(device, non_blocking=True), indices
     current.wait_stream(stream)
     for t in tensors:  # allocated on the copy stream, freed after the current stream's use
         t.record_stream(current)

@@ -368,7 +368,9 @@ class StructuredOutputManager:
             self._buffers[self._turn] = buffer
         return buffer[:num_rows]
 
-    def bitmask(self, seq_ids: list[str]) -> tuple[GrammarBitmask, dict[str, str]]:
+    def bitmask(
+        self, seq_ids: list[str], out: np.ndarray | None = None
+    ) -> tuple[GrammarBitmask, dict[str, str]]:
         """The bitmask of these sampled rows (waiting for grammars not compiled yet), and
         {seq id: reason} for rows that must fail alone (no grammar, or none of the vocabulary
         allowed); those rows, rows of sequences no longer known (finished after this step
@@ -378,8 +380,12 @@ class StructuredOutputManager:
         Runs in the fill thread, holding the GIL outside the library's calls while the engine
         loop runs Python (`engine/structured_outputs.py`), so the rows are gathered in one
         comprehension and their grammars' completion read in one backend call
-        (`GrammarBackend.terminated`)."""
-        bitmask = self._buffer(len(seq_ids))
+        (`GrammarBackend.terminated`). With `out` (int32 [len(seq_ids), W]: a buffer the
+        caller chose, `engine/device_wait.py`) the rows are written there instead of into the
+        manager's own buffers; ValueError if its shape does not fit."""
+        if out is not None and out.shape != (len(seq_ids), self.width):
+            raise ValueError(f"out must be [{len(seq_ids)}, {self.width}], got {out.shape}")
+        bitmask = self._buffer(len(seq_ids)) if out is None else out
         failed: dict[str, str] = {}
         sequences = self._sequences
         made = [

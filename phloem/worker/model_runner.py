@@ -292,12 +292,13 @@ class ModelRunner:
             launched.presampled = None
 
     @torch.inference_mode()
-    def sample(self, launched: LaunchedStep | None, grammar: GrammarBitmask) -> None:
+    def sample(self, launched: LaunchedStep | None, grammar: GrammarBitmask, wait=None) -> None:
         """Enqueue the sampling of a launched constrained step with its grammar bitmask (rows
         `grammar.seq_ids`; the others are unconstrained): after `presample`, the bitmask's copy
         and `PreparedSampling.finish` (no Python a row but the row indices of a grammar that
         leaves rows out); else the whole sampling. Must come before the next `launch` (whose
-        pending input ids are this step's tokens).
+        pending input ids are this step's tokens). `wait`: called before the bitmask's copy
+        (`bitmask_to_device(before_copy=)`: the bitmask may still be filled meanwhile).
 
         Raises:
             ValueError: the step is not waiting for a bitmask, or names a row it did not sample.
@@ -318,7 +319,7 @@ class ModelRunner:
                 raise ValueError(
                     f"grammar bitmask names {e}, which this step does not sample"
                 ) from None
-        mask = bitmask_to_device(grammar.bitmask, row_indices, self.device)  # a copy stream
+        mask = bitmask_to_device(grammar.bitmask, row_indices, self.device, wait)  # copy stream
         handle = None
         if prepared is not None:
             try:

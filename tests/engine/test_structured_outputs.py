@@ -304,11 +304,11 @@ class OrderExecutor(UniProcExecutor):
         self._event("launch")
         return super().launch(scheduler_output)
 
-    def sample(self, launched, grammar) -> None:
+    def sample(self, launched, grammar, wait=None) -> None:
         self._event("sample")
         self._early_fills_sampled = self.structured.num_early_fills
         self.presampled.append(launched.presampled is not None)
-        super().sample(launched, grammar)
+        super().sample(launched, grammar, wait)
 
     def collect(self, launched):
         out = super().collect(launched)
@@ -335,13 +335,16 @@ def varied_batch():
     return prompts(len(params), seed=2), params
 
 
-def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama):
+def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama, monkeypatch):
     """Async scheduling prepares step N+2 (`Executor.prepare`) while step N+1's bitmask fill
     runs, before N+1 is sampled; the outputs, under per-request sampling settings, equal the
-    synchronous run's (which samples each step before preparing the next)."""
+    synchronous run's (which samples each step before preparing the next), also with the held
+    step sampled behind a wait for its fill (PHLOEM_CONSTRAINED_DEVICE_WAIT; on the CPU a host
+    wait inside the deferred sampling: tests/engine/test_constrained_device_wait.py)."""
     batch, params = varied_batch()
     tokens, executors = [], []
-    for async_scheduling in (False, True):
+    for async_scheduling, wait in ((False, "0"), (True, "0"), (True, "host")):
+        monkeypatch.setenv("PHLOEM_CONSTRAINED_DEVICE_WAIT", wait)
         config = EngineConfig(
             model=ModelConfig(str(tiny_llama)),
             cache=CacheConfig(block_size=4),
@@ -358,9 +361,11 @@ def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama):
             [(outs[i].outputs[0].token_ids, outs[i].outputs[0].finish_reason) for i in ids]
         )
         executors.append(engine.executor)
+        waits = engine.structured.device_wait
+        assert (waits is not None and waits._seq >= 10) == (wait == "host")  # steps deferred
         engine.close()
-    assert tokens[0] == tokens[1]
-    for executor, overlap in zip(executors, (False, True)):
+    assert tokens[0] == tokens[1] == tokens[2]
+    for executor, overlap in zip(executors, (False, True, True)):
         events = executor.events
         samples = [k for k, (name, _) in enumerate(events) if name == "sample"]
         prepared_first = [k for k in samples if events[k - 1] == ("prepare", True)]
