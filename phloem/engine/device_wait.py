@@ -118,12 +118,13 @@ class DeviceWait:
 
     def reserve(self, sched: object, num_rows: int, width: int) -> np.ndarray:
         """int32 [num_rows, width]: where the fill of `sched`, about to be handed over, writes
-        (the other buffer than the last call's; grown by doubling, page-locked on a GPU)."""
+        (the other buffer than the last call's; grown by doubling; page-locked with a GPU,
+        also for the host wait: `bitmask_to_device` copies it in place behind the wait)."""
         self._turn ^= 1
         buffer = self._buffers[self._turn]
         if buffer.shape[0] < num_rows or buffer.shape[1] != width:
             shape = (max(num_rows, 2 * buffer.shape[0]), width)
-            pin = self.on_device
+            pin = torch.cuda.is_available()
             buffer = torch.empty(shape, dtype=torch.int32, pin_memory=pin).numpy()
             self._buffers[self._turn] = buffer
         self._reserved = (sched, buffer[:num_rows])
