@@ -179,29 +179,6 @@ def test_n_samples_preemption_and_prefix_sharing(tiny_llama):
     assert len({tuple(t) for o in results[0] for t in o}) > 1  # the samples differ
 
 
-@pytest.mark.parametrize(
-    ("constraint", "field"),
-    [
-        ({"json": {"type": "unknown-type"}}, "structured_outputs.json"),
-        ({"json": "{not json"}, "structured_outputs.json"),
-        ({"json": ["a list"]}, "structured_outputs.json"),
-        ({"regex": "(unclosed"}, "structured_outputs.regex"),
-        ({"regex": ""}, "structured_outputs.regex"),
-        ({"choice": []}, "structured_outputs.choice"),
-        ({"choice": ["a", 3]}, "structured_outputs.choice"),
-        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
-        ({"json_object": "yes"}, "structured_outputs.json_object"),
-        ({}, "exactly one of"),
-        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
-        ({"jsn": {}}, "unknown structured_outputs field"),
-    ],
-)
-def test_bad_constraint_names_the_field(embedded_llm, constraint, field):
-    with pytest.raises(ValueError, match=re.escape(field)):
-        params = SamplingParams(structured_outputs=constraint)
-        embedded_llm.llm_engine.validate_params(params)
-
-
 def test_embedded_model_mixed_batch(embedded_llm):
     """The embedded model (SmolLM2-135M): three held-out schemas, a regex and a choice, greedy
     and seeded, beside unconstrained requests whose outputs equal a run without the others."""

@@ -9,7 +9,9 @@ import json
 import re
 
 import jsonschema
+import pytest
 
+from phloem import SamplingParams
 from phloem.entrypoints.generate import run_generate
 from phloem.entrypoints.run_batch import run_batch
 
@@ -83,3 +85,26 @@ def test_run_batch_response_format(embedded_llm, tmp_path):
     bad = records["bad"]["response"]
     assert bad["status_code"] == 400
     assert bad["body"]["error"]["param"] == "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field"),
+    [
+        ({"json": {"type": "unknown-type"}}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"json": ["a list"]}, "structured_outputs.json"),
+        ({"regex": "(unclosed"}, "structured_outputs.regex"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": ["a", 3]}, "structured_outputs.choice"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+        ({"json_object": "yes"}, "structured_outputs.json_object"),
+        ({}, "exactly one of"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+        ({"jsn": {}}, "unknown structured_outputs field"),
+    ],
+)
+def test_bad_constraint_names_the_field(embedded_llm, constraint, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        params = SamplingParams(structured_outputs=constraint)
+        embedded_llm.llm_engine.validate_params(params)
