@@ -26,8 +26,25 @@ ragged steps (lengths 1, off the block size, up to 4,095; batch 1, 3, 16; launch
 one workspace; an FP8 cache with scales), and one captured decode graph replayed on other steps
 (`graph_checks`), against float64, and records pass / fail.
 
+--kv-dtype bf16 fp8 times every case once per cache dtype (issue 18). An FP8 case's caches are
+the bf16 ones rounded to e4m3, read with the per-tensor scales --fp8-scales (k_scale, v_scale;
+default 0.5, 2.0, as `checks`); FlashInfer is built as the engine builds it for
+`--kv-cache-dtype fp8` (`kv_dtype=torch.float8_e4m3fn`: its fa2 prefill kernel over e4m3 pages,
+or the CUDA-core decode kernel under PHLOEM_FP8_DECODE_KERNEL=cuda_core) and both kernels get
+the scales in `forward`, as `layers.attention.Attention` passes them. Each kernel's line and JSON
+entry carry the achieved KV read bandwidth: bytes of K and V the step reads (B x L x 2 x H_kv x
+D x 2 bytes in bf16, x 1 in FP8) / time a layer, TB/s; an FP8 case's entries also carry their
+speedup over the same case's bf16 FlashInfer (`vs_flashinfer_bf16`). `--large` replaces the
+batch, KV and geometry lists by the decode-heavy regime: batch 64, 256, 512 x KV 1,024, 2,048,
+Llama-3.1-8B's 32 / 8 / 128. Every case runs at most the layers whose caches fit
+--kv-budget-gb in bf16 (`layers_that_fit`: 13 at 512 x 2,048, 4 GiB a layer), whatever the
+dtype, so the two dtypes of a case replay the same graph length.
+
     source benchmarks/device_setup.sh && python3 benchmarks/small_decode_attention.py \
         --device cuda --json $OUT/small_decode_attention.json
+    source benchmarks/device_setup.sh && python3 benchmarks/small_decode_attention.py \
+        --device cuda --large --kv-dtype bf16 fp8 --block-n 32 --num-warps 4 --prefetch 0 1 \
+        --no-old --iters 30 --json $OUT/small_decode_fp8.json
 """
 
 from __future__ import annotations
@@ -50,6 +67,9 @@ from phloem.ops.attention.small_decode import (
     splits_used,
     target_programs,
 )
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+LARGE = {"batch": [64, 256, 512], "kv": [1024, 2048], "geometry": ["32,8,128"]}  # --large
 
 
 def parse_args(argv=None):
@@ -74,7 +94,35 @@ def parse_args(argv=None):
     p.add_argument("--num-stages", type=int, default=2)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=200)
-    return p.parse_args(argv)
+    p.add_argument("--kv-dtype", nargs="+", choices=list(KV_DTYPES), default=["bf16"],
+                   help="cache dtypes; each case is timed once per dtype")  # fmt: skip
+    p.add_argument("--fp8-scales", type=float, nargs=2, default=[0.5, 2.0],
+                   metavar=("K_SCALE", "V_SCALE"), help="an FP8 cache's per-tensor scales")  # fmt: skip
+    p.add_argument("--large", action="store_true",
+                   help=f"the decode-heavy cases {LARGE} (replace --batch, --kv, --geometry)")  # fmt: skip
+    p.add_argument("--kv-budget-gb", type=float, default=60.0,
+                   help="cap each case's layers so their caches fit this many GB in bf16")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.large:
+        vars(args).update(LARGE)
+    return args
+
+
+def layers_that_fit(layers: int, batch: int, kv_len: int, geometry, block_size: int,
+                    budget_gb: float) -> int:  # fmt: skip
+    """`layers`, capped (at least 1) so that many bf16 caches of `batch` sequences of `kv_len`
+    tokens (whole pages of `block_size`) fit `budget_gb` GB (1e9 bytes): 60 GB holds 13 layers
+    of Llama-3.1-8B's 32 / 8 / 128 at 512 x 2,048 (4 GiB a layer)."""
+    _, num_kv_heads, head_dim = geometry
+    pages = batch * -(-kv_len // block_size)
+    layer_bytes = pages * block_size * 2 * num_kv_heads * head_dim * 2
+    return max(1, min(layers, int(budget_gb * 1e9 // layer_bytes)))
+
+
+def kv_read_bytes(batch: int, kv_len: int, geometry, kv_dtype: torch.dtype) -> int:
+    """Bytes of K and V one layer's decode step reads: B x L x 2 x H_kv x D x element size."""
+    _, num_kv_heads, head_dim = geometry
+    return batch * kv_len * 2 * num_kv_heads * head_dim * kv_dtype.itemsize
 
 
 def make_step(lens, geometry, block_size, device, seed, layers=1, kv_dtype=torch.bfloat16):
@@ -100,12 +148,15 @@ def make_step(lens, geometry, block_size, device, seed, layers=1, kv_dtype=torch
     return query, caches, meta
 
 
-def flashinfer_backend(geometry, batch: int, max_pages: int, device):
+def flashinfer_backend(geometry, batch: int, max_pages: int, device, kv_dtype=torch.bfloat16):
+    """phloem's FlashInfer backend as the engine builds it (`worker.Worker`'s factory call:
+    bf16 queries, the cache's dtype as `kv_dtype`, NHD pages, the default softmax scale)."""
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
     num_heads, num_kv_heads, head_dim = geometry
     return FlashInferAttention(num_heads, num_kv_heads, head_dim, torch.bfloat16, device,
-                               max_num_blocks_per_seq=max_pages, max_num_seqs=batch)  # fmt: skip
+                               kv_dtype=kv_dtype, max_num_blocks_per_seq=max_pages,
+                               max_num_seqs=batch)  # fmt: skip
 
 
 def small_backend(geometry, batch, max_pages, device, args, block_n, splits=0, warps=None,
@@ -153,52 +204,96 @@ def split_counts(backend, batch: int, kv_len: int) -> dict:
     return {"s_max": s_max, "splits_used": used}
 
 
-def time_layers(backend, query, caches, meta, iters: int) -> tuple[float, torch.Tensor]:
+def time_layers(backend, query, caches, meta, iters: int, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> tuple[float, torch.Tensor]:  # fmt: skip
     """Mean seconds a layer (one graph replay of every cache's forward, / layers) and the first
-    layer's output."""
+    layer's output; an FP8 cache's scales go to every forward (constants of the capture)."""
     scale = query.shape[-1] ** -0.5
     outs = [torch.empty_like(query) for _ in caches]
     backend.prepare_replay(meta)
 
     def step():
         for kv, out in zip(caches, outs):
-            backend.forward(query, kv, meta, scale, out=out)
+            backend.forward(query, kv, meta, scale, out=out, k_scale=k_scale, v_scale=v_scale)
 
     return graph_replay_seconds(step, iters) / len(caches), outs[0]
 
 
-def run_case(args, geometry, batch: int, kv_len: int, device) -> dict:
-    """FlashInfer and each BLOCK_N of ours on one (geometry, batch, KV length) case."""
+def case_step(args, geometry, batch: int, kv_len: int, dtype: str, device):
+    """(query, caches, meta, float64 reference of the first layer, (k_scale, v_scale), layers)
+    of a case: --layers capped by `layers_that_fit`; an FP8 case's caches are the bf16 ones
+    (same seed) rounded to e4m3. The reference gathers each sequence's pages from a bf16 copy
+    of the first cache (exact for e4m3), not a float64 copy of it (16 GiB at 512 x 2,048)."""
+    layers = layers_that_fit(args.layers, batch, kv_len, geometry, args.block_size,
+                             args.kv_budget_gb)  # fmt: skip
+    kv_dtype = KV_DTYPES[dtype]
     query, caches, meta = make_step([kv_len] * batch, geometry, args.block_size, device,
-                                    seed=batch * 7919 + kv_len, layers=args.layers)  # fmt: skip
+                                    seed=batch * 7919 + kv_len, layers=layers,
+                                    kv_dtype=kv_dtype)  # fmt: skip
+    scales = tuple(args.fp8_scales) if dtype == "fp8" else (1.0, 1.0)
+    want = paged_attention_reference(query, caches[0].to(torch.bfloat16), meta,
+                                     query.shape[-1] ** -0.5, k_scale=scales[0],
+                                     v_scale=scales[1])  # fmt: skip
+    return query, caches, meta, want, scales, layers
+
+
+def run_case(args, geometry, batch: int, kv_len: int, device, dtype: str = "bf16") -> dict:
+    """FlashInfer and each variant of ours on one (geometry, batch, KV length, cache dtype)."""
+    query, caches, meta, want, scales, layers = case_step(args, geometry, batch, kv_len, dtype,
+                                                          device)  # fmt: skip
+    kv_dtype = KV_DTYPES[dtype]
     max_pages = -(-kv_len // args.block_size)
-    want = paged_attention_reference(query.double(), caches[0].double(), meta,
-                                     query.shape[-1] ** -0.5)  # fmt: skip
+    read_bytes = kv_read_bytes(batch, kv_len, geometry, kv_dtype)
     rule = max_splits(batch, geometry[1], target_programs(device))
-    case = {"geometry": list(geometry), "batch": batch, "kv": kv_len, "rule_s_max": rule,
-            "kernels": {}}  # fmt: skip
-    runs = [("flashinfer", lambda: flashinfer_backend(geometry, batch, max_pages, device))]
+    case = {"geometry": list(geometry), "batch": batch, "kv": kv_len, "kv_dtype": dtype,
+            "k_scale": scales[0], "v_scale": scales[1], "layers": layers,
+            "kv_read_bytes_per_layer": read_bytes, "rule_s_max": rule, "kernels": {}}  # fmt: skip
+    runs = [("flashinfer", lambda: flashinfer_backend(geometry, batch, max_pages, device,
+                                                      kv_dtype))]  # fmt: skip
     runs += kernel_runs(args, geometry, batch, max_pages, device)
-    base = None
+    base = backend = None
     for name, make in runs:
         try:
             backend = make()
-            seconds, out = time_layers(backend, query, caches, meta, args.iters)
+            seconds, out = time_layers(backend, query, caches, meta, args.iters, *scales)
         except Exception as e:  # noqa: BLE001 - a kernel that fails is reported, not fatal
             case["kernels"][name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             traceback.print_exc()
             continue
         base = out if base is None else base
         entry = {"us_per_layer": seconds * 1e6, **split_counts(backend, batch, kv_len),
+                 "kv_read_tb_s": read_bytes / seconds / 1e12,
                  "max_abs_diff_vs_flashinfer": (out.float() - base.float()).abs().max().item(),
                  "max_abs_err_vs_float64": (out.double() - want).abs().max().item()}  # fmt: skip
         case["kernels"][name] = entry
-        print(f"H={geometry[0]:2d}/{geometry[1]} B={batch:2d} KV={kv_len:5d} rule S_max={rule:2d} "
-              f"{name:22s} S={entry['s_max']:2d} used={entry['splits_used']:2d} "
-              f"{entry['us_per_layer']:7.2f} us/layer  "
+        print(f"H={geometry[0]:2d}/{geometry[1]} B={batch:3d} KV={kv_len:5d} {dtype:4s} "
+              f"L={layers:2d} rule S_max={rule:2d} {name:22s} S={entry['s_max']:2d} "
+              f"used={entry['splits_used']:2d} {entry['us_per_layer']:8.2f} us/layer "
+              f"{entry['kv_read_tb_s']:5.2f} TB/s  "
               f"diff {entry['max_abs_diff_vs_flashinfer']:.1e} "
               f"err64 {entry['max_abs_err_vs_float64']:.1e}", flush=True)  # fmt: skip
+    del query, caches, backend
+    torch.cuda.empty_cache()  # the next case's caches (up to --kv-budget-gb) need the room
     return case
+
+
+def compare_to_bf16(cases: list[dict]) -> None:
+    """Give each kernel of a non-bf16 case `vs_flashinfer_bf16`: the same case's (geometry,
+    batch, KV) bf16 FlashInfer time / its time (mutates `cases`), and print them."""
+    bf16 = {(tuple(c["geometry"]), c["batch"], c["kv"]): c for c in cases
+            if c["kv_dtype"] == "bf16"}  # fmt: skip
+    for case in cases:
+        ref = bf16.get((tuple(case["geometry"]), case["batch"], case["kv"]))
+        if case["kv_dtype"] == "bf16" or ref is None:
+            continue
+        base = ref["kernels"].get("flashinfer", {}).get("us_per_layer")
+        for name, entry in case["kernels"].items():
+            if base is None or "us_per_layer" not in entry:
+                continue
+            entry["vs_flashinfer_bf16"] = base / entry["us_per_layer"]
+            print(f"H={case['geometry'][0]:2d}/{case['geometry'][1]} B={case['batch']:3d} "
+                  f"KV={case['kv']:5d} {case['kv_dtype']} {name:22s} "
+                  f"{entry['vs_flashinfer_bf16']:.2f}x bf16 FlashInfer", flush=True)  # fmt: skip
 
 
 def checks(args, device) -> list[dict]:
@@ -287,7 +382,9 @@ def main(argv=None) -> None:
         geometry = tuple(int(x) for x in spec.split(","))
         for kv_len in args.kv:
             for batch in args.batch:
-                result["cases"].append(run_case(args, geometry, batch, kv_len, device))
+                for dtype in args.kv_dtype:
+                    result["cases"].append(run_case(args, geometry, batch, kv_len, device, dtype))
+    compare_to_bf16(result["cases"])
     print("checks:", "all ok" if all(c["ok"] for c in result["checks"]) else "FAILED")
     if args.json:
         with open(args.json, "w") as f:
