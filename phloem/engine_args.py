@@ -298,6 +298,12 @@ class EngineArgs:
                 f"got {self.data_parallel_routing!r}"
             )
 
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        return StructuredOutputsConfig(
+            backend=self.structured_outputs_backend,
+            grammar_process=self.structured_outputs_grammar_process,
+        )
+
     def create_engine_config(self, usage_context: str = "offline") -> EngineConfig:
         """The validated `EngineConfig` of these settings. `max_num_seqs` None, and
         `max_num_batched_tokens` None with chunked prefill, become `step_limit_defaults`'s for
@@ -353,10 +359,7 @@ class EngineArgs:
             ),
             seed=self.seed,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            structured_outputs=StructuredOutputsConfig(
-                backend=self.structured_outputs_backend,
-                grammar_process=self.structured_outputs_grammar_process,
-            ),
+            structured_outputs=self._structured_outputs_config(),
             speculative=SpeculativeConfig.from_dict(self.speculative_config),
         )
         config.validate()

@@ -298,6 +298,15 @@ def _interpreting() -> bool:
     return isinstance(small_decode_kernel, InterpretedFunction)
 
 
+def _tile_sizes(head_dim: int, gqa: int) -> tuple[int, int, int, int]:
+    """(BLOCK_D, G, BLOCK_M, SPLIT_CHUNK): head_dim and the GQA group padded to powers of two,
+    the query tile's rows (>= 16, for tl.dot) and the merge's splits a chunk, whose O tile
+    [chunk, G, BLOCK_D] stays at <= 4,096 floats (32 a thread at 4 warps)."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    g = 1 << (gqa - 1).bit_length()
+    return block_d, g, max(16, g), max(1, min(32, 4096 // (g * block_d)))
+
+
 def small_decode_launch(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -344,11 +353,7 @@ def small_decode_launch(
                          f"{split_tokens} (use the torch path)")  # fmt: skip
     if kv_cache.dtype != FP8_KV_DTYPE:
         k_scale = v_scale = 1.0
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    g = 1 << (gqa - 1).bit_length()
-    block_m = max(16, g)
-    # the merge's O tile [chunk, G, BLOCK_D] stays at <= 4,096 floats (32 a thread at 4 warps)
-    chunk = max(1, min(32, 4096 // (g * block_d)))
+    block_d, g, block_m, chunk = _tile_sizes(head_dim, gqa)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     small_decode_kernel[(batch, num_kv_heads, max_splits)](
         query, kv_cache, out, opart, lpart, counters, seq_lens, page_indptr, page_indices,
