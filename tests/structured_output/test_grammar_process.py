@@ -78,7 +78,6 @@ def test_killed_process_fails_constrained_requests_only(process_llm):
     requests run; they fail naming it, the unconstrained one finishes, and shutdown leaves no
     shared memory."""
     engine = process_llm.llm_engine
-    client = engine.structured.process
     long = C(regex=r"[a-z]{30,40}")
     params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
               for c in (long, long)]  # fmt: skip
@@ -88,6 +87,7 @@ def test_killed_process_fails_constrained_requests_only(process_llm):
     bitmasks = engine.structured.times.num_bitmasks
     while engine.structured.times.num_bitmasks < bitmasks + 2:  # constrained steps ran
         outs.update({o.request_id: o for o in engine.step()})
+    client = engine.structured.process  # started by the first constrained request
     os.kill(client.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
