@@ -68,6 +68,7 @@ import time
 from pathlib import Path
 
 from phloem import LLM, SamplingParams
+from phloem.engine.device_wait import device_wait_mode
 from phloem.sampling_params import StructuredOutputsParams
 
 
@@ -372,7 +373,8 @@ def main() -> None:
                         **host_cpus(), "grammar_library_load_s": time.perf_counter() - start,
                         "grammar_threads": llm.llm_engine.structured.num_threads,
                         "switch_interval_s": sys.getswitchinterval(),
-                        "grammar_process": llm.llm_engine.structured.process is not None}  # fmt: skip
+                        "grammar_process": llm.llm_engine.structured.process is not None,
+                        "constrained_device_wait": device_wait_mode()}  # fmt: skip
         if not args.small_warm_up:
             result["full_batch_warm_up_s"] = full_batch_warm_up(llm, prompts, items)
         result.update(measure(llm, prompts, items, args))
