@@ -17,6 +17,7 @@ Life of a quantized linear layer (vLLM's `LinearMethodBase` life cycle):
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
@@ -172,11 +173,7 @@ def skinny_gated_module():
         ValueError: naming PHLOEM_FUSED_SILU_DOWN for a value other than 0 or 1; those of
             `skinny_gemm_module`.
     """
-    if not _switched_on(FUSED_SILU_DOWN_ENV) or skinny_gemm_module() is None:
-        return None
-    from phloem.ops import skinny_gated
-
-    return skinny_gated
+    return _fusion_module(FUSED_SILU_DOWN_ENV, "phloem.ops.skinny_gated")
 
 
 @functools.cache
@@ -189,11 +186,7 @@ def skinny_norm_module():
         ValueError: naming PHLOEM_FUSED_RMSNORM for a value other than 0 or 1; those of
             `skinny_gemm_module`.
     """
-    if not _switched_on(FUSED_RMSNORM_ENV) or skinny_gemm_module() is None:
-        return None
-    from phloem.ops import skinny_norm
-
-    return skinny_norm
+    return _fusion_module(FUSED_RMSNORM_ENV, "phloem.ops.skinny_norm")
 
 
 @functools.cache
@@ -207,17 +200,20 @@ def skinny_rope_module():
         ValueError: naming PHLOEM_FUSED_QKV_ROPE for a value other than 0 or 1; those of
             `skinny_gemm_module`.
     """
-    if not _switched_on(FUSED_QKV_ROPE_ENV) or skinny_gemm_module() is None:
+    return _fusion_module(FUSED_QKV_ROPE_ENV, "phloem.ops.skinny_rope")
+
+
+def _fusion_module(env: str, name: str):
+    """Module `name` (a skinny-GEMM fusion) when the switch `env` is on (default "1") and the
+    skinny GEMM runs (`skinny_gemm_module`), else None; ValueError from either switch."""
+    if not _switched_on(env) or skinny_gemm_module() is None:
         return None
-    from phloem.ops import skinny_rope
-
-    return skinny_rope
+    return importlib.import_module(name)
 
 
-def _switched_on(env: str, default: str = "1") -> bool:
-    """The on/off switch `env` ("1" or "0", `default` when unset); ValueError naming it
-    otherwise."""
-    value = os.environ.get(env, default)
+def _switched_on(env: str) -> bool:
+    """The on/off switch `env` ("1" or "0", "1" when unset); ValueError naming it otherwise."""
+    value = os.environ.get(env, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{env} must be 0 or 1, got {value!r}")
     return value == "1"
