@@ -1,5 +1,6 @@
 """The held constrained step sampled behind a device-side wait for its bitmask's fill
-(`PHLOEM_CONSTRAINED_DEVICE_WAIT=1`, opt-in; CUDA, one process; issue 21).
+(`PHLOEM_CONSTRAINED_DEVICE_WAIT`, on by default on CUDA since an H200 measured it: 0.837 vs
+0.784 of unconstrained at 1,024 x 128, benchmarks/results/2026-11-27f-h200; one process; issue 21).
 
 Without it the engine loop (`engine/structured_outputs.py`) runs, under async scheduling,
 
@@ -62,12 +63,12 @@ TIMEOUT_S = 10.0  # longest device (or host) wait for one fill [s]; then the ste
 
 
 def device_wait_mode() -> str | None:
-    """The mode: "device" (PHLOEM_CONSTRAINED_DEVICE_WAIT=1 with a GPU), "host" (=host: the host-wait
-    stand-in on any device), or None (unset, 0, or 1 without a GPU: the loop waits as before).
+    """The mode: "device" (PHLOEM_CONSTRAINED_DEVICE_WAIT=1 or unset, with a GPU), "host" (=host:
+    the host-wait stand-in on any device), or None (0, or no GPU: the loop waits as before).
 
     Raises:
         ValueError: the variable is set to anything else."""
-    value = os.environ.get(ENV, "0")
+    value = os.environ.get(ENV, "1")
     if value not in ("0", "1", "host"):
         raise ValueError(f"{ENV} must be 0, 1 or host, got {value!r}")
     if value == "1":

@@ -58,7 +58,7 @@ a process of its own (`structured_output/grammar_process.py`): `collected` sends
 the fill as one message and returns, `advance` and `bitmask` wait on the pipe for the replies
 (the GIL released), and no fill thread runs here, so the fill never waits for the loop's GIL.
 
-With PHLOEM_CONSTRAINED_DEVICE_WAIT=1 (opt-in, CUDA) `sample_held` enqueues the held step's
+With PHLOEM_CONSTRAINED_DEVICE_WAIT=1 (the default on CUDA; 0 off) `sample_held` enqueues the held step's
 sampling behind a device-side wait for its fill and does not wait (`engine/device_wait.py`).
 """
 
