@@ -30,8 +30,15 @@ for timeout in ("i64", "i32"):  # 10 s in ns is an i64; a short timeout an i32
 
 def test_returns_once_the_flag_is_set_and_times_out_else(triton_kernels):
     module = triton_kernels("phloem.ops.flag_wait_triton", "_flag_wait_kernel")
-    words = torch.zeros(2, dtype=torch.int32)
-    module.launch(words, 1, 10**9, max_spins=20)  # never set: the bound, then the error word
+    on_gpu = not module.INTERPRET  # compiled: page-locked words, the launch is asynchronous
+    words = torch.zeros(2, dtype=torch.int32, pin_memory=on_gpu)
+
+    def wait(seq: int, max_spins: int) -> None:  # bound: 0.2 s on the GPU, max_spins interpreted
+        module.launch(words, seq, 2 * 10**8, max_spins=max_spins)
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    wait(1, max_spins=20)  # never set: the bound, then the error word
     assert words.tolist() == [0, 1]
     words.zero_()
 
@@ -41,10 +48,10 @@ def test_returns_once_the_flag_is_set_and_times_out_else(triton_kernels):
 
     setter = threading.Thread(target=set_later)
     setter.start()
-    module.launch(words, 2, 10**9, max_spins=10**9)
+    wait(2, max_spins=10**9)
     setter.join()
     assert words.tolist() == [3, 0]
-    module.launch(words, 3, 10**9, max_spins=1)  # already set: no spin
+    wait(3, max_spins=1)  # already set: no spin
     assert words.tolist() == [3, 0]
 
 
