@@ -22,10 +22,13 @@ def llama8b_two_layers(directory) -> tuple[str, list[list[int]]]:
 
 def greedy(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]], bool]:
     """16 greedy tokens per prompt from `LLM(path, load_format="dummy", **kwargs)`, and whether
-    its worker replayed CUDA graphs; the engine is released and the CUDA cache emptied."""
+    its worker replayed CUDA graphs; the engine is released and the CUDA cache emptied. The KV
+    cache gets a fixed 2 GiB (not a share of the GPU): engines of earlier test files in the same
+    process may still hold memory, which a `gpu_memory_utilization` budget would subtract."""
     from phloem import LLM, SamplingParams
 
-    llm = LLM(path, load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.5, **kwargs)
+    kwargs.setdefault("kv_cache_memory_bytes", 2 << 30)
+    llm = LLM(path, load_format="dummy", max_model_len=1024, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
