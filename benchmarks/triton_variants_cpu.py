@@ -8,7 +8,8 @@ goes through `JITFunction.run`, is recorded and launches nothing):
     runtime   what the engine's own code launches: the fused RoPE + KV write and SiLU-and-mul
               (and FP8 quantizers) over steps of several token counts, the shared-prefix
               attention warm-up (`SharedPrefixAttention.warmup`), the CUDA-graph captures of the
-              shared-prefix variant (`DecodeGraphPlan` at every captured batch size),
+              shared-prefix variant (`DecodeGraphPlan` at every captured batch size), the
+              small-decode kernel's warm-up, "small_decode" graph captures and eager steps,
               `--steps` random eager serving steps (groups, decodes, prefill chunks) through the
               backend's own path (`begin_step` / `forward`), and the sampler's kernels (the
               grammar mask, the seeded rows' noise) over several row counts and vocabularies.
@@ -75,6 +76,7 @@ def runtime_launches(shapes: dict, kv: str, fp8: bool, steps: int, seed: int) ->
     from phloem.ops.attention.metadata import AttentionMetadata
     from phloem.ops.attention.reference import ReferenceAttention
     from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+    from phloem.ops.attention.small_decode import SmallDecodeAttention
     from phloem.ops.kv_store import allocate_kv_cache
     from phloem.worker.cuda_graph import graph_batch_sizes
 
@@ -121,6 +123,18 @@ def runtime_launches(shapes: dict, kv: str, fp8: bool, steps: int, seed: int) ->
                                            "cpu", prefix_lens=[bs] * batch)  # fmt: skip
         backend.prepare_replay(meta, "shared_prefix")
         backend.forward(torch.zeros(batch, h, d, dtype=bf16), pool, meta, d**-0.5)
+    small = SmallDecodeAttention(ReferenceAttention(), h, hkv, d, "cpu", impl="triton",
+                                 max_num_blocks_per_seq=64)  # fmt: skip
+    small.warmup(pool, h, 0, d**-0.5, bf16)
+    for batch in (16, 8, 4, 2, 1):  # the "small_decode" graphs' captures, then eager steps
+        meta = AttentionMetadata.from_host([1] * batch, [1] * batch, [[0]] * batch, bs, "cpu")
+        small.prepare_replay(meta, "small_decode")
+        small.forward(torch.zeros(batch, h, d, dtype=bf16), pool, meta, d**-0.5)
+    for lens in ([300], [5, 700, 64]):
+        tables = [list(range(-(-n // bs))) for n in lens]
+        meta = AttentionMetadata.from_host([1] * len(lens), lens, tables, bs, "cpu")
+        out = torch.empty(len(lens) + 1, h, d, dtype=bf16)  # the layer's output, padded
+        small.forward(torch.zeros(len(lens) + 1, h, d, dtype=bf16), pool, meta, d**-0.5, out)
     rng = random.Random(seed)
     for _ in range(steps):
         q_lens, seq_lens, tables, prefix_lens, used = _random_step(rng, bs)

@@ -10,8 +10,16 @@ dummy sequences up to the bucket (`HostStep.padded`) and copied into static inpu
 The attention backend plans the padded step into the fixed buffers of that bucket's wrapper
 (`prepare_replay(meta, variant, groups)`) before the capture and before each replay, so only
 integers change between replays. A backend may offer several graph variants (`graph_variants()`:
-name -> smallest batch captured), e.g. the shared-prefix backend's "shared_prefix" graphs next to
-the "plain" ones; each is captured for its buckets. The step's K/V writes are sync-free (a sync
+name -> smallest batch captured; `graph_variant_max_batch()`: the largest, for variants capped),
+e.g. the shared-prefix backend's "shared_prefix" graphs next to the "plain" ones, and the
+small-decode backend's "small_decode" graphs of the buckets <= its max batch (16); each is
+captured for its buckets. Which variant a decode step replays is the backend's `plan_decode`
+(asked for steps with prefix groups, and for steps whose bucket has a "small_decode" graph):
+
+    DecodePath.GRAPH -> "plain", SHARED_GRAPH -> "shared_prefix", SMALL_GRAPH -> "small_decode"
+
+A capture records the kernels of the variant it was planned for, and a replay is planned for
+the variant it replays, so a replay runs what its capture recorded. The step's K/V writes are sync-free (a sync
 cannot be captured): the forward context says every slot is valid (`ForwardContext.valid_slots`;
 dummy rows write to the scratch block).
 The graph covers the model's forward pass (hidden states out); logits and sampling run eagerly on
@@ -43,6 +51,13 @@ from phloem.worker.graph_inputs import GraphInputs, smallest_bucket
 from phloem.worker.input_batch import HostStep
 
 logger = logging.getLogger(__name__)
+
+# the graph variant each decode path replays (`AttentionBackend.plan_decode`; EAGER replays none)
+PATH_VARIANTS = {
+    DecodePath.GRAPH: "plain",
+    DecodePath.SHARED_GRAPH: "shared_prefix",
+    DecodePath.SMALL_GRAPH: "small_decode",
+}
 
 
 def env_count(name: str, environ: dict[str, str] | None = None) -> int:
@@ -124,6 +139,7 @@ class CUDAGraphRunner:
         self.max_batch_size = self.batch_sizes[-1]
         self._inputs = GraphInputs(self.max_batch_size, device)
         self.variants: dict[str, int] = backend.graph_variants()
+        self.variant_max_batch: dict[str, int] = backend.graph_variant_max_batch()
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[str, int], torch.Tensor] = {}
         # every graph copies its hidden states into this one buffer (made before the first
@@ -174,20 +190,17 @@ class CUDAGraphRunner:
         the KV caches."""
         start = time.perf_counter()
         self._inputs.reset(self.scratch_slot)
-        for variant, min_batch in self.variants.items():
-            for batch in reversed(self.batch_sizes):
-                if batch < min_batch:
-                    continue
-                meta = self._metadata(HostStep.padding(batch, self.scratch_block, self.block_size))
-                ids, positions = self._inputs.ids(batch), self._inputs.positions(batch)
-                ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
-                self.backend.prepare_replay(meta, variant)
-                with forward_context(ctx):
-                    graph = self._capture_one(batch, ids, positions)
-                if self._pool is None:
-                    self._pool = graph.pool()
-                self._graphs[variant, batch] = graph
-                self._outputs[variant, batch] = self._static_out[:batch]
+        for variant, batch in self.captured():
+            meta = self._metadata(HostStep.padding(batch, self.scratch_block, self.block_size))
+            ids, positions = self._inputs.ids(batch), self._inputs.positions(batch)
+            ctx = ForwardContext(meta, self.kv_caches, self.backend, valid_slots=True)
+            self.backend.prepare_replay(meta, variant)
+            with forward_context(ctx):
+                graph = self._capture_one(batch, ids, positions)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[variant, batch] = graph
+            self._outputs[variant, batch] = self._static_out[:batch]
         torch.cuda.synchronize(self.device)
         self.backend.reset_stats()  # step counters count the workload's steps, not the captures
         logger.info(
@@ -198,6 +211,16 @@ class CUDAGraphRunner:
             self.max_batch_size,
             time.perf_counter() - start,
         )
+
+    def captured(self) -> list[tuple[str, int]]:
+        """(variant, batch) of every graph to capture, each variant's buckets largest first:
+        those >= its smallest batch and <= its largest (`graph_variant_max_batch`)."""
+        return [
+            (variant, batch)
+            for variant, min_batch in self.variants.items()
+            for batch in reversed(self.batch_sizes)
+            if min_batch <= batch <= self.variant_max_batch.get(variant, batch)
+        ]
 
     def _capture_one(
         self, batch: int, ids: torch.Tensor, positions: torch.Tensor
@@ -232,20 +255,26 @@ class CUDAGraphRunner:
 
     def run_decode(self, host: HostStep, fill_inputs=None) -> torch.Tensor | None:
         """Hidden states [B, hidden] of a decode-only step from a replay (`run`) when a bucket
-        fits it and the backend does not want the eager (cascade) path (`plan_decode`); None
-        otherwise."""
+        fits it and the backend does not want the eager (cascade) path; None otherwise. The
+        variant is the backend's `plan_decode` (`PATH_VARIANTS`) for a step with prefix groups
+        or one whose bucket has a "small_decode" graph, else "plain"; an offered variant its
+        bucket lacks replays "plain"."""
         num_seqs = len(host.seq_lens)
         if num_seqs > self.max_batch_size:
             return None
         path, groups = DecodePath.GRAPH, None
-        if host.prefix_lens is not None and any(host.prefix_lens):
+        shared = host.prefix_lens is not None and any(host.prefix_lens)
+        if shared or self.has_graph(num_seqs, "small_decode"):
             in_graph = self.has_graph(num_seqs, "shared_prefix")
+            prefix_lens = host.prefix_lens or [0] * num_seqs
             path, groups = self.backend.plan_decode(
-                host.seq_lens, host.block_tables, host.prefix_lens, self.block_size, in_graph
+                host.seq_lens, host.block_tables, prefix_lens, self.block_size, in_graph
             )
             if path is DecodePath.EAGER:
                 return None  # prefix sharing pays this step: the cascade path, eagerly
-        variant = "shared_prefix" if path is DecodePath.SHARED_GRAPH else "plain"
+        variant = PATH_VARIANTS[path]
+        if not self.has_graph(num_seqs, variant):
+            variant, groups = "plain", None
         return self.run(host, fill_inputs, variant, groups)
 
     def run(

@@ -6,8 +6,9 @@ it, in the launching thread, writing it to its on-disk cache (TRITON_CACHE_DIR).
 machine the engine's start-up therefore compiled its kernels one after another in its main
 thread: the fused RoPE + KV write, SiLU-and-mul and the FP8 quantizers at the memory profile,
 the shared-prefix attention kernels at the attention warm-up (112 s on an H200 host,
-benchmarks/results/2026-11-26b-h200x2-serving), and the sampler's kernels (grammar mask,
-seeded rows' noise) stalled the first request that needed them. Here, at the start of the
+benchmarks/results/2026-11-26b-h200x2-serving; the small-decode kernel there too), and the
+sampler's kernels (grammar mask, seeded rows' noise) stalled the first request that needed
+them. Here, at the start of the
 worker and before the weights load, one process (`python -m phloem.worker.triton_prebuild`):
 
 1. records the variants the engine will launch: with a compile-only Triton driver (the target
@@ -68,6 +69,8 @@ class TritonShapes:
         tp_size: tensor-parallel ranks (a row-parallel layer's slice quantizes in torch).
         shared_prefix: the shared-prefix Triton kernels run (the attention backend wraps them).
         cuda_graphs: decode steps are captured, the shared-prefix graph variant among them.
+        small_decode: the small-decode attention kernel runs (`small_decode_rule`: by default
+            over FlashInfer; one variant for every batch size, length and graph).
         skinny_gemm: which dense projections' decode-sized calls run the skinny-GEMM kernel
             (`layers.quantization.base.skinny_gemm_mode`): "0" none, "auto" the shapes its
             table measured faster than cuBLAS, "1" all.
@@ -89,6 +92,7 @@ class TritonShapes:
     tp_size: int = 1
     shared_prefix: bool = True
     cuda_graphs: bool = True
+    small_decode: bool = True
     skinny_gemm: str = "0"
     fused_qkv_rope: bool = False
 
@@ -129,7 +133,7 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
         seeded_noise_triton,
         token_bitmask_triton,
     )
-    from phloem.ops.attention import shared_prefix_variants
+    from phloem.ops.attention import shared_prefix_variants, small_decode
     from phloem.worker.kernel_prebuild import comm_triton_hooks
 
     dtype, kv_dtype = getattr(torch, s.dtype), getattr(torch, s.kv_dtype)
@@ -160,6 +164,9 @@ def _hooks(s: TritonShapes) -> list[tuple[str, Any]]:
         hooks.append(("shared_prefix", partial(shared_prefix_variants.compile_variants, s.num_heads,
                       s.num_kv_heads, s.head_dim, s.block_size, dtype, kv_dtype, s.cuda_graphs,
                       kv_layout=s.kv_layout)))  # fmt: skip
+    if s.small_decode:
+        hooks.append(("small_decode", partial(small_decode.compile_variants, s.num_heads,
+                      s.num_kv_heads, s.head_dim, s.block_size, dtype, kv_dtype, s.kv_layout)))  # fmt: skip
     return hooks
 
 
@@ -316,16 +323,17 @@ def shapes_for_engine(
     flashinfer: bool | None = None,
 ) -> TritonShapes:  # fmt: skip
     """The `TritonShapes` of an engine: the model's geometry on one of `tp_size` ranks, its
-    dtypes and KV cache, its FP8 scheme, and whether the shared-prefix kernels run (the rule
+    dtypes and KV cache, its FP8 scheme, whether the shared-prefix kernels run (the rule
     of `ops.attention.get_attention_backend`: "shared_prefix", or "auto" over FlashInfer)
-    and are captured in CUDA graphs.
+    and are captured in CUDA graphs, and whether the small-decode kernel runs (`_small_decode`).
 
     Args:
         model_config / cache_config: the engine's configs. hf_config: the model's config.
         dtype: the resolved activation dtype's torch name ("bfloat16").
         flashinfer: whether FlashInfer is installed where the engine runs (None: here).
     Raises:
-        ValueError: a quantization the checkpoint contradicts (`resolve_quantization`).
+        ValueError: a quantization the checkpoint contradicts (`resolve_quantization`), or a
+            malformed PHLOEM_SMALL_DECODE_* value.
     """
     from phloem.layers.quantization.base import FUSED_QKV_ROPE_ENV, skinny_gemm_mode
     from phloem.layers.quantization.formats import Fp8Config, resolve_quantization
@@ -366,9 +374,21 @@ def shapes_for_engine(
         cuda_graphs=not model_config.enforce_eager
         and flashinfer
         and num_heads // num_kv_heads <= 16,
+        small_decode=_small_decode(backend, flashinfer),
         skinny_gemm=skinny,
         fused_qkv_rope=skinny != "0" and os.environ.get(FUSED_QKV_ROPE_ENV, "1") == "1",
     )
+
+
+def _small_decode(backend: str, flashinfer: bool) -> bool:
+    """Whether an engine of attention backend `backend` on CUDA wraps its plain backend
+    (FlashInfer where `flashinfer` and the name is not "reference") in the small-decode
+    kernel (`small_decode_rule.SmallDecodeSettings.enabled`). Raises ValueError for a
+    malformed PHLOEM_SMALL_DECODE_* value."""
+    from phloem.ops.attention.small_decode_rule import SmallDecodeSettings
+
+    plain = "flashinfer" if flashinfer and backend != "reference" else "reference"
+    return SmallDecodeSettings.from_env().enabled("cuda", plain)
 
 
 def prebuild_for_engine(

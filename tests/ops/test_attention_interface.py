@@ -224,7 +224,7 @@ def test_every_backend_implements_the_interface():
 def test_decode_plan_is_typed_and_reads_as_before():
     plan = DecodePlan(DecodePath.EAGER, None)
     assert plan.path is DecodePath.EAGER and plan == ("eager", None)
-    assert [p.value for p in DecodePath] == ["graph", "shared_graph", "eager"]
+    assert [p.value for p in DecodePath] == ["graph", "shared_graph", "eager", "small_graph"]
 
 
 @pytest.mark.parametrize("head_dim", [16, 96])

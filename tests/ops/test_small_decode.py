@@ -15,6 +15,7 @@ import torch
 
 from phloem.ops.attention import AttentionMetadata, get_attention_backend
 from phloem.ops.attention import small_decode as sd
+from phloem.ops.attention import small_decode_rule as rule
 from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
 from phloem.ops.kv_store import allocate_kv_cache
 
@@ -149,30 +150,118 @@ def test_split_rule_and_ranges():
 
 
 def test_switch_parsing():
-    assert sd.small_decode_max_batch({}) == 0
-    assert sd.small_decode_max_batch({sd.ENV_SWITCH: "1"}) == 16
-    assert sd.small_decode_max_batch({sd.ENV_SWITCH: "1", sd.ENV_MAX_BATCH: "32"}) == 32
-    assert sd.small_decode_max_batch({sd.ENV_SWITCH: "0", sd.ENV_MAX_BATCH: "32"}) == 0
-    for env in ({sd.ENV_SWITCH: "yes"}, {sd.ENV_SWITCH: "1", sd.ENV_MAX_BATCH: "0"}):
-        with pytest.raises(ValueError, match="PHLOEM_SMALL_DECODE"):
-            sd.small_decode_max_batch(env)
+    """PHLOEM_SMALL_DECODE_*: auto by default, 0 / 1, the batch cap and the length override;
+    anything else raises naming the variable."""
+    assert rule.SmallDecodeSettings.from_env({}) == rule.SmallDecodeSettings("auto", 16, None)
+    assert rule.SmallDecodeSettings.from_env({rule.ENV_SWITCH: "auto"}).mode == "auto"
+    on = rule.SmallDecodeSettings.from_env({rule.ENV_SWITCH: "1", rule.ENV_MAX_BATCH: "32"})
+    assert (on.mode, on.max_batch, on.length_rule()) == ("1", 32, None)  # every length
+    capped = rule.SmallDecodeSettings.from_env({rule.ENV_MAX_KV: "300"})
+    assert capped.length_rule() == rule.LengthRule(300, 300)
+    assert rule.SmallDecodeSettings.from_env({rule.ENV_SWITCH: "1", rule.ENV_MAX_KV: "300"}
+                                             ).length_rule() == rule.LengthRule(300, 300)  # fmt: skip
+    for env in ({rule.ENV_SWITCH: "yes"}, {rule.ENV_SWITCH: "1", rule.ENV_MAX_BATCH: "0"},
+                {rule.ENV_MAX_KV: "-5"}, {rule.ENV_MAX_KV: "1k"}):  # fmt: skip
+        with pytest.raises(ValueError, match=list(env)[-1]):
+            rule.SmallDecodeSettings.from_env(env)
+
+
+def test_the_default_is_the_length_rule_on_cuda_over_flashinfer():
+    """auto: wrapped on CUDA over FlashInfer only (the CPU's reference stays plain); 1: any
+    plain backend anywhere; 0: none. The rule: <= 1,024 KV tokens at batch 1, <= 512 above."""
+    auto, on, off = (rule.SmallDecodeSettings(m) for m in ("auto", "1", "0"))
+    assert auto.enabled("cuda:0", "flashinfer") and not auto.enabled("cuda", "reference")
+    assert not auto.enabled("cpu", "reference") and not auto.enabled(None, "flashinfer")
+    assert on.enabled("cpu", "reference") and not off.enabled("cuda", "flashinfer")
+    length = auto.length_rule()
+    assert length == rule.LengthRule(1024, 512)
+    assert length.allows(1, 1024) and not length.allows(1, 1025)
+    assert length.allows(2, 512) and not length.allows(2, 513) and not length.allows(16, 600)
+
+
+class GraphPlain(ReferenceAttention):
+    """The reference declared able to plan "plain" graph steps (a test double: records the
+    variants it was asked to plan)."""
+
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replays: list[str] = []
+
+    def prepare_replay(self, meta, variant="plain", groups=None):
+        if variant != "plain":
+            raise ValueError(f"unknown variant {variant!r}")
+        self.replays.append(variant)
+
+
+def test_the_rule_picks_each_step_path_and_graph_variant():
+    """Eager steps and `plan_decode` follow the batch cap and the length rule; the
+    "small_decode" variant (up to max_batch) is planned into our buffers, "plain" on the
+    fallback, also under the shared-prefix backend, whose own paths stay as they were."""
+    from phloem.ops.attention.interface import DecodePath, DecodePlan
+    from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+    from phloem.ops.attention.sharing_rule import SharingRule
+
+    fallback = GraphPlain()
+    backend = sd.SmallDecodeAttention(fallback, 4, 2, 16, "cpu", max_batch=4,
+                                      max_num_blocks_per_seq=8, length_rule=rule.LengthRule(20, 10))  # fmt: skip
+    assert backend.graph_variants() == {"plain": 1, "small_decode": 1}
+    assert backend.graph_variant_max_batch() == {"small_decode": 4}
+    small, graph = DecodePlan(DecodePath.SMALL_GRAPH), DecodePlan(DecodePath.GRAPH)
+    cases = [([20], small), ([21], graph), ([10, 3], small), ([11, 3], graph),
+             ([1, 2, 3, 4], small), ([1, 2, 3, 4, 5], graph)]  # fmt: skip
+    shared = SharedPrefixAttention(backend)
+    assert shared.graph_variants() == backend.graph_variants()
+    assert shared.graph_variant_max_batch() == {"small_decode": 4}
+    for lens, want in cases:
+        tables = [[i] for i in range(len(lens))]
+        assert backend.plan_decode(lens, tables, [0] * len(lens), 32) == want, lens
+        assert shared.plan_decode(lens, tables, [0] * len(lens), 32) == want, lens
+        meta = AttentionMetadata.from_host([1] * len(lens), lens, tables, 32)
+        backend.begin_step(meta)
+        assert backend._small == (want == small), lens
+        backend.end_step()
+    assert backend.stats() == {"small_decode_steps": 3}
+    _, _, meta = make_step([7, 19], 2, 2, 16, 4, seed=5)
+    shared.prepare_replay(meta, "small_decode")
+    shared.prepare_replay(meta, "plain")
+    assert fallback.replays == ["plain"] and backend.stats()["small_decode_steps"] == 4
+    assert shared.stats()["cuda_graph_steps"] == 2
+    with pytest.raises(ValueError, match="unknown"):
+        shared.prepare_replay(meta, "other")
+    big = AttentionMetadata.from_host([1] * 5, [3] * 5, [[0]] * 5, 4)
+    with pytest.raises(ValueError, match="small_decode"):
+        backend.prepare_replay(big, "small_decode")
+    # a fallback without graphs offers no graph variant
+    assert "small_decode" not in sd.SmallDecodeAttention(ReferenceAttention(), 4, 2, 16,
+                                                         "cpu").graph_variants()  # fmt: skip
+    # where sharing pays, the shared backend's own path; where not, the small-decode graph
+    shared.rule = SharingRule(
+        min_saved_kv_tokens=16, partial_cost_tokens=1, graph_min_saved_kv_tokens=16
+    )
+    lens, tables = [9, 10, 10, 3], [[7, 8, 1], [7, 8, 2], [7, 8, 3], [9]]
+    assert shared.plan_decode(lens, tables, [8, 8, 8, 0], 4).path is DecodePath.EAGER
+    assert shared.plan_decode(lens, tables, [8, 8, 0, 0], 4) == small  # 8 saved < 16
 
 
 def test_backend_takes_small_decode_steps_only(monkeypatch):
-    """The factory wraps the plain backend when the switch is on; decode steps of <= max_batch
-    sequences (eager, or planned for a "plain" graph) run the split path (padding rows
-    zeroed), larger or mixed steps the fallback; counters reset with the fallback's."""
+    """The factory wraps the plain backend when the switch is on (auto: not on the CPU);
+    decode steps of <= max_batch sequences (eager, or planned for a "small_decode" graph) run
+    the split path (padding rows zeroed), larger or mixed steps the fallback; counters reset
+    with the fallback's."""
     geometry = dict(num_heads=4, num_kv_heads=2, head_dim=16, device="cpu",
                     max_num_blocks_per_seq=8)  # fmt: skip
     assert isinstance(get_attention_backend("reference", **geometry), ReferenceAttention)
-    monkeypatch.setenv(sd.ENV_SWITCH, "1")
-    monkeypatch.setenv(sd.ENV_MAX_BATCH, "2")
+    assert isinstance(get_attention_backend("auto", **geometry), ReferenceAttention)
+    monkeypatch.setenv(rule.ENV_SWITCH, "1")
+    monkeypatch.setenv(rule.ENV_MAX_BATCH, "2")
     backend = get_attention_backend("reference", **geometry)
     assert isinstance(backend, sd.SmallDecodeAttention) and backend.max_batch == 2
     assert backend.name == "reference+small_decode"
     query, kv, meta = make_step([7, 19], 2, 2, 16, 4, seed=11)
     want = paged_attention_reference(query.double(), kv.double(), meta, 0.25)
-    for plan in (backend.begin_step, backend.prepare_replay):
+    for plan in (backend.begin_step, lambda m: backend.prepare_replay(m, "small_decode")):
         plan(meta)
         got = backend.forward(query, kv, meta, 0.25)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -193,8 +282,8 @@ def test_backend_takes_small_decode_steps_only(monkeypatch):
 
 def test_switch_gives_the_same_greedy_tokens(tmp_path_factory, embedded_tokenizer_dir,
                                              monkeypatch):  # fmt: skip
-    """A tiny float32 Llama (GQA 2), decode batches of 4 down to 1: with the switch on its
-    decode steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS and
+    """A tiny float32 Llama (GQA 2), decode batches of 4 down to 1: with the switch on (a
+    length limit of 20 KV tokens) its short decode steps take the split path (torch on the CPU: CPU_TARGET_PROGRAMS and
     CPU_SPLIT_TOKENS give up to 16 splits of 4 tokens at batch 1; the kernel on a GPU, eagerly: FlashInfer has no head_dim 16) and the greedy tokens
     are the plain backend's."""
     from phloem import LLM, SamplingParams
@@ -214,12 +303,14 @@ def test_switch_gives_the_same_greedy_tokens(tmp_path_factory, embedded_tokenize
         stats = llm.llm_engine.executor.worker.model_runner.backend.stats()
         return [list(o.outputs[0].token_ids) for o in outs], stats
 
-    monkeypatch.delenv(sd.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(rule.ENV_SWITCH, raising=False)  # auto: off on the CPU
     plain, _ = run()
-    monkeypatch.setenv(sd.ENV_SWITCH, "1")
+    monkeypatch.setenv(rule.ENV_SWITCH, "1")
+    monkeypatch.setenv(rule.ENV_MAX_KV, "20")  # the last steps (21-24 KV tokens) run plain
     tokens, stats = run()
     assert tokens == plain
-    assert stats["small_decode_steps"] >= 8, stats
+    # the longest request's decode steps read 16..23 KV tokens: those up to 20 ran here
+    assert stats["small_decode_steps"] == 5, stats
 
 
 COMPILE_FOR_HOPPER = r"""

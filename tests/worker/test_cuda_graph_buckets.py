@@ -1,6 +1,7 @@
 """CUDA-graph bucket choice and the sync-free KV write of the runners' steps (both testable on the
 CPU)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,10 +11,12 @@ from phloem.layers.attention import Attention
 from phloem.ops.attention import AttentionMetadata
 from phloem.ops.attention.reference import ReferenceAttention
 from phloem.worker.cuda_graph import (
+    CUDAGraphRunner,
     decode_graph_max_batch,
     graph_batch_sizes,
     graph_logits_max_batch,
 )
+from phloem.worker.input_batch import HostStep
 
 
 def test_buckets_cover_every_batch():
@@ -88,3 +91,61 @@ def test_unchecked_slots_skip_padding():
     for slot in (0, 1, 3, 4):
         block, offset = divmod(slot, 4)
         assert not torch.equal(got[block, :, offset], before[block, :, offset])
+
+
+class _GraphPlain(ReferenceAttention):
+    """The reference declared able to plan "plain" graph steps (a test double)."""
+
+    supports_cuda_graphs = True
+
+    def prepare_replay(self, meta, variant="plain", groups=None):
+        assert variant == "plain"
+
+
+class _Replay:
+    """A captured graph's stand-in: logs its (variant, bucket) at each replay."""
+
+    def __init__(self, log: list, key: tuple[str, int]) -> None:
+        self.log, self.key = log, key
+
+    def replay(self) -> None:
+        self.log.append(self.key)
+
+
+def _decode(lens: list[int], prefix_lens: list[int] | None = None) -> HostStep:
+    n, bs = len(lens), 16
+    zeros = np.zeros(n, dtype=np.int64)
+    return HostStep(zeros, zeros, zeros, [1] * n, lens, [[1] * -(-n_kv // bs) for n_kv in lens],
+                    list(range(n)), list(range(n)), prefix_lens or [0] * n, [])  # fmt: skip
+
+
+def test_small_decode_graphs_are_captured_small_and_replayed_by_the_rule():
+    """With the small-decode backend (under the shared-prefix one, as the factory builds it),
+    the runner captures "small_decode" graphs for the buckets <= 16 only, and a decode step
+    replays one when its batch and longest sequence are within the rule (<= 1,024 KV tokens
+    at batch 1, <= 512 above), else the plain graph of its bucket."""
+    from phloem.ops.attention.shared_prefix import SharedPrefixAttention
+    from phloem.ops.attention.small_decode import SmallDecodeAttention
+    from phloem.ops.attention.small_decode_rule import LengthRule
+
+    small = SmallDecodeAttention(_GraphPlain(), 4, 2, 16, "cpu", max_num_blocks_per_seq=128,
+                                 length_rule=LengthRule())  # fmt: skip
+    backend = SharedPrefixAttention(small)
+    runner = CUDAGraphRunner(torch.nn.Identity(), [], backend, 16, 0, 32, torch.device("cpu"))
+    assert runner.captured() == [("plain", b) for b in (32, 16, 8, 4, 2, 1)] + [
+        ("small_decode", b) for b in (16, 8, 4, 2, 1)
+    ]
+    log: list[tuple[str, int]] = []
+    for key in runner.captured():  # what `capture` would record, without a GPU
+        runner._graphs[key] = _Replay(log, key)
+        runner._outputs[key] = torch.zeros(key[1], 8)
+    steps = [([100], "small_decode", 1), ([1024], "small_decode", 1), ([1025], "plain", 1),
+             ([500, 512, 3], "small_decode", 4), ([513, 3], "plain", 2),
+             ([10] * 16, "small_decode", 16), ([10] * 17, "plain", 32)]  # fmt: skip
+    for lens, variant, bucket in steps:
+        assert runner.run_decode(_decode(lens)).shape == (len(lens), 8)
+        assert log[-1] == (variant, bucket), lens
+    # prefix groups that do not pay for sharing: the small-decode graph still
+    assert runner.run_decode(_decode([40, 40, 9], [32, 32, 0])) is not None
+    assert log[-1] == ("small_decode", 4)
+    assert small.stats()["small_decode_steps"] == 5

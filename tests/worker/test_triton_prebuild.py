@@ -54,6 +54,21 @@ def test_shapes_of_an_engine():
     assert not _shapes("llama-3.1-8b", attention_backend="flashinfer").shared_prefix
 
 
+def test_the_small_decode_kernel_is_prebuilt_where_it_runs(monkeypatch):
+    """The small-decode kernel is on by default over FlashInfer (and listed among the hooks);
+    not over the reference backend unless forced; never with the switch off."""
+    from phloem.worker.triton_prebuild import _hooks
+
+    assert _shapes("llama-3.1-8b").small_decode
+    assert "small_decode" in [name for name, _ in _hooks(_shapes("llama-3.1-8b"))]
+    assert not _shapes("llama-3.1-8b", attention_backend="reference").small_decode
+    monkeypatch.setenv("PHLOEM_SMALL_DECODE_ATTENTION", "1")
+    assert _shapes("llama-3.1-8b", attention_backend="reference").small_decode
+    monkeypatch.setenv("PHLOEM_SMALL_DECODE_ATTENTION", "0")
+    assert not _shapes("llama-3.1-8b").small_decode
+    assert "small_decode" not in [name for name, _ in _hooks(_shapes("llama-3.1-8b"))]
+
+
 def test_shapes_follow_the_fp8_switch(monkeypatch):
     monkeypatch.setenv("PHLOEM_FP8_FUSED_QUANT", "0")
     assert _shapes("llama-3.1-8b", quantization="fp8").fp8_quant == "per_token"
@@ -124,7 +139,7 @@ def test_the_prebuild_compiles_in_parallel_then_finds_its_cache(monkeypatch, tmp
     """The real process: five variants (no shared-prefix kernels: the quick ones) compiled for
     sm_90 by two pool processes; a second prebuild finds them all cached."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    shapes = TritonShapes(**LLAMA_8B, shared_prefix=False)
+    shapes = TritonShapes(**LLAMA_8B, shared_prefix=False, small_decode=False)
     first = TritonPrebuild(shapes, (9, 0), jobs=2)
     first.wait()
     kernels = first.summary["kernels"]
@@ -161,12 +176,13 @@ for kv, fp8 in (("bfloat16", False), ("float8_e4m3fn", True)):
 
 def test_the_variants_are_what_the_engine_launches(compile_for_hopper):
     """The engine's own code paths (the layers' fused kernels over several token counts, the
-    attention warm-up, the shared-prefix CUDA-graph captures at every batch size, random eager
+    attention warm-ups, the shared-prefix CUDA-graph captures at every batch size and the
+    small-decode ones at batches 1-16, random eager
     serving steps, the sampler's grammar mask on bf16 and float32 logits and its seeded rows'
     noise at odd and even row counts) launch exactly the prebuild's variants, bf16 and FP8 (KV
     cache and W8A8)."""
     out = compile_for_hopper(VARIANTS_ARE_LAUNCHES)
-    assert "bfloat16 10" in out and "float8_e4m3fn 13" in out
+    assert "bfloat16 11" in out and "float8_e4m3fn 14" in out
 
 
 SAME_KEYS = r"""

@@ -5,9 +5,9 @@ Modules: `metadata` (what a step hands a kernel), `interface` (the backend ABC, 
 types), `reference` (plain torch), `flashinfer_backend`, and the shared-prefix (cascade) family:
 `prefix_groups`, `shared_prefix_reference`, `sharing_rule`, `shared_prefix` (the backend),
 `prefill_split`, `tile_plan`, `shared_prefix_triton` (kernels), `decode_graph_plan`,
-`shared_prefix_flashinfer` (the library baseline); `small_decode` (decode steps of a few
-sequences in one split-KV launch, `small_decode_triton`; PHLOEM_SMALL_DECODE_ATTENTION=1 wraps
-the plain backend in it).
+`shared_prefix_flashinfer` (the library baseline); `small_decode` (decode steps of a few short
+sequences in one split-KV launch, `small_decode_triton`; `small_decode_rule` says when: by
+default on CUDA over FlashInfer, steps of <= 16 sequences within a KV-length rule).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from phloem.config import ATTENTION_BACKENDS as BACKENDS  # the one list of names
 from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
 from phloem.ops.attention.metadata import AttentionMetadata
-from phloem.ops.attention.small_decode import small_decode_max_batch, wrap_small_decode
+from phloem.ops.attention.small_decode_rule import SmallDecodeSettings
 
 __all__ = [
     "BACKENDS",
@@ -55,9 +55,11 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             max_num_blocks_per_seq (bound on a sequence's block table, for CUDA-graph buffers),
             max_num_seqs (largest batch of a step, sizes FlashInfer's workspace),
             kv_layout ("NHD" or "HND", the cache's memory layout, `kv_store.allocate_kv_cache`).
-        With PHLOEM_SMALL_DECODE_ATTENTION=1 the plain backend (FlashInfer or the reference; under
-        "shared_prefix" too) is wrapped in `small_decode.SmallDecodeAttention`, which runs
-        decode-only steps of at most PHLOEM_SMALL_DECODE_MAX_BATCH (16) sequences itself.
+        The plain backend (under "shared_prefix" too) is wrapped in
+        `small_decode.SmallDecodeAttention`, which runs decode-only steps of at most
+        PHLOEM_SMALL_DECODE_MAX_BATCH (16) sequences itself: by default (PHLOEM_SMALL_DECODE_
+        ATTENTION unset or "auto") FlashInfer on CUDA, for steps whose longest sequence is
+        within `small_decode_rule.LengthRule`; with "1" any plain backend, any length; "0" none.
     Raises:
         ValueError: for an unknown backend name, or PHLOEM_FA3_PLAIN_PREFILL not 0 or 1, or a
             malformed PHLOEM_SMALL_DECODE_* value.
@@ -65,16 +67,16 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; supported: {list(BACKENDS)}")
-    max_small = small_decode_max_batch()  # PHLOEM_SMALL_DECODE_*, read once per backend
+    small = SmallDecodeSettings.from_env()  # PHLOEM_SMALL_DECODE_*, read once per backend
     if name in ("auto", "shared_prefix"):
         plain = _plain_backend("auto", geometry)
         if name == "auto" and (plain.name != "flashinfer" or not _importable("triton")):
-            return wrap_small_decode(plain, geometry, max_small)
+            return _wrap_small_decode(plain, geometry, small)
         from phloem.ops.attention.prefill_split import plain_prefill_split
         from phloem.ops.attention.shared_prefix import SharedPrefixAttention
 
         return SharedPrefixAttention(
-            wrap_small_decode(plain, geometry, max_small),
+            _wrap_small_decode(plain, geometry, small),
             num_heads=geometry.get("num_heads"),
             num_kv_heads=geometry.get("num_kv_heads"),
             head_dim=geometry.get("head_dim"),
@@ -82,7 +84,7 @@ def get_attention_backend(name: str = "reference", **geometry) -> AttentionBacke
             prefill_backend=_hopper_prefill_backend(plain, geometry),
             prefill_plain_steps=plain_prefill_split(),  # PHLOEM_FA3_PLAIN_PREFILL, read once
         )
-    return wrap_small_decode(_plain_backend(name, geometry), geometry, max_small)
+    return _wrap_small_decode(_plain_backend(name, geometry), geometry, small)
 
 
 def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> AttentionBackend | None:
@@ -99,6 +101,30 @@ def _hopper_prefill_backend(plain: AttentionBackend, geometry: dict) -> Attentio
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(**{**geometry, "max_num_seqs": 256}, kernel_backend="fa3")
+
+
+def _wrap_small_decode(
+    plain: AttentionBackend, geometry: dict, settings: SmallDecodeSettings
+) -> AttentionBackend:
+    """`plain` wrapped in `small_decode.SmallDecodeAttention` where `settings` turn it on for
+    it (`SmallDecodeSettings.enabled`) and the geometry is known, else `plain` itself; on a
+    CUDA device without Triton, `plain` (logged)."""
+    device = torch.device(geometry.get("device") or "cpu")
+    need = ("num_heads", "num_kv_heads", "head_dim")
+    if not settings.enabled(device, plain.name) or any(geometry.get(k) is None for k in need):
+        return plain
+    if device.type == "cuda" and not _importable("triton"):
+        logger.warning("small decode attention off: Triton unavailable")
+        return plain
+    from phloem.ops.attention.small_decode import SmallDecodeAttention
+
+    rule = settings.length_rule()
+    logger.info("small decode attention: decode steps of <= %d sequences, %s",
+                settings.max_batch, rule or "any length")  # fmt: skip
+    return SmallDecodeAttention(
+        plain, geometry["num_heads"], geometry["num_kv_heads"], geometry["head_dim"], device,
+        settings.max_batch, geometry.get("max_num_blocks_per_seq") or 8192, length_rule=rule,
+    )  # fmt: skip
 
 
 def _importable(module: str) -> bool:

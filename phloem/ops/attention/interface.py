@@ -39,6 +39,7 @@ class DecodePath(enum.StrEnum):
     GRAPH = "graph"  # replay the "plain" CUDA graph of the step's bucket
     SHARED_GRAPH = "shared_graph"  # replay the "shared_prefix" graph with the step's groups
     EAGER = "eager"  # prefix sharing pays and no graph has it: the shared path, eagerly
+    SMALL_GRAPH = "small_graph"  # replay the "small_decode" graph (a few short sequences)
 
 
 class DecodePlan(NamedTuple):
@@ -122,6 +123,12 @@ class AttentionBackend(abc.ABC):
         it. Every backend has "plain" (captured only where `supports_cuda_graphs`)."""
         return {"plain": 1}
 
+    def graph_variant_max_batch(self) -> dict[str, int]:
+        """The variants captured only up to a batch size, each with the largest batch (its
+        buckets above are not captured); the others are captured at every bucket from their
+        smallest. Default: none."""
+        return {}
+
     def plan_decode(
         self,
         seq_lens: list[int],
@@ -131,8 +138,10 @@ class AttentionBackend(abc.ABC):
         shared_graph: bool = False,
     ) -> DecodePlan:
         """How a decode-only step (one query per sequence, given as host lists) runs; the model
-        runner asks before replaying a graph. `shared_graph`: a "shared_prefix" graph exists for
-        the step's batch. Host only, no counters. Default: the plain graph."""
+        runner asks before replaying a graph of a step with prefix groups or of a bucket that
+        has a "small_decode" graph (`DecodePath.SMALL_GRAPH` is only an offer: the runner replays
+        the plain graph where that bucket has none). `shared_graph`: a "shared_prefix" graph
+        exists for the step's batch. Host only, no counters. Default: the plain graph."""
         return DecodePlan(DecodePath.GRAPH)
 
     def prepare_replay(

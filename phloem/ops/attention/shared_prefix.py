@@ -154,20 +154,25 @@ class SharedPrefixAttention(AttentionBackend):
         shared_graph: bool = False,
     ) -> DecodePlan:
         """How a decode-only step runs (`AttentionBackend.plan_decode`): the shared-prefix graph
-        is offered only when `shared_graph` and the step fits its buffers. Host only."""
+        is offered only when `shared_graph` and the step fits its buffers; where the plain
+        graph, the fallback's answer (e.g. the small-decode graph). Host only."""
+        if not any(prefix_lens):  # no groups: nothing to share
+            return self.fallback.plan_decode(seq_lens, block_tables, prefix_lens, block_size)
         meta = AttentionMetadata.from_host(
             [1] * len(seq_lens), seq_lens, block_tables, block_size, prefix_lens=prefix_lens
         )
         sp = self.plan(meta)
         fits = sp is not None and (self._graph_plan is None or self._graph_plan.fits(sp))
         path = sharing_rule.decode_path(self.rule, sp, shared_graph and fits)
-        return DecodePlan(path, None if path is DecodePath.GRAPH else sp)
+        if path is DecodePath.GRAPH:
+            return self.fallback.plan_decode(seq_lens, block_tables, prefix_lens, block_size)
+        return DecodePlan(path, sp)
 
     def graph_variants(self) -> dict[str, int]:
-        """The "plain" variant always; "shared_prefix" (from batch 16) when the Triton impl can run on the
-        configured CUDA device with known geometry (GQA <= the narrow tile, 16 rows) and the
-        fallback can plan graph steps."""
-        variants = {"plain": 1}
+        """The fallback's variants ("plain" always, e.g. "small_decode" too); "shared_prefix"
+        (from batch 16) when the Triton impl can run on the configured CUDA device with known
+        geometry (GQA <= the narrow tile, 16 rows) and the fallback can plan graph steps."""
+        variants = dict(self.fallback.graph_variants())
         num_heads, num_kv_heads, _ = self.geometry
         narrow = self.triton_options.get("narrow_block_m", 16)
         ok = (
@@ -189,6 +194,9 @@ class SharedPrefixAttention(AttentionBackend):
         if ok:
             variants["shared_prefix"] = 16
         return variants
+
+    def graph_variant_max_batch(self) -> dict[str, int]:
+        return self.fallback.graph_variant_max_batch()
 
     def defer_prefill_backend(self, ready: Callable[[], bool]) -> None:
         """Hand long prefill chunks to the prefill backend only in steps begun once `ready()`
@@ -257,7 +265,7 @@ class SharedPrefixAttention(AttentionBackend):
         groups: SharedPrefixMetadata | None = None,
     ) -> None:
         """Plan a padded decode step for the `variant` graph of `meta.num_seqs` sequences:
-        "plain" on the fallback; "shared_prefix" into our graph buffers (made at the first
+        "plain" (and the fallback's other variants) on the fallback; "shared_prefix" into our graph buffers (made at the first
         call, the capture of the largest batch), with `groups` from `plan_decode` (None, a
         capture: built from `meta.prefix_lens_cpu`).
 
@@ -269,14 +277,14 @@ class SharedPrefixAttention(AttentionBackend):
         if variant == "shared_prefix":
             self._prepare_shared_replay(meta, groups)
             return
-        if variant != "plain":
+        if variant not in self.fallback.graph_variants():
             raise ValueError(f"unknown CUDA-graph variant {variant!r}")
         if not self.fallback.supports_cuda_graphs:
             raise ValueError(f"fallback backend {self.fallback.name!r} cannot plan CUDA graphs")
         self._meta, self._sp, self._split = meta, None, None
         self.num_graph_steps += 1
         self.last_path = self.fallback.name
-        self.fallback.prepare_replay(meta)
+        self.fallback.prepare_replay(meta, variant)
 
     def plan_verify(
         self,

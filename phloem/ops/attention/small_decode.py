@@ -5,17 +5,18 @@ latency, not bytes: FlashInfer's q_len-1 attention plus its split-KV merge took 
 layer of Llama-3.1-8B on an H200 (benchmarks/results/2026-11-26d-h200-serving). Here one Triton
 launch (`small_decode_triton.py`) splits each sequence's KV over up to S_max programs per
 (sequence, KV head) as Flash-Decoding does (Dao et al. 2023), as many as its length needs (one
-per ~`split_tokens` tokens), and merges the partials in the same launch (the last program of a pair to finish merges; an int32 counter per pair, reset by
-that program, so CUDA-graph replays start from 0).
+per ~`split_tokens` tokens), and merges the partials in the same launch (the last program of a
+pair to finish merges; an int32 counter per pair, reset by that program, so CUDA-graph replays
+start from 0).
 
 This module owns what is not the kernel: the split rule (`max_splits`: the grid's S_max per
 batch bucket; `splits_used`: a sequence's splits, also computed on the device), the workspace
 and fixed-address index buffers (`SmallDecodePlan`), the same split-and-merge math in torch
-(`small_decode_torch`: the CPU path, without Triton), the switch (`small_decode_max_batch`,
-PHLOEM_SMALL_DECODE_ATTENTION / PHLOEM_SMALL_DECODE_MAX_BATCH) and the backend that runs
-decode-only steps of at most that many sequences here and hands every other step to a plain
-backend (`SmallDecodeAttention`). The index buffers, per step (one pinned copy, before the
-capture or replay of a decode graph, or at an eager step's `begin_step`):
+(`small_decode_torch`: the CPU path, without Triton), the backend that runs decode-only steps
+of at most max_batch sequences within the KV-length rule here and hands every other step to a
+plain backend (`SmallDecodeAttention`; the switch and the rule: `small_decode_rule.py`), and
+the prebuild's launches (`compile_variants`). The index buffers, per step (one pinned copy,
+before the capture or replay of a decode graph, or at an eager step's `begin_step`):
 
     int32 buf |-- seq_lens [max_batch] --|-- page indptr [max_batch] --|-- page ids ... --|
 """
@@ -23,48 +24,25 @@ capture or replay of a decode graph, or at an eager step's `begin_step`):
 from __future__ import annotations
 
 import itertools
-import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from phloem.ops.attention.interface import AttentionBackend, DecodePlan
+from phloem.ops.attention.interface import AttentionBackend, DecodePath, DecodePlan
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
-from phloem.ops.kv_store import FP8_KV_DTYPE
+from phloem.ops.attention.small_decode_rule import DEFAULT_MAX_BATCH, LengthRule, is_small_decode
+from phloem.ops.kv_store import FP8_KV_DTYPE, allocate_kv_cache
 from phloem.ops.staging import pinned
 
-logger = logging.getLogger(__name__)
+GRAPH_VARIANT = "small_decode"  # its CUDA graphs, beside the plain backend's "plain" ones
 
-ENV_SWITCH = "PHLOEM_SMALL_DECODE_ATTENTION"  # "1": on; "0" / unset: off
-ENV_MAX_BATCH = "PHLOEM_SMALL_DECODE_MAX_BATCH"  # largest decode step it takes (default 16)
-DEFAULT_MAX_BATCH = 16
 MAX_SPLITS = 32  # the merge reads <= 32 partials (a few chunked round trips)
 WAVES = 4  # S_max: about this many waves of SMs when every sequence is long
 DEFAULT_SPLIT_TOKENS = 64  # the target KV tokens a split: a sequence's splits grow with L
 CPU_TARGET_PROGRAMS, CPU_SPLIT_TOKENS = 8, 4  # off a GPU: CPU runs of short sequences merge
-
-
-def small_decode_max_batch(environ: Mapping[str, str] | None = None) -> int:
-    """The largest decode step (sequences) the small-decode kernel takes; 0 when it is off.
-
-    PHLOEM_SMALL_DECODE_ATTENTION: "1" on, "0" or unset off (the default until a GPU A/B
-    measures it); PHLOEM_SMALL_DECODE_MAX_BATCH: an integer >= 1 (default 16).
-
-    Raises:
-        ValueError: naming the variable for any other value.
-    """
-    env = os.environ if environ is None else environ
-    switch = env.get(ENV_SWITCH, "0")
-    if switch not in ("0", "1"):
-        raise ValueError(f"{ENV_SWITCH} must be 0 or 1, got {switch!r}")
-    raw = env.get(ENV_MAX_BATCH, str(DEFAULT_MAX_BATCH))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{ENV_MAX_BATCH} must be an integer >= 1, got {raw!r}")
-    return int(raw) if switch == "1" else 0
 
 
 def max_splits(
@@ -271,34 +249,30 @@ class SmallDecodePlan:
         )  # fmt: skip
 
 
-def is_small_decode(meta: AttentionMetadata, max_batch: int) -> bool:
-    """Whether a step is decode-only (every q_len 1) with at most `max_batch` sequences."""
-    batch = meta.num_seqs
-    return (
-        0 < batch <= max_batch and meta.max_query_len == 1 and meta.query_start_loc_cpu[-1] == batch
-    )
-
-
 class SmallDecodeAttention(AttentionBackend):
-    """Decode-only steps of at most `max_batch` sequences on the small-decode kernel (eagerly
-    and in the "plain" CUDA graphs of those batch sizes); every other step, and every other
-    graph variant or verify graph, on the plain backend it wraps.
+    """Decode-only steps of at most `max_batch` sequences whose longest sequence is within
+    `length_rule` on the small-decode kernel; every other step on the plain backend it wraps.
 
-    The factory (`get_attention_backend`) wraps the plain backend in it when
-    PHLOEM_SMALL_DECODE_ATTENTION=1, below the shared-prefix backend (whose shared steps and
-    graphs stay its own). Which path a graph takes depends only on its batch size, so a
-    replay runs what its capture recorded.
+    The factory (`get_attention_backend`) wraps the plain backend in it
+    (`small_decode_rule.SmallDecodeSettings`: by default on CUDA over FlashInfer), below the
+    shared-prefix backend (whose shared steps and graphs stay its own). CUDA graphs: the
+    kernel's steps are captured as their own variant, "small_decode" (`GRAPH_VARIANT`), for the
+    buckets of at most max_batch sequences, beside the fallback's "plain" graphs of every
+    bucket; `plan_decode` says which of the two a step replays (the length rule), and
+    `prepare_replay` plans the variant it is given, so a replay runs what its capture recorded.
 
     Args:
         fallback: the plain paged backend (FlashInfer on a GPU, the reference on a CPU).
         num_heads, num_kv_heads, head_dim: this rank's geometry; device: where the buffers live.
-        max_batch: the largest decode step taken (`small_decode_max_batch`).
+        max_batch: the largest decode step taken (PHLOEM_SMALL_DECODE_MAX_BATCH).
         max_num_blocks_per_seq: the longest block table (sizes the page-id buffer).
         impl: "triton" (the kernel; interpreted on a CPU under TRITON_INTERPRET=1), "torch"
             (`small_decode_torch`) or "auto" (Triton for CUDA queries, else torch).
         splits: S_max at every batch size (None: `max_splits`, about WAVES waves of SMs).
         split_tokens: the target KV tokens a split (`splits_used`; None: the device's default).
         max_seq_len: the longest sequence, if known (caps S_max).
+        length_rule: the longest sequence a step taken here may have
+            (`small_decode_rule.LengthRule`); None: any length.
         kernel_options: block_n, num_warps, num_stages of the launch.
     Raises:
         ValueError: for an unknown impl or max_batch < 1.
@@ -317,6 +291,7 @@ class SmallDecodeAttention(AttentionBackend):
         splits: int | None = None,
         split_tokens: int | None = None,
         max_seq_len: int | None = None,
+        length_rule: LengthRule | None = None,
         **kernel_options: Any,
     ) -> None:
         if impl not in ("auto", "triton", "torch") or max_batch < 1:
@@ -326,7 +301,7 @@ class SmallDecodeAttention(AttentionBackend):
         self.needs_block_tables = fallback.needs_block_tables
         self.supports_cuda_graphs = fallback.supports_cuda_graphs
         self.supports_verify_graphs = fallback.supports_verify_graphs
-        self.max_batch, self.impl = max_batch, impl
+        self.max_batch, self.impl, self.length_rule = max_batch, impl, length_rule
         self.kernel_options = kernel_options
         self.plan = SmallDecodePlan(max_batch, num_heads, num_kv_heads, head_dim,
                                     max_num_blocks_per_seq, device, splits, split_tokens,
@@ -337,10 +312,19 @@ class SmallDecodeAttention(AttentionBackend):
 
     # -- planning -------------------------------------------------------------------------------
 
+    def takes(self, seq_lens: list[int]) -> bool:
+        """Whether a decode step of these real sequences' KV lengths (host list) runs here:
+        at most max_batch of them, the longest within the length rule."""
+        n = len(seq_lens)
+        return 0 < n <= self.max_batch and (
+            self.length_rule is None or self.length_rule.allows(n, max(seq_lens))
+        )
+
     def begin_step(self, meta: AttentionMetadata) -> None:
-        """Plan an eager step: a small decode step uploads its lengths and page ids, any other
-        is planned by the fallback."""
-        self._meta, self._small = meta, is_small_decode(meta, self.max_batch)
+        """Plan an eager step: a decode step we take (`takes`) uploads its lengths and page
+        ids, any other is planned by the fallback."""
+        self._meta = meta
+        self._small = is_small_decode(meta, self.max_batch) and self.takes(meta.seq_lens_cpu)
         if self._small:
             self.num_steps += 1
             self.plan.upload(meta)
@@ -353,15 +337,22 @@ class SmallDecodeAttention(AttentionBackend):
         variant: str = "plain",
         groups: SharedPrefixMetadata | None = None,
     ) -> None:
-        """Plan a padded decode step for its graph: a "plain" graph of at most max_batch
-        sequences reads our buffers (uploaded here), any other the fallback's."""
-        self._meta = meta
-        self._small = variant == "plain" and is_small_decode(meta, self.max_batch)
-        if self._small:
-            self.num_steps += 1
-            self.plan.upload(meta)
-        else:
+        """Plan a padded decode step for the `variant` graph of its bucket: "small_decode"
+        reads our buffers (uploaded here), any other variant the fallback's.
+
+        Raises:
+            ValueError: "small_decode" for a step that is not decode-only or holds more than
+                max_batch sequences; the fallback's for its variants.
+        """
+        self._meta, self._small = meta, variant == GRAPH_VARIANT
+        if not self._small:
             self.fallback.prepare_replay(meta, variant, groups)
+            return
+        if not is_small_decode(meta, self.max_batch):
+            raise ValueError(f"a {GRAPH_VARIANT!r} graph holds decode steps of <= "
+                             f"{self.max_batch} sequences, not {meta.num_seqs}")  # fmt: skip
+        self.num_steps += 1
+        self.plan.upload(meta)
 
     def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
         """Verify graphs run the fallback's kernels (q_len > 1)."""
@@ -397,7 +388,7 @@ class SmallDecodeAttention(AttentionBackend):
         if query.shape[0] > batch:
             out[batch:].zero_()
         q, dst = query[:batch], out[:batch]
-        if self._resolve_impl(query) == "triton":
+        if self.impl == "triton" or (self.impl == "auto" and query.is_cuda):
             self.plan.run(q, kv_cache, dst, scale, k_scale, v_scale, **self.kernel_options)
         else:
             block_n = self.kernel_options.get("block_n", 32)
@@ -407,15 +398,19 @@ class SmallDecodeAttention(AttentionBackend):
                                          self.plan.split_tokens))  # fmt: skip
         return out
 
-    def _resolve_impl(self, query: torch.Tensor) -> str:
-        if self.impl == "auto":
-            return "triton" if query.is_cuda else "torch"
-        return self.impl
-
     # -- delegated ------------------------------------------------------------------------------
 
     def graph_variants(self) -> dict[str, int]:
-        return self.fallback.graph_variants()
+        """The fallback's variants and, when it captures graphs, "small_decode" from batch 1
+        (up to max_batch: `graph_variant_max_batch`)."""
+        variants = dict(self.fallback.graph_variants())
+        if self.fallback.supports_cuda_graphs:
+            variants[GRAPH_VARIANT] = 1
+        return variants
+
+    def graph_variant_max_batch(self) -> dict[str, int]:
+        """The "small_decode" graphs: captured up to max_batch sequences."""
+        return {**self.fallback.graph_variant_max_batch(), GRAPH_VARIANT: self.max_batch}
 
     def plan_decode(
         self,
@@ -425,10 +420,14 @@ class SmallDecodeAttention(AttentionBackend):
         block_size: int,
         shared_graph: bool = False,
     ) -> DecodePlan:
-        """The fallback's answer (the plain graph, for a plain backend)."""
-        return self.fallback.plan_decode(
-            seq_lens, block_tables, prefix_lens, block_size, shared_graph
-        )
+        """The fallback's answer; where that is the plain graph and we take the step
+        (`takes`: batch and length rule), the "small_decode" graph (`DecodePath.SMALL_GRAPH`).
+        Host only, no counters."""
+        plan = self.fallback.plan_decode(seq_lens, block_tables, prefix_lens, block_size,
+                                         shared_graph)  # fmt: skip
+        if plan.path is DecodePath.GRAPH and self.takes(seq_lens):
+            return DecodePlan(DecodePath.SMALL_GRAPH)
+        return plan
 
     def plan_verify(
         self,
@@ -475,23 +474,23 @@ class SmallDecodeAttention(AttentionBackend):
         self.fallback.reset_stats()
 
 
-def wrap_small_decode(
-    plain: AttentionBackend, geometry: Mapping[str, Any], max_batch: int
-) -> AttentionBackend:
-    """`plain` wrapped in `SmallDecodeAttention` (max_batch > 0 and the geometry known), else
-    `plain` itself; on a CUDA device without Triton, `plain` (logged)."""
-    device = torch.device(geometry.get("device") or "cpu")
-    need = ("num_heads", "num_kv_heads", "head_dim")
-    if max_batch < 1 or any(geometry.get(k) is None for k in need):
-        return plain
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            logger.warning("small decode attention off: Triton unavailable (%s)", e)
-            return plain
-    logger.info("small decode attention: decode steps of <= %d sequences", max_batch)
-    return SmallDecodeAttention(
-        plain, geometry["num_heads"], geometry["num_kv_heads"], geometry["head_dim"], device,
-        max_batch, geometry.get("max_num_blocks_per_seq") or 8192,
-    )  # fmt: skip
+def compile_variants(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    kv_layout: str = "NHD",
+    **kernel_options: Any,
+) -> None:
+    """Launch the kernel once as the engine does (`SmallDecodeAttention`'s eager steps, warm-up
+    and graph captures: one variant, whatever the batch, splits and lengths, which are not
+    specialized on), on CPU tensors for `phloem.worker.triton_prebuild`'s compile-only driver
+    (the launch records the variant and runs nothing). The cache is in `kv_layout` ("NHD" or
+    "HND", `kv_store.allocate_kv_cache`); `kernel_options`: the backend's launch options (none
+    by default)."""
+    cache = allocate_kv_cache(2, block_size, num_kv_heads, head_dim, kv_dtype, "cpu", kv_layout)
+    plan = SmallDecodePlan(1, num_heads, num_kv_heads, head_dim, 1, "cpu")
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype)
+    plan.run(query, cache, torch.empty_like(query), head_dim**-0.5, **kernel_options)
