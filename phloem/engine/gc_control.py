@@ -16,6 +16,12 @@ import gc
 from collections.abc import Iterator
 
 YOUNG_GC_THRESHOLD = 50_000  # allocations between young-generation collections while a batch runs
+_depth = 0  # `gc_frozen` blocks open now: only the outermost one may unfreeze
+# Objects were frozen by another party (a library at import, `phloem serve`'s start-up) before a
+# block here froze the batch: then no block unfreezes, and this is never counted again, because
+# counting walks the whole permanent generation (`gc.get_freeze_count` is O(frozen objects):
+# 60 ms a call on an H200 process after the first batch stayed frozen, all of it in batch-1 TTFT).
+_foreign_frozen = False
 
 
 @contextlib.contextmanager
@@ -48,9 +54,15 @@ def gc_frozen() -> Iterator[None]:
     On exit `gc.unfreeze()` returns them to collection, unless the process held frozen objects
     before (an import or its own start-up froze them, as vLLM does; on a GPU machine a library
     freezes a few hundred at import): unfreezing would release theirs too, so the batch stays
-    in the permanent generation with them (it is still freed by reference count).
+    in the permanent generation with them (it is still freed by reference count). Whether
+    others froze objects is counted only while nothing of phloem's is frozen (see
+    `_foreign_frozen`); a nested block never unfreezes.
     """
-    owner = gc.get_freeze_count() == 0
+    global _depth, _foreign_frozen
+    if _depth == 0 and not _foreign_frozen:  # ours were unfrozen: only others' are counted
+        _foreign_frozen = gc.get_freeze_count() > 0
+    owner = _depth == 0 and not _foreign_frozen
+    _depth += 1
     gc.freeze()
     thresholds = gc.get_threshold()
     # Young collections: eager GPU steps allocate thousands of short-lived objects, nearly all
@@ -61,6 +73,7 @@ def gc_frozen() -> Iterator[None]:
     try:
         yield
     finally:
+        _depth -= 1
         gc.set_threshold(*thresholds)
         if owner:
             gc.unfreeze()

@@ -188,6 +188,9 @@ def test_objects_frozen_by_the_process_stay_frozen(llm, gc_state, monkeypatch):
     """A process that froze its own objects (an import, or start-up as vLLM does) keeps them
     frozen: the batch is frozen too (or full collections would walk it: 0.5 s pauses on a GPU
     machine, where a library freezes objects at import) but never unfrozen with them."""
+    from phloem.engine import gc_control
+
+    monkeypatch.setattr(gc_control, "_foreign_frozen", False)  # undone below: later tests own
     gc.freeze()
     try:
         calls = []
