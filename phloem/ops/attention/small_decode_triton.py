@@ -18,7 +18,19 @@ from its length L (so a long sequence gets more splits than a short one in the s
 
 A program handles the GQA query heads of one KV head together (rows of a BLOCK_M >= 16 tile for
 `tl.dot`), so every KV byte is read once; the inner step is the shared-prefix kernel's `kv_step`
-(online softmax in log2 units, float32 state; an FP8 cache converts to the query's dtype).
+(online softmax in log2 units, float32 state).
+
+An FP8 (e4m3) cache with 16-bit queries computes in float16 by default (F16_MATH, `fp8_math="f16"`,
+as the shared-prefix kernel does): the query is pre-scaled by softmax scale * log2(e) in float32
+and rounded to float16 (far below 65,504), each K / V tile converts e4m3 -> float16, one exact
+`cvt.rn.f16x2.e4m3x2` per 2 elements; k_scale multiplies the scores and v_scale the normalized
+output, never the tiles. Converting to bfloat16 instead (`fp8_math="q"`) goes e4m3 -> f16 -> bf16,
+a second instruction per element: for sm_90 the inner loop of a 32-token tile is 510 SASS
+instructions a warp in bf16 math, 431 in float16, 265 over a bf16 cache (nvdisasm of the CPU
+build, benchmarks/results/2026-11-27f-cpu-fp8-kv-decode). What remains above bf16 is V: the P.V
+`tl.dot` takes V [BLOCK_N, D] with the reduced token axis strided, which `ldmatrix.trans` serves
+for 16-bit elements but not 8-bit ones, so Triton stages the e4m3 tile in shared memory and reads
+it back a byte at a time (LDS.U8), converting after the read wherever the source converts it.
 
 Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported (the
 decorator reads it); tensors may then live on the CPU (programs run one after another there).
@@ -250,7 +262,7 @@ def small_decode_kernel(
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, G: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, PREFETCH: tl.constexpr, F16_MATH: tl.constexpr,
 ):  # fmt: skip
     # grid (B, H_kv, S_max): program (b, kvh, split) reads split `split` of the `used` splits of
     # sequence b's KV for the GQA query heads of KV head kvh; splits >= used exit at once
@@ -272,18 +284,24 @@ def small_decode_kernel(
         d_ok = offs_d < HEAD_DIM
         q = tl.load(q_ptr + b.to(tl.int64) * s_qt + (kvh * GQA + rows)[:, None] * s_qh
                     + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        # s_mul: what multiplies q . k to give log2-unit scores (an FP8 cache's k_scale folded in)
+        if F16_MATH:  # FP8 cache: float16 math over a pre-scaled query (module docstring)
+            q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+            s_mul = k_scale
+        else:
+            s_mul = scale_log2 * k_scale
         if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9)
             q = q.to(tl.float32)
         if PREFETCH:
             m_i, l_i, acc = _split_softmax_prefetch(
-                q, kv_begin, kv_end, kv_ptr, pages_ptr, blk_off, kvh, scale_log2 * k_scale,
+                q, kv_begin, kv_end, kv_ptr, pages_ptr, blk_off, kvh, s_mul,
                 s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D, BLOCK_N, PAGE,
                 PRECISION, INTERPRET,
             )  # fmt: skip
         else:
             m_i, l_i, acc = _split_softmax(
                 q, kv_begin, kv_end, seq_len, kv_ptr, pages_ptr, blk_off, kvh,
-                scale_log2 * k_scale, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D,
+                s_mul, s_kb, s_kkv, s_ks, s_kh, offs_d, d_ok, BLOCK_M, BLOCK_D,
                 BLOCK_N, PAGE, PRECISION, INTERPRET,
             )  # fmt: skip
         has = l_i > 0
@@ -326,6 +344,7 @@ def small_decode_launch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     prefetch: bool = False,
+    fp8_math: str = "f16",
 ) -> None:
     """One launch of `small_decode_kernel` over grid (B, H_kv, max_splits); writes `out`.
 
@@ -342,8 +361,11 @@ def small_decode_launch(
             tokens a split (>= 1; `small_decode.splits_used`: one split, no merge).
         scale: softmax scale; block_n: KV tokens per inner step (power of 2, >= 16).
         prefetch: the register-pipelined inner loop (`_split_softmax_prefetch`; A/B option).
+        fp8_math: an FP8 cache with bf16/fp16 queries computes in "f16" (default: float16
+            over a pre-scaled query) or "q" (the query's dtype); ignored otherwise.
     Raises:
-        ValueError: for a float64 query, a GQA group above 128 rows or split_tokens < 1.
+        ValueError: for a float64 query, a GQA group above 128 rows, split_tokens < 1 or an
+            unknown fp8_math.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -351,8 +373,12 @@ def small_decode_launch(
     if query.dtype == torch.float64 or gqa > 128 or split_tokens < 1:
         raise ValueError(f"small decode kernel: {query.dtype}, GQA {gqa}, split_tokens "
                          f"{split_tokens} (use the torch path)")  # fmt: skip
-    if kv_cache.dtype != FP8_KV_DTYPE:
+    if fp8_math not in ("f16", "q"):
+        raise ValueError(f"fp8_math must be 'f16' or 'q', got {fp8_math!r}")
+    fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    if not fp8:
         k_scale = v_scale = 1.0
+    f16_math = fp8 and fp8_math == "f16" and query.dtype in (torch.bfloat16, torch.float16)
     block_d, g, block_m, chunk = _tile_sizes(head_dim, gqa)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     small_decode_kernel[(batch, num_kv_heads, max_splits)](
@@ -363,5 +389,5 @@ def small_decode_launch(
         out.stride(0), out.stride(1),
         GQA=gqa, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=block_size, PRECISION=precision, INTERPRET=_interpreting(), G=g, SPLIT_CHUNK=chunk,
-        PREFETCH=bool(prefetch), num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=bool(prefetch), F16_MATH=f16_math, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
