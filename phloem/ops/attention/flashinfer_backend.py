@@ -9,10 +9,24 @@ An FP8 cache (`kv_dtype` float8_e4m3fn) runs every step on the same prefill kern
 e4m3 pages. FlashInfer's CUDA-core batch decode kernel (`BatchDecodeWithPagedKVCacheWrapper`)
 took an FP8 cache's decode-only steps until 2026-11-27, when it measured 2x slower than the
 prefill kernel over the same e4m3 pages on an H200 (batch 64, 1,000 tokens of KV, GQA group 4:
-153 vs 78 us a layer; benchmarks/results/2026-11-27-h200/); `PHLOEM_FP8_DECODE_KERNEL=cuda_core`
-brings it back for A/B runs, for the GQA groups it is compiled for (`FP8_DECODE_GROUP_SIZES`).
-Both kernels take the layer's per-tensor scales as FlashInfer
-defines them: `k_scale` multiplies the softmax scale, `v_scale` the output.
+153 vs 78 us a layer; benchmarks/results/2026-11-27-h200/). PHLOEM_FP8_DECODE_KERNEL picks the
+kernel of an FP8 cache's decode-only steps (eager and graphs; mixed and verify steps stay on the
+prefill kernel) for A/B runs (`fp8_decode_kernel`, `fp8_decode_path`):
+
+  prefill    (default) the fa2 prefill kernel at q_len 1, bf16 queries, e4m3 tiles converted
+  cuda_core  the CUDA-core batch decode kernel, for the GQA groups it is compiled for
+             (`FP8_DECODE_GROUP_SIZES`)
+  xqa        FlashInfer's `xqa_batch_decode_with_kv_cache`, TensorRT-LLM's XQA decode kernel; on
+             sm_90 with an e4m3 cache its FP8 GMMA kernel (`mha_sm90.cu`): the query is rounded
+             to e4m3 and the scores are computed as K . q^T (64 KV tokens as wgmma's M side, the
+             GQA group padded to N = 8), P is rounded to e4m3 for P . V with V transposed in
+             shared memory, KV pages come by TMA. It reads a dense [B, pages] page table and
+             uint32 lengths (`dense_page_table`, planned per step like the others) and a
+             zeroed workspace of its own (its semaphores reset themselves after each launch).
+
+The prefill and CUDA-core kernels take the layer's per-tensor scales as FlashInfer defines
+them: `k_scale` multiplies the softmax scale, `v_scale` the output; XQA's as bmm1_scale
+(softmax scale * k_scale) and bmm2_scale (v_scale). `benchmarks/fp8_kv_decode.py` times them.
 
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
 split-KV decisions); every layer's `forward` then only launches the kernel. A decode step captured
@@ -39,6 +53,7 @@ import builtins
 import itertools
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,18 +62,19 @@ from phloem.config import KV_LAYOUTS
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
-from phloem.ops.staging import pinned
+from phloem.ops.staging import pinned, to_device
 
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
 # GQA groups whose FP8 decode steps can run FlashInfer's CUDA-core batch decode kernel
 FP8_DECODE_GROUP_SIZES = (1, 2, 3, 4)
-FP8_DECODE_KERNELS = ("prefill", "cuda_core")  # PHLOEM_FP8_DECODE_KERNEL's choices
+FP8_DECODE_KERNELS = ("prefill", "cuda_core", "xqa")  # PHLOEM_FP8_DECODE_KERNEL's choices
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # the block sizes FlashInfer's XQA module compiles for
+_XQA_WORKSPACE_BYTES = 32 << 20  # 8 MiB of semaphores, then multi-block partials (< 1 MiB)
 
 
 def fp8_decode_kernel(environ: Mapping[str, str] | None = None) -> str:
-    """The kernel of an FP8 cache's decode-only steps: "prefill" (default: FlashInfer's
-    tensor-core prefill kernel, as every other step) or "cuda_core" (its batch decode kernel),
-    from PHLOEM_FP8_DECODE_KERNEL.
+    """The kernel asked for an FP8 cache's decode-only steps, from PHLOEM_FP8_DECODE_KERNEL
+    (one of `FP8_DECODE_KERNELS`, module docstring; default "prefill").
 
     Raises:
         ValueError: naming PHLOEM_FP8_DECODE_KERNEL for another value.
@@ -72,10 +88,45 @@ def fp8_decode_kernel(environ: Mapping[str, str] | None = None) -> str:
     return choice
 
 
+def fp8_decode_path(kernel: str, gqa_group: int, head_dim: int, block_size: int) -> str:
+    """The kernel an FP8 cache's decode-only steps run when `kernel` is asked for: the asked
+    one where it is compiled for this geometry ("cuda_core": GQA groups in
+    `FP8_DECODE_GROUP_SIZES`; "xqa": head_dim a multiple of 16 up to 256 and block_size in
+    `XQA_PAGE_SIZES`), else "prefill". Pure: a graph's capture and its replays agree.
+
+    Raises:
+        ValueError: for a kernel not in `FP8_DECODE_KERNELS`.
+    """
+    if kernel not in FP8_DECODE_KERNELS:
+        raise ValueError(f"FP8 decode kernel must be one of {FP8_DECODE_KERNELS}, got {kernel!r}")
+    if kernel == "cuda_core" and gqa_group in FP8_DECODE_GROUP_SIZES:
+        return kernel
+    if kernel == "xqa" and head_dim % 16 == 0 and head_dim <= 256 and block_size in XQA_PAGE_SIZES:
+        return kernel
+    return "prefill"
+
+
 def fp8_decode_on_cuda_cores(gqa_group: int) -> bool:
     """Whether an FP8 cache's decode-only steps with this GQA group (query heads per KV head)
     run FlashInfer's CUDA-core batch decode kernel (`fp8_decode_kernel`)."""
     return gqa_group in FP8_DECODE_GROUP_SIZES and fp8_decode_kernel() == "cuda_core"
+
+
+def dense_page_table(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """A step's page table as XQA reads it, on the host: row b holds sequence b's first
+    ceil(L_b / block_size) block ids, then zeros (never read) up to the step's longest.
+
+    Returns:
+        (table int32 [B, max(1, longest page count)], seq_lens int32 [B]).
+    Raises:
+        ValueError: as `paged_kv_layout`, for a block table too short for its length.
+    """
+    indptr, indices, _ = (t.numpy() for t in paged_kv_layout(meta))
+    pages = np.diff(indptr)
+    table = np.zeros((len(pages), max(1, int(pages.max(initial=0)))), dtype=np.int32)
+    rows = np.repeat(np.arange(len(pages)), pages)
+    table[rows, np.arange(len(indices)) - indptr[:-1][rows]] = indices
+    return table, np.asarray(meta.seq_lens_cpu, dtype=np.int32)
 
 
 def tensor_max(*args, **kwargs):
@@ -144,6 +195,15 @@ def _head(table: list[int], n: int) -> list[int]:
     return table if len(table) == n else table[:n]
 
 
+@dataclass
+class _XqaStep:
+    """A planned XQA decode step on the device: tables int32 [B, W] (`dense_page_table`,
+    W >= the step's longest page count) and seq_lens int32 [B] (read as uint32)."""
+
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 class FlashInferAttention(AttentionBackend):
     """The FlashInfer attention backend (CUDA only; see the module docstring).
 
@@ -161,8 +221,11 @@ class FlashInferAttention(AttentionBackend):
             any GPU, one module per head dim) or "fa3" (Hopper only; JIT-built on first use);
             graph steps always use "fa2".
         kv_layout: "NHD" or "HND", the layout of the caches `forward` will get (see above).
+        fp8_decode: the kernel asked for an FP8 cache's decode-only steps (`FP8_DECODE_KERNELS`;
+            None: PHLOEM_FP8_DECODE_KERNEL's); unused for a cache in the query's dtype.
     Raises:
-        ValueError: for an unknown kv_layout or num_heads not a multiple of num_kv_heads.
+        ValueError: for an unknown kv_layout or fp8_decode, or num_heads not a multiple of
+            num_kv_heads.
     """
 
     name = "flashinfer"
@@ -183,6 +246,7 @@ class FlashInferAttention(AttentionBackend):
         max_num_seqs: int = 256,
         kernel_backend: str = "fa2",
         kv_layout: str = "NHD",
+        fp8_decode: str | None = None,
     ) -> None:
         import flashinfer
         import flashinfer.prefill
@@ -210,23 +274,34 @@ class FlashInferAttention(AttentionBackend):
         )
         self._graph_wrappers: dict[int, object] = {}
         self._verify_wrappers: dict[tuple[int, int], object] = {}  # (batch, q) -> wrapper
-        # FP8 cache: decode-only steps on the batch decode kernel (module docstring)
-        self.fp8_decode = self.kv_dtype == torch.float8_e4m3fn and fp8_decode_on_cuda_cores(
-            num_heads // num_kv_heads
-        )
+        # FP8 cache: the kernel asked for its decode-only steps (module docstring)
+        self.fp8_decode_kernel = "prefill"
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self.fp8_decode_kernel = fp8_decode_kernel() if fp8_decode is None else fp8_decode
+        fp8_decode_path(self.fp8_decode_kernel, 1, head_dim, 16)  # validates the name
         self._eager_decode = None
+        self._xqa_workspace: torch.Tensor | None = None  # zeroed on first use, XQA's own
+        self._xqa_graph: dict[int, _XqaStep] = {}  # batch -> its fixed buffers
+        self._xqa_buffer: torch.Tensor | None = None  # shared by those buffers
         self._active = None
         self._num_query_tokens = 0
 
     # -- planning --------------------------------------------------------------------------------
 
-    def _graph_wrapper(self, batch_size: int):
-        """The fixed-buffer wrapper for graphs of `batch_size` decode sequences (made once)."""
+    def decode_path(self, block_size: int) -> str:
+        """The kernel of this backend's decode-only steps at `block_size` ("prefill",
+        "cuda_core" or "xqa": `fp8_decode_path`; always "prefill" for a 16-bit cache)."""
+        return fp8_decode_path(self.fp8_decode_kernel, self.num_heads // self.num_kv_heads,
+                               self.head_dim, block_size)  # fmt: skip
+
+    def _graph_wrapper(self, batch_size: int, path: str = "prefill"):
+        """The fixed-buffer wrapper for graphs of `batch_size` decode sequences on `path`'s
+        kernel ("prefill" or "cuda_core"; made once)."""
         wrapper = self._graph_wrappers.get(batch_size)
         if wrapper is None:
             i32 = dict(dtype=torch.int32, device=self.device)
             self._graph_indices(batch_size * self.max_num_blocks_per_seq)
-            if self.fp8_decode:
+            if path == "cuda_core":
                 wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace,
                     self.kv_layout,
@@ -288,10 +363,50 @@ class FlashInferAttention(AttentionBackend):
             )
         return self._eager_decode
 
+    def _xqa_graph_step(self, batch_size: int) -> _XqaStep:
+        """The fixed buffers of XQA graphs of `batch_size` sequences (made once): a page table
+        [batch_size, max_num_blocks_per_seq] and lengths [batch_size], views of one buffer that
+        every bucket made after its last growth shares (only one graph replays at a time, and
+        each replay's plan rewrites them first; `_graph_indices`' rule)."""
+        step = self._xqa_graph.get(batch_size)
+        if step is None:
+            width = self.max_num_blocks_per_seq
+            need = batch_size * (width + 1)
+            if self._xqa_buffer is None or self._xqa_buffer.numel() < need:
+                self._xqa_buffer = torch.zeros(need, dtype=torch.int32, device=self.device)
+            tables = self._xqa_buffer[: batch_size * width].view(batch_size, width)
+            lens = self._xqa_buffer[batch_size * width : need]
+            step = self._xqa_graph[batch_size] = _XqaStep(tables, lens)
+        return step
+
+    def _plan_xqa(self, meta: AttentionMetadata, graph: bool) -> None:
+        """Plan an XQA decode step: its dense page table and lengths to the device (into the
+        graph's fixed buffers for a replay, else fresh tensors).
+
+        Raises:
+            ValueError: for a step whose longest table exceeds max_num_blocks_per_seq (graphs).
+        """
+        table, lens = dense_page_table(meta)
+        if not graph:
+            self._active = _XqaStep(to_device(table, self.device), to_device(lens, self.device))
+        else:
+            step = self._xqa_graph_step(meta.num_seqs)
+            if table.shape[1] > step.tables.shape[1]:
+                raise ValueError(f"a sequence needs {table.shape[1]} pages, graphs hold "
+                                 f"{step.tables.shape[1]}")  # fmt: skip
+            step.tables[:, : table.shape[1]].copy_(pinned(table), non_blocking=True)
+            step.seq_lens.copy_(pinned(lens), non_blocking=True)
+            self._active = step
+        self._num_query_tokens = meta.query_start_loc_cpu[-1]
+        self._block_size = meta.block_size
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan an eager step (host work, one small host-to-device copy). Call once per step,
         before the forward pass; mutates the wrapper the step's layers will use."""
-        if self.fp8_decode and meta.max_query_len == 1:
+        path = self.decode_path(meta.block_size) if meta.max_query_len == 1 else "prefill"
+        if path == "xqa":
+            self._plan_xqa(meta, graph=False)
+        elif path == "cuda_core":
             self._plan(meta, self._eager_decode_wrapper())
         else:
             self._plan(meta, self._eager)
@@ -313,7 +428,11 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"unknown CUDA-graph variant {variant!r} for {self.name!r}")
         if meta.max_query_len != 1:
             raise ValueError("CUDA-graph steps must be decode-only (q_len 1)")
-        self._plan(meta, self._graph_wrapper(meta.num_seqs))
+        path = self.decode_path(meta.block_size)
+        if path == "xqa":
+            self._plan_xqa(meta, graph=True)
+        else:
+            self._plan(meta, self._graph_wrapper(meta.num_seqs, path))
 
     def prepare_verify_replay(self, meta: AttentionMetadata) -> None:
         """Plan a padded verify step (every sequence `meta.max_query_len` query tokens) into
@@ -389,7 +508,8 @@ class FlashInferAttention(AttentionBackend):
         Plans lazily if `begin_step` was not called for this step (tests, other callers); query
         tokens past `query_start_loc[-1]` (padding) get zeros. `out` (contiguous, query's shape
         and dtype), if given, receives the result (and is returned). An FP8 cache's `k_scale`
-        and `v_scale` go to FlashInfer's `run` (constants of a CUDA-graph capture).
+        and `v_scale` go to FlashInfer's `run` (constants of a CUDA-graph capture), or to XQA
+        as its bmm1 / bmm2 scales.
         """
         if abs(scale - self.scale) > 1e-6 * self.scale:
             raise ValueError(f"scale {scale} differs from the planned softmax scale {self.scale}")
@@ -398,6 +518,11 @@ class FlashInferAttention(AttentionBackend):
         if self.kv_layout == "HND":
             kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         num_tokens = self._num_query_tokens
+        if isinstance(self._active, _XqaStep):
+            out = torch.empty_like(query) if out is None else out
+            out[num_tokens:].zero_()
+            self._xqa_run(query[:num_tokens], kv_cache, out[:num_tokens], k_scale, v_scale)
+            return out
         scales = {}
         if self.kv_dtype == torch.float8_e4m3fn:  # a scale of 1.0 is left out (run() would
             # still launch an elementwise multiply of the output for v_scale)
@@ -410,6 +535,22 @@ class FlashInferAttention(AttentionBackend):
         out[num_tokens:].zero_()
         self._active.run(query[:num_tokens], kv_cache, out=out[:num_tokens], **scales)
         return out
+
+    def _xqa_run(self, query, kv_cache, out, k_scale: float, v_scale: float) -> None:
+        """XQA over the planned step (`self._active`) into `out` ([B, H, D], contiguous); the
+        kernel reads the query as a contiguous [B, H, D] (a strided view is copied first)."""
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+        if self._xqa_workspace is None:
+            self._xqa_workspace = torch.zeros(_XQA_WORKSPACE_BYTES, dtype=torch.uint8,
+                                              device=self.device)  # fmt: skip
+        step = self._active
+        xqa_batch_decode_with_kv_cache(
+            query.contiguous(), kv_cache, self._xqa_workspace, step.tables,
+            step.seq_lens.view(torch.uint32), step.tables.shape[1] * self._block_size,
+            bmm1_scale=self.scale * k_scale, bmm2_scale=v_scale, out=out,
+            kv_layout=self.kv_layout,
+        )  # fmt: skip
 
     def end_step(self) -> None:
         """Forget the step's plan (the next forward without `begin_step` plans again)."""

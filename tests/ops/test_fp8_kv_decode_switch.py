@@ -1,0 +1,119 @@
+"""The FP8 cache's decode-kernel switch of the FlashInfer backend (issue 18), on the CPU:
+PHLOEM_FP8_DECODE_KERNEL's parsing, the per-geometry choice (`fp8_decode_path`) and the dense page
+table XQA reads (`dense_page_table`). The kernels themselves run on a GPU
+(benchmarks/fp8_kv_decode.py, tests/gpu/test_fp8_kv_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from phloem.ops.attention.flashinfer_backend import (
+    FP8_DECODE_KERNELS,
+    dense_page_table,
+    fp8_decode_kernel,
+    fp8_decode_path,
+)
+from phloem.ops.attention.metadata import AttentionMetadata
+
+
+def test_switch_parses_every_kernel_and_defaults_to_prefill():
+    assert fp8_decode_kernel({}) == "prefill"
+    for name in FP8_DECODE_KERNELS:
+        assert fp8_decode_kernel({"PHLOEM_FP8_DECODE_KERNEL": name}) == name
+    with pytest.raises(ValueError, match="PHLOEM_FP8_DECODE_KERNEL must be one of"):
+        fp8_decode_kernel({"PHLOEM_FP8_DECODE_KERNEL": "fa3"})
+
+
+def test_path_falls_back_to_prefill_where_a_kernel_is_not_compiled():
+    """Llama-3.1-8B (group 4, head dim 128, page 16) runs what is asked; XQA needs a page size
+    it compiles (16-128) and head_dim <= 256; the CUDA-core kernel groups 1-4."""
+    assert [fp8_decode_path(k, 4, 128, 16) for k in FP8_DECODE_KERNELS] == list(FP8_DECODE_KERNELS)
+    assert fp8_decode_path("xqa", 4, 128, 8) == "prefill"
+    assert fp8_decode_path("xqa", 4, 512, 16) == "prefill"
+    assert fp8_decode_path("xqa", 8, 64, 128) == "xqa"
+    assert fp8_decode_path("cuda_core", 8, 128, 16) == "prefill"
+    with pytest.raises(ValueError, match="must be one of"):
+        fp8_decode_path("trtllm-gen", 4, 128, 16)
+
+
+def test_dense_page_table_rows_are_each_sequences_pages():
+    """Rows hold the first ceil(L / 16) ids of each (longer, unpadded) host table, then zeros."""
+    tables = [[7, 3, 9], [4], [1, 2, 5, 6, 8]]
+    meta = AttentionMetadata.from_host([1, 1, 1], [20, 16, 65], tables, 16)
+    table, lens = dense_page_table(meta)
+    assert table.dtype == np.int32 and lens.dtype == np.int32
+    np.testing.assert_array_equal(table, [[7, 3, 0, 0, 0], [4, 0, 0, 0, 0], [1, 2, 5, 6, 8]])
+    np.testing.assert_array_equal(lens, [20, 16, 65])
+    with pytest.raises(ValueError, match="block table has 1 blocks, needs 2"):
+        dense_page_table(AttentionMetadata.from_host([1], [17], [[4]], 16))
+
+
+def _fake_xqa(query, kv_cache, workspace, block_tables, seq_lens, max_seq_len, bmm1_scale=1.0,
+              bmm2_scale=1.0, out=None, kv_layout="NHD"):  # fmt: skip
+    """XQA's contract in plain torch (FlashInfer's `xqa_batch_decode_with_kv_cache`): a 5-D
+    cache unbound into K / V, HND pages transposed back, rows of `block_tables` read up to each
+    length, scores * bmm1_scale, output * bmm2_scale."""
+    assert query.is_contiguous() and out.is_contiguous() and workspace.dtype == torch.uint8
+    assert seq_lens.dtype == torch.uint32 and max_seq_len == block_tables.shape[1] * 16
+    k_cache, v_cache = kv_cache.unbind(1)
+    if kv_layout == "HND":
+        k_cache, v_cache = k_cache.transpose(-3, -2), v_cache.transpose(-3, -2)
+    group = query.shape[1] // k_cache.shape[2]
+    for b, n in enumerate(seq_lens.to(torch.int64).tolist()):
+        pages = block_tables[b, : -(-n // 16)].long()
+        k, v = (c[pages].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+                for c in (k_cache, v_cache))  # fmt: skip
+        p = torch.softmax(torch.einsum("hd,nhd->hn", query[b].float(), k) * bmm1_scale, -1)
+        out[b] = (torch.einsum("hn,nhd->hd", p, v) * bmm2_scale).to(out.dtype)
+    return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """A `flashinfer` package whose XQA entry point is `_fake_xqa` (the backend's other
+    wrappers are constructed, never run)."""
+    import sys
+    import types
+
+    class Wrapper:
+        def __init__(self, *args, **kwargs):
+            pass
+
+    root, prefill, decode = (types.ModuleType(n) for n in
+                             ("flashinfer", "flashinfer.prefill", "flashinfer.decode"))  # fmt: skip
+    root.BatchPrefillWithPagedKVCacheWrapper = root.BatchDecodeWithPagedKVCacheWrapper = Wrapper
+    root.prefill, root.decode = prefill, decode
+    decode.xqa_batch_decode_with_kv_cache = _fake_xqa
+    for name, module in (("flashinfer", root), ("flashinfer.prefill", prefill),
+                         ("flashinfer.decode", decode)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_xqa_steps_get_their_tables_lengths_and_scales(fake_flashinfer, layout):
+    """Decode-only steps with PHLOEM_FP8_DECODE_KERNEL's "xqa" reach XQA with the step's page
+    table, lengths and scales (eager, and planned twice into a graph's fixed buffers with
+    other tables), padding rows zeroed: the float64 reference's output."""
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+    from phloem.ops.attention.reference import paged_attention_reference
+
+    gen = torch.Generator().manual_seed(0)
+    kv = (torch.randn(12, 2, 16, 2, 32, generator=gen) * 4).to(torch.float8_e4m3fn)
+    if layout == "HND":  # the contiguous [blocks, 2, H_kv, bs, D] seen as NHD (kv_store's view)
+        kv = kv.transpose(2, 3).contiguous().transpose(2, 3)
+    backend = FlashInferAttention(8, 2, 32, torch.bfloat16, "cpu", kv_dtype=torch.float8_e4m3fn,
+                                  scale=0.2, max_num_blocks_per_seq=6, kv_layout=layout,
+                                  fp8_decode="xqa")  # fmt: skip
+    steps = [([20, 33, 1], [[5, 2], [0, 11, 7], [3]]), ([70, 16, 2], [[1, 4, 6, 8, 9], [10], [2]])]
+    for graph, (lens, tables) in [(False, steps[0]), (True, steps[0]), (True, steps[1])]:
+        meta = AttentionMetadata.from_host([1] * 3, lens, tables, 16, "cpu", padded_tables=True)
+        query = torch.randn(4, 8, 32, generator=gen).to(torch.bfloat16)  # one padding row
+        want = paged_attention_reference(query.double(), kv.double(), meta, 0.2, k_scale=0.5,
+                                         v_scale=3.0)  # fmt: skip
+        backend.prepare_replay(meta) if graph else backend.begin_step(meta)
+        got = backend.forward(query, kv, meta, 0.2, torch.full_like(query, float("nan")), 0.5, 3.0)
+        backend.end_step()
+        torch.testing.assert_close(got[:3].double(), want[:3], rtol=1e-2, atol=1e-2)  # bf16 out
+        assert got[3].eq(0).all()
