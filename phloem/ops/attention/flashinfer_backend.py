@@ -280,7 +280,8 @@ class FlashInferAttention(AttentionBackend):
             self.fp8_decode_kernel = fp8_decode_kernel() if fp8_decode is None else fp8_decode
         fp8_decode_path(self.fp8_decode_kernel, 1, head_dim, 16)  # validates the name
         self._eager_decode = None
-        self._xqa_workspace: torch.Tensor | None = None  # zeroed on first use, XQA's own
+        self._xqa_workspace: torch.Tensor | None = None  # XQA's own, zeroed at its first plan
+        self._block_size = 0  # the planned XQA step's
         self._xqa_graph: dict[int, _XqaStep] = {}  # batch -> its fixed buffers
         self._xqa_buffer: torch.Tensor | None = None  # shared by those buffers
         self._active = None
@@ -386,6 +387,10 @@ class FlashInferAttention(AttentionBackend):
         Raises:
             ValueError: for a step whose longest table exceeds max_num_blocks_per_seq (graphs).
         """
+        if self._xqa_workspace is None:  # here, never inside a graph capture (its semaphores
+            # must be 0 before the first launch, eager or replayed)
+            self._xqa_workspace = torch.zeros(_XQA_WORKSPACE_BYTES, dtype=torch.uint8,
+                                              device=self.device)  # fmt: skip
         table, lens = dense_page_table(meta)
         if not graph:
             self._active = _XqaStep(to_device(table, self.device), to_device(lens, self.device))
@@ -541,9 +546,6 @@ class FlashInferAttention(AttentionBackend):
         kernel reads the query as a contiguous [B, H, D] (a strided view is copied first)."""
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
-        if self._xqa_workspace is None:
-            self._xqa_workspace = torch.zeros(_XQA_WORKSPACE_BYTES, dtype=torch.uint8,
-                                              device=self.device)  # fmt: skip
         step = self._active
         xqa_batch_decode_with_kv_cache(
             query.contiguous(), kv_cache, self._xqa_workspace, step.tables,
