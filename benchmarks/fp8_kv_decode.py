@@ -71,9 +71,9 @@ TRITON_VARIANTS = {  # name -> (cache dtypes, block_n, warps, stages, fp8_math)
 @dataclass(frozen=True)
 class Candidate:
     """A kernel to time: the cache dtypes it runs, its math (`REL_TOL`'s key), whether it needs
-    FlashInfer (a GPU), and its backend factory (geometry, batch, max pages, device) -> an
-    object with `prepare_replay(meta)` and `forward(query, kv, meta, scale, out=, k_scale=,
-    v_scale=)`."""
+    FlashInfer (a GPU), and its backend factory (geometry, batch, max pages a sequence, device,
+    cache dtype) -> an object with `prepare_replay(meta)` and `forward(query, kv, meta, scale,
+    out=, k_scale=, v_scale=)`."""
 
     kv_dtypes: tuple[str, ...]
     math: str
@@ -82,6 +82,9 @@ class Candidate:
 
 
 def phloem_flashinfer(fp8_decode: str):
+    """The factory of phloem's FlashInfer backend as the engine builds it (bf16 queries, NHD,
+    the default softmax scale) with `fp8_decode` as PHLOEM_FP8_DECODE_KERNEL."""
+
     def make(geometry, batch, max_pages, device, kv_dtype):
         from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
@@ -94,6 +97,9 @@ def phloem_flashinfer(fp8_decode: str):
 
 
 def triton_variant(block_n: int, warps: int, stages: int, fp8_math: str):
+    """The factory of phloem's small-decode backend (its Triton kernel for every step here;
+    the grid's splits by `small_decode.max_splits`) with these launch options."""
+
     def make(geometry, batch, max_pages, device, kv_dtype):
         from phloem.ops.attention.reference import ReferenceAttention
         from phloem.ops.attention.small_decode import SmallDecodeAttention
@@ -162,6 +168,7 @@ class LibraryDecode:
 
 
 def library(kind: str):
+    """The factory of a `LibraryDecode` of `kind`."""
     return lambda geometry, batch, max_pages, device, kv_dtype: LibraryDecode(
         kind, geometry, batch, max_pages, device, kv_dtype
     )
