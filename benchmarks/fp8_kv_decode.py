@@ -17,9 +17,10 @@ Candidates (`CANDIDATES`; each runs the cache dtypes it lists):
                       e4m3 in the timed graph (fa3 reads an FP8 cache only with FP8 queries); fp8
                       (off by default: its JIT build alone may take ~80 s; --candidates all)
   triton/...          phloem's small-decode kernel (`SmallDecodeAttention`, any batch) with
-                      BLOCK_N, warps and stages from the name (`bn64/w4/s2`); for fp8 "f16"
-                      (float16 math, the default) or "q" (the query's bf16, the kernel before
-                      2026-11-27f)
+                      BLOCK_N, warps and stages from the name (`bn64/w4/s2`); for fp8 its
+                      `fp8_math`: "f16" (float16 math, the default), "/q" (the query's bf16,
+                      the kernel before 2026-11-27f) or "/mma" (e4m3 x e4m3 wgmma with the
+                      operands swapped, the query and P rounded to e4m3)
 
 Each case (batch x KV tokens, Llama-3.1-8B's 32 / 8 / 128, page 16) makes `layers_that_fit`
 caches (shared with small_decode_attention.py: the same layer count for both dtypes), an FP8 case's
@@ -62,9 +63,12 @@ REL_TOL = {"16-bit": 1e-2, "e4m3": 8e-2}  # relative error bound by a candidate'
 TRITON_VARIANTS = {  # name -> (cache dtypes, block_n, warps, stages, fp8_math)
     "triton/bn32/w4/s2": (("bf16", "fp8"), 32, 4, 2, "f16"),  # the engine's options
     "triton/bn64/w4/s2": (("fp8",), 64, 4, 2, "f16"),
-    "triton/bn64/w8/s2": (("fp8",), 64, 8, 2, "f16"),
     "triton/bn64/w4/s3": (("fp8",), 64, 4, 3, "f16"),
     "triton/bn32/w4/s2/q": (("fp8",), 32, 4, 2, "q"),
+    "triton/bn64/w4/s2/mma": (("fp8",), 64, 4, 2, "mma"),
+    "triton/bn128/w4/s2/mma": (("fp8",), 128, 4, 2, "mma"),
+    "triton/bn128/w4/s3/mma": (("fp8",), 128, 4, 3, "mma"),
+    "triton/bn256/w4/s2/mma": (("fp8",), 256, 4, 2, "mma"),
 }
 
 
@@ -181,7 +185,7 @@ CANDIDATES = {
     "fi-decode-tc": Candidate(("fp8",), "16-bit", True, library("decode-tc")),
     "fi-fa3-fp8q": Candidate(("fp8",), "e4m3", True, library("fa3-fp8q")),
     **{
-        name: Candidate(v[0], "16-bit", False, triton_variant(*v[1:]))
+        name: Candidate(v[0], "e4m3" if v[4] == "mma" else "16-bit", False, triton_variant(*v[1:]))
         for name, v in TRITON_VARIANTS.items()
     },  # fmt: skip
 }

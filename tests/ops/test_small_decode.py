@@ -329,7 +329,7 @@ for gqa, dim, kv, prefetch in ((4, 128, "bf16", False), (8, 64, "fp8e4nv", False
                                (4, 128, "bf16", True)):
     const = dict(GQA=gqa, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_M=16, BLOCK_N=32, PAGE=16,
                  PRECISION="tf32", INTERPRET=False, G=gqa, SPLIT_CHUNK=4096 // (gqa * dim),
-                 PREFETCH=prefetch, F16_MATH=kv == "fp8e4nv")
+                 PREFETCH=prefetch, F16_MATH=kv == "fp8e4nv", FP8_MMA=False)
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     sig.update(q_ptr="*bf16", out_ptr="*bf16", kv_ptr="*" + kv)
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs={})
