@@ -55,6 +55,7 @@ from benchmarks.small_decode_attention import (  # noqa: E402
     kv_read_bytes,
     layers_that_fit,
     make_step,
+    plan_replay,
     time_layers,
 )
 from phloem.ops.attention.reference import paged_attention_reference  # noqa: E402
@@ -290,7 +291,7 @@ def prebuild(args, names: list[str], device) -> dict:
             query, (kv,), meta = make_step([40], args.geometry, args.block_size, device, 0,
                                            kv_dtype=KV_DTYPES[dtype])  # fmt: skip
             backend = CANDIDATES[name].make(args.geometry, 1, 3, device, KV_DTYPES[dtype])
-            backend.prepare_replay(meta)
+            plan_replay(backend, meta)
             backend.forward(query, kv, meta, query.shape[-1] ** -0.5, out=torch.empty_like(query))
     done["triton_compile_s"] = time.perf_counter() - start
     thread.join()
@@ -313,7 +314,7 @@ def run_one(args, name, geometry, batch, kv_len, dtype, step, device) -> dict:
         seconds, out = time_layers(backend, query, caches, meta, args.iters, *scales)
     else:
         seconds, out = None, torch.empty_like(query)
-        backend.prepare_replay(meta)
+        plan_replay(backend, meta)
         backend.forward(query, caches[0], meta, query.shape[-1] ** -0.5, out=out,
                         k_scale=scales[0], v_scale=scales[1])  # fmt: skip
     rel, abs_err = errors(out, want)

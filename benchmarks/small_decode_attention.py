@@ -61,6 +61,7 @@ from phloem.bench.graph_timing import graph_replay_seconds
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.reference import ReferenceAttention, paged_attention_reference
 from phloem.ops.attention.small_decode import (
+    GRAPH_VARIANT,
     MAX_SPLITS,
     SmallDecodeAttention,
     max_splits,
@@ -194,6 +195,15 @@ def kernel_runs(args, geometry, batch, max_pages, device) -> list:
     return runs
 
 
+def plan_replay(backend, meta: AttentionMetadata) -> None:
+    """Plan a decode graph's step the way the engine does: the "small_decode" variant for ours
+    (its "plain" graphs are the fallback's), the plain one for FlashInfer's."""
+    if isinstance(backend, SmallDecodeAttention):
+        backend.prepare_replay(meta, GRAPH_VARIANT)
+    else:
+        backend.prepare_replay(meta)
+
+
 def split_counts(backend, batch: int, kv_len: int) -> dict:
     """Ours: the grid's S_max and the splits a sequence of kv_len tokens uses; FlashInfer: 0."""
     if not isinstance(backend, SmallDecodeAttention):
@@ -210,7 +220,7 @@ def time_layers(backend, query, caches, meta, iters: int, k_scale: float = 1.0,
     layer's output; an FP8 cache's scales go to every forward (constants of the capture)."""
     scale = query.shape[-1] ** -0.5
     outs = [torch.empty_like(query) for _ in caches]
-    backend.prepare_replay(meta)
+    plan_replay(backend, meta)
 
     def step():
         for kv, out in zip(caches, outs):
@@ -345,14 +355,14 @@ def graph_checks(args, device) -> list[dict]:
     results = []
     for bn, tokens, pf in itertools.product(args.block_n, (0, 16), args.prefetch):
         backend = small_backend(geometry, 4, 256, device, args, bn, tokens=tokens, prefetch=pf)
-        backend.prepare_replay(metas[0])
+        plan_replay(backend, metas[0])
         backend.forward(query, kv, metas[0], 0.088, out=out)  # compiles
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             backend.forward(query, kv, metas[0], 0.088, out=out)
         for meta in metas[1:] + metas[:1]:
-            backend.prepare_replay(meta)
+            plan_replay(backend, meta)
             query.copy_(torch.randn(query.shape, generator=gen, device=device))
             graph.replay()
             want = paged_attention_reference(query.double(), kv.double(), meta, 0.088)
