@@ -225,6 +225,11 @@ class LLGuidanceBackend(GrammarBackend):
             )
         self._executor = llg.LLExecutor(max(1, num_threads))
         self._num_templates = templates_per_thread * max(1, num_threads)
+        # (matchers list, its `_by_group` order) and (matchers, rows, the fill's pairs) of the
+        # last calls: the manager passes the same lists while a batch's rows stay the same
+        # (`step_rows`), so a steady decode batch orders its rows once, not twice a step
+        self._order: tuple[list, list[int]] = ([], [])
+        self._fill_pairs: tuple[list, list[int], list] = ([], [], [])
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
@@ -288,7 +293,7 @@ class LLGuidanceBackend(GrammarBackend):
         """Advance matchers[i] by token_ids[i] on the library's threads (`consume_token_par`,
         the GIL released; rows ordered by shared lexer); a matcher that rejects its token is
         left in its error state (the engine fails that sequence). [True where accepted]."""
-        order = _by_group(matchers)
+        order = self._ordered(matchers)
         pairs = [(matchers[i].inner, token_ids[i]) for i in order]  # type: ignore[attr-defined]
         accepted = self._executor.consume_token_par(pairs)
         results = [False] * len(matchers)
@@ -302,7 +307,7 @@ class LLGuidanceBackend(GrammarBackend):
         (`consume_token_par`, rows ordered by shared lexer)."""
         inners = [m.inner for m in matchers]  # type: ignore[attr-defined]
         results: list[bool | None] = [True if m.is_stopped() else False for m in inners]
-        order = _by_group(matchers)
+        order = self._ordered(matchers)
         if any(results):  # complete already: not advanced
             order = [i for i in order if not results[i]]
             if not order:
@@ -324,8 +329,22 @@ class LLGuidanceBackend(GrammarBackend):
         written in place by the library's threads (rows ordered by shared lexer)."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        pairs = [(matchers[i].inner, rows[i]) for i in _by_group(matchers)]  # type: ignore[attr-defined]
+        kept_matchers, kept_rows, pairs = self._fill_pairs
+        if matchers is not kept_matchers or rows is not kept_rows:
+            order = self._ordered(matchers)
+            pairs = [(matchers[i].inner, rows[i]) for i in order]  # type: ignore[attr-defined]
+            self._fill_pairs = (matchers, rows, pairs)
         fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+
+    def _ordered(self, matchers: list) -> list[int]:
+        """`_by_group(matchers)`, kept for the last list (the same list object: never mutated
+        by its owner, `step_rows.StepRows`; a list the caller changes in place would be
+        ordered wrong, which no caller does)."""
+        kept, order = self._order
+        if matchers is not kept:
+            order = _by_group(matchers)
+            self._order = (matchers, order)
+        return order
 
 
 def _by_group(matchers: list) -> list[int]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_width
+from phloem.structured_output.step_rows import RowCache, StepRows, empty_rows
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +39,6 @@ logger = logging.getLogger(__name__)
 _MATCHERS_PER_TASK = 64
 # why a sequence fails when its grammar allows no token of the vocabulary
 NO_TOKEN_MESSAGE = "structured output: the grammar allows no token of the vocabulary here"
-
-
-def empty_rows(bitmask: np.ndarray, head_words: int = 8) -> np.ndarray:
-    """Indices of the rows of `bitmask` (int32 [R, W]) that allow no token, ascending. A row
-    allowing one of the first `head_words` x 32 tokens (single bytes and the commonest merges
-    of byte-level vocabularies: nearly every mask) is not read further; only the others are
-    read whole. 1,024 rows of 128K tokens: 0.50 -> 0.03 ms, serial after the library's fill
-    (benchmarks/results/2026-11-26h-cpu-structured-wait)."""
-    rest = np.flatnonzero(~bitmask[:, :head_words].any(axis=1))
-    return rest[~bitmask[rest].any(axis=1)]
 
 
 @dataclass
@@ -146,6 +137,7 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._max_cached = max_cached
         self._sequences: dict[str, _Sequence] = {}
+        self._rows = RowCache()  # the last row sets gathered whole (`_gather`)
         self.stats = GrammarStats()
         self._stats_lock = threading.Lock()  # the pool's threads add to `stats`
         # constraint key -> [(future of a sequence's matcher, registered at)] still to make
@@ -306,7 +298,8 @@ class StructuredOutputManager:
 
     def forget(self, seq_id: str) -> None:
         """Drop a finished sequence's matcher (unknown ids are ignored)."""
-        self._sequences.pop(seq_id, None)
+        if self._sequences.pop(seq_id, None) is not None:
+            self._rows.clear()
 
     def is_constrained(self, seq_id: str) -> bool:
         return seq_id in self._sequences
@@ -378,25 +371,18 @@ class StructuredOutputManager:
         writes each row in place.
 
         Runs in the fill thread, holding the GIL outside the library's calls while the engine
-        loop runs Python (`engine/structured_outputs.py`), so the rows are gathered in one
-        comprehension and their grammars' completion read in one backend call
-        (`GrammarBackend.terminated`). With `out` (int32 [len(seq_ids), W]: a buffer the
+        loop runs Python (`engine/structured_outputs.py`), so the rows come from `_gather`
+        and their grammars' completion is read in one backend call. With `out` (int32 [len(seq_ids), W]: a buffer the
         caller chose, `engine/device_wait.py`) the rows are written there instead of into the
         manager's own buffers; ValueError if its shape does not fit."""
         if out is not None and out.shape != (len(seq_ids), self.width):
             raise ValueError(f"out must be [{len(seq_ids)}, {self.width}], got {out.shape}")
         bitmask = self._buffer(len(seq_ids)) if out is None else out
         failed: dict[str, str] = {}
-        sequences = self._sequences
-        made = [
-            (i, seq.matcher)
-            for i, seq_id in enumerate(seq_ids)
-            if (seq := sequences.get(seq_id)) is not None and seq.matcher is not None
-        ]
-        if len(made) < len(seq_ids):  # matchers to make (first use), or unknown rows
-            made = self._rows_to_make(seq_ids, failed)
-        rows = [i for i, _ in made]
-        matchers = [m for _, m in made]
+        gathered = self._gather(seq_ids)
+        if len(gathered.rows) < len(seq_ids):  # matchers to make (first use), or unknown rows
+            gathered = self._rows_to_make(seq_ids, failed)
+        rows, matchers = gathered.rows, gathered.matchers
         terminated = self.backend.terminated(matchers)
         if any(terminated):
             rows = [i for i, done in zip(rows, terminated) if not done]
@@ -414,10 +400,8 @@ class StructuredOutputManager:
                 bitmask[i] = -1
         return GrammarBitmask(list(seq_ids), bitmask), failed
 
-    def _rows_to_make(
-        self, seq_ids: list[str], failed: dict[str, str]
-    ) -> list[tuple[int, GrammarMatcher]]:
-        """[(row, matcher)] of the rows of `seq_ids` whose sequence is known, each matcher made
+    def _rows_to_make(self, seq_ids: list[str], failed: dict[str, str]) -> StepRows:
+        """The rows of `seq_ids` whose sequence is known, each matcher made
         (`_matcher`, waiting for its grammar) where it is not yet; a sequence whose constraint
         did not compile gets its reason in `failed` and no row."""
         made: list[tuple[int, GrammarMatcher]] = []
@@ -429,7 +413,7 @@ class StructuredOutputManager:
                 made.append((i, self._matcher(seq)))
             except Exception as e:  # noqa: BLE001 - this constraint's fault: it fails alone
                 failed[seq_id] = f"structured output: {e}"
-        return made
+        return StepRows(seq_ids, [i for i, _ in made], [m for _, m in made])
 
     def accept(self, seq_id: str, token_id: int) -> bool | None:
         """Advance the sequence's matcher by its new token. Returns True when the grammar is
@@ -452,8 +436,8 @@ class StructuredOutputManager:
         together by the backend (llguidance: on its threads), with `accept`'s results; a
         matcher that rejects its token may be left unusable (its sequence is to fail)."""
         results: list[bool | None] = [False] * len(seq_tokens)
-        ids = [seq_id for seq_id, _ in seq_tokens]
-        for k, done in self.accept_rows(ids, [t for _, t in seq_tokens]).items():
+        ended = self.accept_rows([i for i, _ in seq_tokens], [t for _, t in seq_tokens])
+        for k, done in ended.items():
             results[k] = done
         return results
 
@@ -466,28 +450,42 @@ class StructuredOutputManager:
         sequences not constrained or whose matcher was never made (no constrained sample yet).
 
         The engine loop waits for this each step before building the step's outputs, so the
-        rows are gathered in one comprehension and only the rows that end are returned; the
-        backend's call is then ~90% of the engine's `advance` (1,024 rows on a CPU, one grammar
-        thread: benchmarks/results/2026-11-27b-cpu-structured-loop)."""
+        rows come from `_gather` (`step_rows`) and only the rows that end are returned."""
+        gathered = self._gather(seq_ids)
+        rows, matchers = gathered.rows, gathered.matchers
+        if not rows:
+            return {}
+        tokens = token_ids if len(rows) == len(token_ids) else [token_ids[k] for k in rows]
+        start = time.perf_counter()
+        results = self.backend.advance(matchers, tokens)
+        self.stats.library_advance_s += time.perf_counter() - start  # one advance at a time
+        if True not in results and None not in results:  # nearly every step: none ended
+            return {}
+        return {rows[j]: done for j, done in enumerate(results) if done is not False}
+
+    def _gather(self, seq_ids: list[str]) -> StepRows:
+        """The rows of `seq_ids` whose sequence has a matcher (`StepRows`): from the cache
+        when these ids were gathered whole before (the same lists: `step_rows`), else one
+        comprehension, cached when every row has its matcher."""
+        cached = self._rows.get(seq_ids)
+        if cached is not None:
+            return cached
         sequences = self._sequences
         live = [
             (k, seq.matcher)
             for k, seq_id in enumerate(seq_ids)
             if (seq := sequences.get(seq_id)) is not None and seq.matcher is not None
         ]
-        if not live:
-            return {}
-        matchers = [m for _, m in live]
-        tokens = token_ids if len(live) == len(token_ids) else [token_ids[k] for k, _ in live]
-        start = time.perf_counter()
-        results = self.backend.advance(matchers, tokens)
-        self.stats.library_advance_s += time.perf_counter() - start  # on the loop only
-        return {live[j][0]: done for j, done in enumerate(results) if done is not False}
+        gathered = StepRows(list(seq_ids), [k for k, _ in live], [m for _, m in live])
+        if len(live) == len(seq_ids):
+            self._rows.put(gathered)
+        return gathered
 
     def rollback(self, seq_id: str, num_tokens: int) -> None:
         """Undo the sequence's last `num_tokens` accepted tokens (speculative decoding)."""
         seq = self._sequences.get(seq_id)
         if seq is not None and seq.matcher is not None:
+            self._rows.clear()
             seq.matcher.rollback(num_tokens)
 
     def shutdown(self) -> None:

@@ -79,6 +79,12 @@ def test_backend_fills_the_rows_it_is_given(embedded_tokenizer_dir, name):
     no.fill_bitmask(alone, 1)
     assert (bitmask[2] == alone[0]).all() and (bitmask[0] == alone[1]).all()
     assert (bitmask[1] == 7).all()  # not given: left alone
+    matchers, rows = [no, yes], [1, 2]  # the same lists twice (llguidance keeps their order)
+    for _ in range(2):
+        bitmask[:] = 7
+        backend.fill_bitmasks(matchers, bitmask, rows)
+        assert (bitmask[2] == alone[0]).all() and (bitmask[1] == alone[1]).all()
+        assert (bitmask[0] == 7).all()
 
 
 def test_xgrammar_json_is_compact(embedded_tokenizer_dir):
@@ -118,6 +124,48 @@ def test_accept_many_gives_accepts_results():
     assert manager.accept_many([("b", 0), ("a", 6)]) == [True, False]
     assert manager.accept_many([("b", 0)]) == [True]  # complete stays complete
     assert manager.accept_many([]) == []
+    manager.shutdown()
+
+
+class ListRecordingBackend(FakeBackend):
+    """`FakeBackend` recording the matcher lists its batched advance and fill are given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lists: list[list] = []
+
+    def advance(self, matchers, token_ids):
+        self.lists.append(matchers)
+        return super().advance(matchers, token_ids)
+
+    def fill_bitmasks(self, matchers, bitmask, rows):
+        self.lists.append(matchers)
+        super().fill_bitmasks(matchers, bitmask, rows)
+
+
+def test_a_steady_batch_hands_the_same_rows_and_a_forgotten_one_drops_out():
+    """While a step's ids stay the same, the backend gets the same matcher list (gathered once:
+    `step_rows`), advance and fill alike; a forgotten sequence drops out of the next step (its
+    matcher is not advanced), a rejected token fails its row alone, and a row whose matcher is
+    made later joins."""
+    backend = ListRecordingBackend()
+    manager = StructuredOutputManager(backend, VOCAB)
+    for seq_id in ("a", "b", "c"):
+        manager.register(seq_id, StructuredOutputsParams(regex="5,6,7"))
+    ids = ["a", "b"]  # "c": no matcher until its first fill
+    manager.bitmask(ids)
+    assert manager.accept_rows(list(ids), [5, 5]) == {}
+    grammar, _ = manager.bitmask(list(ids))
+    assert [allowed(r) for r in grammar.bitmask] == [[6], [6]]
+    assert backend.lists[1] is backend.lists[2]  # one gathering for the advance and the fill
+    b = backend.lists[1][1]
+    manager.forget("b")
+    assert manager.accept_rows(["a", "b"], [6, 6]) == {}
+    assert b.pos == 1 and backend.lists[-1] is not backend.lists[2]  # "b" not advanced
+    manager.bitmask(["a", "c"])  # "c"'s matcher made
+    assert manager.accept_rows(["a", "c"], [9, 5]) == {0: None}  # "a" rejected, "c" goes on
+    assert manager.accept_rows(["a", "c"], [7, 6]) == {}
+    assert manager.accept_rows(["c", "a"], [7, 0]) == {1: True}  # order changed: regathered
     manager.shutdown()
 
 
