@@ -330,9 +330,9 @@ class LLMEngine:
         Synchronous scheduling collects the step it just launched; async scheduling collects
         step N (launched by the previous call) after launching N+1, so the host's work on N+1
         and on N's tokens overlaps the device running N and N+1. A constrained step N+1 is
-        sampled under its grammar bitmask, filled on the grammar threads once N's tokens are
-        accepted (`engine/structured_outputs.py`); under async scheduling by the next call,
-        after its scheduling and host preparation (`Executor.prepare`) ran beside that fill
+        launched with its sampling up to the mask (`Executor.presample`) and sampled under its
+        grammar bitmask, filled once N's tokens are accepted (`engine/structured_outputs.py`);
+        under async scheduling by the next call, after its scheduling and `Executor.prepare`
         (the step is *held* until then; at once when no request is left, `sample_if_idle`):
 
             schedule(N+2) -> prepare(N+2) -> sample(N+1) -> launch(N+2) -> collect(N+1)
@@ -385,22 +385,22 @@ class LLMEngine:
         self._step_observers.remove(fn)
 
     def _launch(self, scheduler_output: SchedulerOutput, schedule_s: float) -> LaunchedStep | None:
-        """Hand the step to the executor (every step: an empty one carries finished ids); None
-        for an empty step (nothing to collect or update)."""
+        """Hand the step to the executor (an empty one carries finished ids); None if empty."""
         start = time.perf_counter()
         self.executor.prepare(scheduler_output)  # host only: beside the step in flight's fill
         prepared = time.perf_counter()
         self.structured.sample_held(self.executor)  # the device's order: N+1's sampling first
         start += time.perf_counter() - prepared  # launch_s: prepare + launch, not the wait
         handle = self.executor.launch(scheduler_output)
+        if scheduler_output.structured_seq_ids:  # before N's collection: beside the device
+            self.executor.presample(handle)
         if scheduler_output.is_empty:
             return None
         self._num_steps += 1
         if self.drafter is not None:
             self.drafter.launched(scheduler_output)
-        return LaunchedStep(
-            self._num_steps - 1, scheduler_output, handle, schedule_s, time.perf_counter() - start
-        )
+        launch_s = time.perf_counter() - start
+        return LaunchedStep(self._num_steps - 1, scheduler_output, handle, schedule_s, launch_s)
 
     def _finish_in_flight(self) -> list[StepOutput]:
         """Wait for the launched step's tokens, update the scheduler, build its outputs, and

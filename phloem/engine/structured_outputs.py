@@ -444,11 +444,11 @@ class StructuredOutputs:
     # -- the held step: launched, sampled once its bitmask is filled ---------------------------
 
     def hold(self, launched: LaunchedStep, executor: Executor, defer: bool) -> None:
-        """Take a launched step with constrained samples: its sampling up to the mask is
-        enqueued now (`Executor.presample`, beside the bitmask's fill), the rest now or, with
-        `defer` (async scheduling), by `sample_held` in the next `step()`, after that step's
-        scheduling and `Executor.prepare` ran beside the fill. At most one step is held: the
-        one before was sampled before this one's launch."""
+        """Take a launched step with constrained samples, its sampling up to the mask enqueued
+        (`Executor.presample`: by `LLMEngine._launch`, before the step before is collected, so
+        beside the device's step; a no-op here then); the rest now or, with `defer` (async
+        scheduling), by `sample_held` in the next `step()`, after that step's scheduling and
+        `Executor.prepare` ran beside the fill. At most one step is held."""
         assert self.held is None, "the step held before was never sampled"
         executor.presample(launched.handle)
         self.held = launched

@@ -248,7 +248,8 @@ def test_tensor_parallel_ranks_sample_under_the_same_bitmask(tiny_llama):
 
 
 class OrderExecutor(UniProcExecutor):
-    """The default executor, recording the order of `prepare`, `launch` and `sample` and, at
+    """The default executor, recording the order of `prepare`, `launch`, `presample`, `sample`
+    and `collect` and, at
     each `prepare`, whether a bitmask fill started since the last `sample` (`structured`: the
     engine's `StructuredOutputs`, set once the engine is built), and at each `sample` whether
     the step came prepared (`ModelRunner.presample`'s `PreparedSampling`, which leaves the
@@ -281,6 +282,10 @@ class OrderExecutor(UniProcExecutor):
         self._event("launch")
         return super().launch(scheduler_output)
 
+    def presample(self, launched) -> None:
+        self._event("presample")
+        super().presample(launched)
+
     def sample(self, launched, grammar, wait=None) -> None:
         self._event("sample")
         self._early_fills_sampled = self.structured.num_early_fills
@@ -288,6 +293,7 @@ class OrderExecutor(UniProcExecutor):
         super().sample(launched, grammar, wait)
 
     def collect(self, launched):
+        self._event("collect")
         out = super().collect(launched)
         if self.fail_row in out.sampled_token_ids:
             out.failed[self.fail_row], self.fail_row = "injected row fault", None
@@ -347,6 +353,14 @@ def test_next_step_prepared_beside_the_fill_and_sampling_unchanged(tiny_llama, m
         samples = [k for k, (name, _) in enumerate(events) if name == "sample"]
         prepared_first = [k for k in samples if events[k - 1] == ("prepare", True)]
         assert len(samples) > 5 and all(executor.presampled), executor.presampled
+        # each constrained step's sampling up to the mask is enqueued at its launch, before
+        # the step before is collected (`LLMEngine._launch`), as an unconstrained step's is
+        at_launch = [
+            k for k, e in enumerate(events) if (events[k - 1][0], e[0]) == ("launch", "presample")
+        ]
+        assert len(at_launch) == len(samples)
+        if overlap:
+            assert sum(events[k + 1][0] == "collect" for k in at_launch) >= 10
         if overlap:  # not while the penalty request runs: its steps collect before prepare
             assert len(prepared_first) >= 10, " ".join(n[0] + "*" * f for n, f in events)
         else:
