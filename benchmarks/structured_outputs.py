@@ -205,7 +205,9 @@ def _grammar_counters(structured) -> dict:
 
 
 def loop_ms_per_bitmask(added: dict) -> dict:
-    """A run's `LoopTimes` in ms per constrained step: `mark`, `advance` (on the loop), `fill`
+    """A run's `LoopTimes` in ms per constrained step: `mark`, `advance` (on the loop; of it
+    `handover`, `collected`'s hand-over to the fill thread, and `advance_wait`, the wait for
+    the thread's advance), `advanced` (the hand-over to the thread's advance results), `fill`
     (the fill's own time, mostly in its thread), `fill_wait` (the loop blocked on it),
     `fill_lag` (the fill's thread, or the grammar process, starting after `advance` handed it
     over), `fill_done` (from that hand-over to the fill's end) and, of `fill`, the
@@ -213,8 +215,8 @@ def loop_ms_per_bitmask(added: dict) -> dict:
     batched call (`library_advance`, `GrammarStats.library_advance_s`; 0 for a tree from
     before it was counted)."""
     n = added.get("num_bitmasks", 0)
-    names = ("mark", "advance", "fill", "fill_wait", "fill_lag", "fill_done", "library_fill",
-             "library_advance")  # fmt: skip
+    names = ("mark", "advance", "handover", "advance_wait", "advanced", "fill", "fill_wait",
+             "fill_lag", "fill_done", "library_fill", "library_advance")  # fmt: skip
     return {f"{k}_ms": 1e3 * added.get(f"{k}_s", 0.0) / n for k in names} if n else {}
 
 

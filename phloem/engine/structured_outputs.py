@@ -69,12 +69,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phloem.core.request import Request, RequestStatus
 from phloem.core.scheduler import Scheduler, SchedulerOutput
 from phloem.engine.device_wait import DeviceWait, device_wait_mode
+from phloem.engine.structured_times import LoopTimes
 from phloem.sampling_params import SamplingParams
 from phloem.structured_output.grammar_process import (
     GrammarProcessClient,
@@ -98,36 +98,6 @@ def default_num_threads() -> int:
     the GPU benchmark's walk at 128K tokens), so 1,024 constrained rows need every core the
     loop does not; two are left to the loop and the device's feeders."""
     return min(16, max(1, (os.cpu_count() or 2) - 2))
-
-
-@dataclass
-class LoopTimes:
-    """Where the engine loop's structured-output work went since the engine started (seconds of
-    wall time; benchmarks read them to tell the host's share of a constrained step).
-
-    Attributes:
-        mark_s: `mark` (setting each step's constrained rows; an empty step's wait for held
-            requests' grammars included).
-        advance_s: `collected` and `advance` (the matchers accepting a step's tokens: on the
-            loop, or the loop's hand-over and its wait for the fill thread's advance).
-        fill_s: the bitmask fills themselves (in the fill thread or on the loop; with the
-            grammar process, its fills).
-        fill_wait_s: the loop blocked in `bitmask` for a fill started in `advance`.
-        fill_lag_s: from `collected` (or `advance`) handing the advance and fill (or a fill)
-            to the fill thread until the thread began (with the grammar process: sending the
-            request until the process read it).
-        fill_done_s: from that hand-over until the fill ended (in the thread or the grammar
-            process; the latency a step's `bitmask` may wait for).
-        num_bitmasks: the steps' bitmasks taken.
-    """
-
-    mark_s: float = 0.0
-    advance_s: float = 0.0
-    fill_s: float = 0.0
-    fill_wait_s: float = 0.0
-    fill_lag_s: float = 0.0
-    fill_done_s: float = 0.0
-    num_bitmasks: int = 0
 
 
 class StructuredOutputs:
@@ -313,7 +283,9 @@ class StructuredOutputs:
         self._fill = (marked, filled)
         self._advanced = (ids, tokens, advanced)
         self.num_early_fills += 1
-        self.times.advance_s += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.times.advance_s += took
+        self.times.handover_s += took
 
     def _start_advance_then_fill(
         self, ids: list[str], tokens: list[int], fill_ids: list[str], start: float, out=None
@@ -342,6 +314,7 @@ class StructuredOutputs:
             advanced.set_exception(e)
             raise
         advanced.set_result(ended)
+        self.times.advanced_s += time.perf_counter() - submitted
         try:
             return self._timed_fill(fill_ids, out=out)
         finally:
@@ -362,7 +335,9 @@ class StructuredOutputs:
                     (kept[ids[k]], tokens[k], done) for k, done in ended.items() if ids[k] in kept
                 ]
                 self._end(rows)
-            self.times.advance_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.times.advance_s += took
+            self.times.advance_wait_s += took
             return
         manager = self.manager
         if manager is None or not manager.num_live:

@@ -150,6 +150,9 @@ def test_mixed_batch_every_output_valid(tiny_llama, async_scheduling, sampled):
     times = llm.llm_engine.structured.times  # the loop's structured-output work was timed
     assert times.num_bitmasks > 0 and times.fill_s > 0 and times.advance_s > 0
     assert times.mark_s > 0 and (times.fill_wait_s > 0) == async_scheduling  # early fills
+    handed = (times.handover_s, times.advance_wait_s, times.advanced_s)  # the thread's advance
+    assert all(t > 0 for t in handed) == async_scheduling == any(t > 0 for t in handed)
+    assert times.handover_s + times.advance_wait_s <= times.advance_s + 1e-9
 
 
 def test_n_samples_preemption_and_prefix_sharing(tiny_llama):
