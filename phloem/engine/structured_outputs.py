@@ -2,7 +2,7 @@
 grammar bitmask, the grammars advanced by the tokens the scheduler appended, and the launched
 constrained step held until its bitmask is filled.
 
-    step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward only) -> collect(N)
+    step(): schedule(N+1) -> mark(N+1) -> launch(N+1: forward, presample) -> collect(N)
             -> collected(N): advance(N's tokens), then fill(N+1), start on the fill thread
             -> update(N) -> advance: its results applied -> outputs of N
     next:   schedule(N+2) -> mark(N+2) -> prepare(N+2) -> bitmask(N+1) -> sample(N+1)
@@ -16,13 +16,13 @@ tokens and N+1's fill starts, one after the other on the fill thread, as soon as
 are collected (`collected`), before the scheduler's update: the loop's update of N runs beside
 the matchers' advance, waits for its results in `advance` (rows whose grammar completed or
 rejected their token), and its work on N's outputs runs beside the fill; `bitmask` then waits
-for the fill:
+for the fill (N+1's sampling up to the mask, `Executor.presample`, was enqueued at its launch,
+before N was collected, so its host work overlaps the loop's wait for N's tokens):
 
     collect(N) -> collected: advance(N), then fill(N+1) ───────────┐ fill thread (library's
                   update_from_output(N) (engine loop)              │ threads, GIL released)
                   advance: the matchers' results ◄ (after the advance)
                   process N's outputs                              │
-                  presample(N+1): sampling up to the mask          │
                   schedule, mark and prepare N+2 (async)           │
                   bitmask(N+1): wait ◄─────────────────────────────┘ -> sample(N+1)
 
