@@ -372,9 +372,10 @@ class StructuredOutputManager:
 
         Runs in the fill thread, holding the GIL outside the library's calls while the engine
         loop runs Python (`engine/structured_outputs.py`), so the rows come from `_gather`
-        and their grammars' completion is read in one backend call. With `out` (int32 [len(seq_ids), W]: a buffer the
-        caller chose, `engine/device_wait.py`) the rows are written there instead of into the
-        manager's own buffers; ValueError if its shape does not fit."""
+        and their grammars' completion is read in one backend call. With `out` (int32
+        [len(seq_ids), W]: a buffer the caller chose, `engine/device_wait.py`) the rows are
+        written there instead of into the manager's own buffers; ValueError if its shape does
+        not fit."""
         if out is not None and out.shape != (len(seq_ids), self.width):
             raise ValueError(f"out must be [{len(seq_ids)}, {self.width}], got {out.shape}")
         bitmask = self._buffer(len(seq_ids)) if out is None else out
@@ -470,7 +471,7 @@ class StructuredOutputManager:
         cached = self._rows.get(seq_ids)
         if cached is not None:
             return cached
-        sequences = self._sequences
+        sequences, generation = self._sequences, self._rows.generation
         live = [
             (k, seq.matcher)
             for k, seq_id in enumerate(seq_ids)
@@ -478,7 +479,7 @@ class StructuredOutputManager:
         ]
         gathered = StepRows(list(seq_ids), [k for k, _ in live], [m for _, m in live])
         if len(live) == len(seq_ids):
-            self._rows.put(gathered)
+            self._rows.put(gathered, generation)
         return gathered
 
     def rollback(self, seq_id: str, num_tokens: int) -> None:

@@ -42,6 +42,7 @@ class RowCache:
     def __init__(self, size: int = 2) -> None:
         self._size = size
         self._entries: list[StepRows] = []
+        self.generation = 0  # clears so far: an entry gathered across one is not kept
 
     def get(self, seq_ids: list[str]) -> StepRows | None:
         for entry in self._entries:
@@ -49,11 +50,15 @@ class RowCache:
                 return entry
         return None
 
-    def put(self, entry: StepRows) -> None:
-        """Keep `entry` (its `seq_ids` copied by the caller: the caller's list may change)."""
-        self._entries = [entry, *self._entries[: self._size - 1]]
+    def put(self, entry: StepRows, generation: int) -> None:
+        """Keep `entry` (its `seq_ids` copied by the caller: the caller's list may change),
+        gathered when `generation` was read: not if a `clear` came since (the fill thread
+        gathers while the loop forgets sequences)."""
+        if generation == self.generation:
+            self._entries = [entry, *self._entries[: self._size - 1]]
 
     def clear(self) -> None:
+        self.generation += 1
         self._entries = []
 
 

@@ -169,6 +169,21 @@ def test_a_steady_batch_hands_the_same_rows_and_a_forgotten_one_drops_out():
     manager.shutdown()
 
 
+def test_row_cache_drops_rows_gathered_across_a_clear():
+    """The fill thread may gather while the loop forgets a sequence: what it gathered before
+    that `clear` is not kept; two row sets are kept, the newest first."""
+    from phloem.structured_output.step_rows import RowCache, StepRows
+
+    cache = RowCache()
+    stale = cache.generation
+    cache.clear()  # a sequence forgotten meanwhile
+    cache.put(StepRows(["a"], [0], ["m"]), stale)
+    assert cache.get(["a"]) is None
+    for ids in (["a"], ["b"], ["c"]):
+        cache.put(StepRows(ids, [0], ["m"]), cache.generation)
+    assert cache.get(["a"]) is None and cache.get(["b"]).seq_ids == ["b"]
+
+
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
 def test_backend_accept_tokens_advance_each_matcher(embedded_tokenizer_dir, name):
     tok, vocab, backend = _embedded_backend(embedded_tokenizer_dir, name)
