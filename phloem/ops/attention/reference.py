@@ -15,7 +15,9 @@ microseconds with `OMP_WAIT_POLICY=PASSIVE`), so a per-head loop of small matmul
 decode step more than a 5-token chunk's single SDPA call. Scores and softmax are computed in
 float32 (float64 inputs stay float64). An FP8 cache is read as stored value * k_scale (keys) and
 * v_scale (values), in the compute dtype (`phloem.ops.kv_store` says how it was written).
-`paged_attention_reference` is the dumbest version, for tests.
+`paged_attention_reference` is the dumbest version, for tests. `XqaEmulatedAttention` (opt-in,
+for quality measurements on the CPU) replaces SDPA by `xqa_attention`, the e4m3 rounding of
+FlashInfer's XQA decode kernel over an FP8 cache.
 """
 
 from __future__ import annotations
@@ -161,7 +163,19 @@ class ReferenceAttention(AttentionBackend):
         return out
 
     @staticmethod
+    def _attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """softmax(q k^T * scale, masked) v: q [..., Lq, D], k and v [..., L, D], mask bool
+        broadcastable to [..., Lq, L] (True: attend) or None; torch's SDPA in the inputs' dtype."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
     def _decode(
+        self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -187,11 +201,11 @@ class ReferenceAttention(AttentionBackend):
         if min(lens_cpu) < max_len:
             mask = (torch.arange(max_len, device=device) < lens[:, None])[:, None, None, :]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, L, D] views
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H_kv, G, D]
+        o = self._attend(q, k, v, mask, scale)  # [B, H_kv, G, D]
         out[tokens] = o.reshape(len(seqs), num_heads, head_dim).to(out.dtype)
 
-    @staticmethod
     def _prefill(
+        self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -216,9 +230,95 @@ class ReferenceAttention(AttentionBackend):
         mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]  # [q_len, L]
         # 4-D inputs: on CPU, SDPA takes its flash kernel only for 4-D (3-D takes the math path).
         mask = mask.repeat(group, 1)
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+        o = self._attend(q[None], k[None], v[None], mask, scale)
         o = o[0].view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
+
+
+E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
+XQA_TILE_TOKENS = 64  # KV tokens per tile of XQA's sm90 kernel (gemm0CtaTileNbTokens)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to the nearest float8 e4m3fn value (ties to even, subnormals kept), saturated
+    at +-448 as CUDA's `__NV_SATFINITE` conversion does; returned in x's dtype."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_KV_DTYPE).to(x.dtype)
+
+
+def xqa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    e4m3: bool = True,
+) -> torch.Tensor:
+    """Attention with the rounding of FlashInfer's XQA decode kernel over an e4m3 cache on
+    sm_90 (FlashInfer 0.6.18, `csrc/xqa/mha_sm90.cu`, single-block mode), in float32:
+
+    1. the query is converted to e4m3 as it is (bf16 -> e4m3, saturating; no scale: the
+       wrapper's q_scale = bmm1_scale / bmm2_scale * sqrt(D) and the kernel multiplies
+       q_scale * kv_scale / sqrt(D) = softmax scale * k_scale into the fp32 scores instead);
+    2. scores S = q8 . K in fp32 (e4m3 products are exact; GMMA accumulates in fp32), times
+       the scale; masked positions -inf;
+    3. online softmax over 64-token tiles from position 0: tile t's weights are
+       P = exp(S - M_t) with M_t the running maximum through tile t (<= 1), and the row sum
+       adds these unrounded fp32 P;
+    4. P * 448 is rounded to e4m3 (1 maps to the format's largest value) for P . V, whose
+       fp32 accumulator is rescaled by exp(M_t - M_t') as the maximum grows; the output is
+       that accumulator / 448 / the row sum (times v_scale).
+
+    K and V come dequantized (stored e4m3 value x k_scale / v_scale): the kernel multiplies
+    the scales into its fp32 results instead, which differs by fp32 rounding only. Not
+    modelled: multi-block mode (long sequences at small batch, where each CTA's running
+    maximum starts over on every nbSubSeq-th tile) and any accumulator precision below fp32.
+
+    Args:
+        q: [..., Lq, D]; k, v: [..., L, D]; mask: bool broadcastable to [..., Lq, L] (True:
+            attend; every row keeps position 0) or None; scale: softmax scale.
+        e4m3: False computes the same tiled fp32 softmax without rounding (a check of it).
+    Returns:
+        float32 [..., Lq, D].
+    """
+    f32 = torch.float32
+    q8 = round_e4m3(q.to(f32)) if e4m3 else q.to(f32)
+    scores = (q8 @ k.to(f32).transpose(-1, -2)) * scale  # [..., Lq, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    num_kv = scores.shape[-1]
+    scores = F.pad(scores, (0, -num_kv % XQA_TILE_TOKENS), value=float("-inf"))
+    tiles = scores.unflatten(-1, (-1, XQA_TILE_TOKENS))  # [..., Lq, T, 64]
+    running = tiles.amax(-1).cummax(-1).values  # [..., Lq, T]: M_t (finite: tile 0 is kept)
+    p = torch.exp(tiles - running[..., None])  # each tile against its running maximum
+    rescale = torch.exp(running - running[..., -1:])[..., None]  # M_t -> the final maximum
+    row_sum = (p * rescale).sum((-2, -1))[..., None]  # [..., Lq, 1], unrounded P
+    if e4m3:
+        p = round_e4m3(p * E4M3_MAX) / E4M3_MAX
+    weights = (p * rescale).flatten(-2)[..., :num_kv]  # [..., Lq, L]
+    return (weights @ v.to(f32)) / row_sum
+
+
+class XqaEmulatedAttention(ReferenceAttention):
+    """`ReferenceAttention` with `xqa_attention`'s math in place of SDPA for every query row:
+    how an FP8 cache's attention computes under PHLOEM_FP8_DECODE_KERNEL=xqa, where decode-only
+    steps run FlashInfer's XQA kernel (prefill and mixed steps keep 16-bit math on the GPU;
+    teacher-forced, each row here is one such decode). Opt-in, for quality measurements
+    (`benchmarks/fp8_quality.py --xqa`); never picked by `get_attention_backend`.
+
+    Raises (forward):
+        ValueError: for a cache that is not FP8 (XQA's bf16-cache kernel does 16-bit math).
+    """
+
+    name = "reference-xqa"
+
+    def forward(self, query, kv_cache, meta, scale, out=None, k_scale=1.0, v_scale=1.0):
+        if kv_cache.dtype != FP8_KV_DTYPE:
+            raise ValueError(f"XqaEmulatedAttention models an FP8 cache, got {kv_cache.dtype}")
+        return super().forward(query, kv_cache, meta, scale, out, k_scale, v_scale)
+
+    @staticmethod
+    def _attend(q, k, v, mask, scale):
+        return xqa_attention(q, k, v, mask, scale)
 
 
 def paged_attention_reference(
