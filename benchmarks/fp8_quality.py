@@ -3,16 +3,20 @@ the embedded SmolLM2-135M, teacher-forced: the dense model and each FP8 variant 
 held-out English text in one forward pass; reported are the top-1 agreement of their next-token
 predictions, both perplexities (issue 18's bar: agreement >= 0.97 and perplexity within 2% over
 ~2,000 tokens), the mean KL divergence from the dense model, and the agreement over the positions
-where the dense model's top two logits are at least 1 apart (not near-ties).
+where the dense model's top two logits are at least 1 apart (not near-ties). `--xqa` measures the
+KV cache alone: stored in bfloat16, in FP8 read with 16-bit math (the default GPU path), and in
+FP8 with the rounding of FlashInfer's XQA decode kernel (`XqaEmulatedAttention`: the query and
+the softmax weights rounded to e4m3, PHLOEM_FP8_DECODE_KERNEL=xqa), each with dense float32
+weights.
 
 Text: prose from the Python reference documentation shipped with CPython (`pydoc_data.topics`,
 code blocks dropped): English the model was not tuned on, present wherever Python is.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/fp8_quality.py [--num-tokens 2000]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/fp8_quality.py [--num-tokens 2000] [--xqa]
 
 writes benchmarks/results/<date>-cpu-fp8-quality/quality.json (top level: W8A8; "fp8_kv",
-"w8a8_fp8_kv", "bf16": the other variants). tests/quantization/test_fp8_quality.py runs the
-same measurement on 256 tokens.
+"w8a8_fp8_kv", "bf16": the other variants; with --xqa only "bf16_kv", "fp8_kv", "fp8_kv_xqa").
+tests/quantization/test_fp8_quality.py runs the same measurement on 256 tokens.
 """
 
 from __future__ import annotations
@@ -61,20 +65,28 @@ def load_embedded(quantization: str | None, dtype: torch.dtype = torch.float32):
     return model, load_tokenizer(source)
 
 
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16}  # besides "auto"
+
+
 @torch.no_grad()
 def logits_of(
-    model, token_ids: list[int], block_size: int = 16, kv_cache_dtype: str = "auto"
+    model,
+    token_ids: list[int],
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    xqa: bool = False,
 ) -> torch.Tensor:
     """float32 [len(token_ids), vocab] logits of one sequence read in one forward pass (plain
-    torch paged attention, blocks 0, 1, ... in order; the KV cache in the model dtype, or FP8
-    e4m3 with each layer's k_scale / v_scale for `kv_cache_dtype="fp8"`)."""
+    torch paged attention, blocks 0, 1, ... in order; the KV cache in the model dtype, in
+    bfloat16, or FP8 e4m3 with each layer's k_scale / v_scale for `kv_cache_dtype="fp8"`;
+    `xqa`: an FP8 cache read with XQA's rounding, `XqaEmulatedAttention`)."""
     from phloem.forward_context import ForwardContext, forward_context
     from phloem.ops.attention import AttentionMetadata
-    from phloem.ops.attention.reference import ReferenceAttention
+    from phloem.ops.attention.reference import ReferenceAttention, XqaEmulatedAttention
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    dtype = model.lm_head.weight.dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    dtype = KV_DTYPES.get(kv_cache_dtype, model.lm_head.weight.dtype)
     shape = (num_blocks, 2, block_size, model.num_kv_heads, model.head_dim)
     caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
     meta = AttentionMetadata(
@@ -88,7 +100,8 @@ def logits_of(
         query_start_loc_cpu=[0, n],
         seq_lens_cpu=[n],
     )
-    ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, backend=ReferenceAttention())
+    backend = XqaEmulatedAttention() if xqa else ReferenceAttention()
+    ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, backend=backend)
     with forward_context(ctx):
         hidden = model(torch.tensor(token_ids), torch.arange(n))
     return model.compute_logits(hidden).float()
@@ -122,18 +135,24 @@ def compare(dense_logits: torch.Tensor, fp8_logits: torch.Tensor, token_ids: lis
     }
 
 
-def measure(num_tokens: int, bf16_context: bool = False, fp8_kv: bool = False) -> dict:
+def measure(
+    num_tokens: int, bf16_context: bool = False, fp8_kv: bool = False, xqa: bool = False
+) -> dict:
     """`compare` of the dense and FP8 W8A8 embedded model (float32) on the first `num_tokens`
     tokens of `held_out_text()`. With `fp8_kv`, also the FP8 KV cache alone (dense weights,
     under "fp8_kv") and on top of W8A8 ("w8a8_fp8_kv"); with `bf16_context`, also the dense
     model run in bfloat16 (how far a 7-bit mantissa alone moves the same metrics: FP8 e4m3 has
-    3), under "bf16"."""
+    3), under "bf16"; with `xqa` (and `fp8_kv`), also the FP8 KV cache alone read with XQA's
+    rounding, under "fp8_kv_xqa"."""
     dense, tokenizer = load_embedded(None)
     token_ids = tokenizer.encode(held_out_text())[:num_tokens]
     dense_logits = logits_of(dense, token_ids)
     extra = {}
     if fp8_kv:
         extra["fp8_kv"] = compare(dense_logits, logits_of(dense, token_ids, 16, "fp8"), token_ids)
+    if fp8_kv and xqa:
+        xqa_logits = logits_of(dense, token_ids, 16, "fp8", xqa=True)
+        extra["fp8_kv_xqa"] = compare(dense_logits, xqa_logits, token_ids)
     del dense
     fp8, _ = load_embedded("fp8")
     result = compare(dense_logits, logits_of(fp8, token_ids), token_ids)
@@ -147,13 +166,33 @@ def measure(num_tokens: int, bf16_context: bool = False, fp8_kv: bool = False) -
     return {**result, **extra}
 
 
+def measure_kv(num_tokens: int) -> dict:
+    """The KV cache's share alone (dense float32 weights, `compare` against the float32
+    cache) on the first `num_tokens` tokens of `held_out_text()`: "bf16_kv" (a bfloat16
+    cache), "fp8_kv" (e4m3, 16-bit math) and "fp8_kv_xqa" (e4m3, XQA's rounding)."""
+    dense, tokenizer = load_embedded(None)
+    token_ids = tokenizer.encode(held_out_text())[:num_tokens]
+    dense_logits = logits_of(dense, token_ids)
+    runs = {"bf16_kv": ("bfloat16", False), "fp8_kv": ("fp8", False), "fp8_kv_xqa": ("fp8", True)}
+    result = {}
+    for name, (kv_dtype, xqa) in runs.items():
+        logits = logits_of(dense, token_ids, 16, kv_dtype, xqa=xqa)
+        result[name] = compare(dense_logits, logits, token_ids)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-tokens", type=int, default=2000)
     parser.add_argument("--out", default=None, help="JSON path (default: a dated results dir)")
+    parser.add_argument("--xqa", action="store_true",
+                        help="the KV cache alone: bf16, FP8, FP8 with XQA's rounding")  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
-    result = measure(args.num_tokens, bf16_context=True, fp8_kv=True)
+    if args.xqa:
+        result = measure_kv(args.num_tokens)
+    else:
+        result = measure(args.num_tokens, bf16_context=True, fp8_kv=True)
     result.update(
         elapsed_s=time.perf_counter() - start,
         device=platform.processor() or "cpu",
