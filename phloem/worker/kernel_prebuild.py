@@ -45,11 +45,16 @@ from functools import partial
 from typing import Any
 
 from phloem.ops.attention import FLASHINFER_HEAD_DIMS
-from phloem.ops.attention.flashinfer_backend import fp8_decode_on_cuda_cores
+from phloem.ops.attention.flashinfer_backend import (
+    fp8_decode_kernel,
+    fp8_decode_on_cuda_cores,
+    fp8_decode_path,
+)
 
 logger = logging.getLogger(__name__)
 
 FP8_KV = "float8_e4m3fn"  # the torch dtype name of an FP8 KV cache
+XQA_CAPABILITY_MAJORS = (9, 10, 12)  # where FlashInfer's XQA compiles and runs (sm_90/100/120)
 
 
 @dataclass(frozen=True)
@@ -60,11 +65,15 @@ class FlashInferModule:
 
     Attributes:
         kind: "prefill" (the batch prefill module: prefill, chunked appends and decode),
-            "decode" (the CUDA-core batch decode module, FP8 caches) or "comm" (TensorRT-LLM's
-            all-reduce kernels, `FUSED_NORM_COMM`: PHLOEM_TP_ALLREDUCE=fused_norm under TP).
-        backend: "fa2" or "fa3" for prefill; "" for decode; "trtllm" for comm.
+            "decode" (the CUDA-core batch decode module, FP8 caches), "xqa" (TensorRT-LLM's
+            XQA decode module, FP8 caches with PHLOEM_FP8_DECODE_KERNEL=xqa) or "comm"
+            (TensorRT-LLM's all-reduce kernels, `FUSED_NORM_COMM`: PHLOEM_TP_ALLREDUCE=
+            fused_norm under TP).
+        backend: "fa2" or "fa3" for prefill; "" for decode and xqa; "trtllm" for comm.
         q_dtype / kv_dtype: torch dtype names ("bfloat16", "float8_e4m3fn", ...).
         head_dim: per attention head (queries and values alike).
+        page_size / gqa_group: the KV block size and query heads per KV head, template
+            arguments of the xqa module only (0 for the others).
     """
 
     kind: str
@@ -72,10 +81,15 @@ class FlashInferModule:
     q_dtype: str
     kv_dtype: str
     head_dim: int
+    page_size: int = 0
+    gqa_group: int = 0
 
     def describe(self) -> str:
         if self.kind == "comm":
             return f"comm {self.backend}"
+        if self.kind == "xqa":
+            return (f"xqa q {self.q_dtype} kv {self.kv_dtype} head_dim {self.head_dim} "
+                    f"page {self.page_size} group {self.gqa_group}")  # fmt: skip
         backend = f" {self.backend}" if self.backend else ""
         return f"{self.kind}{backend} q {self.q_dtype} kv {self.kv_dtype} head_dim {self.head_dim}"
 
@@ -88,6 +102,7 @@ def required_modules(
     cuda_capability: tuple[int, int] | None,
     triton_available: bool,
     gqa_group: int = 1,
+    block_size: int = 16,
 ) -> list[FlashInferModule]:
     """The FlashInfer modules an engine of these settings loads (`get_attention_backend`'s rule;
     the shared-prefix impl "auto" is our Triton kernel, which needs no FlashInfer module):
@@ -96,7 +111,9 @@ def required_modules(
       at a head dim FlashInfer does not compile (the reference serves those);
     - the fa2 prefill module (q `dtype`, KV `kv_dtype`), plus the CUDA-core decode module for an
       FP8 cache whose decode steps use it (`fp8_decode_on_cuda_cores`: PHLOEM_FP8_DECODE_KERNEL=
-      cuda_core and a GQA group it is compiled for);
+      cuda_core and a GQA group it is compiled for), or the XQA decode module for one whose
+      decode steps run XQA (`fp8_decode_path` gives "xqa" for this head dim and block size)
+      on a GPU XQA runs on (`XQA_CAPABILITY_MAJORS`);
     - the fa3 prefill module too on Hopper (major 9) when prefix sharing wraps FlashInfer
       ("shared_prefix", or "auto" with Triton) and the cache is in the query's dtype.
 
@@ -105,6 +122,7 @@ def required_modules(
             "shared_prefix", "reference").
         dtype / kv_dtype: torch dtype names of the queries and of the KV cache.
         gqa_group: query heads per KV head on one rank (`gqa_group_of`).
+        block_size: tokens per KV block (`CacheConfig.block_size`; the xqa module's page).
     Raises:
         ValueError: an unknown backend name, or a non-positive head_dim or gqa_group.
     """
@@ -119,12 +137,25 @@ def required_modules(
     modules = [FlashInferModule("prefill", "fa2", dtype, kv_dtype, head_dim)]
     if kv_dtype == FP8_KV and fp8_decode_on_cuda_cores(gqa_group):
         modules.append(FlashInferModule("decode", "", dtype, kv_dtype, head_dim))
+    if kv_dtype == FP8_KV and _runs_xqa(head_dim, gqa_group, block_size, cuda_capability):
+        xqa = FlashInferModule("xqa", "", dtype, kv_dtype, head_dim, block_size, gqa_group)
+        modules.append(xqa)
     shared = attention_backend == "shared_prefix" or (
         attention_backend == "auto" and triton_available
     )
     if shared and cuda_capability[0] == 9 and kv_dtype == dtype:
         modules.append(FlashInferModule("prefill", "fa3", dtype, kv_dtype, head_dim))
     return modules
+
+
+def _runs_xqa(
+    head_dim: int, gqa_group: int, block_size: int, cuda_capability: tuple[int, int]
+) -> bool:
+    """Whether an FP8 cache's decode steps run FlashInfer's XQA kernel: asked for
+    (PHLOEM_FP8_DECODE_KERNEL=xqa), this geometry taken (`fp8_decode_path`) and a GPU it
+    compiles for."""
+    path = fp8_decode_path(fp8_decode_kernel(), gqa_group, head_dim, block_size)
+    return path == "xqa" and cuda_capability[0] in XQA_CAPABILITY_MAJORS
 
 
 # The all-reduce + residual + RMSNorm kernel's module (`distributed/fused_norm_all_reduce.py`):
@@ -198,6 +229,11 @@ def _jit_spec(module: FlashInferModule):
         return gen_trtllm_comm_module()
     q, kv = getattr(torch, module.q_dtype), getattr(torch, module.kv_dtype)
     d = module.head_dim
+    if module.kind == "xqa":  # the module `flashinfer.xqa.xqa` loads for a decode step: no
+        # sliding window, output in the query dtype, one query token
+        from flashinfer.jit.xqa import gen_xqa_module
+
+        return gen_xqa_module(q, kv, module.page_size, d, module.gqa_group, False, q, 1)
     if module.kind == "decode":
         return gen_batch_decode_module(q, kv, q, torch.int32, d, d, 0, False, False)
     return gen_batch_prefill_module(
@@ -354,6 +390,7 @@ class KernelPrebuild:
             torch.cuda.get_device_capability(device),
             importable("triton"),
             gqa_group_of(hf_config, tp_size),
+            cache_config.block_size,
         )
         required, deferred = split_deferred(modules)
         return cls(required + comm_modules(tp_size), deferred=deferred)

@@ -8,9 +8,10 @@ builder here; the real build is checked on a GPU (benchmarks/startup_gpu.py)."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -80,6 +81,47 @@ def test_fp8_decode_module_only_when_its_kernel_is_chosen(monkeypatch):
     monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "tensor")
     with pytest.raises(ValueError, match="PHLOEM_FP8_DECODE_KERNEL must be one of"):
         required_modules("auto", 128, BF16, FP8, HOPPER, True, 4)
+
+
+def test_xqa_module_only_where_xqa_decodes(monkeypatch):
+    """PHLOEM_FP8_DECODE_KERNEL=xqa adds FlashInfer's XQA module, with the block size and GQA
+    group it is compiled for, where the backend sends decode steps to it (`fp8_decode_path`:
+    head_dim a multiple of 16 up to 256, a block size of 16-128) on a GPU it runs on (sm_90,
+    100, 120); a bf16 cache, another block size, Ampere or the default kernel add nothing."""
+    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "xqa")
+
+    def modules(kv=FP8, capability=HOPPER, head_dim=128, group=4, block_size=16, backend="auto"):
+        return required_modules(backend, head_dim, BF16, kv, capability, True, group, block_size)
+
+    xqa = FlashInferModule("xqa", "", BF16, FP8, 128, 16, 4)
+    assert modules() == [FlashInferModule("prefill", "fa2", BF16, FP8, 128), xqa]
+    assert xqa.describe() == "xqa q bfloat16 kv float8_e4m3fn head_dim 128 page 16 group 4"
+    assert modules(capability=(10, 0))[-1] == xqa
+    assert modules(group=8, block_size=64)[-1] == FlashInferModule("xqa", "", BF16, FP8, 128, 64, 8)
+    for kwargs in ({"kv": BF16, "backend": "flashinfer"}, {"capability": AMPERE}, {"block_size": 8},
+                   {"head_dim": 512, "backend": "flashinfer"}):  # fmt: skip
+        assert [m.kind for m in modules(**kwargs)] == ["prefill"], kwargs
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL")
+    assert [m.kind for m in modules()] == ["prefill"]
+
+
+def test_xqa_module_spec_is_the_one_its_first_use_loads(monkeypatch):
+    """The prebuilt spec has `flashinfer.xqa.xqa`'s arguments for a decode step: bf16 queries,
+    the e4m3 cache, the page size, head dim and group, no sliding window, bf16 output, one
+    query token (a fake `flashinfer.jit` records the call)."""
+    from phloem.worker.kernel_prebuild import _jit_spec
+
+    calls = []
+    jit = ModuleType("flashinfer.jit")
+    jit.gen_batch_decode_module = jit.gen_batch_prefill_module = None
+    jit_xqa = ModuleType("flashinfer.jit.xqa")
+    jit_xqa.gen_xqa_module = lambda *args: calls.append(args) or "spec"
+    monkeypatch.setitem(sys.modules, "flashinfer", ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.jit", jit)
+    monkeypatch.setitem(sys.modules, "flashinfer.jit.xqa", jit_xqa)
+    assert _jit_spec(FlashInferModule("xqa", "", BF16, FP8, 128, 32, 4)) == "spec"
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    assert calls == [(bf16, e4m3, 32, 128, 4, False, bf16, 1)]
 
 
 def test_required_modules_refuses_bad_input():
