@@ -27,17 +27,19 @@ from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, Tok
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 # The slicer's token sets: a mask whose lexer state allows all of a slice's language gets the
-# slice's tokens at once instead of walking them in the token trie. llguidance's defaults hold
-# JSON string contents of 1-10, 1-30 and any number of characters, so inside a string with
-# maxLength, once fewer than 10 characters remain, every mask walked the whole vocabulary
-# (0.5-0.9 ms at 128K tokens). A slice for each remaining length 1-9 (and 16) keeps those masks
-# sliced: the GPU benchmark's walk filled 0.30 -> 0.16 ms a row, masks bit for bit the same;
-# +0.45 s and +64 MB once, for the tokenizer info at 128K tokens
-# (benchmarks/results/2026-11-26d-cpu-structured-distinct).
+# slice's tokens at once instead of walking them in the token trie; a token belongs to the first
+# slice whose regex it matches. llguidance's defaults hold JSON string contents of 1-10, 1-30
+# and any number of characters, so inside a string with maxLength, once fewer than 10
+# characters remain, every mask would walk the whole vocabulary; a slice for each remaining
+# length 3-9 (and 16) keeps those masks sliced. None for 1 or 2: once any slice applies, every
+# other slice's trie is walked apart (each again from its root), while a state that allows none
+# walks the whole trie once, which costs less when 1-2 characters are left. The masks are the
+# same with any slices; the cost per mask at 128K tokens falls 0.21 (defaults) -> 0.09 ms
+# (benchmarks/results/2026-11-26d-cpu-structured-distinct, 2026-11-27f-cpu-grammar-fill).
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'  # a JSON string's unescaped character (as llguidance's)
 SLICES = (
     r"[\x20\x0A\x0D\x09]+",  # whitespace
-    *(f"{_STRING_CHAR}{{1,{n}}}" for n in (*range(1, 11), 16, 30)),
+    *(f"{_STRING_CHAR}{{1,{n}}}" for n in (*range(3, 11), 16, 30)),
     f"{_STRING_CHAR}+",
 )
 
@@ -193,6 +195,8 @@ class LLGuidanceBackend(GrammarBackend):
         templates_per_thread: templates per constraint, per thread (0: no copies).
         same_tokenizer_as: another backend over the same `tokenizer`, whose llguidance
             tokenizer info (~1.2 s to build at 128K tokens) this one shares (benchmarks).
+        slices: the slicer's regexes (`SLICES`; benchmarks compare others: they change the
+            cost of a mask, never the mask); ignored with `same_tokenizer_as`.
 
     Raises:
         ValueError: `templates_per_thread` < 0.
@@ -206,6 +210,7 @@ class LLGuidanceBackend(GrammarBackend):
         num_threads: int = 1,
         templates_per_thread: int = 4,
         same_tokenizer_as: LLGuidanceBackend | None = None,
+        slices: tuple[str, ...] = SLICES,
     ) -> None:
         import llguidance as llg
         import llguidance.hf
@@ -221,7 +226,7 @@ class LLGuidanceBackend(GrammarBackend):
                 tokenizer.tokenizer,
                 n_vocab=tokenizer.vocab_size,
                 eos_token=eos,
-                slices=list(SLICES),
+                slices=list(slices),
             )
         self._executor = llg.LLExecutor(max(1, num_threads))
         self._num_templates = templates_per_thread * max(1, num_threads)

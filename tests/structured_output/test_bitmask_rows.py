@@ -253,7 +253,7 @@ def test_async_steps_fill_while_outputs_are_processed(tiny_llama):
 
 
 def test_llguidance_extra_slices_give_the_same_masks(embedded_tokenizer_dir):
-    """The backend's slices (a JSON string of every remaining length up to 10) change how a mask
+    """The backend's slices (a JSON string of every remaining length from 3 to 10) change how a mask
     is computed, never what it is: masks inside and around strings with maxLength, and an
     unbounded one, equal those of llguidance's default slices along sampled walks."""
     import llguidance as llg
