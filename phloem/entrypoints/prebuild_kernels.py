@@ -99,6 +99,7 @@ def plan_modules(args: argparse.Namespace, engine=None) -> list:
         _capability(args.cuda_arch),
         importable("triton"),
         gqa_group_of(hf_config, engine_args.tensor_parallel_size),
+        config.cache.block_size,
     )
 
 
