@@ -148,7 +148,7 @@ class LibraryDecode:
     def prepare_replay(self, meta):
         import numpy as np
 
-        from phloem.ops.attention.flashinfer_backend import paged_kv_layout
+        from phloem.ops.attention.page_tables import paged_kv_layout
         from phloem.ops.staging import pinned
 
         h, h_kv, d = self.geometry

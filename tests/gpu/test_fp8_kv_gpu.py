@@ -137,14 +137,15 @@ def _xqa_errors(out, query, cache8, meta) -> tuple[float, float]:
 @needs_xqa
 @pytest.mark.parametrize("case", ["b64_kv1024", "random"])
 def test_xqa_decode_against_float64_and_its_emulation(case, monkeypatch):
-    """Decode-only steps reach XQA (the planned step is an `_XqaStep`); its error against
+    """Decode-only steps reach XQA (the planned step is an `XqaStep`); its error against
     float64 is e4m3 math's (>= 1e-2: the query and P are rounded; <= 8e-2). At the benchmark's
     64 x 1,024 tokens XQA runs one CTA per sequence and KV head (its host code splits a
     sequence over round(SMs * 3 // (B * H_kv) * 0.25) CTAs: 1 from B = 9 on 132 SMs), as the
     emulation computes, so the two differ by much less than either's error (<= 1e-2 of the
     output's norm); 4 random lengths run its multi-block mode (each split's running maximum
     starts over, which the emulation does not model): printed only."""
-    from phloem.ops.attention.flashinfer_backend import FlashInferAttention, _XqaStep
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+    from phloem.ops.attention.flashinfer_xqa import XqaStep
 
     monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "xqa")
     rng = random.Random(RUN_SEED)
@@ -155,7 +156,7 @@ def test_xqa_decode_against_float64_and_its_emulation(case, monkeypatch):
     backend = FlashInferAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda",
                                   kv_dtype=torch.float8_e4m3fn)  # fmt: skip
     backend.begin_step(meta)
-    assert isinstance(backend._active, _XqaStep)
+    assert isinstance(backend._active, XqaStep)
     out = backend.forward(query, cache8, meta, HEAD_DIM**-0.5, None, *XQA_SCALES)
     err, vs_emulation = _xqa_errors(out, query, cache8, meta)
     print(f"xqa {case}: rel err vs float64 {err:.2e}, vs the CPU emulation {vs_emulation:.2e}")

@@ -11,11 +11,11 @@ import torch
 
 from phloem.ops.attention.flashinfer_backend import (
     FP8_DECODE_KERNELS,
-    dense_page_table,
     fp8_decode_kernel,
     fp8_decode_path,
 )
 from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.page_tables import dense_page_table
 
 
 def test_switch_parses_every_kernel_and_defaults_to_prefill():

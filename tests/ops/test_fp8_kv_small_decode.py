@@ -55,7 +55,7 @@ def test_unknown_fp8_math_is_refused(kernel):
 def test_launch_defaults_switch(kernel, monkeypatch):
     """PHLOEM_SMALL_DECODE_FP8 ("<fp8_math>[:<block_n>]") sets an FP8 cache's launches that
     name no fp8_math (the engine's): parsed, refused naming the variable, read once."""
-    from phloem.ops.attention import small_decode_triton as sdt
+    from phloem.ops.attention import small_decode_fp8 as sdt
 
     assert sdt.fp8_launch_defaults("") == ("f16", None)
     assert sdt.fp8_launch_defaults("mma:128") == ("mma", 128)

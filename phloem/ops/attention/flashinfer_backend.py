@@ -16,17 +16,11 @@ prefill kernel) for A/B runs (`fp8_decode_kernel`, `fp8_decode_path`):
   prefill    (default) the fa2 prefill kernel at q_len 1, bf16 queries, e4m3 tiles converted
   cuda_core  the CUDA-core batch decode kernel, for the GQA groups it is compiled for
              (`FP8_DECODE_GROUP_SIZES`)
-  xqa        FlashInfer's `xqa_batch_decode_with_kv_cache`, TensorRT-LLM's XQA decode kernel; on
-             sm_90 with an e4m3 cache its FP8 GMMA kernel (`mha_sm90.cu`): the query is rounded
-             to e4m3 and the scores are computed as K . q^T (64 KV tokens as wgmma's M side, the
-             GQA group padded to N = 8), P is rounded to e4m3 for P . V with V transposed in
-             shared memory, KV pages come by TMA. It reads a dense [B, pages] page table and
-             uint32 lengths (`dense_page_table`, planned per step like the others) and a
-             zeroed workspace of its own (its semaphores reset themselves after each launch).
+  xqa        FlashInfer's XQA decode kernel, e4m3 math (`flashinfer_xqa.py`)
 
 The prefill and CUDA-core kernels take the layer's per-tensor scales as FlashInfer defines
-them: `k_scale` multiplies the softmax scale, `v_scale` the output; XQA's as bmm1_scale
-(softmax scale * k_scale) and bmm2_scale (v_scale). `benchmarks/fp8_kv_decode.py` times them.
+them: `k_scale` multiplies the softmax scale, `v_scale` the output.
+`benchmarks/fp8_kv_decode.py` times every FP8 decode kernel.
 
 Per step, `begin_step(meta)` plans once on the host (FlashInfer's `plan()`: work partition,
 split-KV decisions); every layer's `forward` then only launches the kernel. A decode step captured
@@ -41,35 +35,30 @@ of those rows; the launch grid is fixed, the work per block varies with the page
 KV layout: phloem's cache tensor is FlashInfer's "NHD" paged layout (`[num_blocks, 2, block_size,
 H_kv, D]`), passed as is; an "HND" cache (`kv_store.allocate_kv_cache`) is a transposed view of a
 contiguous `[num_blocks, 2, H_kv, block_size, D]` tensor, FlashInfer's "HND", passed transposed
-back. For sequence b the page table is its first ceil(L_b / block_size) block ids and the last
-page holds L_b - (n_pages - 1) * block_size tokens:
-
-    |-- page 0 --|-- page 1 --| ... |-- last page (last_page_len tokens) --|
+back. Page tables: `page_tables.py`.
 """
 
 from __future__ import annotations
 
 import builtins
-import itertools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from phloem.config import KV_LAYOUTS
+from phloem.ops.attention.flashinfer_xqa import XQA_PAGE_SIZES, XqaDecode, XqaStep
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
+from phloem.ops.attention.page_tables import paged_kv_layout
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
-from phloem.ops.staging import pinned, to_device
+from phloem.ops.staging import pinned
 
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
 # GQA groups whose FP8 decode steps can run FlashInfer's CUDA-core batch decode kernel
 FP8_DECODE_GROUP_SIZES = (1, 2, 3, 4)
 FP8_DECODE_KERNELS = ("prefill", "cuda_core", "xqa")  # PHLOEM_FP8_DECODE_KERNEL's choices
-XQA_PAGE_SIZES = (16, 32, 64, 128)  # the block sizes FlashInfer's XQA module compiles for
-_XQA_WORKSPACE_BYTES = 32 << 20  # 8 MiB of semaphores, then multi-block partials (< 1 MiB)
 
 
 def fp8_decode_kernel(environ: Mapping[str, str] | None = None) -> str:
@@ -112,23 +101,6 @@ def fp8_decode_on_cuda_cores(gqa_group: int) -> bool:
     return gqa_group in FP8_DECODE_GROUP_SIZES and fp8_decode_kernel() == "cuda_core"
 
 
-def dense_page_table(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
-    """A step's page table as XQA reads it, on the host: row b holds sequence b's first
-    ceil(L_b / block_size) block ids, then zeros (never read) up to the step's longest.
-
-    Returns:
-        (table int32 [B, max(1, longest page count)], seq_lens int32 [B]).
-    Raises:
-        ValueError: as `paged_kv_layout`, for a block table too short for its length.
-    """
-    indptr, indices, _ = (t.numpy() for t in paged_kv_layout(meta))
-    pages = np.diff(indptr)
-    table = np.zeros((len(pages), max(1, int(pages.max(initial=0)))), dtype=np.int32)
-    rows = np.repeat(np.arange(len(pages)), pages)
-    table[rows, np.arange(len(indices)) - indptr[:-1][rows]] = indices
-    return table, np.asarray(meta.seq_lens_cpu, dtype=np.int32)
-
-
 def tensor_max(*args, **kwargs):
     """Python's `max`, but one `Tensor.max()` for a single non-empty 1-D CPU tensor.
 
@@ -155,53 +127,6 @@ def _install_tensor_max(module) -> None:
     """
     if getattr(module, "max", None) is not tensor_max:
         module.max = tensor_max
-
-
-def paged_kv_layout(
-    meta: AttentionMetadata,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page table of a step, on the host.
-
-    Returns:
-        (kv_indptr int32 [B + 1], kv_indices int32 [kv_indptr[-1]], last_page_len int32 [B]).
-    Raises:
-        ValueError: if the metadata lacks `block_tables_cpu` or a table is too short.
-    """
-    bs = meta.block_size
-    tables = meta.block_tables_cpu
-    if tables is None:
-        tables = meta.block_tables.tolist()  # one device sync; builders should pass host tables
-    seq_lens = np.array(meta.seq_lens_cpu, dtype=np.int64)
-    num_pages = (seq_lens + bs - 1) // bs
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    short = np.flatnonzero(lengths < num_pages)
-    if short.size:
-        b = int(short[0])
-        raise ValueError(f"sequence {b}: block table has {lengths[b]} blocks, needs {num_pages[b]}")
-    pages = num_pages.tolist()
-    total = int(num_pages.sum())
-    indices = np.fromiter(
-        itertools.chain.from_iterable(itertools.starmap(_head, zip(tables, pages))),
-        dtype=np.int32,
-        count=total,
-    )
-    indptr = np.zeros(len(pages) + 1, dtype=np.int32)
-    np.cumsum(num_pages, out=indptr[1:])
-    last = (seq_lens - (num_pages - 1) * bs).astype(np.int32)
-    return pinned(indptr), pinned(indices), pinned(last)
-
-
-def _head(table: list[int], n: int) -> list[int]:
-    return table if len(table) == n else table[:n]
-
-
-@dataclass
-class _XqaStep:
-    """A planned XQA decode step on the device: tables int32 [B, W] (`dense_page_table`,
-    W >= the step's longest page count) and seq_lens int32 [B] (read as uint32)."""
-
-    tables: torch.Tensor
-    seq_lens: torch.Tensor
 
 
 class FlashInferAttention(AttentionBackend):
@@ -280,10 +205,7 @@ class FlashInferAttention(AttentionBackend):
             self.fp8_decode_kernel = fp8_decode_kernel() if fp8_decode is None else fp8_decode
         fp8_decode_path(self.fp8_decode_kernel, 1, head_dim, 16)  # validates the name
         self._eager_decode = None
-        self._xqa_workspace: torch.Tensor | None = None  # XQA's own, zeroed at its first plan
-        self._block_size = 0  # the planned XQA step's
-        self._xqa_graph: dict[int, _XqaStep] = {}  # batch -> its fixed buffers
-        self._xqa_buffer: torch.Tensor | None = None  # shared by those buffers
+        self._xqa = XqaDecode(self.device, max_num_blocks_per_seq)  # PHLOEM_FP8_DECODE_KERNEL=xqa
         self._active = None
         self._num_query_tokens = 0
 
@@ -364,46 +286,10 @@ class FlashInferAttention(AttentionBackend):
             )
         return self._eager_decode
 
-    def _xqa_graph_step(self, batch_size: int) -> _XqaStep:
-        """The fixed buffers of XQA graphs of `batch_size` sequences (made once): a page table
-        [batch_size, max_num_blocks_per_seq] and lengths [batch_size], views of one buffer that
-        every bucket made after its last growth shares (only one graph replays at a time, and
-        each replay's plan rewrites them first; `_graph_indices`' rule)."""
-        step = self._xqa_graph.get(batch_size)
-        if step is None:
-            width = self.max_num_blocks_per_seq
-            need = batch_size * (width + 1)
-            if self._xqa_buffer is None or self._xqa_buffer.numel() < need:
-                self._xqa_buffer = torch.zeros(need, dtype=torch.int32, device=self.device)
-            tables = self._xqa_buffer[: batch_size * width].view(batch_size, width)
-            lens = self._xqa_buffer[batch_size * width : need]
-            step = self._xqa_graph[batch_size] = _XqaStep(tables, lens)
-        return step
-
     def _plan_xqa(self, meta: AttentionMetadata, graph: bool) -> None:
-        """Plan an XQA decode step: its dense page table and lengths to the device (into the
-        graph's fixed buffers for a replay, else fresh tensors).
-
-        Raises:
-            ValueError: for a step whose longest table exceeds max_num_blocks_per_seq (graphs).
-        """
-        if self._xqa_workspace is None:  # here, never inside a graph capture (its semaphores
-            # must be 0 before the first launch, eager or replayed)
-            self._xqa_workspace = torch.zeros(_XQA_WORKSPACE_BYTES, dtype=torch.uint8,
-                                              device=self.device)  # fmt: skip
-        table, lens = dense_page_table(meta)
-        if not graph:
-            self._active = _XqaStep(to_device(table, self.device), to_device(lens, self.device))
-        else:
-            step = self._xqa_graph_step(meta.num_seqs)
-            if table.shape[1] > step.tables.shape[1]:
-                raise ValueError(f"a sequence needs {table.shape[1]} pages, graphs hold "
-                                 f"{step.tables.shape[1]}")  # fmt: skip
-            step.tables[:, : table.shape[1]].copy_(pinned(table), non_blocking=True)
-            step.seq_lens.copy_(pinned(lens), non_blocking=True)
-            self._active = step
+        """Plan an XQA decode step (`XqaDecode.plan`), which becomes the active one."""
+        self._active = self._xqa.plan(meta, graph)
         self._num_query_tokens = meta.query_start_loc_cpu[-1]
-        self._block_size = meta.block_size
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Plan an eager step (host work, one small host-to-device copy). Call once per step,
@@ -523,10 +409,11 @@ class FlashInferAttention(AttentionBackend):
         if self.kv_layout == "HND":
             kv_cache = kv_cache.transpose(2, 3)  # the contiguous [num_blocks, 2, H_kv, bs, D]
         num_tokens = self._num_query_tokens
-        if isinstance(self._active, _XqaStep):
+        if isinstance(self._active, XqaStep):
             out = torch.empty_like(query) if out is None else out
             out[num_tokens:].zero_()
-            self._xqa_run(query[:num_tokens], kv_cache, out[:num_tokens], k_scale, v_scale)
+            self._xqa.run(self._active, query[:num_tokens], kv_cache, out[:num_tokens],
+                          self.scale * k_scale, v_scale, self.kv_layout)  # fmt: skip
             return out
         scales = {}
         if self.kv_dtype == torch.float8_e4m3fn:  # a scale of 1.0 is left out (run() would
@@ -540,19 +427,6 @@ class FlashInferAttention(AttentionBackend):
         out[num_tokens:].zero_()
         self._active.run(query[:num_tokens], kv_cache, out=out[:num_tokens], **scales)
         return out
-
-    def _xqa_run(self, query, kv_cache, out, k_scale: float, v_scale: float) -> None:
-        """XQA over the planned step (`self._active`) into `out` ([B, H, D], contiguous); the
-        kernel reads the query as a contiguous [B, H, D] (a strided view is copied first)."""
-        from flashinfer.decode import xqa_batch_decode_with_kv_cache
-
-        step = self._active
-        xqa_batch_decode_with_kv_cache(
-            query.contiguous(), kv_cache, self._xqa_workspace, step.tables,
-            step.seq_lens.view(torch.uint32), step.tables.shape[1] * self._block_size,
-            bmm1_scale=self.scale * k_scale, bmm2_scale=v_scale, out=out,
-            kv_layout=self.kv_layout,
-        )  # fmt: skip
 
     def end_step(self) -> None:
         """Forget the step's plan (the next forward without `begin_step` plans again)."""

@@ -20,27 +20,7 @@ A program handles the GQA query heads of one KV head together (rows of a BLOCK_M
 `tl.dot`), so every KV byte is read once; the inner step is the shared-prefix kernel's `kv_step`
 (online softmax in log2 units, float32 state).
 
-An FP8 (e4m3) cache with 16-bit queries computes in float16 by default (F16_MATH, `fp8_math="f16"`,
-as the shared-prefix kernel does): the query is pre-scaled by softmax scale * log2(e) in float32
-and rounded to float16 (far below 65,504), each K / V tile converts e4m3 -> float16, one exact
-`cvt.rn.f16x2.e4m3x2` per 2 elements; k_scale multiplies the scores and v_scale the normalized
-output, never the tiles. Converting to bfloat16 instead (`fp8_math="q"`) goes e4m3 -> f16 -> bf16,
-a second instruction per element: for sm_90 the inner loop of a 32-token tile is 510 SASS
-instructions a warp in bf16 math, 431 in float16, 265 over a bf16 cache (nvdisasm of the CPU
-build, benchmarks/results/2026-11-27f-cpu-fp8-kv-decode). What remains above bf16 is V: the P.V
-`tl.dot` takes V [BLOCK_N, D] with the reduced token axis strided, which `ldmatrix.trans` serves
-for 16-bit elements but not 8-bit ones, so Triton stages the e4m3 tile in shared memory and reads
-it back a byte at a time (LDS.U8), converting after the read wherever the source converts it.
-
-`fp8_math="mma"` (FP8_MMA; PHLOEM_SMALL_DECODE_FP8=mma:128 for the engine) multiplies e4m3 by
-e4m3 on the tensor cores instead, with the operands swapped as TensorRT-LLM's XQA does: S^T = K q^T
-puts BLOCK_N KV tokens on the MMA's M side (>= 64: sm_90's wgmma) and the GQA group, padded to 16,
-on N; O^T += V^T P^T with P scaled by 448 and rounded to e4m3 (V^T transposed through shared
-memory by byte stores). The query is rounded to e4m3 (clamped, unscaled; the float32 scores carry
-softmax scale * log2(e) * k_scale), so its error is that of XQA's math (~3-4% relative against
-float64 on random data, vs ~0.3% for "f16"). sm_90 SASS: 785 instructions a warp per 128-token
-tile at 4 warps, 785 per 32 tokens a program against 1,060 for a bf16 cache at the engine's
-options and 1,724 for "f16".
+An FP8 (e4m3) cache's maths (`fp8_math`: F16_MATH, FP8_MMA) are described in `small_decode_fp8.py`.
 
 Running under the interpreter: set TRITON_INTERPRET=1 before this module is first imported (the
 decorator reads it); tensors may then live on the CPU (programs run one after another there).
@@ -48,43 +28,16 @@ decorator reads it); tensors may then live on the CPU (programs run one after an
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from phloem.ops.attention.shared_prefix_triton import kv_step
-from phloem.ops.kv_store import FP8_KV_DTYPE
+from phloem.ops.attention.small_decode_fp8 import fp8_mode
 
 _LOG2E = 1.4426950408889634
 FP8_P_SCALE = tl.constexpr(448.0)  # P (in [0, 1]) times e4m3's largest value before rounding
-FP8_MATHS = ("f16", "q", "mma")  # `small_decode_launch`'s fp8_math choices
-FP8_ENV = "PHLOEM_SMALL_DECODE_FP8"  # "<fp8_math>[:<block_n>]", an FP8 cache's launch defaults
-
-
-@functools.cache
-def fp8_launch_defaults(value: str | None = None) -> tuple[str, int | None]:
-    """(fp8_math, block_n or None) of an FP8 cache's launches that do not name fp8_math, from
-    `value` (None: PHLOEM_SMALL_DECODE_FP8, read once; cache_clear() re-reads): "f16" (default),
-    "q" or "mma", optionally ":<block_n>" (a power of 2 >= 16), e.g. "mma:128" for A/B runs of
-    the engine, whose small-decode backend passes no fp8_math.
-
-    Raises:
-        ValueError: naming PHLOEM_SMALL_DECODE_FP8 for another value.
-    """
-    value = os.environ.get(FP8_ENV, "") if value is None else value
-    math, sep, block = (value or "f16").partition(":")
-    power = block.isdigit() and int(block) >= 16 and int(block) & (int(block) - 1) == 0
-    ok = math in FP8_MATHS and (power or not sep)
-    if not ok:
-        raise ValueError(f"{FP8_ENV} must be <{'|'.join(FP8_MATHS)}>[:<block_n, a power of 2 "
-                         f">= 16>], got {value!r}")  # fmt: skip
-    return math, int(block) if block else None
-
-
 _INDEX_PTRS = ["count_ptr", "seq_lens_ptr", "indptr_ptr", "pages_ptr"]
 
 
@@ -343,6 +296,23 @@ def _store_split(
             tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed")  # ready for the next launch
 
 
+@triton.jit
+def _load_query(q_ptr, b, kvh, s_qt, s_qh, rows, row_ok, offs_d, d_ok, scale_log2, k_scale,
+                GQA: tl.constexpr, F16_MATH: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    # the GQA query rows of KV head kvh [BLOCK_M, BLOCK_D] and s_mul, what multiplies q . k to
+    # give log2-unit scores (an FP8 cache's k_scale folded in)
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qt + (kvh * GQA + rows)[:, None] * s_qh
+                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    if F16_MATH:  # FP8 cache: float16 math over a pre-scaled query (module docstring)
+        q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+        s_mul = k_scale
+    else:
+        s_mul = scale_log2 * k_scale
+    if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9)
+        q = q.to(tl.float32)
+    return q, s_mul
+
+
 # split_tokens is not specialized (not on 1, not on multiples of 16): one compiled kernel serves
 # every batch bucket; the grid's third dimension is the bucket's S_max.
 @triton.jit(do_not_specialize=["split_tokens"], do_not_specialize_on_alignment=_INDEX_PTRS)
@@ -375,16 +345,8 @@ def small_decode_kernel(
         row_ok = rows < GQA
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + b.to(tl.int64) * s_qt + (kvh * GQA + rows)[:, None] * s_qh
-                    + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
-        # s_mul: what multiplies q . k to give log2-unit scores (an FP8 cache's k_scale folded in)
-        if F16_MATH:  # FP8 cache: float16 math over a pre-scaled query (module docstring)
-            q = (q.to(tl.float32) * scale_log2).to(tl.float16)
-            s_mul = k_scale
-        else:
-            s_mul = scale_log2 * k_scale
-        if INTERPRET:  # the interpreter's bf16 tl.dot returns garbage (Triton 3.9)
-            q = q.to(tl.float32)
+        q, s_mul = _load_query(q_ptr, b, kvh, s_qt, s_qh, rows, row_ok, offs_d, d_ok,
+                               scale_log2, k_scale, GQA, F16_MATH, INTERPRET)  # fmt: skip
         if FP8_MMA:  # an FP8 cache on FP8 tensor cores (module docstring)
             m_i, l_i, acc = _split_softmax_fp8_mma(
                 q, kv_begin, kv_end, kv_ptr, pages_ptr, blk_off, kvh, s_mul, s_kb, s_kkv, s_ks,
@@ -424,26 +386,13 @@ def _tile_sizes(head_dim: int, gqa: int) -> tuple[int, int, int, int]:
 
 
 def small_decode_launch(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    out: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_indptr: torch.Tensor,
-    page_indices: torch.Tensor,
-    opart: torch.Tensor,
-    lpart: torch.Tensor,
-    counters: torch.Tensor,
-    max_splits: int,
-    split_tokens: int,
-    scale: float,
-    block_n: int = 32,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    prefetch: bool = False,
+    query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
+    page_indptr: torch.Tensor, page_indices: torch.Tensor, opart: torch.Tensor,
+    lpart: torch.Tensor, counters: torch.Tensor, max_splits: int, split_tokens: int,
+    scale: float, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
+    k_scale: float = 1.0, v_scale: float = 1.0, prefetch: bool = False,
     fp8_math: str | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """One launch of `small_decode_kernel` over grid (B, H_kv, max_splits); writes `out`.
 
     Args:
@@ -459,11 +408,8 @@ def small_decode_launch(
             tokens a split (>= 1; `small_decode.splits_used`: one split, no merge).
         scale: softmax scale; block_n: KV tokens per inner step (power of 2, >= 16).
         prefetch: the register-pipelined inner loop (`_split_softmax_prefetch`; A/B option).
-        fp8_math: an FP8 cache with bf16/fp16 queries computes in "f16" (float16 over a
-            pre-scaled query), "q" (the query's dtype) or "mma" (e4m3 x e4m3 on FP8 tensor
-            cores, the query and P rounded to e4m3; block_n >= 64 for sm_90's wgmma); None:
-            `fp8_launch_defaults()` (default "f16"; its block_n, if any, replaces block_n).
-            Ignored for other caches.
+        fp8_math: an FP8 cache's math with bf16/fp16 queries (`small_decode_fp8.fp8_mode`;
+            None: `fp8_launch_defaults()`'s); ignored for other caches.
     Raises:
         ValueError: for a float64 query, a GQA group above 128 rows, split_tokens < 1 or an
             unknown fp8_math.
@@ -474,16 +420,9 @@ def small_decode_launch(
     if query.dtype == torch.float64 or gqa > 128 or split_tokens < 1:
         raise ValueError(f"small decode kernel: {query.dtype}, GQA {gqa}, split_tokens "
                          f"{split_tokens} (use the torch path)")  # fmt: skip
-    fp8 = kv_cache.dtype == FP8_KV_DTYPE
-    if fp8_math is None:
-        fp8_math, env_block_n = fp8_launch_defaults() if fp8 else ("f16", None)
-        block_n = env_block_n or block_n
-    if fp8_math not in FP8_MATHS:
-        raise ValueError(f"fp8_math must be one of {FP8_MATHS}, got {fp8_math!r}")
-    if not fp8:
-        k_scale = v_scale = 1.0
-    half = query.dtype in (torch.bfloat16, torch.float16)
-    f16_math, fp8_mma = fp8 and half and fp8_math == "f16", fp8 and half and fp8_math == "mma"
+    f16_math, fp8_mma, block_n, k_scale, v_scale = fp8_mode(
+        query.dtype, kv_cache.dtype, fp8_math, block_n, k_scale, v_scale
+    )
     block_d, g, block_m, chunk = _tile_sizes(head_dim, gqa)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     small_decode_kernel[(batch, num_kv_heads, max_splits)](
