@@ -103,8 +103,9 @@ def _greedy(path: str, prompts: list[list[int]], spec: dict | None):
     """Greedy tokens, the verify graphs' replays (None: no verify runner) and their buckets."""
     from phloem import LLM, SamplingParams
 
-    # at most 64 sequences: fewer decode graphs to capture per engine
-    llm = LLM(path, load_format="dummy", max_model_len=1024, gpu_memory_utilization=0.5,
+    # at most 64 sequences: fewer decode graphs to capture per engine; a fixed 2 GiB KV cache
+    # (not a share of the GPU, which earlier test files' engines may still hold)
+    llm = LLM(path, load_format="dummy", max_model_len=1024, kv_cache_memory_bytes=2 << 30,
               max_num_seqs=64, speculative_config=spec)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
