@@ -50,11 +50,11 @@ from phloem.ops.attention.flashinfer_backend import (
     fp8_decode_on_cuda_cores,
     fp8_decode_path,
 )
+from phloem.ops.attention.flashinfer_xqa import XQA_CAPABILITY_MAJORS
 
 logger = logging.getLogger(__name__)
 
 FP8_KV = "float8_e4m3fn"  # the torch dtype name of an FP8 KV cache
-XQA_CAPABILITY_MAJORS = (9, 10, 12)  # where FlashInfer's XQA compiles and runs (sm_90/100/120)
 
 
 @dataclass(frozen=True)

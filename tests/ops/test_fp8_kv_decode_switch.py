@@ -117,3 +117,20 @@ def test_xqa_steps_get_their_tables_lengths_and_scales(fake_flashinfer, layout):
         backend.end_step()
         torch.testing.assert_close(got[:3].double(), want[:3], rtol=1e-2, atol=1e-2)  # bf16 out
         assert got[3].eq(0).all()
+
+
+def test_xqa_refused_on_a_gpu_it_does_not_run_on(fake_flashinfer, monkeypatch):
+    """XQA asked for on an sm_89 GPU (FP8 tensor cores, no XQA FP8 kernel) fails at construction,
+    before any allocation, naming the variable; sm_90 passes; other kernels are not checked."""
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+    from phloem.ops.attention.flashinfer_xqa import check_xqa_device
+
+    capability = {"value": (8, 9)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["value"])
+    with pytest.raises(ValueError, match=r"PHLOEM_FP8_DECODE_KERNEL=xqa .* this one is 8\.9"):
+        FlashInferAttention(8, 2, 32, torch.bfloat16, "cuda:0", kv_dtype=torch.float8_e4m3fn,
+                            fp8_decode="xqa")  # fmt: skip
+    check_xqa_device("prefill", torch.device("cuda:0"))
+    check_xqa_device("xqa", torch.device("cpu"))
+    capability["value"] = (9, 0)
+    check_xqa_device("xqa", torch.device("cuda:0"))

@@ -48,7 +48,12 @@ import numpy as np
 import torch
 
 from phloem.config import KV_LAYOUTS
-from phloem.ops.attention.flashinfer_xqa import XQA_PAGE_SIZES, XqaDecode, XqaStep
+from phloem.ops.attention.flashinfer_xqa import (
+    XQA_PAGE_SIZES,
+    XqaDecode,
+    XqaStep,
+    check_xqa_device,
+)
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
 from phloem.ops.attention.page_tables import paged_kv_layout
@@ -149,8 +154,8 @@ class FlashInferAttention(AttentionBackend):
         fp8_decode: the kernel asked for an FP8 cache's decode-only steps (`FP8_DECODE_KERNELS`;
             None: PHLOEM_FP8_DECODE_KERNEL's); unused for a cache in the query's dtype.
     Raises:
-        ValueError: for an unknown kv_layout or fp8_decode, or num_heads not a multiple of
-            num_kv_heads.
+        ValueError: for an unknown kv_layout or fp8_decode, num_heads not a multiple of
+            num_kv_heads, or "xqa" asked for on a GPU XQA does not run on.
     """
 
     name = "flashinfer"
@@ -191,6 +196,12 @@ class FlashInferAttention(AttentionBackend):
         self.device = torch.device(device)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.max_num_blocks_per_seq = max_num_blocks_per_seq
+        # FP8 cache: the kernel asked for its decode-only steps (module docstring)
+        self.fp8_decode_kernel = "prefill"
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self.fp8_decode_kernel = fp8_decode_kernel() if fp8_decode is None else fp8_decode
+        fp8_decode_path(self.fp8_decode_kernel, 1, head_dim, 16)  # validates the name
+        check_xqa_device(self.fp8_decode_kernel, self.device)
         workspace_bytes = _WORKSPACE_BYTES * max(1, -(-max_num_seqs // 256))
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._graph_kv_indices: torch.Tensor | None = None  # shared by the graph wrappers
@@ -199,11 +210,6 @@ class FlashInferAttention(AttentionBackend):
         )
         self._graph_wrappers: dict[int, object] = {}
         self._verify_wrappers: dict[tuple[int, int], object] = {}  # (batch, q) -> wrapper
-        # FP8 cache: the kernel asked for its decode-only steps (module docstring)
-        self.fp8_decode_kernel = "prefill"
-        if self.kv_dtype == torch.float8_e4m3fn:
-            self.fp8_decode_kernel = fp8_decode_kernel() if fp8_decode is None else fp8_decode
-        fp8_decode_path(self.fp8_decode_kernel, 1, head_dim, 16)  # validates the name
         self._eager_decode = None
         self._xqa = XqaDecode(self.device, max_num_blocks_per_seq)  # PHLOEM_FP8_DECODE_KERNEL=xqa
         self._active = None

@@ -25,7 +25,23 @@ from phloem.ops.attention.page_tables import dense_page_table
 from phloem.ops.staging import pinned, to_device
 
 XQA_PAGE_SIZES = (16, 32, 64, 128)  # the block sizes FlashInfer's XQA module compiles for
+XQA_CAPABILITY_MAJORS = (9, 10, 12)  # where FlashInfer's XQA compiles and runs (sm_90/100/120)
 WORKSPACE_BYTES = 32 << 20  # 8 MiB of semaphores, then multi-block partials (< 1 MiB)
+
+
+def check_xqa_device(kernel: str, device: torch.device) -> None:
+    """Refuse `kernel` "xqa" (PHLOEM_FP8_DECODE_KERNEL) on a CUDA device XQA does not run on.
+
+    Raises:
+        ValueError: naming PHLOEM_FP8_DECODE_KERNEL, the GPUs XQA needs and this one's."""
+    if kernel != "xqa" or device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in XQA_CAPABILITY_MAJORS:
+        raise ValueError(
+            f"PHLOEM_FP8_DECODE_KERNEL=xqa needs a GPU of compute capability "
+            f"{'/'.join(f'{m}.x' for m in XQA_CAPABILITY_MAJORS)}, this one is {major}.{minor}"
+        )
 
 
 @dataclass
