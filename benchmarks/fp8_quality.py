@@ -12,10 +12,16 @@ weights.
 Text: prose from the Python reference documentation shipped with CPython (`pydoc_data.topics`,
 code blocks dropped): English the model was not tuned on, present wherever Python is.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/fp8_quality.py [--num-tokens 2000] [--xqa]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/fp8_quality.py [--num-tokens 2000] [--xqa] \
+        [--kv-scales 4,2,1,0.5]
+
+`--kv-scales MARGINS` measures the KV cache alone with calibrated scales
+(`phloem.worker.kv_calibration`, margin x amax / 448 per layer) beside bf16 and scale 1.0, and
+per layer the K/V statistics behind them (`measure_scales`).
 
 writes benchmarks/results/<date>-cpu-fp8-quality/quality.json (top level: W8A8; "fp8_kv",
-"w8a8_fp8_kv", "bf16": the other variants; with --xqa only "bf16_kv", "fp8_kv", "fp8_kv_xqa").
+"w8a8_fp8_kv", "bf16": the other variants; with --xqa only "bf16_kv", "fp8_kv", "fp8_kv_xqa";
+with --kv-scales the keys `measure_scales` names).
 tests/quantization/test_fp8_quality.py runs the same measurement on 256 tokens.
 """
 
@@ -181,15 +187,107 @@ def measure_kv(num_tokens: int) -> dict:
     return result
 
 
+def set_kv_scales(model, scales: list[tuple[float, float]] | None) -> None:
+    """Give every attention layer of `model` its (k_scale, v_scale) from `scales` (layer
+    order), or 1.0 for both with None (mutates the model)."""
+    from phloem.layers.attention import Attention
+
+    for attn in (m for m in model.modules() if isinstance(m, Attention)):
+        attn.k_scale, attn.v_scale = scales[attn.layer_idx] if scales else (1.0, 1.0)
+
+
+def kv_stats(kv: torch.Tensor, scale: float) -> dict:
+    """Of one layer's K or V (float32 [T, H_kv, D]): the fraction of |x| below 2^-6 (e4m3's
+    smallest normal at scale 1) and 2^-9 (its smallest subnormal), amax, per KV head the
+    fraction below 2^-6, and the e4m3 round trip's relative error (||e4m3(x/s)*s - x|| /
+    ||x||) at scale 1.0 and at `scale`."""
+    from phloem.ops.kv_store import FP8_KV_DTYPE, to_cache_dtype
+
+    a = kv.abs()
+
+    def rel_err(s: float) -> float:
+        back = to_cache_dtype(kv, FP8_KV_DTYPE, s).float() * s
+        return float((back - kv).norm() / kv.norm())
+
+    return {
+        "below_2^-6": float((a < 2**-6).float().mean()),
+        "below_2^-9": float((a < 2**-9).float().mean()),
+        "below_2^-6_per_head": [round(float(x), 4) for x in (a < 2**-6).float().mean((0, 2))],
+        "amax": float(a.amax()),
+        "rel_err_scale_1": rel_err(1.0),
+        "rel_err_calibrated": rel_err(scale),
+    }
+
+
+def measure_scales(num_tokens: int, margins: tuple[float, ...], xqa: bool = False) -> dict:
+    """Calibrated FP8 KV scales (`phloem.worker.kv_calibration`) on the embedded model, dense
+    float32 weights, against the float32 cache on the first `num_tokens` tokens of
+    `held_out_text()`: "bf16_kv", "fp8_kv" (scales 1.0), "fp8_kv_cal_m<margin>" (calibrated on
+    the built-in paragraph, scale = margin * amax / 448), "fp8_kv_cal_random" (on random tokens,
+    the first margin), "fp8_kv_oracle" (amax of the held-out text itself / 448); with `xqa`
+    also scale 1.0 and the first margin read with XQA's rounding. "layers": `kv_stats` of each
+    layer's K and V on the held-out text (calibrated: the first margin's scales)."""
+    from phloem.worker import kv_calibration as cal
+
+    dense, tokenizer = load_embedded(None)
+    token_ids = tokenizer.encode(held_out_text())[:num_tokens]
+    dense_logits = logits_of(dense, token_ids)
+    cal_ids = cal.calibration_token_ids(tokenizer, len(tokenizer))
+    random_ids = cal.calibration_token_ids(None, dense.lm_head.weight.shape[0])
+    held_out = cal.observe_kv(dense, token_ids)
+    amax = [tuple(float(x.abs().amax()) for x in kv) for kv in held_out]
+    runs: dict[str, tuple[list | None, str, bool]] = {"bf16_kv": (None, "bfloat16", False),
+                                                      "fp8_kv": (None, "fp8", False)}  # fmt: skip
+    calibrated = {}
+    for margin in margins:
+        set_kv_scales(dense, None)
+        cal.calibrate_kv_scales(dense, cal_ids, margin)
+        calibrated[margin] = [(a.k_scale, a.v_scale) for a in _attn_layers(dense)]
+        runs[f"fp8_kv_cal_m{margin:g}"] = (calibrated[margin], "fp8", False)
+    set_kv_scales(dense, None)
+    cal.calibrate_kv_scales(dense, random_ids, margins[0])
+    runs["fp8_kv_cal_random"] = ([(a.k_scale, a.v_scale) for a in _attn_layers(dense)], "fp8",
+                                 False)  # fmt: skip
+    runs["fp8_kv_oracle"] = ([(k / 448, v / 448) for k, v in amax], "fp8", False)
+    if xqa:
+        runs["fp8_kv_xqa"] = (None, "fp8", True)
+        runs[f"fp8_kv_cal_m{margins[0]:g}_xqa"] = (calibrated[margins[0]], "fp8", True)
+    result: dict = {"calibration_tokens": len(cal_ids)}
+    for name, (scales, kv_dtype, with_xqa) in runs.items():
+        set_kv_scales(dense, scales)
+        logits = logits_of(dense, token_ids, 16, kv_dtype, xqa=with_xqa)
+        result[name] = compare(dense_logits, logits, token_ids)
+    first = calibrated[margins[0]]
+    result["layers"] = [
+        {"k": kv_stats(kv[0], first[i][0]), "v": kv_stats(kv[1], first[i][1]),
+         "k_scale": first[i][0], "v_scale": first[i][1]}
+        for i, kv in enumerate(held_out)
+    ]  # fmt: skip
+    return result
+
+
+def _attn_layers(model) -> list:
+    """The model's attention layers in `layer_idx` order."""
+    from phloem.layers.attention import Attention
+
+    found = [m for m in model.modules() if isinstance(m, Attention)]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-tokens", type=int, default=2000)
     parser.add_argument("--out", default=None, help="JSON path (default: a dated results dir)")
     parser.add_argument("--xqa", action="store_true",
                         help="the KV cache alone: bf16, FP8, FP8 with XQA's rounding")  # fmt: skip
+    parser.add_argument("--kv-scales", default=None, metavar="MARGINS",
+                        help="calibrated KV scales: comma-separated margins (e.g. 1,2,0.5)")  # fmt: skip
     args = parser.parse_args()
     start = time.perf_counter()
-    if args.xqa:
+    if args.kv_scales:
+        margins = tuple(float(m) for m in args.kv_scales.split(","))
+        result = measure_scales(args.num_tokens, margins, xqa=args.xqa)
+    elif args.xqa:
         result = measure_kv(args.num_tokens)
     else:
         result = measure(args.num_tokens, bf16_context=True, fp8_kv=True)

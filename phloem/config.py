@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "reference", "flashinfer", "shared_prefix")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("NHD", "HND")
+KV_CACHE_SCALES = ("auto", "calibrate")  # `CacheConfig.kv_cache_scales`
 CUDA_GRAPH_MODES = ("piecewise", "decode")  # `ModelConfig.cuda_graph_mode`
 QUANTIZATIONS = ("fp8",)  # `ModelConfig.quantization` (None: the checkpoint's own)
 STRUCTURED_OUTPUT_BACKENDS = ("llguidance", "xgrammar")  # `StructuredOutputsConfig.backend`
@@ -107,6 +108,10 @@ class CacheConfig:
             for K and one for V, from the checkpoint or 1.0; values beyond 448 * scale clamp:
             half the bytes per token, so twice the tokens in the same memory and half the KV
             reads of decode attention; lossy; `phloem.layers.attention`).
+        kv_cache_scales: where an FP8 cache's scales come from when the checkpoint has none:
+            "auto" (1.0) or "calibrate" (once at load, from one forward pass over a built-in
+            paragraph: 4 x amax / 448 per layer, `phloem.worker.kv_calibration`); checkpoint
+            scales always win. "calibrate" needs kv_cache_dtype="fp8".
         kv_layout: the physical order of a block's tokens and KV heads: "NHD" (token-major:
             [num_blocks, 2, block_size, H_kv, D], FlashInfer's default) or "HND" (head-major:
             [num_blocks, 2, H_kv, block_size, D], so one head's block_size x D slice of a block is
@@ -122,10 +127,17 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     kv_layout: str = "NHD"
+    kv_cache_scales: str = "auto"
 
     def validate(self) -> None:
         _positive("block_size", self.block_size)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _one_of("kv_cache_scales", self.kv_cache_scales, KV_CACHE_SCALES)
+        if self.kv_cache_scales == "calibrate" and self.kv_cache_dtype != "fp8":
+            raise ValueError(
+                "kv_cache_scales='calibrate' needs kv_cache_dtype='fp8' (only an FP8 cache has "
+                f"scales), got kv_cache_dtype={self.kv_cache_dtype!r}"
+            )
         _one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         _positive("num_gpu_blocks", self.num_gpu_blocks, allow_none=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)

@@ -24,6 +24,7 @@ from phloem.config import (
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_CACHE_SCALES,
     KV_LAYOUTS,
     LOAD_FORMATS,
     QUANTIZATIONS,
@@ -173,6 +174,12 @@ class EngineArgs:
         "fp8: KV cache in float8 e4m3 with per-layer K/V scales (the checkpoint's, else 1.0): "
         "twice the tokens, half the reads; lossy",
         choices=KV_CACHE_DTYPES,
+    )
+    kv_cache_scales: str = _arg(
+        CacheConfig.kv_cache_scales,
+        "FP8 KV scales without checkpoint ones: auto (1.0) or calibrate (per layer, 4 x amax / 448 "
+        "from one forward pass over a built-in paragraph at load)",
+        choices=KV_CACHE_SCALES,
     )
     kv_layout: str = _arg(
         CacheConfig.kv_layout,
@@ -345,6 +352,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_scales=self.kv_cache_scales,
                 kv_layout=self.kv_layout,
             ),
             scheduler=SchedulerConfig(

@@ -39,7 +39,7 @@ OTHER_VALUES = {
     "kv_layout": "HND", "cache_dir": "/tmp/x", "data_parallel_size": 2,
     "data_parallel_routing": "contiguous", "cuda_graph_mode": "decode",
     "tensor_parallel_size": 2, "max_prefill_tokens_per_step": 256, "quantization": "fp8",
-    "structured_outputs_backend": "xgrammar",
+    "structured_outputs_backend": "xgrammar", "kv_cache_scales": "calibrate",
     "speculative_config": {"method": "suffix", "num_speculative_tokens": 3},
 }  # fmt: skip
 

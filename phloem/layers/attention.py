@@ -14,11 +14,13 @@ floats: constants of a CUDA-graph capture). An FP8 cache stores k / k_scale and 
 e4m3 (`phloem.ops.kv_store`); every writer and backend gets them from here. They come from the
 checkpoint when it has them (`kv_scale_targets`: HF / AutoFP8 `self_attn.k_scale` and
 `v_scale`, or one `kv_scale` for both; compressed-tensors' `k_proj.output_scale` and
-`v_proj.output_scale`); otherwise they are 1.0 (vLLM's default without calibration): e4m3 keeps
-3 mantissa bits over its normal range, 2^-6 to 448, so a scale only matters for values outside
-it, and a per-layer calibration on the embedded model measured no better than 1.0
-(benchmarks/results/2026-11-26-cpu-fp8-quality). A model whose K or V exceed 448 needs
-checkpoint scales (beyond 448 * scale, values clamp). A bf16/fp32 cache ignores them.
+`v_proj.output_scale`); otherwise they are 1.0 (vLLM's default without calibration), or with
+`kv_cache_scales="calibrate"` set once at load from one forward pass
+(`phloem.worker.kv_calibration`, before any CUDA graph is captured). e4m3 keeps 3 mantissa bits
+over its normal range, 2^-6 to 448, so a scale only matters for values outside it
+(benchmarks/results/2026-11-27f-cpu-fp8-kv-scales). A model whose K or V exceed 448 needs
+checkpoint or calibrated scales (beyond 448 * scale, values clamp). A bf16/fp32 cache ignores
+them.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class Attention(nn.Module):
 
     Attributes:
         k_scale, v_scale: the layer's FP8 KV scales (floats > 0; 1.0 unless the checkpoint sets
-            them through `load_kv_scale`).
+            them through `load_kv_scale` or `phloem.worker.kv_calibration` calibrates them).
+        kv_scale_source: where they came from: "default" (1.0), "checkpoint" or "calibrated".
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.kv_scale_source = "default"  # "checkpoint" (load_kv_scale) or "calibrated"
 
     def load_kv_scale(self, which: tuple[str, ...], tensor: Loaded, name: str) -> None:
         """Set the scales in `which` ("k", "v") from the checkpoint tensor `name` (a tensor, or
@@ -106,6 +110,8 @@ class Attention(nn.Module):
         value = check_kv_scale(name, float(tensor.reshape(()).float()))
         for kind in which:
             setattr(self, f"{kind}_scale", value)
+        if which:
+            self.kv_scale_source = "checkpoint"
 
     def forward(
         self,

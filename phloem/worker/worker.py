@@ -126,8 +126,6 @@ class Worker:
             self.compiled_layers = compile_elementwise_layers(self.model)
         sched = scheduler_config or SchedulerConfig()
         self.kv_dtype = FP8_KV_DTYPE if cache_config.kv_cache_dtype == "fp8" else self.dtype
-        if self.kv_dtype == FP8_KV_DTYPE:
-            _log_kv_scales(self.model)
         backend = self._attention_backend(model_config, cache_config, sched)
         backend.defer_prefill_backend(prebuild.deferred_ready)  # fa3 once its module is built
         logger.info("attention backend: %s", backend.name)
@@ -147,6 +145,8 @@ class Worker:
         phases.mark("setup_and_flashinfer_wait")
         triton_s = triton_prebuild.wait()  # before the first launch of a Triton kernel
         phases.mark("triton_wait")
+        if self.kv_dtype == FP8_KV_DTYPE:  # scales are graph constants: fixed before capture
+            _set_kv_scales(self.model, cache_config, source, hf_config.vocab_size)
         self.num_blocks = self._allocate_kv_cache(cache_config, sched, profile_tokens)
         phases.mark("memory_profile_and_kv")
         self._warm_up(model_config, sched, phases, cache_config)
@@ -373,23 +373,33 @@ class Worker:
         return num_blocks
 
 
+def _set_kv_scales(model, cache_config: CacheConfig, source, vocab_size: int) -> None:
+    """An FP8 cache's scales: with `kv_cache_scales="calibrate"` calibrate the layers without
+    checkpoint scales (`phloem.worker.kv_calibration`; mutates the model), then log them."""
+    if cache_config.kv_cache_scales == "calibrate":
+        from phloem.worker.kv_calibration import calibrate_at_load
+
+        calibrate_at_load(model, source, vocab_size)
+    _log_kv_scales(model)
+
+
 def _log_kv_scales(model) -> None:
     """Log where an FP8 KV cache's per-layer scales come from (`Attention.k_scale` / `v_scale`:
-    the checkpoint's, or 1.0 for every layer when it has none)."""
+    the checkpoint's, calibrated ones, or 1.0 for every layer)."""
     from phloem.layers.attention import Attention
 
-    scales = [(m.k_scale, m.v_scale) for m in model.modules() if isinstance(m, Attention)]
-    given = [s for s in scales if s != (1.0, 1.0)]
-    if given:
-        k = [s[0] for s in given]
-        v = [s[1] for s in given]
-        logger.info(
-            "FP8 KV cache: checkpoint scales on %d of %d layers (k_scale %.3g-%.3g, v_scale "
-            "%.3g-%.3g)", len(given), len(scales), min(k), max(k), min(v), max(v),
-        )  # fmt: skip
-    else:
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for source in ("checkpoint", "calibrated"):
+        given = [(m.k_scale, m.v_scale) for m in layers if m.kv_scale_source == source]
+        if given:
+            k, v = [s[0] for s in given], [s[1] for s in given]
+            logger.info(
+                "FP8 KV cache: %s scales on %d of %d layers (k_scale %.3g-%.3g, v_scale "
+                "%.3g-%.3g)", source, len(given), len(layers), min(k), max(k), min(v), max(v),
+            )  # fmt: skip
+    if all(m.kv_scale_source == "default" for m in layers):
         logger.info("FP8 KV cache: no KV scales in the checkpoint, 1.0 for K and V (values "
-                    "beyond +-448 clamp)")  # fmt: skip
+                    "beyond +-448 clamp; kv_cache_scales='calibrate' sets them at load)")  # fmt: skip
 
 
 def _num_heads(model) -> int:
