@@ -311,6 +311,18 @@ class EngineArgs:
             grammar_process=self.structured_outputs_grammar_process,
         )
 
+    def _step_limits(self, usage_context: str) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) with their defaults filled in as
+        `create_engine_config` describes."""
+        seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs is None or (budget is None and self.enable_chunked_prefill):
+            default_seqs, default_budget = step_limit_defaults(usage_context, self.device)
+            seqs = default_seqs if seqs is None else seqs
+            budget = default_budget if budget is None and self.enable_chunked_prefill else budget
+        if budget is None:
+            budget = self.max_model_len or SchedulerConfig.max_model_len
+        return seqs, budget
+
     def create_engine_config(self, usage_context: str = "offline") -> EngineConfig:
         """The validated `EngineConfig` of these settings. `max_num_seqs` None, and
         `max_num_batched_tokens` None with chunked prefill, become `step_limit_defaults`'s for
@@ -324,13 +336,7 @@ class EngineArgs:
             ValueError: naming the field, for an invalid value or usage context.
         """
         self._check_parallel()
-        seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
-        if seqs is None or (budget is None and self.enable_chunked_prefill):
-            default_seqs, default_budget = step_limit_defaults(usage_context, self.device)
-            seqs = default_seqs if seqs is None else seqs
-            budget = default_budget if budget is None and self.enable_chunked_prefill else budget
-        if budget is None:
-            budget = self.max_model_len or SchedulerConfig.max_model_len
+        seqs, budget = self._step_limits(usage_context)
         config = EngineConfig(
             model=ModelConfig(
                 model=self.model,

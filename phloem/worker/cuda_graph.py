@@ -19,9 +19,9 @@ captured for its buckets. Which variant a decode step replays is the backend's `
     DecodePath.GRAPH -> "plain", SHARED_GRAPH -> "shared_prefix", SMALL_GRAPH -> "small_decode"
 
 A capture records the kernels of the variant it was planned for, and a replay is planned for
-the variant it replays, so a replay runs what its capture recorded. The step's K/V writes are sync-free (a sync
-cannot be captured): the forward context says every slot is valid (`ForwardContext.valid_slots`;
-dummy rows write to the scratch block).
+the variant it replays, so a replay runs what its capture recorded. The step's K/V writes are
+sync-free (a sync cannot be captured): the forward context says every slot is valid
+(`ForwardContext.valid_slots`; dummy rows write to the scratch block).
 The graph covers the model's forward pass (hidden states out); logits and sampling run eagerly on
 the B real rows. With `PHLOEM_GRAPH_LOGITS_MAX_BATCH=N` the graphs of buckets <= N also compute
 the logits (the LM head, and under tensor parallelism the all-gather of the vocabulary slices),

@@ -265,9 +265,9 @@ class SharedPrefixAttention(AttentionBackend):
         groups: SharedPrefixMetadata | None = None,
     ) -> None:
         """Plan a padded decode step for the `variant` graph of `meta.num_seqs` sequences:
-        "plain" (and the fallback's other variants) on the fallback; "shared_prefix" into our graph buffers (made at the first
-        call, the capture of the largest batch), with `groups` from `plan_decode` (None, a
-        capture: built from `meta.prefix_lens_cpu`).
+        "plain" (and the fallback's other variants) on the fallback; "shared_prefix" into our
+        graph buffers (made at the first call, the capture of the largest batch), with `groups`
+        from `plan_decode` (None, a capture: built from `meta.prefix_lens_cpu`).
 
         Raises:
             ValueError: for "plain" when the fallback cannot plan graph steps, for an unknown
