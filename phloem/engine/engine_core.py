@@ -42,6 +42,7 @@ from phloem.engine.core_messages import (
     RequestDelta,
     core_decoder,
 )
+from phloem.engine.gc_control import freeze_start_up
 from phloem.engine.llm_engine import LLMEngine, OutputMode
 from phloem.engine_args import EngineArgs
 from phloem.sampling_params import SamplingParams
@@ -233,6 +234,8 @@ def run_engine_core(
 
             trace = StepTraceFile.for_engine(step_trace, engine)
         vocab = engine.hf_config.vocab_size
+        frozen = freeze_start_up()  # full collections in the loop then walk only requests' objects
+        logger.info("engine core: %d start-up objects frozen out of garbage collection", frozen)
         output.send(encoder.encode(CoreReady(engine.max_model_len, vocab, os.getpid())))
         EngineCore(engine, input_socket, output).run()
     except BaseException as e:  # noqa: BLE001 - any escape ends the core: tell the front

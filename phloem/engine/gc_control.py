@@ -7,6 +7,9 @@ them) and while it runs (each full collection stalls the step loop). So: collect
 while a batch is built (`gc_paused`), and the built batch is frozen out of collection while it
 runs (`gc_frozen`), entered before collection resumes. The pauses this removes are measured in
 benchmarks/results/2026-11-23-h200-c/README.md (`bench` reports them as `gc`).
+
+A long-lived process (the server's engine core) instead freezes what its start-up built once,
+for good (`freeze_start_up`), as `phloem serve`'s front does.
 """
 
 from __future__ import annotations
@@ -77,3 +80,21 @@ def gc_frozen() -> Iterator[None]:
         gc.set_threshold(*thresholds)
         if owner:
             gc.unfreeze()
+
+
+def freeze_start_up() -> int:
+    """Collect once, then freeze every object alive now for the life of the process, and collect
+    the young generation once per `YOUNG_GC_THRESHOLD` allocations; returns how many objects
+    were frozen.
+
+    For a process that serves after its start-up (the engine core): the model, the CUDA graphs'
+    Python objects and the engine live until the process ends, and without this every full
+    collection that the serving loop sets off walks all of them again, a pause between two
+    steps that every running stream sees as inter-token latency (vLLM's engine core freezes
+    its start-up heap the same way). Frozen objects are still freed by reference count.
+    """
+    gc.collect()
+    gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], YOUNG_GC_THRESHOLD), *thresholds[1:])
+    return gc.get_freeze_count()

@@ -41,3 +41,18 @@ def test_foreign_frozen_objects_stay_frozen_and_are_counted_once(counted):
             pass
         assert gc.get_freeze_count() > 0
     assert len(counted) == 1 + 3  # one count by the first block (+ the test's own three)
+
+
+def test_freeze_start_up_freezes_what_lives_and_collects_young_objects_less_often(counted):
+    thresholds = gc.get_threshold()
+    try:
+        survivor = [[i] for i in range(1000)]  # start-up state: lives as long as the process
+        cycle: list = []
+        cycle.append(cycle)  # garbage in a cycle: collected first, never frozen
+        del cycle
+        frozen = gc_control.freeze_start_up()
+        assert frozen == gc.get_freeze_count() >= len(survivor)
+        assert gc.get_threshold()[0] == max(thresholds[0], gc_control.YOUNG_GC_THRESHOLD)
+        assert gc.collect() == 0  # nothing unfrozen left over from before the freeze
+    finally:
+        gc.set_threshold(*thresholds)
