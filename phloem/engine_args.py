@@ -50,6 +50,13 @@ OFFLINE_LARGE_GPU_LIMITS = (2048, 8192)
 # benchmarks/results/2026-11-26c-h200-serving): against 256 / 4,096, a 1,000-request burst ran at
 # 53.4 vs 50.9 req/s, the shared-prefix burst at 82.1 vs 73.0, Poisson 20 and 30 req/s level.
 SERVE_LARGE_GPU_LIMITS = (1024, 8192)
+# The server's prefill cap on such a GPU (`max_prefill_tokens_per_step`): while requests stream,
+# prompt chunks take at most 512 tokens of a step. Measured on an H200 against vLLM 0.26.0 in one
+# session (issue 24, benchmarks/results/2026-11-27g-h200/serve): at Poisson 30 req/s, 512/128,
+# TTFT p50 / p99 0.66 / 0.92x vLLM's with it vs 0.72 / 1.52x without, TPOT p50 / p99 0.87 /
+# 0.78x vs 0.92 / 0.88x (no cap let two prompts share a step: mixed steps' p99 53 vs 17 ms);
+# 256 cut TPOT a little more but raised TTFT p99 past vLLM's, 128 could not keep up at 30 req/s.
+SERVE_LARGE_GPU_PREFILL_CAP = 512
 LARGE_GPU_GIB = 70
 USAGE_CONTEXTS = ("offline", "serve")
 
@@ -159,7 +166,9 @@ class EngineArgs:
     max_prefill_tokens_per_step: int | None = _arg(
         SchedulerConfig.max_prefill_tokens_per_step,
         "while running requests stream, prompt chunks get at most this many tokens a step "
-        "after the decodes (steady inter-token latency; default: no cap)",
+        "after the decodes (steady inter-token latency; default: "
+        f"{SERVE_LARGE_GPU_PREFILL_CAP} for the server on a GPU with >= {LARGE_GPU_GIB} GiB, "
+        "else no cap; the step budget lifts it)",
         type=int,
     )
     quantization: str | None = _arg(
@@ -323,6 +332,17 @@ class EngineArgs:
             budget = self.max_model_len or SchedulerConfig.max_model_len
         return seqs, budget
 
+    def _prefill_cap(self, usage_context: str) -> int | None:
+        """`max_prefill_tokens_per_step`, or when None `SERVE_LARGE_GPU_PREFILL_CAP` for the
+        server with chunked prefill on a GPU of >= `LARGE_GPU_GIB` GiB (logged), else None."""
+        cap = self.max_prefill_tokens_per_step
+        if cap is None and usage_context == "serve" and self.enable_chunked_prefill:
+            gib = _cuda_memory_gib(self.device)
+            if gib is not None and gib >= LARGE_GPU_GIB:
+                cap = SERVE_LARGE_GPU_PREFILL_CAP
+                logger.info("max_prefill_tokens_per_step=%d (serve default on this GPU)", cap)
+        return cap
+
     def create_engine_config(self, usage_context: str = "offline") -> EngineConfig:
         """The validated `EngineConfig` of these settings. `max_num_seqs` None, and
         `max_num_batched_tokens` None with chunked prefill, become `step_limit_defaults`'s for
@@ -369,7 +389,7 @@ class EngineArgs:
                 memory_centric_admission=self.memory_centric_admission,
                 async_scheduling=self.async_scheduling,
                 online_prefix_grouping=self.online_prefix_grouping,
-                max_prefill_tokens_per_step=self.max_prefill_tokens_per_step,
+                max_prefill_tokens_per_step=self._prefill_cap(usage_context),
             ),
             seed=self.seed,
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),

@@ -187,6 +187,13 @@ def test_offline_defaults_on_a_large_gpu_are_the_tuned_step_limits(monkeypatch, 
     sched = EngineArgs().create_engine_config("serve").scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (1024, 8192)
     assert "serve on a GPU with 140 GiB" in caplog.text
+    # and its prefill cap (measured against vLLM); offline jobs keep whole-budget steps
+    assert sched.max_prefill_tokens_per_step == engine_args.SERVE_LARGE_GPU_PREFILL_CAP == 512
+    assert EngineArgs().create_engine_config().scheduler.max_prefill_tokens_per_step is None
+    args = EngineArgs(max_prefill_tokens_per_step=8192)
+    assert args.create_engine_config("serve").scheduler.max_prefill_tokens_per_step == 8192
+    args = EngineArgs(enable_chunked_prefill=False, max_model_len=8192)
+    assert args.create_engine_config("serve").scheduler.max_prefill_tokens_per_step is None
     sched = EngineArgs(max_num_seqs=64).create_engine_config().scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (64, 8192)
     sched = EngineArgs(max_num_batched_tokens=1024).create_engine_config().scheduler
@@ -204,6 +211,7 @@ def test_offline_defaults_on_a_cpu_or_small_gpu_are_the_scheduler_defaults(monke
     for usage_context in ("offline", "serve"):
         sched = EngineArgs().create_engine_config(usage_context).scheduler
         assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
+        assert sched.max_prefill_tokens_per_step is None
 
 
 def test_cpu_device_never_asks_cuda():

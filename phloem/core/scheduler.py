@@ -36,6 +36,7 @@ from phloem.core.admission import Admission
 from phloem.core.arrival_groups import ArrivalGroups
 from phloem.core.draft_tokens import NO_DRAFTS, apply_verified, take_drafts
 from phloem.core.kv_manager import KVManager
+from phloem.core.prefill_cap import prefill_cap
 from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.request import Request, RequestStatus, table_prefix
 from phloem.core.scheduler_output import (
@@ -154,7 +155,10 @@ class Scheduler:
         self._finished_ids = []
         requests: list[Request] = []  # the scheduled requests, in row order
         budget, prefill_left = self._schedule_running(
-            output, requests, self.config.max_num_batched_tokens, self._prefill_cap()
+            output,
+            requests,
+            self.config.max_num_batched_tokens,
+            prefill_cap(self.config, self.running, self.waiting),
         )
         num_running_scheduled = len(requests)
         if not output.preempted_seq_ids:
@@ -167,18 +171,6 @@ class Scheduler:
                 budget = self._admit_capped(output, requests, budget, prefill_left)
         self._update_after_schedule(output, requests, num_running_scheduled)
         return output
-
-    def _prefill_cap(self) -> int | None:
-        """`max_prefill_tokens_per_step` while a running request streams (has sampled), else
-        None (with no stream waiting for its next token, prefill takes the whole budget); the
-        rule of docs/DESIGN.md, "Steady inter-token latency": decodes keep their pace while
-        prompts arrive."""
-        cap = self.config.max_prefill_tokens_per_step
-        if cap is not None:
-            for request in self.running:  # the oldest running request usually decodes already
-                if request.output_token_ids or request.num_pending_tokens:
-                    return cap
-        return None
 
     def _admit_capped(
         self, output: SchedulerOutput, requests: list[Request], budget: int, prefill: int | None
@@ -193,7 +185,7 @@ class Scheduler:
         """Schedule the running requests in admission order under `budget` tokens (appended to
         `output.scheduled` and `requests`; each counts as computed at once); returns the budget
         and prefill tokens left. Chunks of more than one token take at most `prefill` (None: no
-        cap, `_prefill_cap`), never the token each later running request may need. Calls
+        cap, `prefill_cap`), never the token each later running request may need. Calls
         nothing per request in the common case (a decode in its block, no drafts)."""
         kv, max_model_len = self.kv, self.config.max_model_len
         block_size, tables = kv.block_size, kv.block_tables

@@ -218,6 +218,27 @@ def test_prefill_cap_bounds_prompt_tokens_while_streams_decode():
         s.update_from_output(out, fake_sampled(s, out))
 
 
+def test_a_burst_lifts_the_cap_until_its_backlog_fits_in_a_few_budgets():
+    from phloem.core.prefill_cap import BURST_BUDGETS
+
+    decoders = requests_of([[i + 1] * 5 for i in range(3)], max_tokens=30, tag="d")
+    s = scheduler(budget=64, max_prefill_tokens_per_step=16)
+    for r in decoders:
+        s.add_request(r)
+    step(s)
+    burst = requests_of([[i + 10] * 40 for i in range(8)], max_tokens=2, tag="b")  # 320 tokens
+    assert 40 * 8 > BURST_BUDGETS * 64
+    for r in burst:
+        s.add_request(r)
+    prompt_tokens = []
+    for _ in range(4):
+        out = s.schedule()
+        prompt_tokens.append(sum(x.num_tokens for x in out.scheduled if x.num_tokens > 1))
+        s.update_from_output(out, fake_sampled(s, out))
+    # 320 tokens wait: the whole budget after the 3 decodes; then 240 (<= 4 x 64) wait: capped
+    assert prompt_tokens[0] == 64 - 3 and max(prompt_tokens[1:]) == 16
+
+
 def test_no_cap_without_streams_and_the_default_takes_the_budget():
     long = requests_of([list(range(1, 200))], max_tokens=2, tag="long")[0]
     s = scheduler(budget=64, max_prefill_tokens_per_step=16)
