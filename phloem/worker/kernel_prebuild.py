@@ -29,7 +29,7 @@ one after the other, and each before the engine can go on. Here:
 
 `phloem prebuild-kernels` runs `build_modules` for a model and settings ahead of time.
 
-    |-- start: prebuild thread (ninja per module: fa2 [| FP8 decode | comm]) --|-- fa3 ------|
+    |-- start: prebuild thread (ninja per module: fa2 [| FP8 decode / XQA | comm]) --|-- fa3 -|
     |-- main:  load weights --------------------|-- wait --|-- profile, warm-up, graphs, steps
 """
 
@@ -50,7 +50,7 @@ from phloem.ops.attention.flashinfer_backend import (
     fp8_decode_on_cuda_cores,
     fp8_decode_path,
 )
-from phloem.ops.attention.flashinfer_xqa import XQA_CAPABILITY_MAJORS
+from phloem.ops.attention.flashinfer_xqa import resolve_fp8_decode, xqa_runs_on
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class FlashInferModule:
     Attributes:
         kind: "prefill" (the batch prefill module: prefill, chunked appends and decode),
             "decode" (the CUDA-core batch decode module, FP8 caches), "xqa" (TensorRT-LLM's
-            XQA decode module, FP8 caches with PHLOEM_FP8_DECODE_KERNEL=xqa) or "comm"
+            XQA decode module, FP8 caches on sm_90/100/120 by default) or "comm"
             (TensorRT-LLM's all-reduce kernels, `FUSED_NORM_COMM`: PHLOEM_TP_ALLREDUCE=
             fused_norm under TP).
         backend: "fa2" or "fa3" for prefill; "" for decode and xqa; "trtllm" for comm.
@@ -112,8 +112,9 @@ def required_modules(
     - the fa2 prefill module (q `dtype`, KV `kv_dtype`), plus the CUDA-core decode module for an
       FP8 cache whose decode steps use it (`fp8_decode_on_cuda_cores`: PHLOEM_FP8_DECODE_KERNEL=
       cuda_core and a GQA group it is compiled for), or the XQA decode module for one whose
-      decode steps run XQA (`fp8_decode_path` gives "xqa" for this head dim and block size)
-      on a GPU XQA runs on (`XQA_CAPABILITY_MAJORS`);
+      decode steps run XQA (`_runs_xqa`: by default, PHLOEM_FP8_DECODE_KERNEL unset or "auto",
+      on every GPU XQA runs on, for the head dims and block sizes it compiles), so its first
+      decode step compiles nothing;
     - the fa3 prefill module too on Hopper (major 9) when prefix sharing wraps FlashInfer
       ("shared_prefix", or "auto" with Triton) and the cache is in the query's dtype.
 
@@ -151,11 +152,13 @@ def required_modules(
 def _runs_xqa(
     head_dim: int, gqa_group: int, block_size: int, cuda_capability: tuple[int, int]
 ) -> bool:
-    """Whether an FP8 cache's decode steps run FlashInfer's XQA kernel: asked for
-    (PHLOEM_FP8_DECODE_KERNEL=xqa), this geometry taken (`fp8_decode_path`) and a GPU it
-    compiles for."""
-    path = fp8_decode_path(fp8_decode_kernel(), gqa_group, head_dim, block_size)
-    return path == "xqa" and cuda_capability[0] in XQA_CAPABILITY_MAJORS
+    """Whether an FP8 cache's decode steps run FlashInfer's XQA kernel, by the backend's rule:
+    PHLOEM_FP8_DECODE_KERNEL resolved for this capability (`resolve_fp8_decode`: "auto" is
+    "xqa" on a GPU XQA runs on), this geometry taken (`fp8_decode_path`), and a GPU it
+    compiles for (an explicit "xqa" elsewhere is the backend's ValueError, not a build)."""
+    kernel = resolve_fp8_decode(fp8_decode_kernel(), cuda_capability)
+    path = fp8_decode_path(kernel, gqa_group, head_dim, block_size)
+    return path == "xqa" and xqa_runs_on(cuda_capability)
 
 
 # The all-reduce + residual + RMSNorm kernel's module (`distributed/fused_norm_all_reduce.py`):

@@ -1,7 +1,7 @@
 """The FP8 KV cache with per-tensor scales on the GPU (issue 18): FlashInfer's FP8 paged kernels
-(batch prefill for every step, eager and replayed in a CUDA graph; batch decode for decode-only
-steps with PHLOEM_FP8_DECODE_KERNEL=cuda_core) and our shared-prefix Triton kernel against float32 attention over the dequantized
-cache, the fused RoPE + KV-write kernel against `write_kv`, and an engine on Llama-3.1-8B shapes
+(batch prefill for every step with PHLOEM_FP8_DECODE_KERNEL=prefill, eager and replayed in a CUDA
+graph; batch decode for decode-only steps with =cuda_core) and our shared-prefix Triton kernel
+against float32 attention over the dequantized cache, the fused RoPE + KV-write kernel against `write_kv`, and an engine on Llama-3.1-8B shapes
 (2 layers, random weights, bf16) with `kv_cache_dtype="fp8"`, alone and with
 `quantization="fp8"`: CUDA graphs give the eager run's tokens, and greedy tokens mostly agree
 with the bf16 cache's (printed; loose bar: random weights have near-tied logits).
@@ -9,12 +9,14 @@ with the bf16 cache's (printed; loose bar: random weights have near-tied logits)
 Scales are far from 1 (k_scale 1/16, v_scale 3/7), so a kernel that drops one is off by that
 factor. Tolerance: relative error ||out - ref|| / ||ref|| <= 1e-2 (bf16 queries and outputs).
 
-PHLOEM_FP8_DECODE_KERNEL=xqa (FlashInfer's XQA kernel, which rounds the query and the softmax
-weights to e4m3): on `benchmarks/fp8_kv_decode.py`'s inputs (K, V ~ N(0, 1) stored in e4m3,
+FlashInfer's XQA kernel (which rounds the query and the softmax weights to e4m3; the default for
+decode-only steps on sm_90/100/120, PHLOEM_FP8_DECODE_KERNEL unset, and =xqa): on
+`benchmarks/fp8_kv_decode.py`'s inputs (K, V ~ N(0, 1) stored in e4m3,
 read with scales 0.5 / 2.0) against float64 at that benchmark's bound for e4m3 math, 8e-2
 (measured 2.9e-2 on an H200), and against its CPU emulation (`XqaEmulatedAttention`, which
 `benchmarks/fp8_quality.py --xqa` measures quality with), eager and replayed in a CUDA graph;
-and an engine with it against the default FP8 path."""
+the default choosing it for the embedded model's, Llama-3.1-8B's and 70B's geometries (each
+within the same bound); and an engine on the default against =prefill."""
 
 from __future__ import annotations
 
@@ -52,14 +54,15 @@ def _fp8(kv: torch.Tensor) -> torch.Tensor:
 def _reference(query, cache8, meta, dtype=torch.float32, scales=(K_SCALE, V_SCALE)):
     from phloem.ops.attention.reference import paged_attention_reference
 
-    return paged_attention_reference(query, cache8, meta, HEAD_DIM**-0.5, dtype, *scales)
+    head_dim = query.shape[-1]
+    return paged_attention_reference(query, cache8, meta, head_dim**-0.5, dtype, *scales)
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 @pytest.mark.parametrize("decode_kernel", ["prefill", "cuda_core"])
 def test_flashinfer_reads_scaled_fp8(kind, decode_kernel, monkeypatch):
-    """Mixed steps run the prefill kernel; decode-only steps too by default, and the CUDA-core
-    batch decode kernel with PHLOEM_FP8_DECODE_KERNEL=cuda_core."""
+    """Mixed steps run the prefill kernel; decode-only steps too with
+    PHLOEM_FP8_DECODE_KERNEL=prefill, and the CUDA-core batch decode kernel with =cuda_core."""
     from phloem.ops.attention.flashinfer_backend import FlashInferAttention
 
     monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", decode_kernel)
@@ -114,11 +117,11 @@ def test_flashinfer_fp8_decode_graph_replays_new_tables(decode_kernel, monkeypat
         assert err <= 1e-2, f"trial {trial}: rel err {err:.2e} for {seqs}"
 
 
-def _xqa_inputs(seqs, seed, num_blocks=None):
+def _xqa_inputs(seqs, seed, num_blocks=None, geometry=(HEADS, KV_HEADS, HEAD_DIM)):
     """`_step`'s inputs as `benchmarks/fp8_kv_decode.py` makes them: K, V ~ N(0, 1) stored in
     e4m3, read with `XQA_SCALES`; unowned slots hold 100 (finite, as an engine's stale blocks
     are, and large, so a read past a sequence's length shows)."""
-    query, kv, meta = _step(seqs, BS, HEADS, KV_HEADS, HEAD_DIM, seed, num_blocks)
+    query, kv, meta = _step(seqs, BS, *geometry, seed, num_blocks)
     return query, kv.nan_to_num(nan=100.0).to(torch.float8_e4m3fn), meta
 
 
@@ -128,7 +131,7 @@ def _xqa_errors(out, query, cache8, meta) -> tuple[float, float]:
     from phloem.ops.attention.reference import XqaEmulatedAttention
 
     want = _reference(query, cache8, meta, torch.float64, XQA_SCALES)
-    emulated = XqaEmulatedAttention().forward(query, cache8, meta, HEAD_DIM**-0.5, None,
+    emulated = XqaEmulatedAttention().forward(query, cache8, meta, query.shape[-1] ** -0.5, None,
                                               *XQA_SCALES)  # fmt: skip
     diff = (out.double() - emulated.double()).norm() / want.norm()
     return _rel_err(out, want), diff.item()
@@ -163,6 +166,42 @@ def test_xqa_decode_against_float64_and_its_emulation(case, monkeypatch):
     assert 1e-2 <= err <= XQA_TOL, err
     if case == "b64_kv1024":
         assert vs_emulation <= 1e-2, vs_emulation
+
+
+@needs_xqa
+@pytest.mark.parametrize(
+    "geometry", [(32, 8, 128), (9, 3, 64), (64, 8, 128)], ids=["llama8b", "smollm2", "llama70b"]
+)
+def test_default_decodes_on_xqa(geometry, monkeypatch):
+    """PHLOEM_FP8_DECODE_KERNEL unset on this GPU: decode-only steps plan XQA, eager and for a
+    graph, for Llama-3.1-8B's heads (group 4), the embedded SmolLM2-135M's (group 3, head dim
+    64) and Llama-3.1-70B's (group 8), each a module of its own, within XQA_TOL of float64
+    and over 1e-2 (e4m3 math: not the prefill kernel's 16-bit math); mixed steps keep the
+    prefill kernel. The default's rule for every other GPU is tested on the CPU
+    (tests/ops/test_fp8_kv_decode_switch.py)."""
+    from phloem.ops.attention.flashinfer_backend import FlashInferAttention
+    from phloem.ops.attention.flashinfer_xqa import XqaStep
+
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL", raising=False)
+    heads, kv_heads, head_dim = geometry
+    rng = random.Random(RUN_SEED)
+    seqs = [(1, rng.randint(1, 3000)) for _ in range(20)]
+    query, cache8, meta = _xqa_inputs(seqs, RUN_SEED, geometry=geometry)
+    backend = FlashInferAttention(heads, kv_heads, head_dim, torch.bfloat16, "cuda",
+                                  kv_dtype=torch.float8_e4m3fn)  # fmt: skip
+    assert backend.fp8_decode_kernel == "xqa" and backend.decode_path(BS) == "xqa"
+    backend.prepare_replay(meta)
+    assert isinstance(backend._active, XqaStep)
+    backend.begin_step(meta)
+    assert isinstance(backend._active, XqaStep)
+    out = backend.forward(query, cache8, meta, head_dim**-0.5, None, *XQA_SCALES)
+    err, vs_emulation = _xqa_errors(out, query, cache8, meta)
+    print(f"default (xqa) {geometry}: rel err vs float64 {err:.2e}, vs the CPU emulation "
+          f"{vs_emulation:.2e}")  # fmt: skip
+    assert 1e-2 <= err <= XQA_TOL, err
+    mixed = _step([(40, 40), (1, 300)], BS, heads, kv_heads, head_dim, RUN_SEED)[2]
+    backend.begin_step(mixed)
+    assert not isinstance(backend._active, XqaStep)
 
 
 @needs_xqa
@@ -286,24 +325,25 @@ def test_fp8_kv_engine_graphs_and_agreement(setup, quantization):
 
 @needs_xqa
 def test_fp8_kv_xqa_engine_graphs_and_agreement(setup, monkeypatch):
-    """An engine with PHLOEM_FP8_DECODE_KERNEL=xqa (decode-only steps on XQA; prefill on the
-    same fa2 kernel as the default FP8 path): CUDA graphs give the eager run's tokens (the same
-    kernel at the same batch and split); against the default FP8 path the first tokens (from
-    the prefill, same kernel) are equal and the first decoded ones (XQA's first) agree for at
-    least 2 of the 8 prompts. A loose bar: random weights have near-tied logits (the FP8 cache
-    against bf16 agreed on 0.75 of first tokens, diverging after 0-16 tokens, on the H200),
-    while a kernel that misread the cache or dropped a scale would flip nearly every argmax."""
+    """An engine on the default decode kernel of an FP8 cache here, XQA (PHLOEM_FP8_DECODE_KERNEL
+    unset: decode-only steps on XQA, `test_default_decodes_on_xqa`; prefill on the same fa2
+    kernel as =prefill): CUDA graphs give the eager run's tokens (the same kernel at the same
+    batch and split); against =prefill (XQA off) the first tokens (from the prefill, same
+    kernel) are equal and the first decoded ones (XQA's first) agree for at least 2 of the 8
+    prompts. A loose bar: random weights have near-tied logits (the FP8 cache against bf16
+    agreed on 0.75 of first tokens, diverging after 0-16 tokens, on the H200), while a kernel
+    that misread the cache or dropped a scale would flip nearly every argmax."""
     path, prompts = setup
-    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL", raising=False)
-    default, _ = greedy(path, prompts, kv_cache_dtype="fp8")
-    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "xqa")
+    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "prefill")
+    prefill, _ = greedy(path, prompts, kv_cache_dtype="fp8")
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL")
     eager, _ = greedy(path, prompts, kv_cache_dtype="fp8", enforce_eager=True)
     graphed, graphs = greedy(path, prompts, kv_cache_dtype="fp8")
     assert graphs, "CUDA graphs were not captured"
     assert graphed == eager
-    first, prefix = first_token_agreement(graphed, default)
-    second = sum(a[1] == b[1] for a, b in zip(graphed, default)) / len(default)
-    print(f"fp8 kv, xqa vs the default fp8 path: first-token agreement {first:.2f}, first "
+    first, prefix = first_token_agreement(graphed, prefill)
+    second = sum(a[1] == b[1] for a, b in zip(graphed, prefill)) / len(prefill)
+    print(f"fp8 kv, default (xqa) vs =prefill: first-token agreement {first:.2f}, first "
           f"decoded token {second:.2f}, tokens before divergence {prefix}")  # fmt: skip
     assert first == 1.0, (first, prefix)
     assert second >= 0.25, (second, prefix)

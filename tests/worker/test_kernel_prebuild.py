@@ -44,23 +44,26 @@ def _names(modules):
         ("auto", 128, BF16, HOPPER, False, [("prefill", "fa2", BF16)]),  # no prefix-sharing wrap
         ("shared_prefix", 64, BF16, HOPPER, False, [("prefill", "fa2", BF16), ("prefill", "fa3", BF16)]),
         ("flashinfer", 128, BF16, HOPPER, True, [("prefill", "fa2", BF16)]),
-        ("auto", 128, FP8, HOPPER, True, [("prefill", "fa2", FP8)]),  # decodes on prefill
+        ("auto", 128, FP8, HOPPER, True, [("prefill", "fa2", FP8), ("xqa", "", FP8)]),  # decodes on XQA
+        ("auto", 128, FP8, AMPERE, True, [("prefill", "fa2", FP8)]),  # decodes on prefill
         ("auto", 96, BF16, HOPPER, True, []),  # the reference serves head dims FlashInfer lacks
         ("flashinfer", 96, BF16, HOPPER, True, [("prefill", "fa2", BF16)]),  # asked for: tried
         ("reference", 128, BF16, HOPPER, True, []),
         ("auto", 128, BF16, None, True, []),  # no GPU
     ],
 )  # fmt: skip
-def test_required_modules(backend, head_dim, kv, capability, triton, expected):
+def test_required_modules(backend, head_dim, kv, capability, triton, expected, monkeypatch):
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL", raising=False)  # the default, "auto"
     modules = required_modules(backend, head_dim, BF16, kv, capability, triton)
     assert _names(modules) == expected
     assert all(m.q_dtype == BF16 and m.head_dim == head_dim for m in modules)
 
 
 def test_fp8_decode_module_only_when_its_kernel_is_chosen(monkeypatch):
-    """By default an FP8 cache decodes on the prefill kernel: no decode module. With
-    PHLOEM_FP8_DECODE_KERNEL=cuda_core, Llama-3.1-8B (group 4) decodes on the CUDA-core kernel;
-    70B (group 8) keeps the prefill kernel, so its decode module is not built."""
+    """An FP8 cache decodes on XQA by default on Hopper, on the prefill kernel with
+    PHLOEM_FP8_DECODE_KERNEL=prefill: no CUDA-core decode module either way. With
+    =cuda_core, Llama-3.1-8B (group 4) decodes on the CUDA-core kernel; 70B (group 8) keeps
+    the prefill kernel, so its decode module is not built."""
     llama8b = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
     llama70b = SimpleNamespace(num_attention_heads=64, num_key_value_heads=8, hidden_size=8192)
     assert [gqa_group_of(llama8b, tp) for tp in (1, 2, 8, 16)] == [4, 4, 4, 2]
@@ -75,20 +78,24 @@ def test_fp8_decode_module_only_when_its_kernel_is_chosen(monkeypatch):
             modules = required_modules("auto", 128, BF16, FP8, HOPPER, True, gqa_group_of(config))
             assert [m.kind for m in modules] == kinds, kernel
     monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL")
-    assert [m.kind for m in required_modules("auto", 128, BF16, FP8, HOPPER, True, 4)] == [
-        "prefill"
-    ]
+    for capability, kinds in ((HOPPER, ["prefill", "xqa"]), (AMPERE, ["prefill"])):
+        modules = required_modules("auto", 128, BF16, FP8, capability, True, 4)
+        assert [m.kind for m in modules] == kinds
     monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "tensor")
     with pytest.raises(ValueError, match="PHLOEM_FP8_DECODE_KERNEL must be one of"):
         required_modules("auto", 128, BF16, FP8, HOPPER, True, 4)
 
 
-def test_xqa_module_only_where_xqa_decodes(monkeypatch):
-    """PHLOEM_FP8_DECODE_KERNEL=xqa adds FlashInfer's XQA module, with the block size and GQA
-    group it is compiled for, where the backend sends decode steps to it (`fp8_decode_path`:
-    head_dim a multiple of 16 up to 256, a block size of 16-128) on a GPU it runs on (sm_90,
-    100, 120); a bf16 cache, another block size, Ampere or the default kernel add nothing."""
-    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "xqa")
+@pytest.mark.parametrize("kernel", [None, "auto", "xqa"])
+def test_xqa_module_only_where_xqa_decodes(monkeypatch, kernel):
+    """By default (PHLOEM_FP8_DECODE_KERNEL unset: "auto") and with =xqa, FlashInfer's XQA
+    module is prebuilt, with the block size and GQA group it is compiled for, where the backend
+    sends decode steps to it (`fp8_decode_path`: head_dim a multiple of 16 up to 256, a block
+    size of 16-128) on a GPU it runs on (sm_90, 100, 120); a bf16 cache, another block size,
+    Ampere or Ada, or =prefill add nothing."""
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL", raising=False)
+    if kernel is not None:
+        monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", kernel)
 
     def modules(kv=FP8, capability=HOPPER, head_dim=128, group=4, block_size=16, backend="auto"):
         return required_modules(backend, head_dim, BF16, kv, capability, True, group, block_size)
@@ -96,12 +103,13 @@ def test_xqa_module_only_where_xqa_decodes(monkeypatch):
     xqa = FlashInferModule("xqa", "", BF16, FP8, 128, 16, 4)
     assert modules() == [FlashInferModule("prefill", "fa2", BF16, FP8, 128), xqa]
     assert xqa.describe() == "xqa q bfloat16 kv float8_e4m3fn head_dim 128 page 16 group 4"
-    assert modules(capability=(10, 0))[-1] == xqa
+    assert modules(capability=(10, 0))[-1] == modules(capability=(12, 0))[-1] == xqa
     assert modules(group=8, block_size=64)[-1] == FlashInferModule("xqa", "", BF16, FP8, 128, 64, 8)
-    for kwargs in ({"kv": BF16, "backend": "flashinfer"}, {"capability": AMPERE}, {"block_size": 8},
+    for kwargs in ({"kv": BF16, "backend": "flashinfer"}, {"capability": AMPERE},
+                   {"capability": (8, 9)}, {"block_size": 8},
                    {"head_dim": 512, "backend": "flashinfer"}):  # fmt: skip
         assert [m.kind for m in modules(**kwargs)] == ["prefill"], kwargs
-    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL")
+    monkeypatch.setenv("PHLOEM_FP8_DECODE_KERNEL", "prefill")
     assert [m.kind for m in modules()] == ["prefill"]
 
 
@@ -240,7 +248,8 @@ def _flashinfer_lines(out: list[str]) -> list[str]:
     return [x for x in out if x.startswith("FlashInfer")]
 
 
-def test_cli_dry_run_lists_the_modules(capsys):
+def test_cli_dry_run_lists_the_modules(capsys, monkeypatch):
+    monkeypatch.delenv("PHLOEM_FP8_DECODE_KERNEL", raising=False)
     assert main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9.0"]) == 0
     out = capsys.readouterr().out.splitlines()
     expected = ["FlashInfer module: prefill fa2 q bfloat16 kv bfloat16 head_dim 64"]
@@ -255,9 +264,11 @@ def test_cli_dry_run_lists_the_modules(capsys):
         == 0
     )
     out = capsys.readouterr().out.splitlines()
-    assert _flashinfer_lines(out) == [  # decode steps on the prefill kernel too
+    assert _flashinfer_lines(out) == [  # decode steps on XQA (9 / 3 heads: group 3)
         "FlashInfer module: prefill fa2 q bfloat16 kv float8_e4m3fn head_dim 64",
+        "FlashInfer module: xqa q bfloat16 kv float8_e4m3fn head_dim 64 page 16 group 3",
     ]
+
     assert main(["prebuild-kernels", "--dry-run", "--cuda-arch", "9"]) == 2
     assert "--cuda-arch must be MAJOR.MINOR" in capsys.readouterr().err
     if not torch.cuda.is_available():

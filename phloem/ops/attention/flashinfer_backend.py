@@ -5,18 +5,23 @@ backend), which handles whole prompts, chunked appends (q_len < kv_len) and deco
 (q_len = 1, GQA groups packed into tensor-core tiles) mixed in one launch. Using one compiled
 module for all of them keeps the JIT build to one module per head dim.
 
-An FP8 cache (`kv_dtype` float8_e4m3fn) runs every step on the same prefill kernel, reading
-e4m3 pages. FlashInfer's CUDA-core batch decode kernel (`BatchDecodeWithPagedKVCacheWrapper`)
-took an FP8 cache's decode-only steps until 2026-11-27, when it measured 2x slower than the
-prefill kernel over the same e4m3 pages on an H200 (batch 64, 1,000 tokens of KV, GQA group 4:
-153 vs 78 us a layer; benchmarks/results/2026-11-27-h200/). PHLOEM_FP8_DECODE_KERNEL picks the
-kernel of an FP8 cache's decode-only steps (eager and graphs; mixed and verify steps stay on the
-prefill kernel) for A/B runs (`fp8_decode_kernel`, `fp8_decode_path`):
+An FP8 cache (`kv_dtype` float8_e4m3fn) runs its prefill, mixed and verify steps on the same
+prefill kernel, reading e4m3 pages. PHLOEM_FP8_DECODE_KERNEL picks the kernel of its
+decode-only steps (eager and graphs), resolved once per backend (`fp8_decode_kernel`,
+`flashinfer_xqa.resolve_fp8_decode`, `fp8_decode_path`):
 
-  prefill    (default) the fa2 prefill kernel at q_len 1, bf16 queries, e4m3 tiles converted
+  auto       (default: unset) "xqa" on a GPU XQA runs on (sm_90/100/120) for a geometry it
+             compiles, else "prefill": XQA measured 1.126x the prefill kernel on decode-heavy
+             on an H200 (`flashinfer_xqa.py`)
+  prefill    the fa2 prefill kernel at q_len 1, bf16 queries, e4m3 tiles converted (turns XQA
+             off)
   cuda_core  the CUDA-core batch decode kernel, for the GQA groups it is compiled for
-             (`FP8_DECODE_GROUP_SIZES`)
-  xqa        FlashInfer's XQA decode kernel, e4m3 math (`flashinfer_xqa.py`)
+             (`FP8_DECODE_GROUP_SIZES`): it took these steps until 2026-11-27, when it measured
+             2x slower than the prefill kernel over the same e4m3 pages on an H200 (batch 64,
+             1,000 tokens of KV, GQA group 4: 153 vs 78 us a layer;
+             benchmarks/results/2026-11-27-h200/)
+  xqa        FlashInfer's XQA decode kernel, e4m3 math (`flashinfer_xqa.py`); a ValueError on a
+             GPU it does not run on
 
 The prefill and CUDA-core kernels take the layer's per-tensor scales as FlashInfer defines
 them: `k_scale` multiplies the softmax scale, `v_scale` the output.
@@ -41,6 +46,7 @@ back. Page tables: `page_tables.py`.
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 from collections.abc import Mapping
 
@@ -53,6 +59,8 @@ from phloem.ops.attention.flashinfer_xqa import (
     XqaDecode,
     XqaStep,
     check_xqa_device,
+    cuda_capability,
+    resolve_fp8_decode,
 )
 from phloem.ops.attention.interface import AttentionBackend
 from phloem.ops.attention.metadata import AttentionMetadata
@@ -60,31 +68,36 @@ from phloem.ops.attention.page_tables import paged_kv_layout
 from phloem.ops.attention.prefix_groups import SharedPrefixMetadata
 from phloem.ops.staging import pinned
 
+logger = logging.getLogger(__name__)
+
 _WORKSPACE_BYTES = 256 << 20  # per 256 sequences of max_num_seqs (split-KV partial states)
 # GQA groups whose FP8 decode steps can run FlashInfer's CUDA-core batch decode kernel
 FP8_DECODE_GROUP_SIZES = (1, 2, 3, 4)
-FP8_DECODE_KERNELS = ("prefill", "cuda_core", "xqa")  # PHLOEM_FP8_DECODE_KERNEL's choices
+FP8_DECODE_KERNELS = ("prefill", "cuda_core", "xqa")  # the kernels of FP8 decode-only steps
+FP8_DECODE_CHOICES = ("auto", *FP8_DECODE_KERNELS)  # PHLOEM_FP8_DECODE_KERNEL's values
 
 
 def fp8_decode_kernel(environ: Mapping[str, str] | None = None) -> str:
     """The kernel asked for an FP8 cache's decode-only steps, from PHLOEM_FP8_DECODE_KERNEL
-    (one of `FP8_DECODE_KERNELS`, module docstring; default "prefill").
+    (one of `FP8_DECODE_CHOICES`, module docstring; unset: "auto", which the backend resolves
+    per device with `flashinfer_xqa.resolve_fp8_decode`).
 
     Raises:
         ValueError: naming PHLOEM_FP8_DECODE_KERNEL for another value.
     """
     env = os.environ if environ is None else environ
-    choice = env.get("PHLOEM_FP8_DECODE_KERNEL", "prefill")
-    if choice not in FP8_DECODE_KERNELS:
+    choice = env.get("PHLOEM_FP8_DECODE_KERNEL", "auto")
+    if choice not in FP8_DECODE_CHOICES:
         raise ValueError(
-            f"PHLOEM_FP8_DECODE_KERNEL must be one of {FP8_DECODE_KERNELS}, got {choice!r}"
+            f"PHLOEM_FP8_DECODE_KERNEL must be one of {FP8_DECODE_CHOICES}, got {choice!r}"
         )
     return choice
 
 
 def fp8_decode_path(kernel: str, gqa_group: int, head_dim: int, block_size: int) -> str:
-    """The kernel an FP8 cache's decode-only steps run when `kernel` is asked for: the asked
-    one where it is compiled for this geometry ("cuda_core": GQA groups in
+    """The kernel an FP8 cache's decode-only steps run when `kernel` (one of
+    `FP8_DECODE_KERNELS`: "auto" resolved first) is asked for: the asked one where it is
+    compiled for this geometry ("cuda_core": GQA groups in
     `FP8_DECODE_GROUP_SIZES`; "xqa": head_dim a multiple of 16 up to 256 and block_size in
     `XQA_PAGE_SIZES`), else "prefill". Pure: a graph's capture and its replays agree.
 
@@ -151,8 +164,9 @@ class FlashInferAttention(AttentionBackend):
             any GPU, one module per head dim) or "fa3" (Hopper only; JIT-built on first use);
             graph steps always use "fa2".
         kv_layout: "NHD" or "HND", the layout of the caches `forward` will get (see above).
-        fp8_decode: the kernel asked for an FP8 cache's decode-only steps (`FP8_DECODE_KERNELS`;
-            None: PHLOEM_FP8_DECODE_KERNEL's); unused for a cache in the query's dtype.
+        fp8_decode: the kernel asked for an FP8 cache's decode-only steps (`FP8_DECODE_CHOICES`;
+            None: PHLOEM_FP8_DECODE_KERNEL's, "auto" when unset: XQA where it runs, module
+            docstring); unused for a cache in the query's dtype.
     Raises:
         ValueError: for an unknown kv_layout or fp8_decode, num_heads not a multiple of
             num_kv_heads, or "xqa" asked for on a GPU XQA does not run on.
@@ -196,10 +210,15 @@ class FlashInferAttention(AttentionBackend):
         self.device = torch.device(device)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.max_num_blocks_per_seq = max_num_blocks_per_seq
-        # FP8 cache: the kernel asked for its decode-only steps (module docstring)
+        # FP8 cache: the kernel of its decode-only steps, "auto" resolved for this device once
+        # (module docstring), so every plan, graph capture and replay takes the same path
         self.fp8_decode_kernel = "prefill"
         if self.kv_dtype == torch.float8_e4m3fn:
-            self.fp8_decode_kernel = fp8_decode_kernel() if fp8_decode is None else fp8_decode
+            asked = fp8_decode_kernel() if fp8_decode is None else fp8_decode
+            self.fp8_decode_kernel = resolve_fp8_decode(asked, cuda_capability(self.device))
+            logger.info("FP8 KV cache: decode-only steps on the %s kernel (asked: %s; the "
+                        "prefill kernel for a geometry it is not compiled for)",
+                        self.fp8_decode_kernel, asked)  # fmt: skip
         fp8_decode_path(self.fp8_decode_kernel, 1, head_dim, 16)  # validates the name
         check_xqa_device(self.fp8_decode_kernel, self.device)
         workspace_bytes = _WORKSPACE_BYTES * max(1, -(-max_num_seqs // 256))

@@ -1,5 +1,19 @@
-"""FlashInfer's XQA decode kernel for an FP8 cache's decode-only steps
-(PHLOEM_FP8_DECODE_KERNEL=xqa, `flashinfer_backend.fp8_decode_path`; issue 18).
+"""FlashInfer's XQA decode kernel for an FP8 cache's decode-only steps, and when they run it
+(PHLOEM_FP8_DECODE_KERNEL, `flashinfer_backend.fp8_decode_kernel` / `fp8_decode_path`; issue 18).
+
+When: by default ("auto", the variable unset) on a CUDA GPU XQA runs on (compute capability
+major in `XQA_CAPABILITY_MAJORS`: sm_90, sm_100, sm_120), for every geometry it compiles
+(`fp8_decode_path`: head_dim a multiple of 16 up to 256, block size in `XQA_PAGE_SIZES`); other
+GPUs and geometries, and the CPU, keep the fa2 prefill kernel. `resolve_fp8_decode` is that
+rule, a pure function of the capability, so the backend's choice, its CUDA graphs' capture and
+replays, and the start-up prebuild's module list (`worker/kernel_prebuild.py`) agree. The
+default since 2026-11-27: on an H200, decode-heavy 256 x 1,000/256 on Llama-3.1-8B shapes with
+an FP8 cache ran 6,532 output tokens/s with XQA against 5,802 on the prefill kernel (1.126x)
+and 6,096 with a bf16 cache (1.07x), in one device call
+(benchmarks/results/2026-11-27g-h200/fp8_xqa). Its e4m3 math costs the embedded model 1.6 points
+of top-1 agreement beyond the e4m3 cache's (0.922 vs 0.938, CPU emulation
+`reference.XqaEmulatedAttention`, benchmarks/results/2026-11-27f-cpu-xqa-quality);
+PHLOEM_FP8_DECODE_KERNEL=prefill turns it off.
 
 `xqa_batch_decode_with_kv_cache` is TensorRT-LLM's XQA kernel; on sm_90 with an e4m3 cache its
 FP8 GMMA kernel (`mha_sm90.cu`) rounds the query to e4m3, computes the scores as K . q^T (64 KV
@@ -29,19 +43,41 @@ XQA_CAPABILITY_MAJORS = (9, 10, 12)  # where FlashInfer's XQA compiles and runs 
 WORKSPACE_BYTES = 32 << 20  # 8 MiB of semaphores, then multi-block partials (< 1 MiB)
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA `device`; None for another device."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def xqa_runs_on(capability: tuple[int, int] | None) -> bool:
+    """Whether XQA compiles and runs on a device of this compute capability (None: not CUDA)."""
+    return capability is not None and capability[0] in XQA_CAPABILITY_MAJORS
+
+
+def resolve_fp8_decode(kernel: str, capability: tuple[int, int] | None) -> str:
+    """The kernel asked for an FP8 cache's decode-only steps with "auto" resolved for a device
+    of `capability` (None: not CUDA): "xqa" where XQA runs (`xqa_runs_on`), else "prefill";
+    any other name is returned as it is (validated by `fp8_decode_path`, which also falls back
+    to "prefill" for a geometry the kernel is not compiled for). Pure: the backend, its graphs
+    and the kernel prebuild resolve alike."""
+    if kernel != "auto":
+        return kernel
+    return "xqa" if xqa_runs_on(capability) else "prefill"
+
+
 def check_xqa_device(kernel: str, device: torch.device) -> None:
-    """Refuse `kernel` "xqa" (PHLOEM_FP8_DECODE_KERNEL) on a CUDA device XQA does not run on.
+    """Refuse `kernel` "xqa" (PHLOEM_FP8_DECODE_KERNEL) on a CUDA device XQA does not run on
+    ("auto" never resolves to it there).
 
     Raises:
         ValueError: naming PHLOEM_FP8_DECODE_KERNEL, the GPUs XQA needs and this one's."""
-    if kernel != "xqa" or device.type != "cuda":
+    capability = cuda_capability(device) if kernel == "xqa" else None
+    if capability is None or xqa_runs_on(capability):
         return
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in XQA_CAPABILITY_MAJORS:
-        raise ValueError(
-            f"PHLOEM_FP8_DECODE_KERNEL=xqa needs a GPU of compute capability "
-            f"{'/'.join(f'{m}.x' for m in XQA_CAPABILITY_MAJORS)}, this one is {major}.{minor}"
-        )
+    major, minor = capability
+    raise ValueError(
+        f"PHLOEM_FP8_DECODE_KERNEL=xqa needs a GPU of compute capability "
+        f"{'/'.join(f'{m}.x' for m in XQA_CAPABILITY_MAJORS)}, this one is {major}.{minor}"
+    )
 
 
 @dataclass
