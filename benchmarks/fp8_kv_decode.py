@@ -4,8 +4,9 @@ bf16 cache, per layer, in CUDA graphs (issue 18: an FP8 cache should make decode
 
 Candidates (`CANDIDATES`; each runs the cache dtypes it lists):
 
-  flashinfer          phloem's backend as the engine runs it (`FlashInferAttention`, decode
-                      graphs: the fa2 prefill kernel at q_len 1); bf16 and fp8. Its bf16 time is
+  flashinfer          phloem's backend with the fa2 prefill kernel at q_len 1 (`FlashInferAttention`,
+                      decode graphs; PHLOEM_FP8_DECODE_KERNEL=prefill: the FP8 default before
+                      XQA became it on sm_90/100/120); bf16 and fp8. Its bf16 time is
                       the baseline of every `vs_bf16` ratio.
   flashinfer-cuda     phloem's backend, PHLOEM_FP8_DECODE_KERNEL=cuda_core (FlashInfer's CUDA-core
                       batch decode kernel); fp8

@@ -29,8 +29,8 @@ one workspace; an FP8 cache with scales), and one captured decode graph replayed
 --kv-dtype bf16 fp8 times every case once per cache dtype (issue 18). An FP8 case's caches are
 the bf16 ones rounded to e4m3, read with the per-tensor scales --fp8-scales (k_scale, v_scale;
 default 0.5, 2.0, as `checks`); FlashInfer is built as the engine builds it for
-`--kv-cache-dtype fp8` (`kv_dtype=torch.float8_e4m3fn`: its fa2 prefill kernel over e4m3 pages,
-or the CUDA-core decode kernel under PHLOEM_FP8_DECODE_KERNEL=cuda_core) and both kernels get
+`--kv-cache-dtype fp8` (`kv_dtype=torch.float8_e4m3fn`: XQA on sm_90/100/120 by default, its fa2
+prefill kernel over e4m3 pages elsewhere or under PHLOEM_FP8_DECODE_KERNEL=prefill) and both kernels get
 the scales in `forward`, as `layers.attention.Attention` passes them. Each kernel's line and JSON
 entry carry the achieved KV read bandwidth: bytes of K and V the step reads (B x L x 2 x H_kv x
 D x 2 bytes in bf16, x 1 in FP8) / time a layer, TB/s; an FP8 case's entries also carry their

@@ -300,8 +300,8 @@ def xqa_attention(
 
 class XqaEmulatedAttention(ReferenceAttention):
     """`ReferenceAttention` with `xqa_attention`'s math in place of SDPA for every query row:
-    how an FP8 cache's attention computes under PHLOEM_FP8_DECODE_KERNEL=xqa, where decode-only
-    steps run FlashInfer's XQA kernel (prefill and mixed steps keep 16-bit math on the GPU;
+    how an FP8 cache's attention computes where decode-only steps run FlashInfer's XQA kernel
+    (the default on sm_90/100/120, or PHLOEM_FP8_DECODE_KERNEL=xqa) (prefill and mixed steps keep 16-bit math on the GPU;
     teacher-forced, each row here is one such decode). Opt-in, for quality measurements
     (`benchmarks/fp8_quality.py --xqa`); never picked by `get_attention_backend`.
 
