@@ -5,6 +5,8 @@ The server process spawns it (`EngineCoreClient`, engine/core_client.py). It bui
 and runs:
 
     loop:  idle?  block on the input socket (1 s polls: exit if the parent is gone)
+           a step in flight?  wait on the input socket until a message comes or the step is
+                              about to end (`StepPacing`: late drain)
            drain every queued message without blocking: add / abort / stop sequences
            step()  ->  one CoreStep (every touched request's delta + stats)  ->  output socket
 
@@ -25,11 +27,13 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
+from phloem.core.scheduler_output import SchedulerOutput
 from phloem.distributed.worker_process import exit_with_parent
 from phloem.engine.core_messages import (
     CoreAbort,
@@ -44,12 +48,16 @@ from phloem.engine.core_messages import (
 )
 from phloem.engine.gc_control import freeze_start_up
 from phloem.engine.llm_engine import LLMEngine, OutputMode
+from phloem.engine.step_observer import StepRecord
 from phloem.engine_args import EngineArgs
 from phloem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent still lives
+_PACING_MARGIN_S = 1e-3  # host time kept in hand beyond the longest recent lead [s]
+_PACING_SAMPLES = 4  # remaining-time samples kept per step shape
+_PACING_LEADS = 16  # host leads (schedule + launch) kept
 
 
 def import_factory(path: str):
@@ -58,6 +66,76 @@ def import_factory(path: str):
     if not module or not name:
         raise ValueError(f"executor factory must be 'module:attribute', got {path!r}")
     return vars(importlib.import_module(module))[name]
+
+
+class StepPacing:
+    """When the core builds the next step while one is in flight (async scheduling).
+
+    Building step N+1 right after step N-1 is collected (N just began on the device) leaves a
+    request that reaches the core while N runs for N+2: it waits for N and all of N+1 before
+    its own step (benchmarks/results/2026-11-27g-cpu-ttft-path: 141 of 143 Poisson arrivals).
+    The host is idle for most of N anyway (it waits in `collect`), so the core spends that idle
+    time waiting on its input socket instead, until a message comes (at once: the request goes
+    into N+1) or `deadline`: the time N is expected to end less the longest recent host lead
+    (drain + schedule + launch) and `margin_s`, so N+1 is on the device's queue before N ends.
+
+    The expectation is measured, not modelled. For each collected step, `remaining` is the time
+    from the `step()` return before it to its collection (the device time that was left once
+    the core could build the next step), kept per step shape (`_shape`); the prediction is the
+    least of the last `_PACING_SAMPLES` of the in-flight step's shape, none (no waiting) with
+    fewer than two. A step whose collection waited less than the margin (the host was behind)
+    counts as 0: its shape gets no waiting until unhurried steps of it are measured again. A
+    step with constrained sequences gets none (its sampling is held for the next `step()`).
+    Outputs do not change: only the step in which a request's prompt starts.
+    """
+
+    def __init__(self, margin_s: float = _PACING_MARGIN_S) -> None:
+        self.margin_s = margin_s
+        self._returned_at: float | None = None  # monotonic [s] of the last step() return
+        self._remaining: dict[tuple[bool, int], deque[float]] = {}
+        self._leads: deque[float] = deque(maxlen=_PACING_LEADS)  # schedule + launch [s]
+        self._drains: deque[float] = deque(maxlen=_PACING_LEADS)  # the input's drain [s]
+        self._shapes: tuple[SchedulerOutput | None, tuple[bool, int]] = (None, (False, 0))
+
+    def _shape(self, sched: SchedulerOutput) -> tuple[bool, int]:
+        """(computes more tokens than sequences: prompt chunks or drafts, the token count's
+        bit length): steps of one shape take about as long. Cached for the last step asked."""
+        if self._shapes[0] is not sched:
+            tokens = sched.total_num_scheduled_tokens
+            self._shapes = (sched, (tokens > len(sched.scheduled), tokens.bit_length()))
+        return self._shapes[1]
+
+    def returned(self, now: float | None) -> None:
+        """`step()` returned at `now` (monotonic [s]): remaining times count from here. None:
+        the core waits for requests (nothing to time until the next step() returns)."""
+        self._returned_at = now
+
+    def drained(self, seconds: float) -> None:
+        """The core drained its input in `seconds` before a step (host lead too)."""
+        self._drains.append(seconds)
+
+    def observe(self, record: StepRecord) -> None:
+        """Step observer: a collected step's remaining time and host lead."""
+        self._leads.append(record.schedule_s + record.launch_s)
+        if self._returned_at is None:
+            return
+        remaining = time.monotonic() - record.update_s - self._returned_at
+        if record.wait_s < self.margin_s:
+            remaining = 0.0
+        key = self._shape(record.scheduler_output)
+        samples = self._remaining.setdefault(key, deque(maxlen=_PACING_SAMPLES))
+        samples.append(remaining)
+
+    def deadline(self, in_flight: SchedulerOutput) -> float:
+        """Until when (monotonic [s]) the core may wait for news before building the next step
+        (in the past: build it now)."""
+        samples = self._remaining.get(self._shape(in_flight))
+        if self._returned_at is None or not samples or len(samples) < 2:
+            return 0.0
+        if in_flight.structured_seq_ids:
+            return 0.0
+        lead = max(self._leads, default=0.0) + max(self._drains, default=0.0)
+        return self._returned_at + min(samples) - lead - self.margin_s
 
 
 @dataclass
@@ -77,10 +155,14 @@ class EngineCore:
         engine: the engine; only this loop touches it.
         input_socket: PULL socket of `FrontMessage`s.
         output_socket: PUSH socket for `CoreMessage`s.
+        pacing: when to build a step while one is in flight (default `StepPacing()`).
     """
 
-    def __init__(self, engine: LLMEngine, input_socket, output_socket) -> None:
+    def __init__(
+        self, engine: LLMEngine, input_socket, output_socket, pacing: StepPacing | None = None
+    ) -> None:
         self.engine = engine
+        self.pacing = pacing if pacing is not None else StepPacing()
         self.input = input_socket
         self.output = output_socket
         self.decoder = core_decoder()
@@ -89,23 +171,41 @@ class EngineCore:
         self.parent_pid = os.getppid()
         self._rejected: list[RequestDelta] = []
         engine.add_step_observer(self._observe_step)
+        engine.add_step_observer(self.pacing.observe)
 
     def run(self) -> None:
         """Serve until `CoreShutdown` or the parent's death; exceptions out of `step()` leave."""
         engine = self.engine
         while True:
             if not engine.has_unfinished_requests():
+                self.pacing.returned(None)
                 if self._rejected:
                     self._send([])
                 while not self.input.poll(_IDLE_POLL_MS):
                     if os.getppid() != self.parent_pid:
                         return  # orphaned: the server is gone
+            else:
+                self._wait_for_news()
+            drain_start = time.monotonic()
             if not self._drain():
                 return
+            self.pacing.drained(time.monotonic() - drain_start)
             if not engine.has_unfinished_requests():
                 self._send([])  # aborts while idle: the front's gauges go back to zero
                 continue
-            self._send(engine.step())
+            outputs = engine.step()
+            self.pacing.returned(time.monotonic())
+            self._send(outputs)
+
+    def _wait_for_news(self) -> None:
+        """While a step is in flight, wait on the input socket until a message comes or the
+        pacing's deadline (whole milliseconds, rounded down) passes."""
+        in_flight = self.engine.in_flight
+        if in_flight is None:
+            return
+        timeout_ms = int((self.pacing.deadline(in_flight) - time.monotonic()) * 1000)
+        if timeout_ms > 0:
+            self.input.poll(timeout_ms)
 
     def _drain(self) -> bool:
         """Apply every queued message; False on `CoreShutdown`."""

@@ -319,6 +319,11 @@ class LLMEngine:
         # a step in flight holding only finished requests is collected by the next step()
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def in_flight(self) -> SchedulerOutput | None:
+        """The step launched and not yet collected (async scheduling: until the next step())."""
+        return self._in_flight.scheduler_output if self._in_flight is not None else None
+
     # -- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
@@ -443,7 +448,7 @@ class LLMEngine:
         checked for being done.
         """
         now = time.monotonic()
-        self._stamp_first_scheduled(sched)
+        self._stamp_first_scheduled(sched, now)
         sequences, scheduler = self._sequences, self.scheduler
         for seq_id, message in runner_output.failed.items():
             if seq_id in sequences:
@@ -472,9 +477,7 @@ class LLMEngine:
         return outputs
 
     def _output(self, entry: PromptEntry) -> StepOutput:
-        if self.output_mode is OutputMode.DELTA:
-            return entry.to_delta()
-        return entry.to_output()
+        return entry.to_delta() if self.output_mode is OutputMode.DELTA else entry.to_output()
 
     def _fail_prompts(self) -> list[StepOutput]:
         """Finish the prompts of the sequences in `scheduler.failed_requests` (and clear it;
@@ -486,15 +489,11 @@ class LLMEngine:
             self._forget(entry)
         return [self._output(entry) for entry in entries]
 
-    def _stamp_first_scheduled(self, sched: SchedulerOutput) -> None:
+    def _stamp_first_scheduled(self, sched: SchedulerOutput, now: float) -> None:
         """Stamp `first_scheduled_time` on prompts scheduled for the first time (a sequence is
         sent as new the step it is admitted, so only those entries are looked at)."""
-        now = time.monotonic()
-        sequences, prompts = self._sequences, self._prompts
         for s in sched.scheduled:
-            if s.new_sequence is None:
-                continue
-            seq = sequences.get(s.seq_id)
-            entry = prompts.get(seq.prompt_id) if seq is not None else None
+            seq = self._sequences.get(s.seq_id) if s.new_sequence is not None else None
+            entry = self._prompts.get(seq.prompt_id) if seq is not None else None
             if entry is not None and entry.metrics.first_scheduled_time is None:
                 entry.metrics.first_scheduled_time = now

@@ -1,17 +1,25 @@
 """The engine core's side of the process split (issue 24): `LLMEngine` in DELTA mode sends
 token deltas whose concatenation is the offline (FINAL) output, applies no stop strings, and
 `stop_sequences` finishes one child of n > 1 (or the whole prompt) the way the front asks; the
-messages round-trip through msgspec."""
+messages round-trip through msgspec; and the core's loop builds the next step late enough that a
+request arriving while a step runs is in the step right after it."""
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+
 import msgspec
 import pytest
+import zmq
 
 from phloem import SamplingParams
+from phloem.core.scheduler_output import SchedulerOutput
 from phloem.engine.core_messages import (
     CoreAbort,
     CoreRequest,
+    CoreShutdown,
     CoreStats,
     CoreStep,
     RequestDelta,
@@ -20,7 +28,10 @@ from phloem.engine.core_messages import (
     front_decoder,
     params_to_dict,
 )
+from phloem.engine.engine_core import EngineCore, StepPacing
+from phloem.engine.executor import UniProcExecutor
 from phloem.engine.llm_engine import LLMEngine, OutputMode
+from phloem.engine.step_observer import StepRecord
 from phloem.engine_args import EngineArgs
 from tests.engine.tiny_models import tiny_model_dir
 
@@ -92,3 +103,112 @@ def test_messages_round_trip():
         CoreStats(1, 2, 3, 4, 5, 6, 7, 8, 9),
     )
     assert front_decoder().decode(encoder.encode(step)) == step
+
+
+class HeldDevice(UniProcExecutor):
+    """Steps stay on the "device" until the test sets `free`; `admitted[k]`: the request ids
+    step k admitted."""
+
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        self.admitted: list[list[str]] = []
+        self.num_collected = 0
+        self.free = threading.Event()
+
+    def launch(self, scheduler_output):
+        if not scheduler_output.is_empty:
+            self.admitted.append(
+                [s.seq_id for s in scheduler_output.scheduled if s.new_sequence is not None]
+            )
+        return super().launch(scheduler_output)
+
+    def collect(self, launched):
+        assert self.free.wait(30)
+        self.num_collected += 1
+        return super().collect(launched)
+
+
+class WaitForNews(StepPacing):
+    """While `hold`, the core waits for a message before building the next step; `asked` is
+    set once it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold, self.asked = True, threading.Event()
+
+    def deadline(self, in_flight) -> float:
+        if not self.hold:
+            return 0.0
+        self.asked.set()
+        return time.monotonic() + 30.0
+
+
+def test_a_request_arriving_while_step_n_runs_is_in_step_n_plus_1(model_path):
+    args = EngineArgs(str(model_path), block_size=4, max_num_batched_tokens=32)
+    core_engine = LLMEngine(
+        args.create_engine_config(), executor_factory=HeldDevice, output_mode=OutputMode.DELTA
+    )
+    assert core_engine.scheduler_config.async_scheduling
+    device: HeldDevice = core_engine.executor  # type: ignore[assignment]
+    context = zmq.Context()
+    to_core, from_core = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    to_core.bind("inproc://in")
+    from_core.bind("inproc://out")
+    core_in, core_out = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    core_in.connect("inproc://in")
+    core_out.connect("inproc://out")
+    pacing = WaitForNews()
+    thread = threading.Thread(target=EngineCore(core_engine, core_in, core_out, pacing).run)
+    thread.start()
+    encoder = msgspec.msgpack.Encoder()
+    params = params_to_dict(SamplingParams(max_tokens=4, ignore_eos=True))
+    try:
+        to_core.send(encoder.encode(CoreRequest("a", PROMPT, params, 0.0)))
+        # step 0 (a's prompt) is on the device; the core either waits for news (the fix) or
+        # has built step 1 already (building it at once: b could only start in step 2)
+        deadline = time.monotonic() + 30
+        while not pacing.asked.is_set() and len(device.admitted) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        in_flight = device.num_collected  # the oldest step launched and not collected
+        pacing.hold = False
+        to_core.send(encoder.encode(CoreRequest("b", PROMPT[::-1], params, 0.0)))
+        device.free.set()
+        finished: set[str] = set()
+        while finished != {"a", "b"}:
+            assert from_core.poll(30_000)
+            step = front_decoder().decode(from_core.recv())
+            finished |= {d.request_id for d in step.deltas if d.finished}
+    finally:
+        device.free.set()
+        to_core.send(encoder.encode(CoreShutdown()))
+        thread.join(30)
+        context.destroy(linger=0)
+    first = next(k for k, ids in enumerate(device.admitted) if "b" in ids)
+    assert (in_flight, first) == (0, 1)
+
+
+def test_pacing_waits_only_after_unhurried_steps_of_the_in_flight_shape():
+    def step(tokens: list[int]) -> SchedulerOutput:
+        return SchedulerOutput(scheduled=[SimpleNamespace(num_tokens=n) for n in tokens])
+
+    def collected(pacing: StepPacing, sched: SchedulerOutput, wait_s: float) -> None:
+        pacing.returned(time.monotonic() - 1.0)  # the step kept the device a second longer
+        pacing.observe(StepRecord(0, sched, None, 1e-4, 1e-4, wait_s, 0.0))
+
+    pacing, decode, mixed = StepPacing(), step([1] * 8), step([1] * 8 + [512])
+    pacing.drained(1e-4)
+    collected(pacing, decode, 0.5)
+    pacing.returned(now := time.monotonic())
+    assert pacing.deadline(decode) == 0.0  # one sample of the shape: no waiting yet
+    collected(pacing, decode, 0.5)
+    pacing.returned(now := time.monotonic())
+    assert pacing.deadline(decode) > now  # two unhurried samples: wait for news
+    assert pacing.deadline(mixed) == 0.0  # another shape: none measured
+    mixed.structured_seq_ids = ["x"]
+    collected(pacing, mixed, 0.5)
+    collected(pacing, mixed, 0.5)
+    assert pacing.deadline(mixed) == 0.0  # its sampling waits for the next step(): never
+    collected(pacing, decode, 0.0)  # the host was behind: this shape waits no more
+    pacing.returned(now := time.monotonic())
+    assert pacing.deadline(decode) < now

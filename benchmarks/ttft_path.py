@@ -1,0 +1,191 @@
+"""Where a streamed request's time to first token goes under Poisson load, hop by hop.
+
+The server's front (`EngineCoreClient`, its asyncio side) and the engine core process run for
+real; the forward pass is `serving_paced.PacedExecutor`'s step-time model of a GPU (set
+`PACED_STEP_MODEL`; the default here, "4.5,20,38", fits the H200 Poisson trace of
+benchmarks/results/2026-11-26d-h200-serving: decode steps of ~20 sequences ~5.4 ms, a step with
+one 512-token prompt ~15 ms). HTTP is left out (`phloem bench serve` against
+`benchmarks/serving_paced.py` measures the whole path). Requests of `--input-len` random ids and
+`--output-len` tokens arrive at Poisson times (`--rate`, `--duration`); the ones arriving in the
+first second are not counted (the load ramps up).
+
+Per request, on the host's monotonic clock (the core process logs its steps to a file):
+
+    submit      the front's `submit` (CoreRequest sent)
+    in flight   the step the device was running then (j), and whether j+1 was already launched
+    scheduled   the step k whose scheduler output first holds the request, launched at `launch`
+    step end    the modelled end of k on the "device"; `collected`: the core's collect returned
+    received    the front's `_on_step` applied the delta (`RequestMetrics.first_token_time`)
+    consumed    the request's output iterator yielded the first output
+
+Printed: the distribution of k - j (1: the step right after the one in flight; 2: one more
+step, because j+1 was built before the request came) and the medians / p90 of each hop [ms].
+
+    PACED_STEP_MODEL=4.5,20,38 python benchmarks/ttft_path.py --model DIR --rate 20 \\
+        --duration 10 --json OUT.json
+
+DIR: any small model config with a tokenizer (`--load-format dummy` weights are used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serving_paced, in the core too
+
+from serving_paced import PacedExecutor  # noqa: E402
+
+from phloem.worker.model_runner import ModelRunnerOutput  # noqa: E402
+
+_LOG_ENV = "PHLOEM_TTFT_PATH_LOG"
+os.environ.setdefault("PACED_STEP_MODEL", "4.5,20,38")
+
+
+class ProbeExecutor(PacedExecutor):
+    """`PacedExecutor` that appends one JSON line per collected step to $PHLOEM_TTFT_PATH_LOG:
+    launch, modelled device start and end, collection time [s, monotonic] and the ids of the
+    sequences the step admitted."""
+
+    def __init__(self, worker) -> None:
+        super().__init__(worker)
+        self._log = open(os.environ[_LOG_ENV], "a", buffering=1)  # noqa: SIM115 - process-long
+        self._index = 0
+
+    def launch(self, scheduler_output):
+        free, now = self._device_free, time.monotonic()
+        launched = super().launch(scheduler_output)
+        if launched is None:
+            return None
+        new = [s.seq_id for s in scheduler_output.scheduled if s.new_sequence is not None]
+        record = {"k": self._index, "launch": now, "start": max(now, free), "end": launched[0]}
+        record.update(new=new, seqs=len(scheduler_output.scheduled))
+        self._index += 1
+        return launched, record
+
+    def collect(self, launched) -> ModelRunnerOutput:
+        if launched is None:
+            return ModelRunnerOutput()
+        inner, record = launched
+        output = super().collect(inner)
+        record["collected"] = time.monotonic()
+        self._log.write(json.dumps(record) + "\n")
+        return output
+
+
+async def _one(client, rid: str, at: float, ids: list[int], params, out: dict) -> None:
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    submitted = time.monotonic()
+    first = None
+    async for output in client.submit(ids, params, rid):
+        if first is None:
+            first = time.monotonic()
+            received = output.metrics.first_token_time
+    out[rid] = {"submit": submitted, "received": received, "consumed": first}
+
+
+async def _drive(client, args) -> dict:
+    from phloem.sampling_params import SamplingParams
+
+    client.start()
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    start, t, tasks, out = time.monotonic() + 0.2, 0.0, [], {}
+    while t < args.duration:
+        ids = [rng.randrange(1000, 20000) for _ in range(args.input_len)]
+        tasks.append(_one(client, f"r{len(tasks)}", start + t, ids, params, out))
+        t += rng.expovariate(args.rate)
+    await asyncio.gather(*tasks)
+    return {"start": start, "requests": out}
+
+
+def _quantiles(values: list[float]) -> str:
+    v = sorted(values)
+    return f"{statistics.median(v):6.2f} {v[int(0.9 * (len(v) - 1))]:6.2f}"
+
+
+def analyse(steps: list[dict], result: dict) -> dict:
+    """Per-request hops (see the module docstring) and their summary."""
+    by_seq = {rid: s for s in steps for rid in s["new"]}
+    rows = []
+    for rid, r in result["requests"].items():
+        if r["submit"] < result["start"] + 1.0 or rid not in by_seq:
+            continue
+        k = by_seq[rid]
+        running = [s for s in steps if s["start"] <= r["submit"] < s["end"]]
+        j = running[0]["k"] if running else k - 1  # none: the device was idle
+        built = any(s["k"] == j + 1 and s["launch"] <= r["submit"] for s in steps)
+        rows.append({
+            "k_minus_j": k["k"] - j, "next_built": built,
+            "to_launch": k["launch"] - r["submit"], "launch_to_start": k["start"] - k["launch"],
+            "own_step": k["end"] - k["start"], "to_collect": k["collected"] - k["end"],
+            "to_front": r["received"] - k["collected"], "to_consumer": r["consumed"] - r["received"],
+            "ttft": r["consumed"] - r["submit"],
+        })  # fmt: skip
+    window = [s for s in steps if result["start"] + 1.0 <= s["launch"]]
+    gaps = [b["start"] - a["end"] for a, b in zip(window, window[1:])]
+    hist: dict[int, int] = {}
+    for row in rows:
+        hist[row["k_minus_j"]] = hist.get(row["k_minus_j"], 0) + 1
+    hops = [k for k in rows[0] if k not in ("k_minus_j", "next_built")] if rows else []
+    summary = {h: [1e3 * row[h] for row in rows] for h in hops}
+    return {"n": len(rows), "k_minus_j": dict(sorted(hist.items())),
+            "next_built": sum(r["next_built"] for r in rows), "ms": summary,
+            "steps": len(window), "device_busy_s": sum(s["end"] - s["start"] for s in window),
+            "bubbles": sum(g > 1e-4 for g in gaps), "bubble_s": sum(g for g in gaps if g > 1e-4),
+            "bubble_while_running": sum(g > 1e-4 and b["seqs"] > len(b["new"])
+                                        for g, b in zip(gaps, window[1:]))}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from phloem.engine.core_client import EngineCoreClient
+    from phloem.engine_args import EngineArgs
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--rate", type=float, default=20.0, help="req/s (Poisson)")
+    p.add_argument("--duration", type=float, default=10.0, help="arrivals over this many s")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the per-hop values here")
+    args = p.parse_args(argv)
+    log = Path(tempfile.mkdtemp(prefix="ttft-path-")) / "steps.jsonl"
+    os.environ[_LOG_ENV] = str(log)
+    engine_args = EngineArgs(args.model, load_format="dummy", max_model_len=2048,
+                             num_gpu_blocks=20000, max_num_seqs=1024,
+                             max_num_batched_tokens=8192)  # fmt: skip
+    client = EngineCoreClient(engine_args, executor_factory="ttft_path:ProbeExecutor")
+    try:
+        result = asyncio.run(_drive(client, args))
+    finally:
+        client.shutdown()
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    report = analyse(steps, result)
+    print(
+        f"{report['n']} requests; k - j (steps after the one in flight at submit): "
+        f"{report['k_minus_j']}; j+1 already launched at submit: {report['next_built']}"
+    )
+    print(
+        f"{report['steps']} steps, device busy {report['device_busy_s']:.3f} s; gaps between "
+        f"steps: {report['bubbles']} ({1e3 * report['bubble_s']:.1f} ms), "
+        f"{report['bubble_while_running']} of them before a step with running sequences"
+    )
+    print("hop                 p50    p90   [ms]")
+    for hop, values in report["ms"].items():
+        print(f"{hop:16s} {_quantiles(values)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), **report}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
