@@ -19,7 +19,8 @@ Per request, on the host's monotonic clock (the core process logs its steps to a
     consumed    the request's output iterator yielded the first output
 
 Printed: the distribution of k - j (1: the step right after the one in flight; 2: one more
-step, because j+1 was built before the request came) and the medians / p90 of each hop [ms].
+step, because j+1 was built before the request came), the gaps between steps on the "device"
+(a step launched after the one before it ended) and the p50 / p90 / p99 of each hop [ms].
 
     PACED_STEP_MODEL=4.5,20,38 python benchmarks/ttft_path.py --model DIR --rate 20 \\
         --duration 10 --json OUT.json
@@ -109,7 +110,8 @@ async def _drive(client, args) -> dict:
 
 def _quantiles(values: list[float]) -> str:
     v = sorted(values)
-    return f"{statistics.median(v):6.2f} {v[int(0.9 * (len(v) - 1))]:6.2f}"
+    tail = (f"{v[int(q * (len(v) - 1))]:6.2f}" for q in (0.9, 0.99))
+    return f"{statistics.median(v):6.2f} " + " ".join(tail)
 
 
 def analyse(steps: list[dict], result: dict) -> dict:
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         f"steps: {report['bubbles']} ({1e3 * report['bubble_s']:.1f} ms), "
         f"{report['bubble_while_running']} of them before a step with running sequences"
     )
-    print("hop                 p50    p90   [ms]")
+    print("hop                 p50    p90    p99   [ms]")
     for hop, values in report["ms"].items():
         print(f"{hop:16s} {_quantiles(values)}")
     if args.json:

@@ -82,15 +82,20 @@ class StepPacing:
     The expectation is measured, not modelled. For each collected step, `remaining` is the time
     from the `step()` return before it to its collection (the device time that was left once
     the core could build the next step), kept per step shape (`_shape`); the prediction is the
-    least of the last `_PACING_SAMPLES` of the in-flight step's shape, none (no waiting) with
-    fewer than two. A step whose collection waited less than the margin (the host was behind)
+    least of the last `_PACING_SAMPLES` of the in-flight step's shape, or, with fewer than two
+    of it, of the nearest smaller shape measured (fewer tokens, then decode-only: a step takes
+    at least as long as one with less work); none measured: no waiting. A step whose
+    collection waited less than the margin (the host was behind)
     counts as 0: its shape gets no waiting until unhurried steps of it are measured again. A
     step with constrained sequences gets none (its sampling is held for the next `step()`).
-    Outputs do not change: only the step in which a request's prompt starts.
+    Outputs do not change: only the step in which a request's prompt starts. `enabled` False
+    (`PHLOEM_LATE_DRAIN=0` in the server's environment, for A/B runs) never waits: the next step
+    is built as soon as the step before is collected.
     """
 
-    def __init__(self, margin_s: float = _PACING_MARGIN_S) -> None:
+    def __init__(self, margin_s: float = _PACING_MARGIN_S, enabled: bool = True) -> None:
         self.margin_s = margin_s
+        self.enabled = enabled
         self._returned_at: float | None = None  # monotonic [s] of the last step() return
         self._remaining: dict[tuple[bool, int], deque[float]] = {}
         self._leads: deque[float] = deque(maxlen=_PACING_LEADS)  # schedule + launch [s]
@@ -129,10 +134,14 @@ class StepPacing:
     def deadline(self, in_flight: SchedulerOutput) -> float:
         """Until when (monotonic [s]) the core may wait for news before building the next step
         (in the past: build it now)."""
-        samples = self._remaining.get(self._shape(in_flight))
-        if self._returned_at is None or not samples or len(samples) < 2:
+        if not self.enabled or self._returned_at is None or in_flight.structured_seq_ids:
             return 0.0
-        if in_flight.structured_seq_ids:
+        mixed, bits = self._shape(in_flight)
+        shapes = [(mixed, b) for b in range(bits, 0, -1)]
+        if mixed:
+            shapes += [(False, b) for b in range(bits, 0, -1)]
+        samples = next((s for s in map(self._remaining.get, shapes) if s and len(s) >= 2), None)
+        if samples is None:
             return 0.0
         lead = max(self._leads, default=0.0) + max(self._drains, default=0.0)
         return self._returned_at + min(samples) - lead - self.margin_s
@@ -337,7 +346,8 @@ def run_engine_core(
         frozen = freeze_start_up()  # full collections in the loop then walk only requests' objects
         logger.info("engine core: %d start-up objects frozen out of garbage collection", frozen)
         output.send(encoder.encode(CoreReady(engine.max_model_len, vocab, os.getpid())))
-        EngineCore(engine, input_socket, output).run()
+        pacing = StepPacing(enabled=os.environ.get("PHLOEM_LATE_DRAIN", "1") != "0")
+        EngineCore(engine, input_socket, output, pacing).run()
     except BaseException as e:  # noqa: BLE001 - any escape ends the core: tell the front
         logger.exception("engine core died")
         output.send(encoder.encode(CoreDead(f"{type(e).__name__}: {e}")))

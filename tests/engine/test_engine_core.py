@@ -204,7 +204,8 @@ def test_pacing_waits_only_after_unhurried_steps_of_the_in_flight_shape():
     collected(pacing, decode, 0.5)
     pacing.returned(now := time.monotonic())
     assert pacing.deadline(decode) > now  # two unhurried samples: wait for news
-    assert pacing.deadline(mixed) == 0.0  # another shape: none measured
+    assert pacing.deadline(step([1] * 4)) == 0.0  # a smaller shape: none measured
+    assert pacing.deadline(mixed) > now  # more work than the measured decode: at least as long
     mixed.structured_seq_ids = ["x"]
     collected(pacing, mixed, 0.5)
     collected(pacing, mixed, 0.5)
@@ -212,3 +213,7 @@ def test_pacing_waits_only_after_unhurried_steps_of_the_in_flight_shape():
     collected(pacing, decode, 0.0)  # the host was behind: this shape waits no more
     pacing.returned(now := time.monotonic())
     assert pacing.deadline(decode) < now
+    off = StepPacing(enabled=False)  # PHLOEM_LATE_DRAIN=0
+    collected(off, decode, 0.5)
+    collected(off, decode, 0.5)
+    assert off.deadline(decode) == 0.0
