@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent still lives
 _PACING_MARGIN_S = 1e-3  # host time kept in hand beyond the longest recent lead [s]
 _PACING_SAMPLES = 4  # remaining-time samples kept per step shape
+_PACING_MAX_AGE = 64  # a sample older than this many collected steps is not used
 _PACING_LEADS = 16  # host leads (schedule + launch) kept
 
 
@@ -73,7 +74,7 @@ class StepPacing:
 
     Building step N+1 right after step N-1 is collected (N just began on the device) leaves a
     request that reaches the core while N runs for N+2: it waits for N and all of N+1 before
-    its own step (benchmarks/results/2026-11-27g-cpu-ttft-path: 141 of 143 Poisson arrivals).
+    its own step (benchmarks/results/2026-11-27g-cpu-ttft-path: 167 of 174 Poisson arrivals).
     The host is idle for most of N anyway (it waits in `collect`), so the core spends that idle
     time waiting on its input socket instead, until a message comes (at once: the request goes
     into N+1) or `deadline`: the time N is expected to end less the longest recent host lead
@@ -84,10 +85,12 @@ class StepPacing:
     the core could build the next step), kept per step shape (`_shape`); the prediction is the
     least of the last `_PACING_SAMPLES` of the in-flight step's shape, or, with fewer than two
     of it, of the nearest smaller shape measured (fewer tokens, then decode-only: a step takes
-    at least as long as one with less work); none measured: no waiting. A step whose
-    collection waited less than the margin (the host was behind)
-    counts as 0: its shape gets no waiting until unhurried steps of it are measured again. A
-    step with constrained sequences gets none (its sampling is held for the next `step()`).
+    at least as long as one with less work); none measured: no waiting. Samples older than
+    `_PACING_MAX_AGE` steps are not used (contexts grow, batches change), and all are dropped
+    when the core runs out of requests. A step whose collection waited less than the margin
+    (the host was behind) counts as 0: its shape gets no waiting until unhurried steps of it
+    are measured again. A step with constrained sequences gets none (its sampling is held for
+    the next `step()`).
     Outputs do not change: only the step in which a request's prompt starts. `enabled` False
     (`PHLOEM_LATE_DRAIN=0` in the server's environment, for A/B runs) never waits: the next step
     is built as soon as the step before is collected.
@@ -97,7 +100,9 @@ class StepPacing:
         self.margin_s = margin_s
         self.enabled = enabled
         self._returned_at: float | None = None  # monotonic [s] of the last step() return
-        self._remaining: dict[tuple[bool, int], deque[float]] = {}
+        self._num_observed = 0  # steps collected
+        # per shape: (the step's number in `_num_observed`, its remaining time [s])
+        self._remaining: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
         self._leads: deque[float] = deque(maxlen=_PACING_LEADS)  # schedule + launch [s]
         self._drains: deque[float] = deque(maxlen=_PACING_LEADS)  # the input's drain [s]
         self._shapes: tuple[SchedulerOutput | None, tuple[bool, int]] = (None, (False, 0))
@@ -112,8 +117,11 @@ class StepPacing:
 
     def returned(self, now: float | None) -> None:
         """`step()` returned at `now` (monotonic [s]): remaining times count from here. None:
-        the core waits for requests (nothing to time until the next step() returns)."""
+        the core waits for requests (nothing to time until the next step() returns; the samples
+        are dropped: the next requests may be of another kind)."""
         self._returned_at = now
+        if now is None:
+            self._remaining.clear()
 
     def drained(self, seconds: float) -> None:
         """The core drained its input in `seconds` before a step (host lead too)."""
@@ -122,6 +130,7 @@ class StepPacing:
     def observe(self, record: StepRecord) -> None:
         """Step observer: a collected step's remaining time and host lead."""
         self._leads.append(record.schedule_s + record.launch_s)
+        self._num_observed += 1
         if self._returned_at is None:
             return
         remaining = time.monotonic() - record.update_s - self._returned_at
@@ -129,7 +138,7 @@ class StepPacing:
             remaining = 0.0
         key = self._shape(record.scheduler_output)
         samples = self._remaining.setdefault(key, deque(maxlen=_PACING_SAMPLES))
-        samples.append(remaining)
+        samples.append((self._num_observed, remaining))
 
     def deadline(self, in_flight: SchedulerOutput) -> float:
         """Until when (monotonic [s]) the core may wait for news before building the next step
@@ -140,11 +149,13 @@ class StepPacing:
         shapes = [(mixed, b) for b in range(bits, 0, -1)]
         if mixed:
             shapes += [(False, b) for b in range(bits, 0, -1)]
-        samples = next((s for s in map(self._remaining.get, shapes) if s and len(s) >= 2), None)
-        if samples is None:
-            return 0.0
-        lead = max(self._leads, default=0.0) + max(self._drains, default=0.0)
-        return self._returned_at + min(samples) - lead - self.margin_s
+        oldest = self._num_observed - _PACING_MAX_AGE
+        for shape in shapes:
+            fresh = [r for n, r in self._remaining.get(shape, ()) if n > oldest]
+            if len(fresh) >= 2:
+                lead = max(self._leads, default=0.0) + max(self._drains, default=0.0)
+                return self._returned_at + min(fresh) - lead - self.margin_s
+        return 0.0
 
 
 @dataclass

@@ -213,6 +213,18 @@ def test_pacing_waits_only_after_unhurried_steps_of_the_in_flight_shape():
     collected(pacing, decode, 0.0)  # the host was behind: this shape waits no more
     pacing.returned(now := time.monotonic())
     assert pacing.deadline(decode) < now
+    for _ in range(64):  # the unhurried decode samples age out behind other shapes' steps
+        collected(pacing, mixed, 0.5)
+    collected(pacing, decode, 0.5)
+    pacing.returned(now := time.monotonic())
+    assert pacing.deadline(decode) == 0.0
+    collected(pacing, decode, 0.5)
+    pacing.returned(now := time.monotonic())
+    assert pacing.deadline(decode) > now
+    pacing.returned(None)  # out of requests: all samples go
+    collected(pacing, decode, 0.5)
+    pacing.returned(now := time.monotonic())
+    assert pacing.deadline(decode) == 0.0
     off = StepPacing(enabled=False)  # PHLOEM_LATE_DRAIN=0
     collected(off, decode, 0.5)
     collected(off, decode, 0.5)
