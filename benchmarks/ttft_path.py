@@ -9,7 +9,9 @@ with `--http PORT` a real `phloem serve` runs in a child process with the same e
 requests are streamed `/v1/completions` over `phloem.entrypoints.sse_client` (the server's ids
 are matched to the client's by arrival order). Requests of `--input-len` random ids and
 `--output-len` tokens arrive at Poisson times (`--rate`, `--duration`); the ones arriving in the
-first second are not counted (the load ramps up).
+first second are not counted (the load ramps up). `PHLOEM_TTFT_PATH_LAUNCH="1.0,3"` makes each
+launch take the host 1.0 ms + 3 us a prompt token (the H200 trace's launch_ms: ~1.0-1.3 ms for
+decode steps, ~2.5-2.8 ms with one 512-token prompt); unset, the paced launch is ~free.
 
 Per request, on the host's monotonic clock (the core process logs its steps to a file):
 
@@ -52,6 +54,7 @@ from serving_paced import PacedExecutor  # noqa: E402
 from phloem.worker.model_runner import ModelRunnerOutput  # noqa: E402
 
 _LOG_ENV = "PHLOEM_TTFT_PATH_LOG"
+_LAUNCH_ENV = "PHLOEM_TTFT_PATH_LAUNCH"  # "BASE_ms,PER_PROMPT_TOKEN_us": host launch time
 os.environ.setdefault("PACED_STEP_MODEL", "4.5,20,38")
 
 
@@ -64,8 +67,14 @@ class ProbeExecutor(PacedExecutor):
         super().__init__(worker)
         self._log = open(os.environ[_LOG_ENV], "a", buffering=1)  # noqa: SIM115 - process-long
         self._index = 0
+        text = os.environ.get(_LAUNCH_ENV)
+        self.launch_ms = tuple(float(v) for v in text.split(",")) if text else None
 
     def launch(self, scheduler_output):
+        if self.launch_ms is not None and not scheduler_output.is_empty:
+            base_ms, per_token_us = self.launch_ms
+            prompt = sum(s.num_tokens for s in scheduler_output.scheduled if s.num_tokens > 1)
+            time.sleep(1e-3 * base_ms + 1e-6 * per_token_us * prompt)  # the host's launch work
         free, now = self._device_free, time.monotonic()
         launched = super().launch(scheduler_output)
         if launched is None:

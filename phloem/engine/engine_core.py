@@ -219,13 +219,17 @@ class EngineCore:
 
     def _wait_for_news(self) -> None:
         """While a step is in flight, wait on the input socket until a message comes or the
-        pacing's deadline (whole milliseconds, rounded down) passes."""
+        pacing's deadline passes. The socket's poll counts whole milliseconds; the fraction
+        left is slept (a message coming then is still drained before the step is built)."""
         in_flight = self.engine.in_flight
         if in_flight is None:
             return
-        timeout_ms = int((self.pacing.deadline(in_flight) - time.monotonic()) * 1000)
-        if timeout_ms > 0:
-            self.input.poll(timeout_ms)
+        deadline = self.pacing.deadline(in_flight)
+        wait_s = deadline - time.monotonic()
+        if wait_s > 0 and not self.input.poll(int(wait_s * 1000)):
+            rest_s = deadline - time.monotonic()
+            if rest_s > 0:
+                time.sleep(rest_s)
 
     def _drain(self) -> bool:
         """Apply every queued message; False on `CoreShutdown`."""
