@@ -178,9 +178,11 @@ class LLGuidanceBackend(GrammarBackend):
     sequences of a constraint get `deep_copy`s of its templates, round robin.
 
     Why copies of a few templates: a copy (~1 us) shares its template's lexer, whose lazily
-    built automaton and token sets its siblings have warmed up, so its masks cost ~20% less
-    CPU than those of a matcher built apart (~1 ms each, ~3 ms on a busy 14-thread host: 1,024
-    of them held a batch's admission ~0.25 s on an H200 host). The lexer is behind a lock, so
+    built automaton and token sets its siblings have warmed up, so a matcher built apart (~1
+    ms each, ~3 ms on a busy 14-thread host: 1,024 of them held a batch's admission ~0.25 s on
+    an H200 host) costs 1.21x the CPU a mask over a 128-step decode (1.7x over its first 64
+    steps), and on 2 threads fills 16% slower though it scales 1.85x to the copies' 1.80x
+    (benchmarks/results/2026-11-27g-cpu-fill-threads). The lexer is behind a lock, so
     copies of ONE template fill one at a time on any number of threads (one schema once ran
     at 0.10x unconstrained that way); with `templates_per_thread` x `num_threads` templates
     and the batched calls ordering rows by template (the library's threads take contiguous

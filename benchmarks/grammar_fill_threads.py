@@ -1,0 +1,221 @@
+"""How llguidance's batched bitmask fill scales with threads, by how the matchers are made.
+
+Copies of one llguidance matcher (`LLMatcher.deep_copy`) share its lexer, behind one lock that
+a mask holds for its whole trie walk, so copies of one template fill one at a time on any number
+of threads. This script decodes `--rows` rows under the GPU benchmark's schema
+(`structured_outputs.schema(None, 200, 400)`) on its synthetic 128K tokenizer (as
+`grammar_fill.py`), every row from the start of its grammar: each row follows one of `--walks`
+recorded walks (`grammar_fill.record_walks`, uniform among the allowed tokens; `--assign`) for
+up to `--steps` steps, all configurations in lockstep; each step fills all live rows' masks
+(`LLGuidanceBackend.fill_bitmasks`: rows ordered by shared lexer, the library's `--threads`
+threads) and advances them (`LLGuidanceBackend.advance`). Matchers made as (`--makes`):
+
+- `copies` (or `copiesN`): phloem's `LLGuidanceBackend.matcher` (copies of 4, or N, templates
+  a thread: `templates_per_thread`), rows ordered by template; `copies-mixed` (`copiesN-mixed`):
+  the same matchers, rows in the order made (round robin: consecutive rows on different
+  templates);
+- `one`: copies of ONE matcher (every row on one lexer: the lock at its worst); `tN`: copies
+  of N matchers, whatever the threads (rows ordered by template, as `copies`);
+- `apart`: each row's matcher built from the grammar text (its own lexer, nothing shared),
+  rows in the backend's order (by `id`: no order); `apart-ordered`: the same, rows ordered as
+  `copies` orders its copies (group i % templates), to tell the lock from the order.
+
+Per (make, threads), over `--repeats` rounds (configurations alternated): ms to make the
+matchers (one Python thread), the fill's wall ms summed over the steps and the process's CPU ms
+during those fills (CPU / wall ~ threads kept busy), the voluntary context switches during
+them (a thread that waits for a held lock sleeps), the advance's ms. The masks of every
+configuration must be the same bit for bit (a digest over all steps, first round). Results:
+benchmarks/results/2026-11-27g-cpu-fill-threads/.
+
+    OMP_NUM_THREADS=1 python benchmarks/grammar_fill_threads.py --threads 1,2 --steps 128 \
+        --makes copies,apart-ordered,apart,one --repeats 2 --out DIR/threads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grammar_fill import load_tokenizer, record_walks  # noqa: E402
+from structured_outputs import schema  # noqa: E402
+
+from phloem.sampling_params import StructuredOutputsParams  # noqa: E402
+from phloem.structured_output.backend import TokenizerData  # noqa: E402
+from phloem.structured_output.llguidance_backend import (  # noqa: E402
+    LLGuidanceBackend,
+    LLGuidanceMatcher,
+)
+
+
+def make_matchers(make: str, backend: LLGuidanceBackend, compiled, num_rows: int) -> list:
+    """`num_rows` fresh matchers of `compiled`, made as `make` (module docstring)."""
+    import llguidance as llg
+
+    if make.startswith("copies"):
+        made = [backend.matcher(compiled) for _ in range(num_rows)]
+        if make.endswith("-mixed"):  # made round robin over the templates: keep that order
+            for i, m in enumerate(made):
+                m.group = i
+        return made
+    if make == "one" or make.startswith("t"):
+        count = 1 if make == "one" else int(make[1:])
+        templates = [llg.LLMatcher(backend.tokenizer, compiled.text) for _ in range(count)]
+        return [LLGuidanceMatcher(templates[i % count].deep_copy(), id(templates[i % count]))
+                for i in range(num_rows)]  # fmt: skip
+    if make in ("apart", "apart-ordered"):
+        built = [llg.LLMatcher(backend.tokenizer, compiled.text) for _ in range(num_rows)]
+        if make == "apart":
+            return [LLGuidanceMatcher(m, id(m)) for m in built]
+        slots = backend._num_templates  # as `copies`: row i in group i % templates
+        return [LLGuidanceMatcher(m, i % slots) for i, m in enumerate(built)]
+    raise ValueError(f"unknown --makes entry {make!r}")
+
+
+def _new_round(config: dict, args) -> dict:
+    """Fresh templates (cold lexers) and matchers of config's make: its round's state."""
+    start = time.perf_counter()
+    compiled = config["backend"].compile(config["params"])
+    matchers = make_matchers(config["make"], config["backend"], compiled, args.rows)
+    made_ms = (time.perf_counter() - start) * 1e3
+    totals = dict.fromkeys(("fill_ms", "fill_cpu_ms", "fill_vcsw", "advance_ms", "masks"), 0)
+    return {"matchers": matchers, "crc": 0, "make_ms": made_ms, **totals}
+
+
+def _step(config: dict, state: dict, live: list[int], tokens: list[int], digest: bool) -> None:
+    """Fill the live rows' masks (timed: wall, process CPU, voluntary context switches of
+    all threads: a thread waiting on a held lock sleeps) and advance them by `tokens`."""
+    backend = config["backend"]
+    rows_matchers = [state["matchers"][i] for i in live]
+    rows = list(range(len(live)))
+    bitmask = config["bitmask"]
+    vcsw = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    wall, cpu = time.perf_counter(), time.process_time()
+    backend.fill_bitmasks(rows_matchers, bitmask, rows)
+    state["fill_ms"] += (time.perf_counter() - wall) * 1e3
+    state["fill_cpu_ms"] += (time.process_time() - cpu) * 1e3
+    state["fill_vcsw"] += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - vcsw
+    state["masks"] += len(live)
+    if digest:
+        state["crc"] = zlib.crc32(bitmask[: len(live)].tobytes(), state["crc"])
+    start = time.perf_counter()
+    advanced = backend.advance(rows_matchers, tokens)
+    state["advance_ms"] += (time.perf_counter() - start) * 1e3
+    assert all(a is not None for a in advanced), "a recorded token was rejected"
+
+
+def assign_walks(num_walks: int, args) -> list[int]:
+    """Each row's walk: i % num_walks (`--assign cyclic`: row i and row i + num_walks alike,
+    so copies of one template, made round robin, follow a few walks: their rows' costs move
+    together) or a seeded random one (`random`: as a batch's independent rows)."""
+    if args.assign == "cyclic":
+        return [i % num_walks for i in range(args.rows)]
+    rng = random.Random(1)
+    return [rng.randrange(num_walks) for _ in range(args.rows)]
+
+
+def decode_round(configs: list[dict], walks: list[list[int]], args, round_: int) -> None:
+    """One round: every config makes its matchers, then all decode in lockstep (each step
+    every config fills and advances, in an order alternated by step), so load from other
+    processes falls on all of them alike. Appends each config's totals to its "rounds"."""
+    states = [_new_round(c, args) for c in configs]
+    row_walks = [walks[w] for w in assign_walks(len(walks), args)]
+    for step in range(args.steps):
+        live = [i for i in range(args.rows) if step < len(row_walks[i])]
+        if not live:
+            break
+        tokens = [row_walks[i][step] for i in live]
+        pairs = list(zip(configs, states))
+        for config, state in pairs if (step + round_) % 2 == 0 else pairs[::-1]:
+            _step(config, state, live, tokens, digest=round_ == 0)
+    for config, state in zip(configs, states):
+        state["digest"] = f"{state.pop('crc'):08x}" if round_ == 0 else None
+        del state["matchers"]
+        config["rounds"].append(state)
+
+
+def build_configs(args) -> tuple[list[dict], int]:
+    """One config per (make, threads), backends sharing one tokenizer info."""
+    hf_tok, vocab_size, eos = load_tokenizer(args)
+    data = TokenizerData(hf_tok, vocab_size, (eos,))
+    params = StructuredOutputsParams(json=schema(None, 200, 400))
+    configs, first = [], None
+    for threads in (int(t) for t in args.threads.split(",")):
+        for make in args.makes.split(","):
+            count = make.removesuffix("-mixed")[len("copies") :]
+            per = int(count or 4) if make.startswith("copies") else 4
+            backend = LLGuidanceBackend(data, threads, per, same_tokenizer_as=first)
+            first = first or backend
+            configs.append({"make": make, "threads": threads, "backend": backend,
+                            "params": params, "vocab_size": vocab_size,
+                            "rounds": []})  # fmt: skip
+    return configs, eos
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", choices=("synthetic", "embedded"), default="synthetic")
+    parser.add_argument("--model", default="llama-3.1-8b", help="synthetic: whose config")
+    parser.add_argument("--vocab-size", type=int, help="synthetic: another vocabulary size")
+    parser.add_argument("--walk", choices=("uniform", "short"), default="uniform")
+    parser.add_argument("--walks", type=int, default=64, help="distinct recorded walks")
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--assign", choices=("random", "cyclic"), default="random")
+    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--threads", default="1,2", help="comma list of fill threads")
+    parser.add_argument("--makes", default="copies,one,apart", help="comma list (docstring)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    configs, eos = build_configs(args)
+    first = configs[0]
+    text = first["backend"].compile(first["params"]).text
+    walks = record_walks(first["backend"].tokenizer, text, first["vocab_size"], eos, args)
+    from llguidance.numpy import allocate_token_bitmask
+
+    for config in configs:
+        config["bitmask"] = allocate_token_bitmask(args.rows, config["vocab_size"])
+    for round_ in range(args.repeats):
+        decode_round(configs, walks, args, round_)
+    _report(configs, args)
+
+
+def _report(configs: list[dict], args) -> None:
+    """Print the medians and write `args.out`."""
+    rows = []
+    for c in configs:
+        keys = ("make_ms", "fill_ms", "fill_cpu_ms", "fill_vcsw", "advance_ms")
+        med = {k: statistics.median(r[k] for r in c["rounds"]) for k in keys}
+        rows.append({"make": c["make"], "threads": c["threads"], "median": med,
+                     "masks": c["rounds"][0]["masks"], "digest": c["rounds"][0]["digest"],
+                     "rounds": c["rounds"]})  # fmt: skip
+    base = {r["make"]: r["median"]["fill_ms"] for r in rows if r["threads"] == min(
+        c["threads"] for c in configs)}  # fmt: skip
+    print(f"{args.rows} rows, {rows[0]['masks']} masks; medians of {args.repeats} rounds")
+    print("make     thr  make_ms  fill_ms  cpu/wall  speedup  vcsw/step  advance_ms  digest")
+    for r in rows:
+        m = r["median"]
+        speedup = base.get(r["make"], float("nan")) / m["fill_ms"]
+        print(f"{r['make']:8s} {r['threads']:3d} {m['make_ms']:8.1f} {m['fill_ms']:8.1f} "
+              f"{m['fill_cpu_ms'] / m['fill_ms']:9.2f} {speedup:8.2f} "
+              f"{m['fill_vcsw'] / args.steps:10.1f} {m['advance_ms']:11.1f}  "
+              f"{r['digest']}")  # fmt: skip
+    if args.out:
+        machine = platform.processor() or platform.machine()
+        result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine,
+                  "configs": rows}  # fmt: skip
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
