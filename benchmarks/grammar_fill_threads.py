@@ -20,15 +20,32 @@ threads) and advances them (`LLGuidanceBackend.advance`). Matchers made as (`--m
   rows in the backend's order (by `id`: no order); `apart-ordered`: the same, rows ordered as
   `copies` orders its copies (group i % templates), to tell the lock from the order.
 
-Per (make, threads), over `--repeats` rounds (configurations alternated): ms to make the
+Each make is filled by every mode of `--fills` (the backend's `fill_mode`): `pool` (the
+library's work-stealing pool of `--threads` threads over the rows ordered by template: phloem's
+default) or `split` (`split_fill`: whole templates on each of `--threads` Python threads, each
+with its own 1-thread executor, so no two threads ever share a lexer); a split config is named
+`MAKE/split`.
+
+Per (make, fill, threads), over `--repeats` rounds (configurations alternated): ms to make the
 matchers (one Python thread), the fill's wall ms summed over the steps and the process's CPU ms
 during those fills (CPU / wall ~ threads kept busy), the voluntary context switches during
 them (a thread that waits for a held lock sleeps), the advance's ms. The masks of every
 configuration must be the same bit for bit (a digest over all steps, first round). Results:
-benchmarks/results/2026-11-27g-cpu-fill-threads/.
+benchmarks/results/2026-11-27g-cpu-fill-threads/, 2026-11-27g-cpu-fill-split/.
 
     OMP_NUM_THREADS=1 python benchmarks/grammar_fill_threads.py --threads 1,2 --steps 128 \
         --makes copies,apart-ordered,apart,one --repeats 2 --out DIR/threads.json
+    OMP_NUM_THREADS=1 python benchmarks/grammar_fill_threads.py --threads 1,2 --steps 128 \
+        --makes copies --fills pool,split --repeats 2 --out DIR/split.json
+
+`--part-costs 14,28`: instead, one decode on one thread that times every row's mask alone
+(`copies`' first make and threads), then, per T, how much longer than an even share of the
+step's mask time (its sum / T) the split fill's busiest thread works, rows in the templates
+phloem would make on T threads (row i in template i % (4 T), or 16 T): `static` (the split:
+whole templates, balanced by row count) and `pull` (whole templates, largest first, each to
+the thread that is free first: the best a dynamic split of whole templates can do); sums over
+the steps. Masks cost 0.02-0.9 ms by the row's state, so a static split of few rows a thread
+is not balanced by cost.
 """
 
 from __future__ import annotations
@@ -145,7 +162,7 @@ def decode_round(configs: list[dict], walks: list[list[int]], args, round_: int)
 
 
 def build_configs(args) -> tuple[list[dict], int]:
-    """One config per (make, threads), backends sharing one tokenizer info."""
+    """One config per (make, fill, threads), backends sharing one tokenizer info."""
     hf_tok, vocab_size, eos = load_tokenizer(args)
     data = TokenizerData(hf_tok, vocab_size, (eos,))
     params = StructuredOutputsParams(json=schema(None, 200, 400))
@@ -154,12 +171,64 @@ def build_configs(args) -> tuple[list[dict], int]:
         for make in args.makes.split(","):
             count = make.removesuffix("-mixed")[len("copies") :]
             per = int(count or 4) if make.startswith("copies") else 4
-            backend = LLGuidanceBackend(data, threads, per, same_tokenizer_as=first)
-            first = first or backend
-            configs.append({"make": make, "threads": threads, "backend": backend,
-                            "params": params, "vocab_size": vocab_size,
-                            "rounds": []})  # fmt: skip
+            for fill in args.fills.split(","):
+                backend = LLGuidanceBackend(
+                    data, threads, per, same_tokenizer_as=first, fill_mode=fill
+                )
+                first = first or backend
+                name = make if fill == "pool" else f"{make}/{fill}"
+                configs.append({"make": name, "threads": threads, "backend": backend,
+                                "params": params, "vocab_size": vocab_size,
+                                "rounds": []})  # fmt: skip
     return configs, eos
+
+
+def _row_costs(config: dict, walks: list[list[int]], args) -> list[list[float]]:
+    """[step][row] seconds of each live row's mask alone (one thread; `copies` rows)."""
+    backend = config["backend"]
+    state = _new_round(config, args)
+    row_walks = [walks[w] for w in assign_walks(len(walks), args)]
+    costs, bitmask = [], config["bitmask"]
+    for step in range(args.steps):
+        live = [i for i in range(args.rows) if step < len(row_walks[i])]
+        if not live:
+            break
+        matchers = [state["matchers"][i] for i in live]
+        times = [0.0] * args.rows
+        for i, m in zip(live, matchers):
+            start = time.perf_counter()
+            m.fill_bitmask(bitmask, 0)
+            times[i] = time.perf_counter() - start
+        costs.append(times)
+        backend.advance(matchers, [row_walks[i][step] for i in live])
+    return costs
+
+
+def part_costs(config: dict, walks: list[list[int]], args) -> None:
+    """Print the split fill's busiest thread against an even share (`--part-costs`)."""
+    from phloem.structured_output.split_fill import split_by_group
+
+    costs = _row_costs(config, walks, args)
+    print(f"{args.rows} rows, {len(costs)} steps: busiest thread / (step's mask time / T)")
+    for threads in (int(t) for t in args.part_costs.split(",")):
+        for per in (4, 16):
+            groups = [i % (per * threads) for i in range(args.rows)]
+            parts = split_by_group(groups, threads)
+            static = pull = even = 0.0
+            for times in costs:
+                static += max(sum(times[i] for i in p) for p in parts)
+                busy = [0.0] * threads
+                members: dict[int, float] = {}
+                for i, g in enumerate(groups):
+                    members[g] = members.get(g, 0.0) + times[i]
+                for cost in sorted(members.values(), reverse=True):
+                    busy[busy.index(min(busy))] += cost
+                pull += max(busy)
+                even += sum(times) / threads
+            print(
+                f"T={threads:3d} templates {per:2d}/thread: static {static / even:.3f}  "
+                f"pull {pull / even:.3f}  (even share {even * 1e3 / len(costs):.2f} ms/step)"
+            )
 
 
 def main() -> None:
@@ -174,7 +243,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--threads", default="1,2", help="comma list of fill threads")
     parser.add_argument("--makes", default="copies,one,apart", help="comma list (docstring)")
+    parser.add_argument("--fills", default="pool", help="comma list: pool, split (docstring)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--part-costs", help="comma list of T: the split's balance (docstring)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configs, eos = build_configs(args)
@@ -185,6 +256,8 @@ def main() -> None:
 
     for config in configs:
         config["bitmask"] = allocate_token_bitmask(args.rows, config["vocab_size"])
+    if args.part_costs:
+        return part_costs(first, walks, args)
     for round_ in range(args.repeats):
         decode_round(configs, walks, args, round_)
     _report(configs, args)
@@ -202,11 +275,11 @@ def _report(configs: list[dict], args) -> None:
     base = {r["make"]: r["median"]["fill_ms"] for r in rows if r["threads"] == min(
         c["threads"] for c in configs)}  # fmt: skip
     print(f"{args.rows} rows, {rows[0]['masks']} masks; medians of {args.repeats} rounds")
-    print("make     thr  make_ms  fill_ms  cpu/wall  speedup  vcsw/step  advance_ms  digest")
+    print("make           thr  make_ms  fill_ms  cpu/wall  speedup  vcsw/step  advance_ms  digest")
     for r in rows:
         m = r["median"]
         speedup = base.get(r["make"], float("nan")) / m["fill_ms"]
-        print(f"{r['make']:8s} {r['threads']:3d} {m['make_ms']:8.1f} {m['fill_ms']:8.1f} "
+        print(f"{r['make']:14s} {r['threads']:3d} {m['make_ms']:8.1f} {m['fill_ms']:8.1f} "
               f"{m['fill_cpu_ms'] / m['fill_ms']:9.2f} {speedup:8.2f} "
               f"{m['fill_vcsw'] / args.steps:10.1f} {m['advance_ms']:11.1f}  "
               f"{r['digest']}")  # fmt: skip

@@ -18,11 +18,13 @@ sampling the EOS token.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 
 from phloem.sampling_params import StructuredOutputsParams
 from phloem.structured_output.backend import GrammarBackend, GrammarMatcher, TokenizerData
+from phloem.structured_output.split_fill import FILL_MODES, SplitFill, split_by_group
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -189,7 +191,9 @@ class LLGuidanceBackend(GrammarBackend):
     runs of rows), threads rarely meet on one lexer (benchmarks/results/
     2026-11-26e-cpu-structured-one-schema). `templates_per_thread=0`: every matcher built apart.
     `fill_bitmasks` and `accept_tokens` work on many rows on `num_threads` native threads (the
-    GIL released).
+    GIL released). `fill_mode="split"` fills on `num_threads` Python threads, each with whole
+    templates on its own 1-thread executor (`split_fill`: no lexer wanted by two threads; a
+    static split); "pool" (default) on the library's work-stealing pool.
 
     Args:
         tokenizer: the model's (`TokenizerData`).
@@ -199,9 +203,10 @@ class LLGuidanceBackend(GrammarBackend):
             tokenizer info (~1.2 s to build at 128K tokens) this one shares (benchmarks).
         slices: the slicer's regexes (`SLICES`; benchmarks compare others: they change the
             cost of a mask, never the mask); ignored with `same_tokenizer_as`.
+        fill_mode: "pool" or "split" (`FILL_MODES`); None: $PHLOEM_GRAMMAR_FILL, else "pool".
 
     Raises:
-        ValueError: `templates_per_thread` < 0.
+        ValueError: `templates_per_thread` < 0, or an unknown fill mode.
     """
 
     name = "llguidance"
@@ -213,12 +218,17 @@ class LLGuidanceBackend(GrammarBackend):
         templates_per_thread: int = 4,
         same_tokenizer_as: LLGuidanceBackend | None = None,
         slices: tuple[str, ...] = SLICES,
+        fill_mode: str | None = None,
     ) -> None:
         import llguidance as llg
         import llguidance.hf
 
         if templates_per_thread < 0:
             raise ValueError(f"templates_per_thread must be >= 0, got {templates_per_thread}")
+        fill_mode = fill_mode or os.environ.get("PHLOEM_GRAMMAR_FILL") or "pool"
+        if fill_mode not in FILL_MODES:
+            raise ValueError(f"grammar fill mode must be one of {FILL_MODES}, got {fill_mode!r}")
+        self.fill_mode = fill_mode
         self._llg = llg
         eos = list(tokenizer.stop_token_ids) or None
         if same_tokenizer_as is not None:
@@ -231,6 +241,7 @@ class LLGuidanceBackend(GrammarBackend):
                 slices=list(slices),
             )
         self._executor = llg.LLExecutor(max(1, num_threads))
+        self._split = SplitFill(llg, num_threads) if fill_mode == "split" else None
         self._num_templates = templates_per_thread * max(1, num_threads)
         # (matchers list, its `_by_group` order) and (matchers, rows, the fill's pairs) of the
         # last calls: the manager passes the same lists while a batch's rows stay the same
@@ -333,15 +344,28 @@ class LLGuidanceBackend(GrammarBackend):
         self, matchers: list[GrammarMatcher], bitmask: np.ndarray, rows: list[int]
     ) -> None:
         """Row rows[i] of `bitmask` (int32 [R, W], C-contiguous) = the mask of matchers[i],
-        written in place by the library's threads (rows ordered by shared lexer)."""
+        written in place by the library's threads (rows ordered by shared lexer) or, with
+        `fill_mode="split"`, by `num_threads` threads each given whole templates."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
         kept_matchers, kept_rows, pairs = self._fill_pairs
         if matchers is not kept_matchers or rows is not kept_rows:
-            order = self._ordered(matchers)
-            pairs = [(matchers[i].inner, rows[i]) for i in order]  # type: ignore[attr-defined]
+            pairs = self._fill_order(matchers, rows)
             self._fill_pairs = (matchers, rows, pairs)
-        fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        if self._split is not None:
+            self._split.fill(pairs, bitmask)
+        else:
+            fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+
+    def _fill_order(self, matchers: list, rows: list[int]) -> list:
+        """The fill's (matcher, row) pairs, rows ordered by shared lexer; with the split
+        fill, [part][pair] (`split_by_group`: whole templates a part), each part in that
+        order (the advance reuses it: `_ordered`)."""
+        order = self._ordered(matchers)
+        if self._split is None:
+            return [(matchers[i].inner, rows[i]) for i in order]
+        parts = split_by_group([matchers[i].group for i in order], self._split.num_threads)
+        return [[(matchers[order[j]].inner, rows[order[j]]) for j in part] for part in parts]
 
     def _ordered(self, matchers: list) -> list[int]:
         """`_by_group(matchers)`, kept for the last list (the same list object: never mutated
