@@ -23,8 +23,8 @@ threads) and advances them (`LLGuidanceBackend.advance`). Matchers made as (`--m
 Each make is filled by every mode of `--fills` (the backend's `fill_mode`): `pool` (the
 library's work-stealing pool of `--threads` threads over the rows ordered by template: phloem's
 default) or `split` (`split_fill`: whole templates on each of `--threads` Python threads, each
-with its own 1-thread executor, so no two threads ever share a lexer); a split config is named
-`MAKE/split`.
+with its own 1-thread executor, so no two threads ever share a lexer) or `pull` (the same, a
+free thread taking the next template); such a config is named `MAKE/split`, `MAKE/pull`.
 
 Per (make, fill, threads), over `--repeats` rounds (configurations alternated): ms to make the
 matchers (one Python thread), the fill's wall ms summed over the steps and the process's CPU ms
@@ -36,15 +36,14 @@ benchmarks/results/2026-11-27g-cpu-fill-threads/, 2026-11-27g-cpu-fill-split/.
     OMP_NUM_THREADS=1 python benchmarks/grammar_fill_threads.py --threads 1,2 --steps 128 \
         --makes copies,apart-ordered,apart,one --repeats 2 --out DIR/threads.json
     OMP_NUM_THREADS=1 python benchmarks/grammar_fill_threads.py --threads 1,2 --steps 128 \
-        --makes copies --fills pool,split --repeats 2 --out DIR/split.json
+        --makes copies --fills pool,split,pull --repeats 2 --out DIR/split.json
 
 `--part-costs 14,28`: instead, one decode on one thread that times every row's mask alone
 (`copies`' first make and threads), then, per T, how much longer than an even share of the
 step's mask time (its sum / T) the split fill's busiest thread works, rows in the templates
 phloem would make on T threads (row i in template i % (4 T), or 16 T): `static` (the split:
-whole templates, balanced by row count) and `pull` (whole templates, largest first, each to
-the thread that is free first: the best a dynamic split of whole templates can do); sums over
-the steps. Masks cost 0.02-0.9 ms by the row's state, so a static split of few rows a thread
+whole templates, balanced by row count) and `pull` (the backend's "pull": whole templates,
+most rows first, each to the thread that is free first); sums over the steps. Masks cost 0.02-0.9 ms by the row's state, so a static split of few rows a thread
 is not balanced by cost.
 """
 
@@ -218,11 +217,8 @@ def part_costs(config: dict, walks: list[list[int]], args) -> None:
             for times in costs:
                 static += max(sum(times[i] for i in p) for p in parts)
                 busy = [0.0] * threads
-                members: dict[int, float] = {}
-                for i, g in enumerate(groups):
-                    members[g] = members.get(g, 0.0) + times[i]
-                for cost in sorted(members.values(), reverse=True):
-                    busy[busy.index(min(busy))] += cost
+                for template in split_by_group(groups, len(groups)):  # largest first
+                    busy[busy.index(min(busy))] += sum(times[i] for i in template)
                 pull += max(busy)
                 even += sum(times) / threads
             print(

@@ -193,7 +193,8 @@ class LLGuidanceBackend(GrammarBackend):
     `fill_bitmasks` and `accept_tokens` work on many rows on `num_threads` native threads (the
     GIL released). `fill_mode="split"` fills on `num_threads` Python threads, each with whole
     templates on its own 1-thread executor (`split_fill`: no lexer wanted by two threads; a
-    static split); "pool" (default) on the library's work-stealing pool.
+    static split); "pull" the same, each thread taking the next template when free (one
+    library call a template); "pool" (default) on the library's work-stealing pool.
 
     Args:
         tokenizer: the model's (`TokenizerData`).
@@ -203,7 +204,8 @@ class LLGuidanceBackend(GrammarBackend):
             tokenizer info (~1.2 s to build at 128K tokens) this one shares (benchmarks).
         slices: the slicer's regexes (`SLICES`; benchmarks compare others: they change the
             cost of a mask, never the mask); ignored with `same_tokenizer_as`.
-        fill_mode: "pool" or "split" (`FILL_MODES`); None: $PHLOEM_GRAMMAR_FILL, else "pool".
+        fill_mode: "pool", "split" or "pull" (`FILL_MODES`); None: $PHLOEM_GRAMMAR_FILL, else
+            "pool".
 
     Raises:
         ValueError: `templates_per_thread` < 0, or an unknown fill mode.
@@ -241,7 +243,7 @@ class LLGuidanceBackend(GrammarBackend):
                 slices=list(slices),
             )
         self._executor = llg.LLExecutor(max(1, num_threads))
-        self._split = SplitFill(llg, num_threads) if fill_mode == "split" else None
+        self._split = SplitFill(llg, num_threads) if fill_mode != "pool" else None
         self._num_templates = templates_per_thread * max(1, num_threads)
         # (matchers list, its `_by_group` order) and (matchers, rows, the fill's pairs) of the
         # last calls: the manager passes the same lists while a batch's rows stay the same
@@ -359,12 +361,14 @@ class LLGuidanceBackend(GrammarBackend):
 
     def _fill_order(self, matchers: list, rows: list[int]) -> list:
         """The fill's (matcher, row) pairs, rows ordered by shared lexer; with the split
-        fill, [part][pair] (`split_by_group`: whole templates a part), each part in that
-        order (the advance reuses it: `_ordered`)."""
+        fill, [part][pair] (`split_by_group`: whole templates a part; "pull": one template a
+        part), each part in that order (the advance reuses it: `_ordered`)."""
         order = self._ordered(matchers)
         if self._split is None:
             return [(matchers[i].inner, rows[i]) for i in order]
-        parts = split_by_group([matchers[i].group for i in order], self._split.num_threads)
+        # "pull": a part a template, largest first (as many parts as groups: one group each)
+        num_parts = len(order) if self.fill_mode == "pull" else self._split.num_threads
+        parts = split_by_group([matchers[i].group for i in order], num_parts)
         return [[(matchers[order[j]].inner, rows[order[j]]) for j in part] for part in parts]
 
     def _ordered(self, matchers: list) -> list[int]:

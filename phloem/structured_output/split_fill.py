@@ -8,18 +8,21 @@ list) cuts the list into pieces that, on many threads, are smaller than a templa
 rows, so neighbouring pieces of one template run at once and wait on each other
 (benchmarks/results/2026-11-27g-cpu-fill-threads). Here each of N Python threads fills its own
 group of whole templates with `fill_next_token_bitmask_par` on its own 1-thread executor (the
-library releases the GIL for the call), all writing into rows of the same bitmask: no lexer is
-ever wanted by two threads, at the price of a static split (balanced by row count, not cost).
-Numbers: benchmarks/results/2026-11-27g-cpu-fill-split/.
+library releases the GIL for the call: 1.87 cores busy on 2), all writing into rows of the same
+bitmask: no lexer is ever wanted by two threads. "split": N parts balanced by row count, one a
+thread (static: masks cost 0.02-0.9 ms by the row's state, so at 14 threads the busiest part
+works ~1.3x an even share); "pull": a part a template, each thread taking the next one when
+free (one library call a template). Numbers: benchmarks/results/2026-11-27g-cpu-fill-split/.
 """
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-FILL_MODES = ("pool", "split")
+FILL_MODES = ("pool", "split", "pull")
 
 
 def split_by_group(groups: list[int], num_parts: int) -> list[list[int]]:
@@ -39,8 +42,11 @@ def split_by_group(groups: list[int], num_parts: int) -> list[list[int]]:
     members: dict[int, list[int]] = {}
     for i, group in enumerate(groups):
         members.setdefault(group, []).append(i)
+    by_size = sorted(members.values(), key=len, reverse=True)
+    if num_parts >= len(by_size):  # a group a part ("pull")
+        return by_size
     parts: list[list[int]] = [[] for _ in range(max(1, num_parts))]
-    for rows in sorted(members.values(), key=len, reverse=True):
+    for rows in by_size:
         min(parts, key=len).extend(rows)  # min picks the first of equals
     return [p for p in parts if p]
 
@@ -63,27 +69,36 @@ class SplitFill:
             self._pool = ThreadPoolExecutor(self.num_threads - 1, "phloem-grammar-fill")
 
     def fill(self, parts: list[list[tuple]], bitmask: np.ndarray) -> None:
-        """Fill every part's (matcher, row) pairs into `bitmask` (int32 [R, W], C-contiguous),
-        part k on thread k (part 0 on the calling thread); returns when all are done.
+        """Fill every part's (matcher, row) pairs into `bitmask` (int32 [R, W], C-contiguous):
+        up to `num_threads` threads (the calling one first) each take the next part not yet
+        taken, one library call a part, until none is left (with at most `num_threads` parts:
+        one each; with more, "pull": whoever is free takes the next); returns when all are done.
+        A part is only ever filled by one thread.
 
         Raises:
             whatever a part's fill raises, once every part has finished (the calling thread's
-            first, else the lowest part's).
+            first, else the lowest thread's).
         """
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        if len(parts) > self.num_threads:
-            raise ValueError(f"{len(parts)} parts for {self.num_threads} threads")
+        taken = itertools.count()  # next() is atomic under the GIL: each part taken once
         futures = []
         if self._pool is not None:
             futures = [
-                self._pool.submit(fill_next_token_bitmask_par, ex, pairs, bitmask)
-                for ex, pairs in zip(self._executors[1:], parts[1:])
+                self._pool.submit(_drain, ex, parts, taken, bitmask)
+                for ex in self._executors[1 : len(parts)]
             ]
         try:
-            if parts:
-                fill_next_token_bitmask_par(self._executors[0], parts[0], bitmask)
+            _drain(self._executors[0], parts, taken, bitmask)
         finally:
             wait(futures)  # no thread may still write into `bitmask` after this returns
         for future in futures:
             future.result()
+
+
+def _drain(executor, parts: list[list[tuple]], taken, bitmask: np.ndarray) -> None:
+    """Fill parts[next(taken)] on `executor` until `taken` passes the last part."""
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    for k in taken:
+        if k >= len(parts):
+            return
+        fill_next_token_bitmask_par(executor, parts[k], bitmask)

@@ -32,11 +32,12 @@ def test_split_by_group_keeps_groups_whole_and_balances_rows():
     assert split_by_group(groups, 1) == [[0, 2, 5, 8, 1, 4, 3, 7, 6, 9]]
     assert len(split_by_group([4, 4, 4], 3)) == 1  # one group: one part, no empty ones
     assert split_by_group([], 4) == []
+    assert split_by_group(groups, 10) == [[0, 2, 5, 8], [1, 4], [3, 7], [6], [9]]  # "pull"
 
 
 def test_split_fill_masks_equal_the_pool_fill(embedded_tokenizer_dir, monkeypatch):
-    """9 copies of 2 x 2 templates and the compile's own matcher, each under the split and the
-    pool fill, advanced by the same sampled tokens: the same masks bit for bit at every step,
+    """9 copies of 2 x 2 templates and the compile's own matcher, each under the split, the
+    pull and the pool fill, advanced by the same sampled tokens: the same masks bit for bit at every step,
     and the split's parts hold whole templates."""
     from transformers import AutoTokenizer
 
@@ -49,24 +50,28 @@ def test_split_fill_masks_equal_the_pool_fill(embedded_tokenizer_dir, monkeypatc
     monkeypatch.setenv("PHLOEM_GRAMMAR_FILL", "split")
     split = LLGuidanceBackend(data, num_threads=2, templates_per_thread=2)
     pool = LLGuidanceBackend(data, 2, 2, same_tokenizer_as=split, fill_mode="pool")
+    pull = LLGuidanceBackend(data, 2, 2, same_tokenizer_as=split, fill_mode="pull")
     assert (split.fill_mode, pool.fill_mode) == ("split", "pool")
     with pytest.raises(ValueError, match="fill mode"):
         LLGuidanceBackend(data, 2, 2, same_tokenizer_as=split, fill_mode="steal")
     params = StructuredOutputsParams(json=STRINGS)
     made = []
-    for backend in (split, pool):
+    backends = (split, pool, pull)
+    for backend in backends:
         compiled, first = backend.compile_with_matcher(params)
         made.append([first] + [backend.matcher(compiled) for _ in range(9)])
     rows = [int(r) for r in np.random.default_rng(1).permutation(10)]
-    masks = np.zeros((2, 10, bitmask_width(vocab)), dtype=np.int32)
+    masks = np.zeros((3, 10, bitmask_width(vocab)), dtype=np.int32)
     rng = np.random.default_rng(0)
     for _ in range(12):
-        for k, backend in enumerate((split, pool)):
+        for k, backend in enumerate(backends):
             backend.fill_bitmasks(made[k], masks[k], rows)
-        assert (masks[0] == masks[1]).all()
+        assert (masks[0] == masks[1]).all() and (masks[2] == masks[1]).all()
         bits = np.unpackbits(masks[0].view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         tokens = [int(rng.choice(np.flatnonzero(bits[r]))) for r in rows]
-        assert split.advance(made[0], tokens) == pool.advance(made[1], tokens)
+        advanced = [b.advance(m, tokens) for b, m in zip(backends, made)]
+        assert advanced[0] == advanced[1] == advanced[2]
+    assert len(pull._fill_pairs[2]) == 5  # a part a template (and the compile's own)
     parts = split._fill_pairs[2]
     group_of = {id(m.inner): m.group for m in made[0]}
     assert len(parts) == 2
