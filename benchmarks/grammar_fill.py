@@ -231,13 +231,19 @@ def batch_fill(hf_tok, vocab_size: int, eos: int, walks, args) -> list[dict]:
     return [{k: v for k, v in c.items() if k not in ("backend", "compiled")} for c in configs]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_walk_args(parser: argparse.ArgumentParser, walks: int, walks_help: str = "") -> None:
+    """The options `load_tokenizer` and `record_walks` read: --tokenizer, --model,
+    --vocab-size, --walk and --walks (default `walks`)."""
     parser.add_argument("--tokenizer", choices=("synthetic", "embedded"), default="synthetic")
     parser.add_argument("--model", default="llama-3.1-8b", help="synthetic: whose config")
     parser.add_argument("--vocab-size", type=int, help="synthetic: another vocabulary size")
     parser.add_argument("--walk", choices=("uniform", "short"), default="uniform")
-    parser.add_argument("--walks", type=int, default=12)
+    parser.add_argument("--walks", type=int, default=walks, help=walks_help or None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_walk_args(parser, 12)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--slices", default="current", help="comma list of SLICE_SETS names")
     parser.add_argument("--repeats", type=int, default=2)

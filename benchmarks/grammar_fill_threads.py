@@ -63,7 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grammar_fill import load_tokenizer, record_walks  # noqa: E402
+from grammar_fill import add_walk_args, load_tokenizer, record_walks  # noqa: E402
 from structured_outputs import schema  # noqa: E402
 
 from phloem.sampling_params import StructuredOutputsParams  # noqa: E402
@@ -229,11 +229,7 @@ def part_costs(config: dict, walks: list[list[int]], args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", choices=("synthetic", "embedded"), default="synthetic")
-    parser.add_argument("--model", default="llama-3.1-8b", help="synthetic: whose config")
-    parser.add_argument("--vocab-size", type=int, help="synthetic: another vocabulary size")
-    parser.add_argument("--walk", choices=("uniform", "short"), default="uniform")
-    parser.add_argument("--walks", type=int, default=64, help="distinct recorded walks")
+    add_walk_args(parser, 64, "distinct recorded walks")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--assign", choices=("random", "cyclic"), default="random")
     parser.add_argument("--rows", type=int, default=1024)
