@@ -288,7 +288,7 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return budget
         skipped: list[Request] = []
-        reserved = self.admission.reserved_blocks(self.running)
+        reserved = self.admission.reserved_blocks(self.running, self.waiting)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
             try:
