@@ -92,11 +92,25 @@ class Admission:
             return 0
         reserved = self.blocks_to_finish(running)
         self._wave_limit = float("inf")
-        if self.balanced_waves:
+        if self.balanced_waves and self._head_may_fit(waiting, reserved):
             room = self.wave_room(running, waiting)
             if room is not None:  # admitted own blocks: (reserved + held) - (reserved_0 + held_0)
                 self._wave_limit = room + reserved - self.kv.num_reclaimable_blocks
         return reserved
+
+    def _head_may_fit(self, waiting: Iterable[Request], reserved: int) -> bool:
+        """Whether the head of `waiting` could fit by finishing size if all but the last token
+        it holds came from shared blocks: when not, this pass admits nothing and needs no wave
+        cap (the cap's walk over the queue is skipped in the steps of a full pool). A head held
+        back by `admission_gate` lets a later request in without the cap: by finishing size."""
+        head = next(iter(waiting), None)
+        if head is None:
+            return False
+        block_size = self.kv.block_size
+        end = min(head.num_prompt_tokens + (head.sampling_params.max_tokens or block_size),
+                  self.config.max_model_len)  # fmt: skip
+        least = -(-end // block_size) - (head.num_tokens - 1) // block_size
+        return least + reserved <= self.kv.num_reclaimable_blocks
 
     def wave_room(self, running: list[Request], waiting: Iterable[Request]) -> int | None:
         """Own blocks the requests admitted from `waiting` may add to the running ones' before
