@@ -9,11 +9,13 @@ from phloem.core.admission import Admission
 from phloem.core.kv_manager import KVManager
 from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.scheduler import Scheduler
+from tests.core.test_prefix_sharing import grouped_workload, planned_requests
+from tests.core.test_prefix_sharing import run as run_planned
 from tests.core.test_scheduler import reference_outputs, req, run_to_completion
 
 
 def scheduler(balanced: bool, num_blocks: int = 50) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=256)
     kv = KVManager(num_blocks, block_size=4)
     return Scheduler(config, kv, PrefixGroups(kv, Admission(config, kv, balanced_waves=balanced)))
 
@@ -58,3 +60,27 @@ def test_balanced_waves_default_and_env(monkeypatch):
     monkeypatch.setenv("PHLOEM_BALANCED_WAVES", "0")
     assert not Admission(config, kv).balanced_waves
     assert Admission(config, kv, balanced_waves=True).balanced_waves
+
+
+def test_balanced_waves_keep_each_group_prefix_computed_once():
+    """3 groups x 4 members (prefix 32 tokens, 4 own, 40 outputs: 11 own blocks each) over 100
+    blocks: the queue needs 1.6 pools, so the waves are capped; each prefix is still computed
+    once, nothing is preempted, the outputs are the reference's."""
+    prompts, max_tokens = grouped_workload(
+        num_groups=3, degree=4, prefix_len=32, suffix_len=4, max_tokens=40
+    )
+    results = {}
+    for balanced in (False, True):
+        plan, requests = planned_requests(prompts, max_tokens, block_size=4)
+        s = scheduler(balanced, num_blocks=100)
+        most: list[int] = []
+
+        def count(sch, _, most=most):
+            most.append(len(sch.running))
+
+        computed = run_planned(s, requests, check=count)
+        assert computed == plan.num_physical_prompt_tokens
+        assert s.num_preemptions == 0
+        results[balanced] = ({r.request_id: r.output_token_ids for r in requests}, max(most))
+    assert results[True][0] == results[False][0] == reference_outputs(requests)
+    assert results[True][1] < results[False][1]
