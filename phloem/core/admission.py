@@ -11,10 +11,12 @@ finishing size runs in waves (the pool fills, its requests finish at about the s
 next ones start), and the last wave can be a small remainder that decodes for its whole output at
 a small batch, each step still reading all the weights (decode-heavy 500 x 1000/1000 on an H200:
 ~428 requests, then ~72 for another 1,000 steps). So while the KV the running and waiting
-requests need to finish, D, is more than one pool but at most `MAX_BALANCED_WAVES` pools, the
-running requests' own blocks are capped at D / ceil(D / pool): waves of equal size. The cap only
-admits less than the rule above, so it can cause no preemption, and it changes no output.
-`PHLOEM_BALANCED_WAVES=0` turns it off (read when the admission is built).
+requests need to finish, D, is more than one pool but at most `MAX_BALANCED_WAVES` pools, and
+every waiting request decodes long (`LONG_DECODE_RATIO`), the running requests' own blocks are
+capped at D / ceil(D / pool): waves of equal size (250 + 250 there; -3.8% modelled,
+benchmarks/results/2026-11-27h-cpu-decode-waves). The cap only admits less than the rule above:
+it adds no preemption and changes no output. `PHLOEM_BALANCED_WAVES=0` turns it off (read when
+the admission is built).
 
 Reads counts only: allocates nothing; `reserved_blocks` sets the wave cap of the admission pass
 it starts.
