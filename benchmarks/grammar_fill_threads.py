@@ -29,7 +29,16 @@ free thread taking the next template); such a config is named `MAKE/split`, `MAK
 Per (make, fill, threads), over `--repeats` rounds (configurations alternated): ms to make the
 matchers (one Python thread), the fill's wall ms summed over the steps and the process's CPU ms
 during those fills (CPU / wall ~ threads kept busy), the voluntary context switches during
-them (a thread that waits for a held lock sleeps), the advance's ms. The masks of every
+them (a thread that waits for a held lock sleeps), the advance's ms, and ms a fill and an
+advance by quarter of the steps (`fill_ms_by_quarter`, `advance_ms_by_quarter`).
+
+Measure the engine's window: `--steps 128` (the default) for the GPU benchmark's 1,024 x 128
+run. A walk spends its first ~50 steps on the keys, numbers and the short name, where a mask
+costs 0.01-0.03 ms, and the rest inside the `tags` array's strings (maxLength 10), where it
+costs 0.15-0.9 ms: on 1 thread a 1,024-row fill averages 3.7x more over 128 steps than over
+the first 64, and its last quarter 17x its first. `--steps 64` thus measured 8.8 ms a fill on
+the H200 host (14 threads) where the engine's 128-step run fills in 26-28 ms
+(benchmarks/results/2026-11-27h-cpu-fill-gap/). The masks of every
 configuration must be the same bit for bit (a digest over all steps, first round). Results:
 benchmarks/results/2026-11-27g-cpu-fill-threads/, 2026-11-27g-cpu-fill-split/.
 
@@ -37,6 +46,10 @@ benchmarks/results/2026-11-27g-cpu-fill-threads/, 2026-11-27g-cpu-fill-split/.
         --makes copies,apart-ordered,apart,one --repeats 2 --out DIR/threads.json
     OMP_NUM_THREADS=1 python benchmarks/grammar_fill_threads.py --threads 1,2 --steps 128 \
         --makes copies --fills pool,split,pull --repeats 2 --out DIR/split.json
+
+`--walks-file F`: the engine's walks instead of recorded ones (`structured_outputs.py
+--save-token-ids F`, the first one-schema run's output tokens on the same tokenizer), to
+compare the library's fill of the engine's own rows with the engine's `library_fill_ms`.
 
 `--part-costs 14,28`: instead, one decode on one thread that times every row's mask alone
 (`copies`' first make and threads), then, per T, how much longer than an even share of the
@@ -64,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grammar_fill import add_walk_args, load_tokenizer, record_walks  # noqa: E402
-from structured_outputs import schema  # noqa: E402
+from structured_outputs import by_quarter, schema  # noqa: E402
 
 from phloem.sampling_params import StructuredOutputsParams  # noqa: E402
 from phloem.structured_output.backend import TokenizerData  # noqa: E402
@@ -105,7 +118,8 @@ def _new_round(config: dict, args) -> dict:
     matchers = make_matchers(config["make"], config["backend"], compiled, args.rows)
     made_ms = (time.perf_counter() - start) * 1e3
     totals = dict.fromkeys(("fill_ms", "fill_cpu_ms", "fill_vcsw", "advance_ms", "masks"), 0)
-    return {"matchers": matchers, "crc": 0, "make_ms": made_ms, **totals}
+    steps: dict = {"fill_steps": [], "advance_steps": []}  # ms of each step's call
+    return {"matchers": matchers, "crc": 0, "make_ms": made_ms, **totals, **steps}
 
 
 def _step(config: dict, state: dict, live: list[int], tokens: list[int], digest: bool) -> None:
@@ -118,7 +132,8 @@ def _step(config: dict, state: dict, live: list[int], tokens: list[int], digest:
     vcsw = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
     wall, cpu = time.perf_counter(), time.process_time()
     backend.fill_bitmasks(rows_matchers, bitmask, rows)
-    state["fill_ms"] += (time.perf_counter() - wall) * 1e3
+    state["fill_steps"].append((time.perf_counter() - wall) * 1e3)
+    state["fill_ms"] += state["fill_steps"][-1]
     state["fill_cpu_ms"] += (time.process_time() - cpu) * 1e3
     state["fill_vcsw"] += resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - vcsw
     state["masks"] += len(live)
@@ -126,7 +141,8 @@ def _step(config: dict, state: dict, live: list[int], tokens: list[int], digest:
         state["crc"] = zlib.crc32(bitmask[: len(live)].tobytes(), state["crc"])
     start = time.perf_counter()
     advanced = backend.advance(rows_matchers, tokens)
-    state["advance_ms"] += (time.perf_counter() - start) * 1e3
+    state["advance_steps"].append((time.perf_counter() - start) * 1e3)
+    state["advance_ms"] += state["advance_steps"][-1]
     assert all(a is not None for a in advanced), "a recorded token was rejected"
 
 
@@ -156,6 +172,8 @@ def decode_round(configs: list[dict], walks: list[list[int]], args, round_: int)
             _step(config, state, live, tokens, digest=round_ == 0)
     for config, state in zip(configs, states):
         state["digest"] = f"{state.pop('crc'):08x}" if round_ == 0 else None
+        for name in ("fill", "advance"):
+            state[f"{name}_ms_by_quarter"] = by_quarter(state.pop(f"{name}_steps"))
         del state["matchers"]
         config["rounds"].append(state)
 
@@ -238,12 +256,19 @@ def main() -> None:
     parser.add_argument("--fills", default="pool", help="comma list: pool, split (docstring)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--part-costs", help="comma list of T: the split's balance (docstring)")
+    parser.add_argument("--walks-file", type=Path,
+                        help="replay these walks instead of recording --walks: the engine's own "
+                        "(structured_outputs.py --save-token-ids; with --assign cyclic and "
+                        "--rows = their number, row i walks the engine's request i)")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configs, eos = build_configs(args)
     first = configs[0]
     text = first["backend"].compile(first["params"]).text
-    walks = record_walks(first["backend"].tokenizer, text, first["vocab_size"], eos, args)
+    if args.walks_file:
+        walks = json.loads(args.walks_file.read_text())["token_ids"]
+    else:
+        walks = record_walks(first["backend"].tokenizer, text, first["vocab_size"], eos, args)
     from llguidance.numpy import allocate_token_bitmask
 
     for config in configs:
@@ -261,6 +286,8 @@ def _report(configs: list[dict], args) -> None:
     for c in configs:
         keys = ("make_ms", "fill_ms", "fill_cpu_ms", "fill_vcsw", "advance_ms")
         med = {k: statistics.median(r[k] for r in c["rounds"]) for k in keys}
+        for k in ("fill_ms_by_quarter", "advance_ms_by_quarter"):  # quarter by quarter
+            med[k] = [statistics.median(q) for q in zip(*(r[k] for r in c["rounds"]))]
         rows.append({"make": c["make"], "threads": c["threads"], "median": med,
                      "masks": c["rounds"][0]["masks"], "digest": c["rounds"][0]["digest"],
                      "rounds": c["rounds"]})  # fmt: skip
@@ -275,6 +302,11 @@ def _report(configs: list[dict], args) -> None:
               f"{m['fill_cpu_ms'] / m['fill_ms']:9.2f} {speedup:8.2f} "
               f"{m['fill_vcsw'] / args.steps:10.1f} {m['advance_ms']:11.1f}  "
               f"{r['digest']}")  # fmt: skip
+    print("ms a fill / an advance by quarter of the steps (first .. last)")
+    for r in rows:
+        fills, advances = (r["median"][f"{k}_ms_by_quarter"] for k in ("fill", "advance"))
+        print(f"{r['make']:14s} {r['threads']:3d}  fill " + " ".join(f"{v:7.2f}" for v in fills)
+              + "   advance " + " ".join(f"{v:6.2f}" for v in advances))  # fmt: skip
     if args.out:
         machine = platform.processor() or platform.machine()
         result = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine,

@@ -19,7 +19,8 @@ was ready, rows a step waited for, admissions put off for a grammar still compil
 run where the engine loop's time went (`steps`: mean ms per step of scheduling, launching,
 waiting for the device, updating, the rest; see `step_times`); a constrained run also its
 structured-output work per constrained step (`loop_ms_per_bitmask`: marking rows, advancing
-the matchers, the fill and the loop's wait for it), and on a GPU the caching allocator's
+the matchers, the fill and the loop's wait for it) and its fill's ms by quarter of the run
+(`fill_ms_by_quarter`: `by_quarter`), and on a GPU the caching allocator's
 device frees and retries in the run (`cuda_allocator`: each one a device sync in a step).
 `--grammar-threads N` sets the grammar library's threads (default: all CPUs but two);
 `--grammar-process` runs the grammars in a process of their own (`grammar_process` in the JSON
@@ -136,17 +137,25 @@ SHRINK = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # fmt: skip
 
 
-def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
+def run(
+    llm, prompts, params, save_token_ids: Path | None = None
+) -> tuple[float, list[int], list[str], dict]:
     """(seconds, output lengths, texts, the grammar counters this call added) of one generate
     call (`GrammarStats`, and `num_held`: admissions put off for a grammar not compiled yet;
-    `steps`: where the loop's time went, `step_times`)."""
+    `steps`: where the loop's time went, `step_times`); the outputs' token ids written to
+    `save_token_ids` if given."""
     engine = llm.llm_engine
     structured = engine.structured
     if structured.manager is not None:
         structured.manager.reset_max_ready_lag()  # this call's
     before = _grammar_counters(structured)
     records: list = []
-    observer = records.append
+    fill_s: list[float] = []  # the loop's `LoopTimes.fill_s` after each step
+
+    def observer(record) -> None:
+        records.append(record)
+        fill_s.append(structured.times.fill_s)
+
     engine.add_step_observer(observer)
     allocator = _allocator_counters()
     start = time.perf_counter()
@@ -161,8 +170,26 @@ def run(llm, prompts, params) -> tuple[float, list[int], list[str], dict]:
     added["max_ready_lag_s"] = after.get("max_ready_lag_s", 0.0)
     added["steps"] = step_times(records, start)
     added["loop_ms_per_bitmask"] = loop_ms_per_bitmask(added)
+    fills = [1e3 * (b - a) for a, b in zip([before.get("fill_s", 0.0), *fill_s], fill_s)]
+    added["fill_ms_by_quarter"] = by_quarter([f for f in fills if f > 0])
     lens = [len(o.outputs[0].token_ids) for o in outs]
+    if save_token_ids is not None:
+        token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        save_token_ids.write_text(json.dumps({"token_ids": token_ids}))
     return wall, lens, [o.outputs[0].text for o in outs], added
+
+
+def by_quarter(values: list[float]) -> list[float]:
+    """Means of `values` (one per step, in step order) over its four quarters, the remainder
+    in the last ([] with fewer than four values): where in a decode a cost is. A constrained
+    run's `fill_ms_by_quarter` (ms of the fill that ended in each step, steps without one left
+    out) shows this schema's masks getting dearer as the walk enters the `tags` strings: on
+    the CPU the last quarter's fill ~17x the first's (results/2026-11-27h-cpu-fill-gap)."""
+    n = len(values) // 4
+    if not n:
+        return []
+    bounds = [0, n, 2 * n, 3 * n, len(values)]
+    return [statistics.fmean(values[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def step_times(records: list, start: float) -> dict:
@@ -267,7 +294,7 @@ def measure(llm, prompts, items, args) -> dict:
     one = StructuredOutputsParams(json=schema(None, *items))
     cons = [SamplingParams(temperature=0.7, seed=i, max_tokens=args.output_len,
                            structured_outputs=one) for i in range(n)]  # fmt: skip
-    wall_one, lens, texts, grammar_one = run(llm, prompts, cons)
+    wall_one, lens, texts, grammar_one = run(llm, prompts, cons, args.save_token_ids)
     free = [SamplingParams(temperature=0.7, seed=i, max_tokens=k, ignore_eos=True)
             for i, k in enumerate(lens)]  # fmt: skip
     wall_free, _, _, loop_free = run(llm, prompts, free)
@@ -356,6 +383,10 @@ def main() -> None:
     parser.add_argument("--grammar-process", action="store_true",
                         help="the grammars in a process of their own "
                         "(structured_outputs_grammar_process; 2026-11-27e-cpu-grammar-process)")  # fmt: skip
+    parser.add_argument("--save-token-ids", type=Path, default=None,
+                        help="write the first one-schema run's output token ids here "
+                        "({\"token_ids\": [[...], ...]}: grammar_fill_threads.py --walks-file "
+                        "replays them)")  # fmt: skip
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
     if args.switch_interval is not None:
