@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
@@ -66,6 +67,7 @@ _MAX_MESSAGES_PER_CALLBACK = 16  # core steps handled before the event loop's ot
 
 class EngineCoreClient(EngineClient):
     """Starts the engine core process and streams each request's outputs from it.
+    `submit` may run on any thread (`submits_from_any_thread`).
 
     Args:
         args: the engine settings (the core builds its `LLMEngine` from them).
@@ -80,6 +82,8 @@ class EngineCoreClient(EngineClient):
         ValueError: invalid settings (naming the field), or what loading the tokenizer raises.
         RuntimeError: the core failed to start (its error), died or did not answer in time.
     """
+
+    submits_from_any_thread = True
 
     def __init__(
         self,
@@ -109,6 +113,9 @@ class EngineCoreClient(EngineClient):
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._encoder = msgspec.msgpack.Encoder()
+        # `submit` may run on the server's preparation thread: the input socket (not
+        # thread-safe) and its encoder are used under this lock
+        self._send_lock = threading.Lock()
         self._decoder = front_decoder()
         self._dir = tempfile.mkdtemp(prefix="phloem-core-")
         self._context = zmq.Context(1)
@@ -204,7 +211,8 @@ class EngineCoreClient(EngineClient):
         self._close()
 
     def _close(self) -> None:
-        self._context.destroy(linger=0)
+        with self._send_lock:  # not under a send from the preparation thread
+            self._context.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- requests (event loop) --------------------------------------------------------------------
@@ -233,6 +241,15 @@ class EngineCoreClient(EngineClient):
         forgets it too. Why: a burst's responses start one event-loop round after another, so a
         request sent only when its stream is first read reached the core ~0.3 s after it was
         prepared (benchmarks/results/2026-11-26f-cpu-serving-burst).
+
+        Thread-safe (`submits_from_any_thread`): the server calls it on its preparation thread
+        as soon as a request is prepared, since even the result's way back to the handler
+        waits for a loop round behind the rest of a burst (0.1-0.25 s on a 2-core CPU,
+        benchmarks/results/2026-11-27h-cpu-burst-trace). It adds to `_streams` and
+        `_unconsumed` (one dict / set operation each, atomic under the GIL; the loop only
+        looks entries up or snapshots them), builds the stream (the detokenizer decodes the
+        prompt's tail: a shared borrow of the tokenizer, as the loop's decodes are) and sends
+        under `_send_lock`.
 
         Raises at once: ValueError (the prompt or the parameters cannot run, or `request_id` is
         in use), EngineDeadError; the iteration raises RequestFailedError, EngineDeadError, or
@@ -279,8 +296,9 @@ class EngineCoreClient(EngineClient):
             self._streams.pop(request_id, None)
 
     def _send(self, message) -> None:
-        if self.dead_error is None and not self._context.closed:
-            self._to_core.send(self._encoder.encode(message), zmq.NOBLOCK)
+        with self._send_lock:
+            if self.dead_error is None and not self._context.closed:
+                self._to_core.send(self._encoder.encode(message), zmq.NOBLOCK)
 
     # -- the core's messages (event loop callbacks) -------------------------------------------------
 

@@ -29,16 +29,21 @@ class RequestFailedError(RuntimeError):
 
 class EngineClient(abc.ABC):
     """An online engine as the server sees it (module docstring). Every method runs on the
-    event loop.
+    event loop, except `submit` (and `abort` of a request it queued, never started) where
+    `submits_from_any_thread` says so.
 
     Attributes (set by the implementation):
         dead_error: the error the engine loop died of, or None while it runs.
         _streams: request id -> the event-loop-side state of each open request (a `finished`
             flag among it).
+        submits_from_any_thread: True when `submit` may also run on another thread than the
+            event loop's (the server's preparation thread queues a request as soon as it is
+            prepared, not one loop round later); its iterator is still consumed on the loop.
     """
 
     dead_error: BaseException | None
     _streams: dict[str, Any]
+    submits_from_any_thread: bool = False
 
     @property
     def is_dead(self) -> bool:
@@ -108,7 +113,8 @@ class EngineClient(abc.ABC):
     def abort_all(self, error: BaseException) -> int:
         """Abort every unfinished request, each iteration raising `error` (a server ending
         what is left at its shutdown timeout); returns how many."""
-        request_ids = [rid for rid, stream in self._streams.items() if not stream.finished]
+        streams = list(self._streams.items())  # (a snapshot: `submit` may add from a thread)
+        request_ids = [rid for rid, stream in streams if not stream.finished]
         for request_id in request_ids:
             self.abort(request_id, error)
         return len(request_ids)

@@ -120,7 +120,7 @@ def test_parse_json_matches_the_standard_parser() -> None:
 def test_a_request_makes_one_trip_to_the_preparation_thread() -> None:
     trips: list[str] = []
 
-    async def off_loop(fn, *args):
+    async def off_loop(fn, *args, undo=None):
         trips.append(fn.__name__)
         return fn(*args)
 
@@ -134,10 +134,16 @@ def test_a_request_makes_one_trip_to_the_preparation_thread() -> None:
         limits=SimpleNamespace(max_request_body_bytes=1 << 20, max_n=4, max_prompts_per_request=8),
     )
     request = SimpleNamespace(headers={}, stream=stream)
-    req, prep = asyncio.run(
+    req, prep, started = asyncio.run(
         read_and_prepare(
-            state, request, CompletionRequest, lambda s, r: ("prep", r.prompt), lambda r: 1
+            state,
+            request,
+            CompletionRequest,
+            lambda s, r: ("prep", r.prompt),
+            lambda r: 1,
+            start=lambda s, p: ("started", p),
         )
     )
-    assert trips == ["_parse_and_prepare"]
+    assert trips == ["_parse_and_prepare"]  # parsed, prepared and started in that one trip
     assert req.max_tokens == 3 and prep == ("prep", [5, 6])
+    assert started == ("started", ("prep", [5, 6]))

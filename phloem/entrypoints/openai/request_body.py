@@ -38,25 +38,36 @@ async def read_json(state: ServerState, request: Request, model_cls):
 
 
 async def read_and_prepare(
-    state: ServerState, request: Request, model_cls, prepare: Callable, num_prompts: Callable
+    state: ServerState,
+    request: Request,
+    model_cls,
+    prepare: Callable,
+    num_prompts: Callable,
+    start: Callable | None = None,
+    undo: Callable | None = None,
 ):
     """Read the body (on the loop), then in ONE trip to the preparation thread parse and
-    validate it (`parse_json`), check the model and the limits, and `prepare(state, req)`.
-    Returns (request model, `PreparedRequest`); raises APIError (400/404/413) as those do.
+    validate it (`parse_json`), check the model and the limits, `prepare(state, req)` and, with
+    `start`, `start(state, prep)` (the server queues the prompts in the engine there).
+    Returns (request model, `PreparedRequest`, what `start` returned or None); raises APIError
+    (400/404/413) as those do. `undo(that triple)` runs on the loop when the caller is
+    cancelled while the thread works (`ServerState.off_loop`): what `start` began is undone.
 
     One trip, so that the requests of a burst reach the engine one after another as each is
     prepared, not all after the last one is parsed (the module docstring).
     """
+    chunks = await read_body(state, request)
     return await state.off_loop(
-        _parse_and_prepare, state, await read_body(state, request), model_cls, prepare, num_prompts
+        _parse_and_prepare, state, chunks, model_cls, prepare, num_prompts, start, undo=undo
     )
 
 
-def _parse_and_prepare(state: ServerState, chunks, model_cls, prepare, num_prompts):
+def _parse_and_prepare(state: ServerState, chunks, model_cls, prepare, num_prompts, start):
     req = parse_json(chunks, model_cls)
     check_model(state, req.model)
     check_request_limits(state, req.n, num_prompts(req))
-    return req, prepare(state, req)
+    prep = prepare(state, req)
+    return req, prep, (start(state, prep) if start is not None else None)
 
 
 async def read_body(state: ServerState, request: Request) -> list[bytes]:

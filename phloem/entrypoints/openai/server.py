@@ -14,7 +14,9 @@ types and unknown fields all get the same bounded 400 naming the field. Nothing 
 the event loop: the body is read there (bounded by `ServerLimits.max_request_body_bytes`, else
 413), then parsed, checked (`n`, prompt count, prompt characters against `limits.py`'s bound),
 validated and tokenized in one trip to one worker thread (`ServerState.off_loop`). A prepared
-generation request is queued in the engine at once, before its response starts (`_start`).
+generation request is queued in the engine at once, before its response starts (`_start`): on
+that thread itself when the engine allows it (`_start_early`), since the thread's result waits a
+loop round behind the rest of a burst before the handler sees it.
 
 Shutdown (SIGTERM/SIGINT, `serve.py`): uvicorn stops accepting; in-flight requests run on for
 `shutdown_timeout` seconds; then those left get `ServerShuttingDownError` (in-band for streams,
@@ -93,16 +95,28 @@ class ServerState:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         self.engine.validate_prompt(prompt_token_ids)
 
-    async def off_loop(self, fn, *args):
-        """`fn(*args)` on the request-preparation thread (parsing, validation, tokenization).
+    async def off_loop(self, fn, *args, undo: Callable[[Any], None] | None = None):
+        """`fn(*args)` on the request-preparation thread (parsing, validation, tokenization,
+        and queueing a prepared request in an engine that `submits_from_any_thread`).
 
         One thread: the front's tokenizer is never used by two threads at once (HF fast
         tokenizers raise "Already borrowed" when they are), and it releases the GIL while it
-        encodes, so the event loop keeps serving streams and /health meanwhile.
+        encodes, so the event loop keeps serving streams and /health meanwhile. With `undo`,
+        a caller cancelled before `fn` returned does not lose its result: `undo(result)` runs
+        on the loop once `fn` returns (a request it queued is aborted, not leaked).
         """
         if self._prep is None:
             self._prep = ThreadPoolExecutor(1, thread_name_prefix="phloem-prep")
-        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+        if undo is None:
+            return await future
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else undo(f.result())
+            )
+            raise
 
     def request_shutdown(self) -> None:
         """Begin the drain from a signal handler or another thread (no-op before start)."""
@@ -252,6 +266,61 @@ async def _merge_many(gens: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@dataclass
+class _Started:
+    """A request's prompts queued by the preparation thread (`_start_early`)."""
+
+    gens: list | BaseException  # `_start`'s iterators, or the engine error it raised
+    arrival: float  # [s, time.monotonic] when they were queued
+
+
+def _start_early(state: ServerState, prep: PreparedRequest) -> _Started | None:
+    """On the preparation thread, right after `prep` is made: queue its prompts in the engine
+    (`_start_or_error`) if the engine takes requests from any thread and the server is open,
+    else None (the handler queues them on the loop). Why: the thread's result comes back to
+    the handler one loop round later, behind the rest of a burst's reads and responses: on a
+    2-core CPU the first of 800 requests reached the core 0.19-0.31 s after the client began
+    instead of 0.08 s (benchmarks/results/2026-11-27h-cpu-burst-trace)."""
+    if not state.engine.submits_from_any_thread or state.draining or state.closed:
+        return None
+    arrival = time.monotonic()
+    return _Started(_start_or_error(state, prep, arrival), arrival)
+
+
+def _undo_early(state: ServerState, prepared) -> None:
+    """Abort what `_start_early` queued for `read_and_prepare`'s result `prepared` (its
+    handler is gone, or the server closed meanwhile)."""
+    _, prep, started = prepared
+    if started is not None and not isinstance(started.gens, BaseException):
+        for rid in prep.request_ids:
+            state.engine.abort(rid)
+
+
+async def _read_and_start(state: ServerState, request: Request, model_cls, prepare, num_prompts):
+    """`read_and_prepare` with the prompts queued on the preparation thread where the engine
+    allows (`_start_early`); then the server must still be open (else they are aborted).
+    Returns (request model, prep, arrival [s], `_start`'s iterators or its engine error, or
+    None: queue them on the loop)."""
+    prepared = await read_and_prepare(
+        state,
+        request,
+        model_cls,
+        prepare,
+        num_prompts,
+        start=_start_early,
+        undo=lambda p: _undo_early(state, p),
+    )
+    req, prep, started = prepared
+    try:
+        _check_open(state)
+    except BaseException:
+        _undo_early(state, prepared)
+        raise
+    if started is None:
+        return req, prep, time.monotonic(), None
+    return req, prep, started.arrival, started.gens
+
+
 def _start_or_error(state: ServerState, prep: PreparedRequest, arrival: float):
     """`_start`, or the engine error it raised (a stream reports it in-band, as before)."""
     try:
@@ -260,9 +329,9 @@ def _start_or_error(state: ServerState, prep: PreparedRequest, arrival: float):
         return e
 
 
-async def _collect(state: ServerState, prep: PreparedRequest, arrival: float):
+async def _collect(state: ServerState, prep: PreparedRequest, arrival: float, gens=None):
     finals: list = [None] * len(prep.request_ids)
-    async for index, output in _merged(state.engine, prep, arrival):
+    async for index, output in _merged(state.engine, prep, arrival, gens):
         finals[index] = output
     return finals
 
@@ -285,13 +354,19 @@ async def _run_or_disconnect(request: Request, coro):
     return None
 
 
-async def _final_outputs(state: ServerState, request: Request, prep: PreparedRequest, arrival):
+async def _final_outputs(
+    state: ServerState, request: Request, prep: PreparedRequest, arrival, gens=None
+):
     """The final RequestOutput of each of `prep`'s requests (in order), or None when the client
-    disconnected first (its requests are aborted). Engine errors become their HTTP errors."""
+    disconnected first (its requests are aborted). Engine errors become their HTTP errors.
+    `gens`: as `_merged`'s (None: queued here)."""
     try:
-        return await _run_or_disconnect(request, _collect(state, prep, arrival))
+        return await _run_or_disconnect(request, _collect(state, prep, arrival, gens))
     except _ENGINE_ERRORS as e:
         raise engine_error(e) from None
+    finally:  # a disconnect before `_collect` ran never entered `_merged`: queued, never read
+        for rid in prep.request_ids:  # (no-op for the finished)
+            state.engine.abort(rid)
 
 
 class _EngineStream(StreamingResponse):
@@ -352,11 +427,9 @@ def _check_open(state: ServerState) -> None:
 
 
 async def create_completion(state: ServerState, request: Request):
-    req, prep = await read_and_prepare(
+    req, prep, arrival, gens = await _read_and_start(
         state, request, CompletionRequest, prepare_completion, lambda r: _num_prompts(r.prompt)
     )
-    _check_open(state)
-    arrival = time.monotonic()
     created = int(time.time())
     response_id = (
         prep.request_ids[0].rsplit("-", 1)[0] if len(prep.request_ids) > 1 else prep.request_ids[0]
@@ -364,12 +437,14 @@ async def create_completion(state: ServerState, request: Request):
     n = req.n
     if req.stream:
         usage = stream_usage_mode(req)
-        outputs = _merged(state.engine, prep, arrival, _start_or_error(state, prep, arrival))
+        if gens is None:
+            gens = _start_or_error(state, prep, arrival)
+        outputs = _merged(state.engine, prep, arrival, gens)
         chunks = _in_band_errors(
             completion_chunks(state, prep, outputs, response_id, created, n, usage)
         )
         return _stream_response(state, request, chunks, prep.request_ids)
-    finals = await _final_outputs(state, request, prep, arrival)
+    finals = await _final_outputs(state, request, prep, arrival, gens)
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(completion_response(state, prep, finals, response_id, created))
@@ -395,18 +470,18 @@ async def _in_band_errors(frames):
 
 
 async def create_chat_completion(state: ServerState, request: Request):
-    req, prep = await read_and_prepare(
+    req, prep, arrival, gens = await _read_and_start(
         state, request, ChatCompletionRequest, prepare_chat, lambda r: 1
     )
-    _check_open(state)
-    arrival = time.monotonic()
     created = int(time.time())
     if req.stream:
         usage = stream_usage_mode(req)
-        outputs = _merged(state.engine, prep, arrival, _start_or_error(state, prep, arrival))
+        if gens is None:
+            gens = _start_or_error(state, prep, arrival)
+        outputs = _merged(state.engine, prep, arrival, gens)
         chunks = _in_band_errors(chat_chunks(state, prep, outputs, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
-    finals = await _final_outputs(state, request, prep, arrival)
+    finals = await _final_outputs(state, request, prep, arrival, gens)
     if finals is None:
         return Response(status_code=499)
     return JSONResponse(chat_response(state, prep, finals, created))
