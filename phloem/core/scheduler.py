@@ -36,7 +36,7 @@ from phloem.core.admission import Admission
 from phloem.core.arrival_groups import ArrivalGroups
 from phloem.core.draft_tokens import NO_DRAFTS, apply_verified, take_drafts
 from phloem.core.kv_manager import KVManager
-from phloem.core.prefill_cap import prefill_cap
+from phloem.core.prefill_cap import PrefillCap
 from phloem.core.prefix_groups import PrefixGroups
 from phloem.core.request import Request, RequestStatus, table_prefix
 from phloem.core.scheduler_output import (
@@ -75,6 +75,7 @@ class Scheduler:
             kv_manager, Admission(config, kv_manager)
         )
         self.admission = self.prefix_groups.admission
+        self.prefill_cap = PrefillCap()  # the prompt tokens of a step while streams run
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -158,7 +159,7 @@ class Scheduler:
             output,
             requests,
             self.config.max_num_batched_tokens,
-            prefill_cap(self.config, self.running, self.waiting),
+            self.prefill_cap(self.config, self.running, self.waiting),
         )
         num_running_scheduled = len(requests)
         if not output.preempted_seq_ids:

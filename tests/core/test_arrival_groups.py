@@ -218,10 +218,10 @@ def test_prefill_cap_bounds_prompt_tokens_while_streams_decode():
         s.update_from_output(out, fake_sampled(s, out))
 
 
-def test_a_burst_lifts_the_cap_until_its_backlog_fits_in_a_few_budgets():
+def test_a_burst_lifts_the_cap_until_its_queue_is_empty():
     from phloem.core.prefill_cap import BURST_BUDGETS
 
-    decoders = requests_of([[i + 1] * 5 for i in range(3)], max_tokens=30, tag="d")
+    decoders = requests_of([[i + 1] * 5 for i in range(3)], max_tokens=60, tag="d")
     s = scheduler(budget=64, max_prefill_tokens_per_step=16)
     for r in decoders:
         s.add_request(r)
@@ -230,13 +230,26 @@ def test_a_burst_lifts_the_cap_until_its_backlog_fits_in_a_few_budgets():
     assert 40 * 8 > BURST_BUDGETS * 64
     for r in burst:
         s.add_request(r)
-    prompt_tokens = []
-    for _ in range(4):
-        out = s.schedule()
-        prompt_tokens.append(sum(x.num_tokens for x in out.scheduled if x.num_tokens > 1))
-        s.update_from_output(out, fake_sampled(s, out))
-    # 320 tokens wait: the whole budget after the 3 decodes; then 240 (<= 4 x 64) wait: capped
-    assert prompt_tokens[0] == 64 - 3 and max(prompt_tokens[1:]) == 16
+
+    def prompt_tokens_of_steps(n: int) -> list[int]:
+        tokens = []
+        for _ in range(n):
+            out = s.schedule()
+            tokens.append(sum(x.num_tokens for x in out.scheduled if x.num_tokens > 1))
+            s.update_from_output(out, fake_sampled(s, out))
+            s.check_integrity()
+        return tokens
+
+    # 320 tokens wait: the whole budget after the decodes, also once the backlog left fits in
+    # 4 budgets (capped, its last prompts would start one a step), until the queue is empty;
+    # then the rest of the last one's prompt is capped
+    first = prompt_tokens_of_steps(5)
+    assert first[0] == 64 - 3 and min(first) > 16 and not s.waiting
+    rest = prompt_tokens_of_steps(3)
+    assert rest[0] == 16 and max(rest) == 16
+    late = requests_of([list(range(1, 100))], max_tokens=2, tag="late")[0]
+    s.add_request(late)  # arrives after the burst: capped again
+    assert prompt_tokens_of_steps(2) == [16, 16]
 
 
 def test_no_cap_without_streams_and_the_default_takes_the_budget():
