@@ -262,6 +262,10 @@ class EngineCoreClient(EngineClient):
         self._streams[request_id] = stream
         self._unconsumed.add(request_id)
         self._send(CoreRequest(request_id, ids, params_to_dict(sampling_params), now))
+        if self.dead_error is not None and not stream.finished:
+            # the core died between the check and the insert: `_die`, on the loop, may have
+            # failed the open streams without this one (nobody waits on it yet: no wake-up)
+            stream.fail(EngineDeadError(f"the engine loop has died: {self.dead_error}"))
         return self._outputs(stream)
 
     async def _outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
