@@ -51,14 +51,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "error",
-        }.get(self)
+        # a module-level table: read for every sequence of every step (the core's deltas)
+        return _FINISH_REASONS.get(self)
 
 
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 _FINISHED_STATUSES = (
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
