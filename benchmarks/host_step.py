@@ -21,6 +21,20 @@ Phases (one step each, in the engine's async order: schedule N+1, launch N+1, co
 - outputs: the engine's output processing (`LLMEngine._process_outputs`, offline mode) on an
   engine object holding only what that method reads.
 
+`--core` measures the serving engine core's path instead (DELTA mode: `outputs` builds the
+per-request `RequestDelta`s, `PromptEntry.to_delta`) and adds, per step:
+
+- send: the core's per-step work after `step()`: its step observer (`EngineCore._observe_step`)
+  and `EngineCore._send` (stats, and the msgpack encoding of the `CoreStep`) into a socket that
+  drops the bytes.
+
+The offline runs measure with the garbage collector off (the batch frozen, as `LLM.generate`
+runs); `--core` runs keep it on with only the start-up frozen, as the engine core process runs
+(`freeze_start_up`), so the step's young collections count where they fall.
+
+`--num-seqs N` sets the decode step's sequences (default 714; `--core` runs use 800, the H200
+shared-prefix burst's decode).
+
 Not measured: the model, the backend's per-step planning into device buffers (`begin_step`,
 `prepare_replay`), and copies to a GPU (the CPU has none).
 
@@ -28,6 +42,8 @@ Run from the repository root, with the old tree extracted beside it:
 
     git archive b541b0b phloem | tar -x -C /tmp/old
     python benchmarks/host_step.py --old /tmp/old --json OUT.json
+
+    python benchmarks/host_step.py --old /tmp/old --core --num-seqs 800 --rounds 5
 
 Each tree runs in its own process from its own directory (so `import phloem` finds that tree);
 the old tree's APIs are reached through the small shim below (`_OldTree`).
@@ -53,7 +69,9 @@ GROUP_SIZE = 16
 BUDGET = 8192
 NUM_BLOCKS = 80_000
 VOCAB = 8
-PHASES = ("schedule", "launch", "inputs", "collect", "update", "outputs")
+PHASES = ("schedule", "launch", "inputs", "collect", "update", "outputs", "send")
+_CORE_ENV = "PHLOEM_HOST_STEP_CORE"  # "1": the engine core's DELTA path (`--core`)
+_NUM_SEQS_ENV = "PHLOEM_HOST_STEP_NUM_SEQS"
 
 
 # -- the stand-ins (both trees) -----------------------------------------------------------------
@@ -166,6 +184,7 @@ class _Tree:
         self.runner.num_blocks = NUM_BLOCKS  # the KV cache itself is never touched
         self.runner.graph_runner = _fake_graph_runner(CUDAGraphRunner, 2048, BLOCK_SIZE, NUM_BLOCKS)
         self.engine = self.engine_stub()
+        self.core = self.core_stub() if os.environ.get(_CORE_ENV) == "1" else None
         self._next_id = 0
 
     def add_group(self, size: int) -> None:
@@ -216,9 +235,14 @@ class _Tree:
         t1 = time.perf_counter()
         updated = self.scheduler.update_from_output(sched, out.sampled_token_ids)
         t2 = time.perf_counter()
-        self.engine._process_outputs(sched, updated, out)
+        deltas = self.engine._process_outputs(sched, updated, out)
         t3 = time.perf_counter()
-        return {"collect": t1 - t0, "update": t2 - t1, "outputs": t3 - t2}
+        step = {"collect": t1 - t0, "update": t2 - t1, "outputs": t3 - t2}
+        if self.core is not None:
+            self.core._observe_step(argparse.Namespace(scheduler_output=sched))
+            self.core._send(deltas)
+            step["send"] = time.perf_counter() - t3
+        return step
 
 
 class _NewTree(_Tree):
@@ -238,8 +262,21 @@ class _NewTree(_Tree):
         except AttributeError:  # the engine being rebuilt: an output mode instead
             from phloem.engine.llm_engine import OutputMode
 
-            engine.output_mode = OutputMode.FINAL
+            core = os.environ.get(_CORE_ENV) == "1"
+            engine.output_mode = OutputMode.DELTA if core else OutputMode.FINAL
+        engine.kv_manager, engine.drafter, engine._step_observers = self.kv, None, []
         return engine
+
+    def core_stub(self):
+        """The engine core's loop object over the stand-in engine, sending into a socket that
+        drops the bytes (its step observer is called by `finish`, as the engine would)."""
+        from phloem.engine.engine_core import EngineCore
+
+        class _DropSocket:
+            def send(self, data, copy=True) -> None:
+                pass
+
+        return EngineCore(self.engine, None, _DropSocket())
 
     def register(self, request) -> None:
         from phloem.engine.detokenizer import IncrementalDetokenizer
@@ -247,7 +284,9 @@ class _NewTree(_Tree):
         from phloem.outputs import RequestMetrics
 
         rid = request.request_id
-        detok = IncrementalDetokenizer(None, request.prompt_token_ids, incremental=False)
+        detok = None  # the engine core (DELTA mode) has no detokenizer
+        if self.core is None:
+            detok = IncrementalDetokenizer(None, request.prompt_token_ids, incremental=False)
         seq = SequenceEntry(request, 0, rid, detok)
         entry = PromptEntry(rid, None, request.prompt_token_ids, [seq], RequestMetrics(0.0))
         self.engine._prompts[rid] = entry
@@ -331,15 +370,21 @@ class _OldTree(_Tree):
 def _measure_tree() -> dict:
     new = importlib.util.find_spec("phloem.core.scheduler_output") is not None
     tree = (_NewTree if new else _OldTree)()
-    # decode: 714 sequences past their prompts
-    for _ in range(714 // GROUP_SIZE):
+    core = tree.core is not None
+    if core:  # as the engine core does once built: later objects stay collectable, gc on
+        gc.collect()
+        gc.freeze()
+    # decode: `num_seqs` sequences past their prompts
+    num_seqs = int(os.environ.get(_NUM_SEQS_ENV, "714"))
+    for _ in range(num_seqs // GROUP_SIZE):
         tree.add_group(GROUP_SIZE)
-    tree.add_group(714 % GROUP_SIZE)
+    tree.add_group(num_seqs % GROUP_SIZE)
     tree.run(40, lambda sched: False)  # prefill, then decode starts
-    assert tree.scheduler.num_running == 714 and not tree.scheduler.num_waiting
+    assert tree.scheduler.num_running == num_seqs and not tree.scheduler.num_waiting
     gc.collect()
-    gc.freeze()
-    gc.disable()
+    if not core:
+        gc.freeze()
+        gc.disable()
     decode = tree.run(60, lambda sched: all(s.num_tokens == 1 for s in sched.scheduled))
     gc.enable()
     # mixed: new groups' prompt chunks beside the decoding sequences
@@ -347,7 +392,8 @@ def _measure_tree() -> dict:
     for _ in range(12):
         tree.add_group(GROUP_SIZE)
     gc.collect()
-    gc.disable()
+    if not core:
+        gc.disable()
     mixed = tree.run(
         12,
         lambda sched: (
@@ -375,7 +421,9 @@ def _summary(timings: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _run_in(directory: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(directory), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(
+        os.environ, PYTHONPATH=str(directory), OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1"
+    )
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure"]
     proc = subprocess.run(cmd, cwd=directory, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -388,8 +436,12 @@ def main() -> None:
     parser.add_argument("--old", type=Path, help="directory holding the old tree's phloem/")
     parser.add_argument("--rounds", type=int, default=2, help="old/new pairs, interleaved")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--core", action="store_true", help="the engine core's DELTA path")
+    parser.add_argument("--num-seqs", type=int, default=714, help="decode step's sequences")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ[_CORE_ENV] = "1" if args.core else os.environ.get(_CORE_ENV, "0")
+    os.environ.setdefault(_NUM_SEQS_ENV, str(args.num_seqs))
     if args.measure:
         print(json.dumps(_measure_tree()))
         return
@@ -403,7 +455,10 @@ def main() -> None:
     best = {
         name: {
             kind: {
-                p: min(r["steps"][kind][p] for r in rs if r["steps"][kind][p] is not None)
+                p: min(
+                    (r["steps"][kind][p] for r in rs if r["steps"][kind][p] is not None),
+                    default=None,
+                )
                 for p in (*PHASES, "total")
             }
             for kind in ("decode", "mixed")
@@ -412,14 +467,16 @@ def main() -> None:
         if rs
     }
     for kind in ("decode", "mixed"):
-        print(f"{kind} step (median ms per phase, best of {args.rounds} rounds)")
+        print(f"{kind} step (us per phase: median over steps, best of {args.rounds} rounds)")
         print(f"  {'phase':10s} {'old':>9s} {'new':>9s} {'new/old':>8s}")
         for phase in (*PHASES, "total"):
             new_ms = best["new"][kind][phase]
+            if new_ms is None:
+                continue
             old_ms = best["old"][kind][phase] if "old" in best else None
             ratio = f"{new_ms / old_ms:8.3f}" if old_ms else f"{'':8s}"
-            old_s = f"{old_ms:9.3f}" if old_ms is not None else f"{'':9s}"
-            print(f"  {phase:10s} {old_s} {new_ms:9.3f} {ratio}")
+            old_s = f"{old_ms * 1e3:9.0f}" if old_ms is not None else f"{'':9s}"
+            print(f"  {phase:10s} {old_s} {new_ms * 1e3:9.0f} {ratio}")
     if args.json is not None:
         args.json.write_text(json.dumps({"best": best, "runs": runs}, indent=1) + "\n")
 

@@ -463,6 +463,8 @@ class LLMEngine:
         )
         outputs: list[StepOutput] = []
         stream = self.stream_outputs  # read once a step: this loop runs per touched prompt
+        delta = self.output_mode is OutputMode.DELTA
+        build = PromptEntry.to_delta if delta else PromptEntry.to_output
         for entry in touched.values():
             if failed_prompts and entry.request_id in failed_prompts:
                 continue
@@ -473,7 +475,7 @@ class LLMEngine:
                 entry.metrics.finished_time = now
                 self._forget(entry)
             if entry.finished or stream:
-                outputs.append(self._output(entry))
+                outputs.append(build(entry))
         return outputs
 
     def _output(self, entry: PromptEntry) -> StepOutput:

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from phloem.core.request import Request
+from phloem.core.request import Request, RequestStatus
 from phloem.engine.core_messages import RequestDelta, SeqDelta
 from phloem.engine.detokenizer import IncrementalDetokenizer
 from phloem.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -35,6 +35,7 @@ class OutputMode(enum.Enum):
 
 
 StepOutput = Union[RequestOutput, RequestDelta]  # noqa: UP007 - a runtime alias
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
@@ -57,7 +58,8 @@ class SequenceEntry:
         request = self.request
         tokens = request.output_token_ids
         start = self.num_sent
-        finish = request.status.finish_reason
+        status = request.status  # running (no finish reason): the common case, no lookup
+        finish = None if status is _RUNNING else status.finish_reason
         if start == len(tokens) and (finish is None or self.finish_sent):
             return None
         self.num_sent = len(tokens)
@@ -65,7 +67,7 @@ class SequenceEntry:
         logprobs = self.logprobs[start:] if self.logprobs is not None else None
         return SeqDelta(
             self.index,
-            list(tokens[start:]),
+            tokens[start:],  # a new list: the delta never aliases the request's outputs
             logprobs,
             self.cumulative_logprob,
             finish,
@@ -124,12 +126,25 @@ class PromptEntry:
         )
 
     def to_delta(self) -> RequestDelta:
-        """The prompt's news since its last delta (engine core, DELTA mode)."""
-        seqs = [d for s in self.sequences if (d := s.to_delta()) is not None]
+        """The prompt's news since its last delta (engine core, DELTA mode). Built for every
+        touched prompt of every step: n == 1 (the common case) takes no list comprehension
+        or generator (the same delta)."""
+        sequences = self.sequences
+        if len(sequences) == 1:
+            seq = sequences[0]
+            delta = seq.to_delta()
+            return RequestDelta(
+                self.request_id,
+                [delta] if delta is not None else [],
+                self.finished,
+                seq.request.num_cached_tokens,
+                self.error,
+            )
+        seqs = [d for s in sequences if (d := s.to_delta()) is not None]
         return RequestDelta(
             self.request_id,
             seqs,
             self.finished,
-            sum(s.request.num_cached_tokens for s in self.sequences),
+            sum(s.request.num_cached_tokens for s in sequences),
             self.error,
         )

@@ -39,18 +39,17 @@ def apply_tokens(
         if failed_prompts and seq.prompt_id in failed_prompts:
             continue
         entry = prompts[seq.prompt_id]
-        token_id = request.output_token_ids[-1]
         finished = request.is_finished
         detok = seq.detokenizer
         stop = None
         try:
             if seq.logprobs is not None or seq.cumulative_logprob is not None:
-                seq.record_logprobs(runner_output, token_id)
+                seq.record_logprobs(runner_output, request.output_token_ids[-1])
             if detok is not None:
                 if runs and request.request_id in runs:
                     stop = add_run(request, detok, runs[request.request_id])
                 else:
-                    stop = detok.add_token(token_id)
+                    stop = detok.add_token(request.output_token_ids[-1])
                 if stop is None and finished:
                     stop = detok.flush()
         except Exception as e:  # noqa: BLE001 - this sequence's fault: its prompt fails alone

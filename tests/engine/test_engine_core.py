@@ -89,6 +89,38 @@ def test_stop_sequences_finishes_a_child_then_the_prompt(model_path):
     assert core.kv_manager.num_reclaimable_blocks == core.kv_manager.num_blocks
 
 
+def test_to_delta_of_one_and_of_two_sequences():
+    """A prompt's delta: the tokens since the last one, the finish once, nothing when no news
+    (n == 1 builds it apart from n > 1: both must say the same)."""
+    from phloem.core.request import Request, RequestStatus
+    from phloem.engine.prompt_entry import PromptEntry, SequenceEntry
+    from phloem.outputs import RequestMetrics
+
+    def entry(rid: str, n: int) -> PromptEntry:
+        seqs = [SequenceEntry(Request(f"{rid}#{i}", PROMPT, SamplingParams()), i, rid, None)
+                for i in range(n)]  # fmt: skip
+        for i, seq in enumerate(seqs):
+            seq.request.status, seq.request.num_cached_tokens = RequestStatus.RUNNING, 4 * i + 4
+        return PromptEntry(rid, None, PROMPT, seqs, RequestMetrics(0.0))
+
+    one, two = entry("a", 1), entry("b", 2)
+    for e in (one, two):
+        for seq in e.sequences:
+            seq.request.output_token_ids += [7, 8]
+    assert one.to_delta() == RequestDelta("a", [SeqDelta(0, [7, 8])], False, 4)
+    assert two.to_delta() == RequestDelta(
+        "b", [SeqDelta(0, [7, 8]), SeqDelta(1, [7, 8])], False, 12
+    )
+    assert one.to_delta() == RequestDelta("a", [], False, 4)  # no news
+    two.sequences[1].request.output_token_ids.append(9)
+    for e in (one, two):
+        e.sequences[-1].request.status = RequestStatus.FINISHED_LENGTH
+    one.finished = True
+    assert one.to_delta() == RequestDelta("a", [SeqDelta(0, [], finish_reason="length")], True, 4)
+    assert two.to_delta() == RequestDelta("b", [SeqDelta(1, [9], None, None, "length")], False, 12)
+    assert one.to_delta().seqs == [] and two.to_delta().seqs == []  # the finish is sent once
+
+
 def test_messages_round_trip():
     params = SamplingParams(n=2, stop=["x"], seed=3, logprobs=2)
     encoder = msgspec.msgpack.Encoder()
