@@ -29,8 +29,9 @@ per-request `RequestDelta`s, `PromptEntry.to_delta`) and adds, per step:
   drops the bytes.
 
 The offline runs measure with the garbage collector off (the batch frozen, as `LLM.generate`
-runs); `--core` runs keep it on with only the start-up frozen, as the engine core process runs
-(`freeze_start_up`), so the step's young collections count where they fall.
+runs); `--core` runs keep it on with only the start-up frozen (`freeze_start_up`: its young
+threshold too), as the engine core process runs, so the step's collections count where they
+fall (the medians hide the rare full ones).
 
 `--num-seqs N` sets the decode step's sequences (default 714; `--core` runs use 800, the H200
 shared-prefix burst's decode).
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib.util
 import json
 import os
@@ -273,8 +275,12 @@ class _NewTree(_Tree):
         from phloem.engine.engine_core import EngineCore
 
         class _DropSocket:
+            """Keeps only a digest of the bytes sent (the trees' messages must be identical)."""
+
+            digest = hashlib.sha256()
+
             def send(self, data, copy=True) -> None:
-                pass
+                self.digest.update(data)
 
         return EngineCore(self.engine, None, _DropSocket())
 
@@ -372,8 +378,9 @@ def _measure_tree() -> dict:
     tree = (_NewTree if new else _OldTree)()
     core = tree.core is not None
     if core:  # as the engine core does once built: later objects stay collectable, gc on
-        gc.collect()
-        gc.freeze()
+        from phloem.engine.gc_control import freeze_start_up
+
+        freeze_start_up()
     # decode: `num_seqs` sequences past their prompts
     num_seqs = int(os.environ.get(_NUM_SEQS_ENV, "714"))
     for _ in range(num_seqs // GROUP_SIZE):
@@ -405,6 +412,7 @@ def _measure_tree() -> dict:
         "tree": "new" if new else "old",
         "steps": {"decode": _summary(decode), "mixed": _summary(mixed)},
         "num_steps": {"decode": len(decode), "mixed": len(mixed)},
+        "sent_sha256": tree.core.output.digest.hexdigest() if core else None,
     }
 
 
@@ -477,6 +485,9 @@ def main() -> None:
             ratio = f"{new_ms / old_ms:8.3f}" if old_ms else f"{'':8s}"
             old_s = f"{old_ms * 1e3:9.0f}" if old_ms is not None else f"{'':9s}"
             print(f"  {phase:10s} {old_s} {new_ms * 1e3:9.0f} {ratio}")
+    digests = {name: {r["sent_sha256"] for r in rs} for name, rs in runs.items() if rs}
+    if args.core:
+        print(f"CoreStep bytes sent, sha256 per tree: {digests}")
     if args.json is not None:
         args.json.write_text(json.dumps({"best": best, "runs": runs}, indent=1) + "\n")
 
