@@ -279,11 +279,17 @@ class EngineCore:
                     counts.started.discard(rid)
 
     def _observe_step(self, record) -> None:
+        """Counts a step's preemptions and the requests it started. A request's first row (and
+        its first after a preemption) is always sent as new (`new_sequence`); only those rows
+        are looked at: a later row may be the wasted one after an EOS (async scheduling), whose
+        request's finish was already sent (`_send` dropped its id: adding it back would keep it
+        for good)."""
         sched = record.scheduler_output
         self.counts.num_preemptions += len(sched.preempted_seq_ids)
         started = self.counts.started
         for s in sched.scheduled:
-            started.add(s.seq_id.split("#", 1)[0])
+            if s.new_sequence is not None:
+                started.add(s.seq_id.split("#", 1)[0])
 
     def _send(self, deltas: list) -> None:
         if self._rejected:

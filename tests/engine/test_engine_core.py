@@ -121,6 +121,31 @@ def test_to_delta_of_one_and_of_two_sequences():
     assert one.to_delta().seqs == [] and two.to_delta().seqs == []  # the finish is sent once
 
 
+def test_started_forgets_a_request_whose_wasted_row_comes_after_its_finish():
+    """Async scheduling: a request stopping on EOS in step N is scheduled once more in N + 1
+    (a wasted row); its finish goes out with N, and N + 1's observer must not count it as
+    started again (it would stay in `counts.started` for good)."""
+    from phloem.core.scheduler_output import NewSequenceData, ScheduledSequence
+
+    counters = SimpleNamespace(num_running=0, num_waiting=0, num_reclaimable_blocks=0,
+        num_blocks=0, num_prefix_cache_queries=0, num_prefix_cache_hits=0,
+        num_computed_prompt_tokens=0, num_reused_prompt_tokens=0)  # fmt: skip
+    engine = SimpleNamespace(add_step_observer=lambda fn: None, scheduler=counters,
+                             kv_manager=counters, drafter=None)  # fmt: skip
+    core = EngineCore(engine, None, SimpleNamespace(send=lambda data, copy=True: None))
+
+    def observe(*rows: ScheduledSequence) -> None:
+        core._observe_step(SimpleNamespace(scheduler_output=SchedulerOutput(list(rows))))
+
+    new = NewSequenceData(PROMPT, [], SamplingParams())
+    observe(ScheduledSequence("r", 0, 8, True, new_sequence=new))  # admitted: started
+    observe(ScheduledSequence("r", 8, 1, True))
+    assert core.counts.started == {"r"}
+    core._send([RequestDelta("r", [SeqDelta(0, [2], finish_reason="stop")], True)])
+    observe(ScheduledSequence("r", 9, 1, True))  # the wasted row, collected after the finish
+    assert core.counts.started == set()
+
+
 def test_messages_round_trip():
     params = SamplingParams(n=2, stop=["x"], seed=3, logprobs=2)
     encoder = msgspec.msgpack.Encoder()
