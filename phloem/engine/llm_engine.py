@@ -484,8 +484,7 @@ class LLMEngine:
     def _fail_prompts(self) -> list[StepOutput]:
         """Finish the prompts of the sequences in `scheduler.failed_requests` (and clear it;
         `prompt_failures.fail_prompts`); returns one final output per prompt."""
-        failures = self.scheduler.failed_requests
-        self.scheduler.failed_requests = {}
+        failures, self.scheduler.failed_requests = self.scheduler.failed_requests, {}
         entries = fail_prompts(failures, self._sequences, self._prompts, self.scheduler)
         for entry in entries:
             self._forget(entry)
