@@ -191,7 +191,6 @@ class Scheduler:
         kv, max_model_len = self.kv, self.config.max_model_len
         block_size, tables = kv.block_size, kv.block_tables
         running, index = self.running, 0  # preemption removes from this same list
-        scheduled_append = output.scheduled.append
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
@@ -203,9 +202,7 @@ class Scheduler:
             ):  # (max_tokens >= 1: `SamplingParams.validate`)
                 continue  # its pending token ends it (length): computing another would be waste
             num_computed = request.num_computed_tokens
-            num_new = num_tokens - num_computed
-            if num_new > budget:
-                num_new = budget
+            num_new = min(num_tokens - num_computed, budget)
             if num_new > 1 and prefill is not None:  # a prompt chunk while streams decode
                 num_new = min(num_new, prefill, budget - (len(running) - index))
                 prefill -= max(num_new, 0)
@@ -228,16 +225,15 @@ class Scheduler:
                 new_blocks = block_ids[request.num_sent_blocks :]
                 request.num_sent_blocks = len(block_ids)
             sample = num_computed + num_new >= num_tokens  # (> with drafts)
-            prefix_len, group_id = 0, -1
-            group = request.shared_prefix
+            prefix_len, group_id, group = 0, -1, request.shared_prefix
             if group is not None:
                 cached = request.table_prefix
                 if cached is None or cached[0] is not group.block_ids:
                     cached = request.table_prefix = table_prefix(group, block_ids)
                 prefix_len, group_id = cached[1], cached[2]
             # every field positional: keywords double the construction's cost (~0.1 us a row)
-            scheduled_append(ScheduledSequence(request.request_id, num_computed, num_new, sample,
-                             new_blocks, prefix_len, group_id, None, drafts, guess))  # fmt: skip
+            output.scheduled.append(ScheduledSequence(request.request_id, num_computed, num_new,
+                sample, new_blocks, prefix_len, group_id, None, drafts, guess))  # fmt: skip
             request.num_computed_tokens = num_computed + num_new
             if sample:  # a verify row's drafts count as pending until its update
                 request.num_pending_tokens = pending + 1 + len(drafts)
