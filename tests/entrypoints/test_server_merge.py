@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from phloem.entrypoints.openai.responses import PreparedRequest
-from phloem.entrypoints.openai.server import _merged
+from phloem.entrypoints.openai.server import _merged, _start
 from phloem.sampling_params import SamplingParams
 
 
@@ -58,10 +58,15 @@ def _prep(num: int) -> PreparedRequest:
     return PreparedRequest(ids, [(None, [1])] * num, [SamplingParams()] * num, None)
 
 
+def _queued(engine, prep: PreparedRequest):
+    """`_merged` over `prep`'s prompts queued now, as the server's handlers queue them."""
+    return _merged(engine, prep, 0.0, _start(engine, prep, 0.0))
+
+
 def test_slow_consumer_gets_the_newest_and_the_last() -> None:
     async def consume():
         seen = []
-        async for index, output in _merged(_Engine(200), _prep(3), 0.0):
+        async for index, output in _queued(_Engine(200), _prep(3)):
             seen.append((index, output))
             await asyncio.sleep(0.002)  # slower than the engine
         return seen
@@ -75,7 +80,7 @@ def test_slow_consumer_gets_the_newest_and_the_last() -> None:
 
 def test_error_of_one_prompt_is_raised() -> None:
     async def consume():
-        async for _ in _merged(_Engine(10, fail="r-1"), _prep(2), 0.0):
+        async for _ in _queued(_Engine(10, fail="r-1"), _prep(2)):
             pass
 
     with pytest.raises(RuntimeError, match="failed"):
@@ -86,7 +91,7 @@ def test_leaving_early_aborts_every_prompt() -> None:
     engine = _Engine(100)
 
     async def consume():
-        async for index, _ in _merged(engine, _prep(3), 0.0):
+        async for index, _ in _queued(engine, _prep(3)):
             if index == 0:
                 break
 

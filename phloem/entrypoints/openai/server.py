@@ -202,18 +202,15 @@ def _start(engine: EngineClient, prep: PreparedRequest, arrival: float):
 
 
 async def _merged(engine: EngineClient, prep: PreparedRequest,
-                  arrival: float, gens: list | BaseException | None = None):  # fmt: skip
+                  arrival: float, gens: list | BaseException):  # fmt: skip
     """Yield (prompt index, RequestOutput) from all prompts of one API request as they come
-    (`gens`: `_start`'s iterators, or the error `_start` raised, raised here; None: `_start`
-    at the first iteration).
+    (`gens`: `_start`'s iterators, or the error `_start` raised, raised here).
 
     Outputs are cumulative, so only each prompt's newest matters: one pump task per prompt
     keeps it in `newest` (never waiting on this consumer), and the consumer takes what is there
     in prompt order. A slow reader thus holds at most one output per prompt, and no engine
     stream waits for it. Leaving early aborts every prompt's request, read or not.
     """
-    if gens is None:
-        gens = _start(engine, prep, arrival)
     if isinstance(gens, BaseException):
         raise gens
     try:
@@ -298,9 +295,9 @@ def _undo_early(state: ServerState, prepared) -> None:
 
 async def _read_and_start(state: ServerState, request: Request, model_cls, prepare, num_prompts):
     """`read_and_prepare` with the prompts queued on the preparation thread where the engine
-    allows (`_start_early`); then the server must still be open (else they are aborted).
-    Returns (request model, prep, arrival [s], `_start`'s iterators or its engine error, or
-    None: queue them on the loop)."""
+    allows (`_start_early`), else here on the loop; the server must still be open (else what
+    the thread queued is aborted). Returns (request model, prep, arrival [s], `_start`'s
+    iterators or its engine error)."""
     prepared = await read_and_prepare(
         state,
         request,
@@ -317,7 +314,8 @@ async def _read_and_start(state: ServerState, request: Request, model_cls, prepa
         _undo_early(state, prepared)
         raise
     if started is None:
-        return req, prep, time.monotonic(), None
+        arrival = time.monotonic()
+        return req, prep, arrival, _start_or_error(state, prep, arrival)
     return req, prep, started.arrival, started.gens
 
 
@@ -329,7 +327,7 @@ def _start_or_error(state: ServerState, prep: PreparedRequest, arrival: float):
         return e
 
 
-async def _collect(state: ServerState, prep: PreparedRequest, arrival: float, gens=None):
+async def _collect(state: ServerState, prep: PreparedRequest, arrival: float, gens):
     finals: list = [None] * len(prep.request_ids)
     async for index, output in _merged(state.engine, prep, arrival, gens):
         finals[index] = output
@@ -355,11 +353,11 @@ async def _run_or_disconnect(request: Request, coro):
 
 
 async def _final_outputs(
-    state: ServerState, request: Request, prep: PreparedRequest, arrival, gens=None
+    state: ServerState, request: Request, prep: PreparedRequest, arrival, gens
 ):
     """The final RequestOutput of each of `prep`'s requests (in order), or None when the client
     disconnected first (its requests are aborted). Engine errors become their HTTP errors.
-    `gens`: as `_merged`'s (None: queued here)."""
+    `gens`: as `_merged`'s."""
     try:
         return await _run_or_disconnect(request, _collect(state, prep, arrival, gens))
     except _ENGINE_ERRORS as e:
@@ -437,8 +435,6 @@ async def create_completion(state: ServerState, request: Request):
     n = req.n
     if req.stream:
         usage = stream_usage_mode(req)
-        if gens is None:
-            gens = _start_or_error(state, prep, arrival)
         outputs = _merged(state.engine, prep, arrival, gens)
         chunks = _in_band_errors(
             completion_chunks(state, prep, outputs, response_id, created, n, usage)
@@ -476,8 +472,6 @@ async def create_chat_completion(state: ServerState, request: Request):
     created = int(time.time())
     if req.stream:
         usage = stream_usage_mode(req)
-        if gens is None:
-            gens = _start_or_error(state, prep, arrival)
         outputs = _merged(state.engine, prep, arrival, gens)
         chunks = _in_band_errors(chat_chunks(state, prep, outputs, created, usage))
         return _stream_response(state, request, chunks, prep.request_ids)
